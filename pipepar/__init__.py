@@ -1,0 +1,29 @@
+"""pipepar: pipeline parallelism for PyTorch.
+
+Split an ``nn.Sequential`` into stages across devices (one process) or ranks (torchrun),
+run micro-batches through them concurrently, and plan the split from a memory profile.
+
+    >>> import pipepar
+    >>> pipe = pipepar.wrap(model, balance=[3, 3, 2], devices=["cpu", "cpu", "cpu"], chunks=8)
+    >>> loss_fn(pipe(x), y).backward()
+"""
+
+from pipepar.partition import partition
+from pipepar.pipe import Pipe, wrap
+from pipepar.plan import Plan, plan
+from pipepar.profile import LayerProfile, Profile, profile
+from pipepar.sequential import sequentialize
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LayerProfile",
+    "Pipe",
+    "Plan",
+    "Profile",
+    "partition",
+    "plan",
+    "profile",
+    "sequentialize",
+    "wrap",
+]
