@@ -1,0 +1,228 @@
+"""One mini-batch through the pipeline: the forward and backward actions and their autograd glue.
+
+Each (stage j, micro-batch i) forward starts from a fresh leaf (the detached input), so every
+stage owns a small autograd graph per micro-batch. The caller sees a single autograd node,
+:class:`_PipeFunction`, whose inputs are the batch and the parameters: when ``loss.backward()``
+reaches it, the stages run their own backward passes (concurrently, on their workers), the
+parameter gradients are summed over micro-batches, and the node hands them to autograd on the
+caller's thread. So ``.grad`` accumulation, gradient hooks and DDP behave as with the plain model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipepar.checkpoint import RngState, recomputing, should_checkpoint
+from pipepar.microbatch import Value, map_tensors, tensors
+from pipepar.stage import Stage
+from pipepar.trace import Tracer
+from pipepar.transfer import move
+from pipepar.worker import Slots
+
+__all__ = ["Autocast", "Run"]
+
+Grads = tuple[Tensor | None, ...]
+
+
+@dataclass(frozen=True)
+class Autocast:
+    """The caller's autocast settings, re-entered on the worker threads (they are thread-local)."""
+
+    states: tuple[tuple[str, torch.dtype], ...]
+
+    @classmethod
+    def capture(cls) -> Autocast:
+        kinds = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+        return cls(
+            tuple((k, torch.get_autocast_dtype(k)) for k in kinds if torch.is_autocast_enabled(k))
+        )
+
+    def __call__(self) -> contextlib.AbstractContextManager[Any]:
+        if not self.states:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for kind, dtype in self.states:
+            stack.enter_context(torch.autocast(kind, dtype=dtype))
+        return stack
+
+
+@dataclass
+class _Record:
+    """What a stage keeps of one micro-batch's forward until its backward."""
+
+    input: Value
+    output: Value | None  # None when checkpointed: recomputed in backward
+    rng: RngState | None
+
+
+def _leaf(value: Value, requires_grad: bool) -> Value:
+    def detach(t: Tensor) -> Tensor:
+        d = t.detach()
+        return d.requires_grad_() if requires_grad and d.is_floating_point() else d
+
+    return map_tensors(value, detach)
+
+
+class Run:
+    """The state of one mini-batch: micro-batch inputs, per-stage records, gradient sums."""
+
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        microbatches: list[Value],
+        *,
+        checkpoint: str,
+        grad: bool,
+        input_requires_grad: bool,
+        blocking: bool,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self.stages, self.m = list(stages), len(microbatches)
+        self.checkpoint, self.grad = checkpoint, grad
+        self.input_requires_grad = input_requires_grad
+        self.training = any(layer.training for s in stages for layer in s.layers)
+        self.autocast = Autocast.capture()
+        self.tracer = tracer
+        self.acts = Slots(blocking=blocking)
+        self.grads = Slots(blocking=blocking)
+        for i, x in enumerate(microbatches):
+            self.acts.put((0, i), x)
+        self.records: list[dict[int, _Record]] = [{} for _ in stages]
+        self.params = [s.trainable() for s in stages]
+        self.param_grads: list[list[Tensor | None]] = [[None] * len(p) for p in self.params]
+        self._owned: list[list[bool]] = [[False] * len(p) for p in self.params]
+        self.out_sizes: list[int] = []
+
+    # -- forward ------------------------------------------------------------------------------
+    def forward(self, j: int, i: int) -> None:
+        """Stage ``j`` runs micro-batch ``i`` forward and hands the result to stage ``j+1``."""
+        stage, start = self.stages[j], time.perf_counter()
+        x = move(self.acts.take((j, i)), stage.device, what=f"activation {j},{i}")  # type: ignore[arg-type]
+        keep = self.grad and (j > 0 or self.input_requires_grad)
+        leaf = _leaf(x, keep) if self.grad else x
+        ckpt = self.grad and self.training and should_checkpoint(self.checkpoint, i, self.m)
+        rng = None
+        with stage.rng_guard(), _on(stage.device), self.autocast():
+            rng = RngState.capture(stage.device) if ckpt else None
+            with torch.set_grad_enabled(self.grad and not ckpt):
+                y = stage.run(leaf)
+        if self.grad:
+            self.records[j][i] = _Record(leaf, None if ckpt else y, rng)
+            y = map_tensors(y, Tensor.detach)
+        self.acts.put((j + 1, i), y)
+        self._trace(j, i, "forward", start)
+
+    def outputs(self) -> list[Value]:
+        """The last stage's outputs, in micro-batch order (after the forward actions ran)."""
+        k = len(self.stages)
+        outs: list[Value] = [self.acts.take((k, i)) for i in range(self.m)]  # type: ignore[misc]
+        self.out_sizes = [tensors(v)[0].shape[0] for v in outs]
+        return outs
+
+    # -- backward -----------------------------------------------------------------------------
+    def seed_gradients(self, grads: Sequence[Tensor | None]) -> None:
+        """Split the gradient of the joined output into per-micro-batch gradients."""
+        parts = [g.split(self.out_sizes) if g is not None else [None] * self.m for g in grads]
+        for i in range(self.m):
+            self.grads.put((len(self.stages) - 1, i), tuple(p[i] for p in parts))
+
+    def backward(self, j: int, i: int) -> None:
+        """Stage ``j`` back-propagates micro-batch ``i`` and hands the input gradient to ``j-1``."""
+        stage, start = self.stages[j], time.perf_counter()
+        g: Grads = self.grads.take((j, i))  # type: ignore[assignment]
+        rec = self.records[j].pop(i)
+        y = rec.output if rec.output is not None else self._recompute(stage, rec, i)
+        pairs = [(t, gt) for t, gt in zip(tensors(y), g) if t.requires_grad and gt is not None]
+        inputs = [t for t in tensors(rec.input) if t.requires_grad]
+        grads_in: list[Tensor | None] = [None] * len(inputs)
+        if pairs:
+            outs = [t for t, _ in pairs]
+            gouts: list[Tensor] = [move(gt, t.device) for t, gt in pairs]  # type: ignore[misc]
+            with _on(stage.device):
+                result = torch.autograd.grad(
+                    outs, [*inputs, *self.params[j]], gouts, allow_unused=True
+                )
+            grads_in = list(result[: len(inputs)])
+            self._accumulate(j, result[len(inputs) :])
+        it = iter(grads_in)
+        aligned = tuple(next(it) if t.requires_grad else None for t in tensors(rec.input))
+        self.grads.put((j - 1, i), aligned)
+        self._trace(j, i, "backward", start)
+
+    def _recompute(self, stage: Stage, rec: _Record, i: int) -> Value:
+        start = time.perf_counter()
+        assert rec.rng is not None
+        with (
+            stage.rng_guard(),
+            rec.rng.replay(),
+            recomputing(stage.layers),
+            _on(stage.device),
+            torch.enable_grad(),
+            self.autocast(),
+        ):
+            y = stage.run(rec.input)
+        self._trace(stage.index, i, "recompute", start)
+        return y
+
+    def _accumulate(self, j: int, grads: Sequence[Tensor | None]) -> None:
+        sums, owned = self.param_grads[j], self._owned[j]
+        for k, g in enumerate(grads):
+            if g is None:
+                continue
+            if sums[k] is None:
+                sums[k] = g  # may alias another gradient: never modified in place until owned
+            elif owned[k]:
+                sums[k].add_(g)  # type: ignore[union-attr]
+            else:
+                sums[k], owned[k] = sums[k] + g, True  # type: ignore[operator]
+
+    def input_grads(self) -> list[Tensor | None]:
+        """Gradients of the pipeline's input tensors (after all backward actions ran)."""
+        per_mb: list[Grads] = [self.grads.take((-1, i)) for i in range(self.m)]  # type: ignore[misc]
+        columns = list(zip(*per_mb))
+        return [None if any(g is None for g in col) else torch.cat(col) for col in columns]  # type: ignore[arg-type]
+
+    def all_param_grads(self) -> list[Tensor | None]:
+        """Per-parameter gradient sums, stage by stage, in :attr:`params` order."""
+        return [g for stage_grads in self.param_grads for g in stage_grads]
+
+    def _trace(self, j: int, i: int, kind: str, start: float) -> None:
+        if self.tracer is not None:
+            self.tracer.record(j, i, kind, start, time.perf_counter())
+
+
+def _on(device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def forward_order(k: int, m: int) -> list[list[tuple[int, int]]]:
+    """GPipe's forward: stage j runs micro-batches 0..m-1 (per-stage action lists)."""
+    return [[(j, i) for i in range(m)] for j in range(k)]
+
+
+def backward_order(k: int, m: int) -> list[list[tuple[int, int]]]:
+    """GPipe's backward: stage j runs micro-batches m-1..0 (per-stage action lists)."""
+    return [[(j, i) for i in reversed(range(m))] for j in range(k)]
+
+
+def wavefront(per_stage: list[list[tuple[int, int]]], forward: bool) -> list[tuple[int, int]]:
+    """Interleave per-stage lists into one order a single thread can run without waiting."""
+    k = len(per_stage)
+    order = []
+    for step in range(max(len(a) for a in per_stage) + k - 1):
+        for j in range(k) if forward else reversed(range(k)):
+            lag = j if forward else k - 1 - j
+            t = step - lag
+            if 0 <= t < len(per_stage[j]):
+                order.append(per_stage[j][t])
+    return order
+
+
+Job = Callable[[], None]

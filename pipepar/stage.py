@@ -1,0 +1,88 @@
+"""A stage: a contiguous run of layers placed on one device."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pipepar.checkpoint import RNG_LOCK, uses_randomness
+from pipepar.microbatch import Value, check_value
+
+__all__ = ["Stage", "split_stages"]
+
+
+@dataclass
+class Stage:
+    """Layers ``start .. start+len(layers)-1`` of the model, on ``device``.
+
+    Attributes:
+        index: position of the stage in the pipeline (0-based).
+        start: index in the model of the stage's first layer.
+        layers: the stage's layers, the same module objects as in the model.
+        device: where the layers' parameters live and where the stage computes.
+        stochastic: whether a layer draws random numbers (see :mod:`pipepar.checkpoint`).
+    """
+
+    index: int
+    start: int
+    layers: list[nn.Module]
+    device: torch.device
+    stochastic: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.stochastic = uses_randomness(self.layers)
+
+    @property
+    def stop(self) -> int:
+        """Index in the model one past the stage's last layer."""
+        return self.start + len(self.layers)
+
+    def trainable(self) -> list[nn.Parameter]:
+        """Parameters of the stage that require grad, each once."""
+        seen: dict[int, nn.Parameter] = {}
+        for layer in self.layers:
+            for p in layer.parameters():
+                if p.requires_grad:
+                    seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def run(self, value: Value) -> Value:
+        """Run the stage's layers on ``value``, checking every layer returns tensors."""
+        for offset, layer in enumerate(self.layers):
+            value = layer(value)
+            if not isinstance(value, torch.Tensor):
+                index = self.start + offset
+                value = check_value(value, what=f"output of layer {index} ({type(layer).__name__})")
+        return value
+
+    def rng_guard(self) -> contextlib.AbstractContextManager[object]:
+        """Hold the process-wide RNG lock if this stage draws random numbers."""
+        return RNG_LOCK if self.stochastic else contextlib.nullcontext()
+
+    def describe(self) -> str:
+        """E.g. ``stage 1 (layers 3..5 on cpu)``."""
+        return f"stage {self.index} (layers {self.start}..{self.stop - 1} on {self.device})"
+
+
+def split_stages(
+    layers: list[nn.Module], balance: list[int], devices: list[torch.device]
+) -> list[Stage]:
+    """Cut ``layers`` into stages of ``balance`` sizes on ``devices`` (moving the layers there)."""
+    stages, start = [], 0
+    for j, (size, device) in enumerate(zip(balance, devices)):
+        chunk = layers[start : start + size]
+        for layer in chunk:
+            layer.to(device)
+        stages.append(Stage(j, start, chunk, device))
+        start += size
+    return stages
+
+
+def iter_layers(stages: list[Stage]) -> Iterator[nn.Module]:
+    """All layers of all stages, in model order."""
+    for stage in stages:
+        yield from stage.layers

@@ -1,0 +1,130 @@
+"""Who runs the pipeline's actions: one worker thread per stage, or the calling thread.
+
+A worker runs its stage's actions in the schedule's order and blocks on :class:`Slots` until an
+input arrives from the neighbouring stage, so stages overlap as soon as data lets them. On the
+CPU each worker sets its own number of math threads (an OpenMP setting local to the thread), so
+two stages on two cores do not fight over both.
+
+If an action raises, the pipeline is aborted: every worker waiting on a slot wakes up and stops,
+all workers are joined, and the caller receives the first exception, annotated with the stage
+and micro-batch it came from. No thread is left waiting for data that will never come.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+
+import torch
+
+__all__ = ["Aborted", "Slots", "WorkerPool", "run_inline"]
+
+_log = logging.getLogger(__name__)
+_DEBUG = os.environ.get("PIPEPAR_DEBUG") == "1"
+
+
+class Aborted(Exception):
+    """Raised in a worker whose pipeline was aborted by a failure elsewhere."""
+
+
+class Slots:
+    """Hand-off points between stages: ``put(key, value)`` once, ``take(key)`` once.
+
+    ``take`` blocks until the value is there. With ``blocking=False`` a missing value is a bug in
+    the schedule and raises at once instead of hanging.
+    """
+
+    def __init__(self, *, blocking: bool = True) -> None:
+        self._values: dict[Hashable, object] = {}
+        self._cond = threading.Condition()
+        self._aborted = False
+        self._blocking = blocking
+
+    def put(self, key: Hashable, value: object) -> None:
+        """Deliver ``value`` under ``key`` and wake the worker waiting for it."""
+        if _DEBUG:
+            _log.debug("put %s", key)
+        with self._cond:
+            self._values[key] = value
+            self._cond.notify_all()
+
+    def take(self, key: Hashable) -> object:
+        """Remove and return the value under ``key``, waiting for it if needed."""
+        with self._cond:
+            while key not in self._values:
+                if self._aborted:
+                    raise Aborted
+                if not self._blocking:
+                    raise RuntimeError(f"pipepar schedule bug: {key} taken before it was put")
+                self._cond.wait()
+            if _DEBUG:
+                _log.debug("take %s", key)
+            return self._values.pop(key)
+
+    def check(self) -> None:
+        """Raise :class:`Aborted` if the pipeline was aborted."""
+        if self._aborted:
+            raise Aborted
+
+    def abort(self) -> None:
+        """Wake every waiting worker with :class:`Aborted` and drop the values held."""
+        with self._cond:
+            self._aborted = True
+            self._values.clear()
+            self._cond.notify_all()
+
+
+def _init_thread(threads: int, device: torch.device) -> None:
+    torch.set_num_threads(threads)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+class WorkerPool:
+    """One long-lived thread per stage; ``run(jobs, slots)`` runs ``jobs[j]`` on worker ``j``."""
+
+    def __init__(self, devices: Sequence[torch.device], *, threads: Sequence[int]) -> None:
+        self._executors = [
+            ThreadPoolExecutor(1, f"pipepar-stage{j}", _init_thread, (n, d))
+            for j, (d, n) in enumerate(zip(devices, threads))
+        ]
+        self._finalizer = weakref.finalize(self, _shutdown, list(self._executors))
+
+    def run(self, jobs: Sequence[Callable[[], None]], slots: Slots) -> None:
+        """Run one job per stage concurrently; re-raise the first failure after all stopped."""
+        futures = [ex.submit(job) for ex, job in zip(self._executors, jobs)]
+        try:
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        except BaseException:  # KeyboardInterrupt while waiting: stop the workers, then re-raise
+            slots.abort()
+            wait(futures)
+            raise
+        if any(f.exception() is not None for f in done):
+            slots.abort()
+            wait(futures)
+            raise _first_failure(futures)
+
+    def close(self) -> None:
+        """Stop the threads (they end once their current job is done)."""
+        self._finalizer()
+
+
+def _first_failure(futures: Sequence[Future[None]]) -> BaseException:
+    errors = [f.exception() for f in futures]
+    real = [e for e in errors if e is not None and not isinstance(e, Aborted)]
+    return real[0] if real else next(e for e in errors if e is not None)
+
+
+def _shutdown(executors: list[ThreadPoolExecutor]) -> None:
+    for ex in executors:
+        ex.shutdown(wait=False, cancel_futures=True)
+
+
+def run_inline(actions: Sequence[Callable[[], None]]) -> None:
+    """Run actions one after another on the calling thread (one stage, or CUDA backward)."""
+    for action in actions:
+        action()
