@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import torch
@@ -28,7 +29,7 @@ def random_balance(rng: random.Random, n_layers: int, n_stages: int) -> list[int
     """A random split of n_layers into n_stages positive parts."""
     cuts = sorted(rng.sample(range(1, n_layers), n_stages - 1))
     bounds = [0, *cuts, n_layers]
-    return [b - a for a, b in zip(bounds, bounds[1:])]
+    return [b - a for a, b in itertools.pairwise(bounds)]
 
 
 def grads_of(module: nn.Module) -> list[torch.Tensor]:

@@ -59,7 +59,7 @@ def test_not_a_sequential() -> None:
 
 
 def test_empty_model() -> None:
-    with pytest.raises(ValueError, match="empty nn.Sequential"):
+    with pytest.raises(ValueError, match=r"empty nn\.Sequential"):
         pipepar.wrap(nn.Sequential(), [1])
 
 
