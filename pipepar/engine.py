@@ -103,8 +103,9 @@ class Run:
     # -- forward ------------------------------------------------------------------------------
     def forward(self, j: int, i: int) -> None:
         """Stage ``j`` runs micro-batch ``i`` forward and hands the result to stage ``j+1``."""
-        stage, start = self.stages[j], time.perf_counter()
-        x = move(self.acts.take((j, i)), stage.device, what=f"activation {j},{i}")  # type: ignore[arg-type]
+        stage = self.stages[j]
+        x: Value = self._receive(self.acts, j, i, stage.device)  # type: ignore[assignment]
+        start = time.perf_counter()
         keep = self.grad and (j > 0 or self.input_requires_grad)
         leaf = _leaf(x, keep) if self.grad else x
         ckpt = self.grad and self.training and should_checkpoint(self.checkpoint, i, self.m)
@@ -135,8 +136,9 @@ class Run:
 
     def backward(self, j: int, i: int) -> None:
         """Stage ``j`` back-propagates micro-batch ``i`` and hands the input gradient to ``j-1``."""
-        stage, start = self.stages[j], time.perf_counter()
-        g: Grads = self.grads.take((j, i))  # type: ignore[assignment]
+        stage = self.stages[j]
+        g: Grads = self._receive(self.grads, j, i, stage.device)  # type: ignore[assignment]
+        start = time.perf_counter()
         rec = self.records[j].pop(i)
         y = rec.output if rec.output is not None else self._recompute(stage, rec, i)
         pairs = [(t, gt) for t, gt in zip(tensors(y), g) if t.requires_grad and gt is not None]
@@ -144,7 +146,7 @@ class Run:
         grads_in: list[Tensor | None] = [None] * len(inputs)
         if pairs:
             outs = [t for t, _ in pairs]
-            gouts: list[Tensor] = [move(gt, t.device) for t, gt in pairs]  # type: ignore[misc]
+            gouts = [gt for _, gt in pairs]
             with _on(stage.device):
                 result = torch.autograd.grad(
                     outs, [*inputs, *self.params[j]], gouts, allow_unused=True
@@ -193,9 +195,35 @@ class Run:
         """Per-parameter gradient sums, stage by stage, in :attr:`params` order."""
         return [g for stage_grads in self.param_grads for g in stage_grads]
 
-    def _trace(self, j: int, i: int, kind: str, start: float) -> None:
+    def _receive(self, slots: Slots, j: int, i: int, device: torch.device) -> object:
+        """Wait for stage ``j``'s input of micro-batch ``i`` and bring it to ``device``."""
+        start = time.perf_counter()
+        value = slots.take((j, i))
+        got = time.perf_counter()
+        self._trace(j, i, "wait", start, got)
+        if _off_device(value, device):
+            value = _to(value, device)
+            self._trace(j, i, "transfer", got)
+        return value
+
+    def _trace(self, j: int, i: int, kind: str, start: float, end: float | None = None) -> None:
         if self.tracer is not None:
-            self.tracer.record(j, i, kind, start, time.perf_counter())
+            self.tracer.record(j, i, kind, start, time.perf_counter() if end is None else end)
+
+
+def _items(value: object) -> tuple[Tensor | None, ...]:
+    return (value,) if isinstance(value, Tensor) else value  # type: ignore[return-value]
+
+
+def _off_device(value: object, device: torch.device) -> bool:
+    return any(t is not None and t.device != device for t in _items(value))
+
+
+def _to(value: object, device: torch.device) -> object:
+    """Move a value (or a tuple of gradients, some None) to ``device``."""
+    if isinstance(value, Tensor):
+        return move(value, device)
+    return tuple(None if t is None else move(t, device) for t in _items(value))
 
 
 def _on(device: torch.device) -> contextlib.AbstractContextManager[Any]:

@@ -10,11 +10,13 @@ from torch import Tensor, nn
 
 from pipepar import validation
 from pipepar.batchnorm import commit_all, convert_deferred_batch_norm
+from pipepar.checkpoint import should_checkpoint
 from pipepar.devices import DeviceSpec, resolve_devices
 from pipepar.engine import Run, backward_order, forward_order, wavefront
 from pipepar.microbatch import Value, check_value, gather, scatter, tensors
 from pipepar.stage import split_stages
 from pipepar.trace import Tracer
+from pipepar.transfer import move
 from pipepar.worker import WorkerPool, run_inline
 
 __all__ = ["Pipe", "wrap"]
@@ -108,6 +110,8 @@ class Pipe(nn.Module):
         """Run the batch through the pipeline; the output is on the last stage's device."""
         input = check_value(input, what="input")
         microbatches = scatter(input, self.chunks)
+        if self._direct(len(microbatches)):
+            return self._forward_direct(microbatches)
         params = [p for s in self._stages for p in s.trainable()]
         needs_grad = torch.is_grad_enabled() and (
             any(t.requires_grad for t in tensors(input)) or bool(params)
@@ -126,6 +130,20 @@ class Pipe(nn.Module):
         n_inputs = len(tensors(input))
         out = _PipeFunction.apply(self, run, n_inputs, *tensors(input), *params)
         return out
+
+    def _direct(self, m: int) -> bool:
+        """One stage and nothing to recompute: plain autograd does it all, with no overhead."""
+        if len(self._stages) > 1 or self.tracer is not None:
+            return False
+        recompute = torch.is_grad_enabled() and self.training
+        return not (recompute and any(should_checkpoint(self.checkpoint, i, m) for i in range(m)))
+
+    def _forward_direct(self, microbatches: list[Value]) -> Value:
+        stage = self._stages[0]
+        outputs = [stage.run(move(x, stage.device)) for x in microbatches]
+        if self.training:
+            commit_all(stage.layers)
+        return gather(outputs)
 
     def _forward(self, run: Run) -> Value:
         k, m = len(self._stages), run.m
