@@ -98,12 +98,12 @@ class WorkerPool:
         """Run one job per stage concurrently; re-raise the first failure after all stopped."""
         futures = [ex.submit(job) for ex, job in zip(self._executors, jobs)]
         try:
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            _wait_first_failure(futures)
         except BaseException:  # KeyboardInterrupt while waiting: stop the workers, then re-raise
             slots.abort()
             wait(futures)
             raise
-        if any(f.exception() is not None for f in done):
+        if any(f.exception() is not None for f in futures if f.done()):
             slots.abort()
             wait(futures)
             raise _first_failure(futures)
@@ -111,6 +111,15 @@ class WorkerPool:
     def close(self) -> None:
         """Stop the threads (they end once their current job is done)."""
         self._finalizer()
+
+
+def _wait_first_failure(futures: Sequence[Future[None]]) -> None:
+    # Short timeouts keep the caller's thread responsive to KeyboardInterrupt.
+    pending = set(futures)
+    while pending:
+        done, pending = wait(pending, timeout=0.05, return_when=FIRST_EXCEPTION)
+        if any(f.exception() is not None for f in done):
+            return
 
 
 def _first_failure(futures: Sequence[Future[None]]) -> BaseException:

@@ -167,3 +167,15 @@ def test_moving_the_pipe_is_refused() -> None:
     with pytest.raises(ValueError, match="places its stages itself"):
         pipe.cpu()
     assert pipe.to(torch.float64)[0].weight.dtype == torch.float64
+
+
+def test_empty_batch_and_non_contiguous_input() -> None:
+    model = random_stack(random.Random(7), 4)
+    plain = copy.deepcopy(model)
+    pipe = pipepar.wrap(model, [2, 2], devices=["cpu", "cpu"], chunks=4)
+    empty = pipe(torch.zeros(0, WIDTH))
+    assert empty.shape == (0, WIDTH)
+    empty.sum().backward()
+    x = torch.randn(6, 2 * WIDTH)[:, ::2]
+    assert not x.is_contiguous()
+    torch.testing.assert_close(pipe(x), plain(x))

@@ -135,3 +135,23 @@ def test_one_math_thread_per_stage_on_two_cores() -> None:
     pipe = pipepar.wrap(nn.Sequential(Probe(), Probe()), [1, 1], devices=["cpu", "cpu"], threads=1)
     pipe(torch.zeros(2, 2))
     assert seen == [1, 1]
+
+
+def test_keyboard_interrupt_stops_cleanly() -> None:
+    import _thread
+    import time
+
+    class Slow(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            time.sleep(0.2)
+            return x
+
+    pipe = pipepar.wrap(nn.Sequential(Slow(), Slow()), [1, 1], devices=["cpu", "cpu"], chunks=8)
+    timer = threading.Timer(0.3, _thread.interrupt_main)
+    timer.start()
+    start = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        pipe(torch.randn(8, 2))
+    assert time.perf_counter() - start < 1.5  # not the full 8 x 0.2 s x 2 stages
+    timer.join()
+    assert pipe(torch.randn(2, 2)).shape == (2, 2)  # usable afterwards
