@@ -113,7 +113,7 @@ class Run:
         with stage.rng_guard(), _on(stage.device), self.autocast():
             rng = RngState.capture(stage.device) if ckpt else None
             with torch.set_grad_enabled(self.grad and not ckpt):
-                y = stage.run(leaf)
+                y = stage.run(stage.protect(leaf) if self.grad else leaf)
         if self.grad:
             self.records[j][i] = _Record(leaf, None if ckpt else y, rng)
             y = map_tensors(y, Tensor.detach)
@@ -169,7 +169,7 @@ class Run:
             torch.enable_grad(),
             self.autocast(),
         ):
-            y = stage.run(rec.input)
+            y = stage.run(stage.protect(rec.input))
         self._trace(stage.index, i, "recompute", start)
         return y
 

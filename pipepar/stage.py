@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipepar.checkpoint import RNG_LOCK, uses_randomness
-from pipepar.microbatch import Value, check_value
+from pipepar.microbatch import Value, check_value, map_tensors
 
 __all__ = ["Stage", "split_stages"]
 
@@ -32,9 +32,11 @@ class Stage:
     layers: list[nn.Module]
     device: torch.device
     stochastic: bool = field(init=False)
+    in_place_first: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.stochastic = uses_randomness(self.layers)
+        self.in_place_first = _starts_in_place(self.layers[0])
 
     @property
     def stop(self) -> int:
@@ -59,6 +61,14 @@ class Stage:
                 value = check_value(value, what=f"output of layer {index} ({type(layer).__name__})")
         return value
 
+    def protect(self, value: Value) -> Value:
+        """A copy of ``value`` if the first layer would overwrite it in place.
+
+        The stage input is kept for backward (and for recompute), and an in-place first layer
+        such as ``nn.ReLU(inplace=True)`` would overwrite it; autograd refuses that on a leaf.
+        """
+        return map_tensors(value, torch.Tensor.clone) if self.in_place_first else value
+
     def rng_guard(self) -> contextlib.AbstractContextManager[object]:
         """Hold the process-wide RNG lock if this stage draws random numbers."""
         return RNG_LOCK if self.stochastic else contextlib.nullcontext()
@@ -66,6 +76,13 @@ class Stage:
     def describe(self) -> str:
         """E.g. ``stage 1 (layers 3..5 on cpu)``."""
         return f"stage {self.index} (layers {self.start}..{self.stop - 1} on {self.device})"
+
+
+def _starts_in_place(layer: nn.Module) -> bool:
+    """True if the first module to touch the input (descending into containers) is in place."""
+    while isinstance(layer, nn.Sequential) and len(layer) > 0:
+        layer = layer[0]
+    return bool(getattr(layer, "inplace", False))
 
 
 def split_stages(

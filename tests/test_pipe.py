@@ -179,3 +179,11 @@ def test_empty_batch_and_non_contiguous_input() -> None:
     x = torch.randn(6, 2 * WIDTH)[:, ::2]
     assert not x.is_contiguous()
     torch.testing.assert_close(pipe(x), plain(x))
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+def test_in_place_first_layer_of_a_stage(checkpoint: str) -> None:
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(inplace=True), nn.Linear(WIDTH, WIDTH))
+    model.append(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(WIDTH, 2)))
+    model = model.double()
+    _compare(model, [1, 2, 1], 3, checkpoint)
