@@ -1,7 +1,354 @@
-"""Placeholder: being written."""
-class Plan:  # placeholder
-    pass
+"""The planner: choose the balance that fits every device and has the smallest bottleneck.
+
+:func:`plan` takes a :class:`~pipepar.profile.Profile` (or profiles a model on ``meta``),
+predicts each candidate stage's peak with :class:`~pipepar.stage_memory.MemoryModel`, and runs an
+exact dynamic program over (stage, last layer): with measured times it minimizes the slowest
+stage's time among the splits that fit; without times it minimizes the largest stage peak
+relative to its device's capacity. The result, a :class:`Plan`, explains itself: per-stage
+breakdowns, a terminal table, JSON and an HTML report.
+
+    >>> plan = pipepar.plan(model, torch.randn(64, 1024), devices=4, capacity="16GiB", chunks=8)
+    >>> plan.balance
+    [3, 2, 2, 3]
+    >>> print(plan.report())
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipepar.plan_search import Candidate, search, unconstrained
+from pipepar.plan_targets import Target, resolve_targets
+from pipepar.profile import LayerProfile, Profile, profile
+from pipepar.stage_memory import MemoryModel
+from pipepar.units import format_bytes
+
+__all__ = ["Plan", "StagePlan", "plan"]
+
+logger = logging.getLogger(__name__)
+
+SCHEDULES = ("gpipe", "1f1b")
+CHECKPOINTS = ("always", "except_last", "never")
 
 
-def plan(*args, **kwargs):  # type: ignore[no-untyped-def]
-    raise NotImplementedError
+@dataclass(frozen=True)
+class StagePlan:
+    """One stage of a :class:`Plan`: which layers, where, and the predicted memory and time.
+
+    Attributes:
+        index: stage number j.
+        device: the device's name (``"cuda:1"``, ``"cpu"``, ``"device 3"``).
+        layers: the layer indices of the stage.
+        params_bytes / grads_bytes / optimizer_bytes: resident parameter memory.
+        activation_bytes: activations of the micro-batches in flight at the peak.
+        transient_bytes: temporaries at the peak (layer work space, gradient sums, optimizer).
+        peak_bytes: the predicted peak; the sum of the five parts above.
+        capacity_bytes: the device's capacity, or None for unlimited.
+        in_flight: micro-batches whose activations the stage holds at once.
+        phase: when the peak happens: "forward", "backward" or "optimizer".
+        time_ms: measured forward + backward time of the stage's layers (whole batch), or None.
+    """
+
+    index: int
+    device: str
+    layers: range
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    transient_bytes: int
+    peak_bytes: int
+    capacity_bytes: int | None
+    in_flight: int
+    phase: str
+    time_ms: float | None
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        """Capacity minus peak (negative when it does not fit), or None for unlimited."""
+        return None if self.capacity_bytes is None else self.capacity_bytes - self.peak_bytes
+
+    @property
+    def fits(self) -> bool:
+        """Whether the predicted peak fits the capacity."""
+        return self.capacity_bytes is None or self.peak_bytes <= self.capacity_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON."""
+        return {
+            "index": self.index,
+            "device": self.device,
+            "first_layer": self.layers.start,
+            "last_layer": self.layers.stop - 1,
+            "layers": len(self.layers),
+            "params_bytes": self.params_bytes,
+            "grads_bytes": self.grads_bytes,
+            "optimizer_bytes": self.optimizer_bytes,
+            "activation_bytes": self.activation_bytes,
+            "transient_bytes": self.transient_bytes,
+            "peak_bytes": self.peak_bytes,
+            "capacity_bytes": self.capacity_bytes,
+            "headroom_bytes": self.headroom_bytes,
+            "in_flight": self.in_flight,
+            "peak_phase": self.phase,
+            "time_ms": self.time_ms,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A balance and everything needed to explain it.
+
+    Attributes:
+        balance: layers per stage.
+        stages: the per-stage predictions.
+        profile: the profile it was planned from.
+        chunks: micro-batches M.
+        schedule: "gpipe" or "1f1b".
+        checkpoint: "always", "except_last" or "never".
+        objective: "time" (measured times, memory as a constraint) or "memory".
+        micro_batch_rows: rows per micro-batch, ``ceil(batch / M)``.
+    """
+
+    balance: list[int]
+    stages: list[StagePlan]
+    profile: Profile
+    chunks: int
+    schedule: str
+    checkpoint: str
+    objective: str
+    micro_batch_rows: int
+
+    @property
+    def layers(self) -> list[LayerProfile]:
+        """The profiled layers."""
+        return self.profile.layers
+
+    @property
+    def bubble(self) -> float:
+        """Predicted idle fraction of the pipeline, (K - 1) / (M + K - 1)."""
+        k = len(self.stages)
+        return (k - 1) / (self.chunks + k - 1)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest predicted stage peak."""
+        return max(s.peak_bytes for s in self.stages)
+
+    def stage_of(self, layer: int) -> int:
+        """The stage holding layer ``layer``."""
+        return next(s.index for s in self.stages if layer in s.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything in the report as plain data (bytes in B, times in ms)."""
+        from pipepar.report import plan_dict
+
+        return plan_dict(self)
+
+    def to_json(self, *, indent: int | None = 2) -> str:
+        """The plan as JSON, with a ``units`` entry naming the units of every field.
+
+        Example:
+            >>> json.loads(plan.to_json())["balance"]
+            [3, 2, 2, 3]
+        """
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def report(self, *, width: int = 140, color: bool = False) -> str:
+        """A terminal table: one row per layer, one per stage, and totals."""
+        from pipepar.report import render_report
+
+        return render_report(self, width=width, color=color)
+
+    def save_html(self, path: str | Path) -> Path:
+        """Write a self-contained HTML report (inline SVG charts, no scripts) to ``path``."""
+        from pipepar.report_html import write_html
+
+        return write_html(self, Path(path))
+
+    def __str__(self) -> str:
+        peaks = ", ".join(format_bytes(s.peak_bytes) for s in self.stages)
+        return f"Plan(balance={self.balance}, peaks=[{peaks}], bubble={self.bubble:.0%})"
+
+
+def plan(
+    model_or_profile: nn.Sequential | Profile,
+    sample: torch.Tensor | Sequence[torch.Tensor] | None = None,
+    *,
+    devices: int | Sequence[str | torch.device] | None = 4,
+    capacity: int | str | Sequence[int | str | None] | None = None,
+    optimizer: object = "adam",
+    chunks: int = 8,
+    schedule: str = "gpipe",
+    checkpoint: str = "except_last",
+    profile_device: str | torch.device = "meta",
+) -> Plan:
+    """Choose how many layers each stage gets so every stage fits and the slowest is fastest.
+
+    Memory per stage is parameters + gradients + optimizer state + the activations of the
+    micro-batches in flight (M under GPipe, K - j under 1F1B, stage inputs only when
+    checkpointed) + the largest temporary; see :mod:`pipepar.stage_memory`.
+
+    Args:
+        model_or_profile: a :class:`~pipepar.profile.Profile`, or an ``nn.Sequential`` to
+            profile on ``profile_device`` with ``sample``.
+        sample: the input batch, when a model is given.
+        devices: the number of devices, or their names (``["cuda:0", "cuda:1"]``); the names
+            need not exist here, so a cluster can be planned from a laptop.
+        capacity: bytes per device: an int or a string like ``"80GiB"`` for all, one per
+            device, or None (a CUDA device's total memory when it exists here, else unlimited).
+        optimizer: whose state to count (see :func:`pipepar.profile`); None for none.
+        chunks: micro-batches per mini-batch, M.
+        schedule: ``"gpipe"`` or ``"1f1b"``.
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
+        profile_device: where to profile a model (``"meta"``: no memory, no times; a real
+            device also measures times, and the balance then minimizes time).
+
+    Returns:
+        The :class:`Plan`.
+
+    Raises:
+        ValueError: bad arguments, or no split fits; the message names the layer or stage that
+            is too big and by how much.
+
+    Example:
+        >>> model = nn.Sequential(*[nn.Linear(16384, 16384, device="meta") for _ in range(40)])
+        >>> p = pipepar.plan(model, torch.empty(8, 16384, device="meta"), devices=8,
+        ...                  capacity="80GiB", optimizer="adam", chunks=8)
+        >>> p.balance
+        [5, 5, 5, 5, 5, 5, 5, 5]
+    """
+    _check_choice("schedule", schedule, SCHEDULES)
+    _check_choice("checkpoint", checkpoint, CHECKPOINTS)
+    chunks = _check_chunks(chunks)
+    prof = _as_profile(model_or_profile, sample, optimizer, profile_device)
+    targets = resolve_targets(devices, capacity, layers=len(prof))
+    m = min(chunks, max(prof.batch_size, 1))
+    if m < chunks:
+        logger.info("chunks=%d > batch of %d rows: planning %d micro-batches", chunks, m, m)
+    model = MemoryModel(
+        prof,
+        chunks=m,
+        stages=len(targets),
+        schedule=schedule,
+        checkpoint=checkpoint,
+        foreach=[t.foreach for t in targets],
+    )
+    _check_cut_points(model.startable, len(targets), prof)
+    times = [layer.time_ms or 0.0 for layer in prof.layers] if prof.timed else None
+    best = search(model, targets, times)
+    if best is None:
+        raise ValueError(_explain(model, targets, prof))
+    stages = [_stage_plan(model, targets[j], j, c, prof) for j, c in enumerate(best)]
+    return Plan(
+        balance=[len(c.layers) for c in best],
+        stages=stages,
+        profile=prof,
+        chunks=m,
+        schedule=schedule,
+        checkpoint=checkpoint,
+        objective="time" if times is not None else "memory",
+        micro_batch_rows=math.ceil(max(prof.batch_size, 1) / m),
+    )
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not one of {list(choices)}; pick one of those")
+
+
+def _check_chunks(chunks: object) -> int:
+    if isinstance(chunks, bool) or not isinstance(chunks, int):
+        raise TypeError(f"chunks must be an int (micro-batches), got {type(chunks).__name__}")
+    if chunks < 1:
+        raise ValueError(f"chunks={chunks} must be >= 1; use e.g. chunks=8 micro-batches")
+    return chunks
+
+
+def _check_cut_points(startable: list[bool], k: int, prof: Profile) -> None:
+    if sum(startable) >= k:
+        return
+    inplace = [i for i, ok in enumerate(startable) if not ok]
+    raise ValueError(
+        f"{k} stages need {k} places to start a stage, but only {sum(startable)} layers can "
+        f"start one: layers {inplace} write into their input in place (e.g. ReLU(inplace=True)), "
+        f"which a stage's first layer must not; use at most {sum(startable)} devices or make "
+        "those layers out of place"
+    )
+
+
+def _as_profile(
+    model_or_profile: object, sample: object, optimizer: object, device: str | torch.device
+) -> Profile:
+    if isinstance(model_or_profile, Profile):
+        return model_or_profile.with_optimizer(optimizer)
+    if isinstance(model_or_profile, nn.Module):
+        if sample is None:
+            raise ValueError(
+                "plan was given a model but no sample; pass sample=<an input batch> (any device, "
+                "it is copied to meta) or a Profile from pipepar.profile"
+            )
+        return profile(model_or_profile, sample, device=device, optimizer=optimizer)  # type: ignore[arg-type]
+    raise TypeError(
+        f"plan needs an nn.Sequential or a pipepar Profile, got {type(model_or_profile).__name__}"
+    )
+
+
+def _stage_plan(model: MemoryModel, target: Target, j: int, c: Candidate, prof: Profile) -> StagePlan:
+    mem = model.stage(j, c.layers.start, c.layers.stop - 1)
+    times = [prof.layers[i].time_ms for i in c.layers]
+    return StagePlan(
+        index=j,
+        device=target.name,
+        layers=c.layers,
+        params_bytes=mem.params_bytes,
+        grads_bytes=mem.grads_bytes,
+        optimizer_bytes=mem.optimizer_bytes,
+        activation_bytes=mem.activation_bytes,
+        transient_bytes=mem.transient_bytes,
+        peak_bytes=mem.peak_bytes,
+        capacity_bytes=target.capacity,
+        in_flight=mem.in_flight,
+        phase=mem.phase,
+        time_ms=None if any(t is None for t in times) else float(sum(times)),  # type: ignore[arg-type]
+    )
+
+
+def _explain(model: MemoryModel, targets: list[Target], prof: Profile) -> str:
+    """Why nothing fits: a layer too big for any device alone, or the tightest stage."""
+    k = len(targets)
+    for i, layer in enumerate(prof.layers):
+        alone = min(model.stage(j, i, i).peak_bytes for j in range(k))
+        room = max(t.capacity if t.capacity is not None else math.inf for t in targets)
+        if alone > room:
+            return (
+                f"layer {i} ({layer.type_name}) needs {format_bytes(alone)} on a stage of its own "
+                f"but the largest capacity is {format_bytes(room)} (short by "
+                f"{format_bytes(alone - room)}); {_remedies(prof)}"
+            )
+    layers = unconstrained(model, targets)
+    worst = max(layers, key=lambda c: c.overflow)
+    first, last = worst.layers.start, worst.layers.stop - 1
+    return (
+        f"no balance of {len(prof)} layers over {k} devices fits: at best stage {worst.stage} "
+        f"(layers {first}..{last} on {targets[worst.stage].name}) needs "
+        f"{format_bytes(worst.peak)} but has {format_bytes(targets[worst.stage].capacity)} "
+        f"(short by {format_bytes(worst.overflow)}); balance {[len(c.layers) for c in layers]}; "
+        f"{_remedies(prof)}"
+    )
+
+
+def _remedies(prof: Profile) -> str:
+    hints = "use more devices or larger capacity, checkpoint='always', more chunks"
+    if prof.optimizer != "none":
+        hints += f", or an optimizer with less state than {prof.optimizer}"
+    return hints

@@ -1,0 +1,215 @@
+"""The ``pipepar`` command line.
+
+    pipepar profile MODEL --input-shape 64,3,224,224 --devices 4 --capacity 16GiB --chunks 8 \\
+        --optimizer adam [--schedule 1f1b] [--json plan.json] [--html report.html]
+
+MODEL is a zoo builder (``models.alexnet``), a torchvision model (``torchvision.models.resnet50``
+or just ``resnet50``) or any ``package.module:function`` returning an ``nn.Module``; models that
+are not an ``nn.Sequential`` are flattened with :func:`pipepar.sequentialize`. Exit status: 0 when
+the plan fits, 1 when no split fits, 2 for bad arguments (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+import torch
+
+from pipepar.model_loader import load_model
+from pipepar.optimizer_state import resolve_optimizer
+from pipepar.units import parse_bytes
+
+__all__ = ["main"]
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "long": torch.long,
+    "int64": torch.long,
+    "int32": torch.int32,
+}
+
+
+class UsageError(Exception):
+    """A bad command-line argument: reported on one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one clear line, not the usage block
+        raise UsageError(message)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="pipepar", description="Plan and inspect pipeline-parallel splits.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    p = sub.add_parser("profile", help="profile a model and plan its split over devices")
+    p.add_argument("model", help="models.alexnet, torchvision.models.resnet50, resnet50 or pkg.mod:fn")
+    p.add_argument("--input-shape", required=True, help="sample shape, batch first: 64,3,224,224")
+    p.add_argument("--input-dtype", default="float32", choices=sorted(_DTYPES))
+    p.add_argument("--vocab", type=int, default=None, help="token id range for integer inputs")
+    p.add_argument("--devices", default="4", help="a count (4) or names (cuda:0,cuda:1)")
+    p.add_argument("--capacity", default=None, help="per device: 16GiB, or one per device: 16GiB,24GiB")
+    p.add_argument("--chunks", type=int, default=8, help="micro-batches per mini-batch (M)")
+    p.add_argument("--optimizer", default="adam", help="adam, adamw, sgd, sgd-momentum, rmsprop or none")
+    p.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"])
+    p.add_argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"])
+    p.add_argument("--profile-device", default="meta", help="meta (default, no memory), cpu or cuda:0")
+    p.add_argument("--model-kwargs", default="{}", help='JSON keyword arguments for the builder: {"depth": 4}')
+    p.add_argument("--json", metavar="FILE", help="write the plan as JSON ('-' for stdout)")
+    p.add_argument("--html", metavar="FILE", help="write the HTML report")
+    p.add_argument("--quiet", action="store_true", help="do not print the table")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status.
+
+    Args:
+        argv: the arguments after the program name; None reads ``sys.argv``.
+
+    Returns:
+        0 when the plan fits, 1 when nothing fits, 2 for bad arguments.
+
+    Example:
+        >>> main(["profile", "models.mlp", "--input-shape", "32,1024", "--devices", "2"])
+        0
+    """
+    try:
+        args = _parser().parse_args(argv)
+        return _profile(args)
+    except UsageError as err:
+        print(f"pipepar: error: {err}", file=sys.stderr)
+        return 2
+    except PlanError as err:
+        print(f"pipepar: {err}", file=sys.stderr)
+        return 1
+
+
+class PlanError(Exception):
+    """No split fits: exit status 1."""
+
+
+def _profile(args: argparse.Namespace) -> int:
+    import pipepar
+
+    options = _options(args)
+    model = _guard(lambda: load_model(args.model, device=args.profile_device, **options["kwargs"]))
+    sample = _sample(options["shape"], options["dtype"], args.vocab, args.profile_device)
+    prof = _guard(
+        lambda: pipepar.profile(model, sample, device=args.profile_device, optimizer=options["optimizer"])
+    )
+    try:
+        plan = pipepar.plan(
+            prof,
+            devices=options["devices"],
+            capacity=options["capacity"],
+            optimizer=options["optimizer"],
+            chunks=args.chunks,
+            schedule=args.schedule,
+            checkpoint=args.checkpoint,
+        )
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+    if not args.quiet:
+        _print_table(plan)
+    if args.json:
+        text = plan.to_json()
+        if args.json == "-":
+            print(text)
+        else:
+            _write(args.json, text)
+    if args.html:
+        _guard(lambda: plan.save_html(args.html))
+    return 0 if all(s.fits for s in plan.stages) else 1
+
+
+def _options(args: argparse.Namespace) -> dict[str, object]:
+    if args.chunks < 1:
+        raise UsageError(f"--chunks {args.chunks} must be >= 1 (micro-batches)")
+    try:
+        kwargs = json.loads(args.model_kwargs)
+    except json.JSONDecodeError as err:
+        raise UsageError(f"--model-kwargs {args.model_kwargs!r} is not JSON ({err.msg})") from None
+    if not isinstance(kwargs, dict):
+        raise UsageError(f"--model-kwargs must be a JSON object like '{{\"depth\": 4}}', got {args.model_kwargs!r}")
+    optimizer = None if args.optimizer == "none" else args.optimizer
+    _guard(lambda: resolve_optimizer(optimizer))
+    _guard(lambda: torch.device(args.profile_device))
+    return {
+        "optimizer": optimizer,
+        "shape": _shape(args.input_shape),
+        "dtype": _DTYPES[args.input_dtype],
+        "devices": _devices(args.devices),
+        "capacity": _capacity(args.capacity),
+        "kwargs": kwargs,
+    }
+
+
+def _shape(text: str) -> tuple[int, ...]:
+    if not re.fullmatch(r"\s*\d+(\s*[,x]\s*\d+)*\s*", text):
+        raise UsageError(f"--input-shape {text!r} must be positive ints, batch first, e.g. 64,3,224,224")
+    shape = tuple(int(d) for d in re.split(r"[,x]", text))
+    if any(d < 1 for d in shape):
+        raise UsageError(f"--input-shape {text!r} must be positive ints, batch first, e.g. 64,3,224,224")
+    return shape
+
+
+def _devices(text: str) -> int | list[str]:
+    if text.strip().isdigit():
+        if int(text) < 1:
+            raise UsageError(f"--devices {text} must be at least 1")
+        return int(text)
+    names = [d.strip() for d in text.split(",") if d.strip()]
+    for name in names:
+        try:
+            torch.device(name)
+        except (RuntimeError, TypeError):
+            raise UsageError(f"--devices has {name!r}, not a device name; use e.g. 4 or cuda:0,cuda:1") from None
+    return names
+
+
+def _capacity(text: str | None) -> int | list[int] | None:
+    if text is None:
+        return None
+    try:
+        parts = [parse_bytes(p.strip(), name="--capacity") for p in text.split(",")]
+    except (ValueError, TypeError) as err:
+        raise UsageError(str(err)) from None
+    return parts[0] if len(parts) == 1 else parts
+
+
+def _sample(shape: tuple[int, ...], dtype: torch.dtype, vocab: int | None, device: str) -> torch.Tensor:
+    where = "meta" if device == "meta" else "cpu"
+    if dtype.is_floating_point:
+        return torch.zeros(shape, dtype=dtype, device=where)
+    return torch.randint(0, vocab or 2, shape, dtype=dtype, device="cpu").to(where)
+
+
+def _guard(fn):  # type: ignore[no-untyped-def]
+    try:
+        return fn()
+    except (ValueError, TypeError, ImportError, AttributeError, OSError) as err:
+        raise UsageError(str(err).splitlines()[0] if str(err) else type(err).__name__) from None
+
+
+def _print_table(plan: object) -> None:
+    import shutil
+
+    from pipepar.report import render_report
+
+    width = max(shutil.get_terminal_size((160, 40)).columns, 100)
+    sys.stdout.write(render_report(plan, width=width, color=sys.stdout.isatty()))  # type: ignore[arg-type]
+
+
+def _write(path: str, text: str) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as err:
+        raise UsageError(f"cannot write {path}: {err.strerror}") from None

@@ -1,0 +1,17 @@
+"""Pipelines across processes: one stage per rank, ``dp`` replicas, launched by torchrun.
+
+    >>> import pipepar.distributed as ppd
+    >>> pipe = ppd.wrap(model, [4, 4], chunks=8, schedule="1f1b", dp=2)  # doctest: +SKIP
+    >>> loss = pipe.step(x, y, loss_fn)  # doctest: +SKIP
+
+Modules: :mod:`~pipepar.distributed.mesh` (the pp x dp grid of ranks),
+:mod:`~pipepar.distributed.stage` (materializing the local layers),
+:mod:`~pipepar.distributed.transport` (point-to-point activations and gradients),
+:mod:`~pipepar.distributed.runtime` (running a schedule), :mod:`~pipepar.distributed.replicas`
+(dp sync) and :mod:`~pipepar.distributed.failure` (fault reporting).
+"""
+
+from pipepar.distributed.failure import PipelineError
+from pipepar.distributed.pipe import SCHEDULES, DistributedPipe, wrap
+
+__all__ = ["SCHEDULES", "DistributedPipe", "PipelineError", "wrap"]

@@ -1,0 +1,372 @@
+"""DistributedPipe: one stage of a pipeline per rank, replicated ``dp`` times (pp x dp).
+
+Launched with ``torchrun --nproc-per-node 4 train.py``, where train.py does::
+
+    import pipepar.distributed as ppd
+
+    with torch.device("meta"):
+        model = make_model()  # never allocated whole
+    pipe = ppd.wrap(model, [3, 3], chunks=8, schedule="1f1b", dp=2)
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)  # the local stage's parameters
+    loss = pipe.step(x, y, nn.functional.cross_entropy)
+    opt.step()
+    opt.zero_grad()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from pipepar import validation
+from pipepar.distributed.failure import FailureBoard, PipelineError, comm, guarded, wait
+from pipepar.distributed.mesh import Mesh, build_mesh, check_grid
+from pipepar.distributed.replicas import GradientSync, broadcast_from_first
+from pipepar.distributed.runtime import LossFn, Runtime
+from pipepar.distributed.stage import build_stage
+from pipepar.distributed.transport import Transport
+from pipepar.schedule import Schedule, gpipe, one_f_one_b, validate
+
+__all__ = ["DistributedPipe", "wrap"]
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+_built: Counter[tuple[int, ...]] = Counter()  # pipes built per grid, to keep store keys apart
+
+
+class DistributedPipe(nn.Module):
+    """This rank's stage of a pipeline that spans ranks, with ``dp`` synchronized replicas.
+
+    Build it with :func:`wrap`. Its children are the local layers under their names in the
+    original model, so ``parameters()`` and ``state_dict()`` cover the local stage with the
+    original keys; :meth:`full_state_dict` gathers the whole model.
+    """
+
+    def __init__(
+        self,
+        model: nn.Sequential,
+        balance: list[int],
+        *,
+        chunks: int = 1,
+        schedule: str | Schedule = "gpipe",
+        dp: int = 1,
+        checkpoint: str = "except_last",
+        device: torch.device | str | None = None,
+        group: dist.ProcessGroup | None = None,
+        state_dict: Mapping[str, Tensor] | None = None,
+        timeout: float = 300.0,
+    ) -> None:
+        super().__init__()
+        model, self.balance = _check_model(model, balance)
+        self.chunks = validation.check_chunks(chunks)
+        self.checkpoint = validation.check_checkpoint(checkpoint)
+        self.schedule = _check_schedule(schedule, len(self.balance), self.chunks)
+        self.timeout = _check_timeout(timeout)
+        _ensure_process_group()
+        self.dp = check_grid(dist.get_world_size(group), len(self.balance), dp)
+        self.device = _resolve_device(device, group)
+        # -- from here on ranks talk to each other ----------------------------------------------
+        self.mesh: Mesh = build_mesh(
+            len(self.balance), self.dp, group=group, timeout=timedelta(seconds=self.timeout)
+        )
+        stage = build_stage(
+            model, self.balance, self.mesh.stage, device=self.device, state_dict=state_dict
+        )
+        for name, layer in stage.named_children():
+            self.add_module(name, layer)
+        self._assemble(stage)
+        if state_dict is None:  # replicas start from the same weights, like DDP
+            self._guard(lambda: broadcast_from_first(self._tensors(), self.mesh))
+
+    def _assemble(self, stage: nn.Sequential) -> None:
+        """Wire the local stage to its transport, gradient sync, runtime and failure board."""
+        self._failure = "closed by close()"
+        self._board = FailureBoard(_default_store(), _board_prefix(self.mesh), self.mesh.where)
+        window = self.schedule.in_flight(self.mesh.stage)
+        self._transport = Transport(self.mesh, self.device, send_window=window)
+        self._sync = GradientSync(stage, self.mesh)
+        self._runtime = Runtime(
+            stage,
+            self.mesh,
+            self._transport,
+            self.schedule,
+            self.checkpoint,
+            before_last_backward=self._sync.arm,
+        )
+
+    # -- grid position ------------------------------------------------------------------------
+    @property
+    def stage_index(self) -> int:
+        """Index of this rank's stage in the pipeline."""
+        return self.mesh.stage
+
+    @property
+    def dp_rank(self) -> int:
+        """Index of this rank's pipeline replica."""
+        return self.mesh.where.replica
+
+    @property
+    def pp(self) -> int:
+        """Number of stages."""
+        return self.mesh.pp
+
+    # -- training -----------------------------------------------------------------------------
+    def step(self, x: Tensor | None, target: Tensor | None, loss_fn: LossFn) -> float:
+        """Run one mini-batch forward and backward; return its mean loss on every rank.
+
+        Each replica trains on its own mini-batch: on a replica's ranks, ``x`` and ``target`` are
+        that replica's whole mini-batch. Stage 0 reads ``x``, the last stage reads ``target``;
+        other ranks may pass ``None`` for either. Both are split into ``chunks`` micro-batches
+        (``tensor_split`` along dim 0). The loss is the mean over micro-batches of
+        ``loss_fn(out_i, target_i)``, so with a mean-reduced loss and equal micro-batches the
+        gradients equal the plain model's on the whole mini-batch. Gradients accumulate into
+        ``.grad`` (call ``zero_grad()`` between steps) and are averaged over the dp replicas.
+
+        Args:
+            x: the mini-batch input (used on stage 0).
+            target: the mini-batch target (used on the last stage).
+            loss_fn: ``loss_fn(output, target) -> scalar tensor``.
+
+        Returns:
+            The mean loss over micro-batches and replicas, the same float on every rank.
+
+        Raises:
+            PipelineError: on every rank when any rank of the grid fails, naming that rank.
+
+        Example:
+            >>> loss = pipe.step(x, y, nn.functional.mse_loss)  # doctest: +SKIP
+        """
+        return self._guard(lambda: self._step(x, target, loss_fn))
+
+    def _step(self, x: Tensor | None, target: Tensor | None, loss_fn: LossFn) -> float:
+        loss_sum = self._runtime.run(x, target, loss_fn)
+        loss = None if loss_sum is None else (loss_sum / self.chunks).float().reshape(1)
+        self._sync.finish(extra=loss)  # gradient buckets were posted during the last backward
+        return self._share_loss(loss)
+
+    def _share_loss(self, loss: Tensor | None) -> float:
+        """Broadcast the last stage's loss along the pipeline."""
+        if self.mesh.ctl is None:
+            assert loss is not None  # a single stage is the last stage
+            return float(loss.item())
+        value = loss if loss is not None else torch.zeros(1, device=self.device)
+        what = f"receiving the loss from rank {self.mesh.last_rank}"
+        with comm(what):
+            work = dist.broadcast(value, self.mesh.last_rank, group=self.mesh.ctl, async_op=True)
+        wait(work, what)
+        return float(value.item())
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Not supported: a stage cannot run the whole model; use :meth:`step`."""
+        raise TypeError(
+            "a DistributedPipe holds one stage, so pipe(x) cannot run the model; call "
+            "pipe.step(x, target, loss_fn) for a training step"
+        )
+
+    # -- state --------------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The whole model's state_dict (original keys, CPU tensors), gathered on every rank.
+
+        Example:
+            >>> torch.save(pipe.full_state_dict(), "model.pt")  # doctest: +SKIP
+        """
+        local = {k: v.detach().cpu() for k, v in self.state_dict().items()}
+        if self.mesh.ctl is None:
+            return local
+        parts: list[Any] = [None] * self.pp
+        self._guard(lambda: self._gather(parts, local))
+        return {k: v for part in parts for k, v in part.items()}
+
+    def _gather(self, parts: list[Any], local: dict[str, Tensor]) -> None:
+        with comm(f"gathering the state_dict over ranks {self.mesh.pipeline_ranks}"):
+            dist.all_gather_object(parts, local, group=self.mesh.ctl)
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load the local stage's entries of a whole-model (or local) state_dict."""
+        local = {k: v for k, v in state_dict.items() if k.split(".", 1)[0] in self._modules}
+        return super().load_state_dict(local, strict=strict, assign=assign)
+
+    def close(self) -> None:
+        """Release this pipeline's process groups (the pipe cannot step afterwards)."""
+        self._transport.drop()
+        self.mesh.close()
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _guard(self, fn: Callable[[], T]) -> T:
+        if self.mesh.closed:
+            raise PipelineError(f"{self._failure} (the pipeline is closed; build a new one)")
+        try:
+            return guarded(self._board, self.close, fn)
+        except PipelineError as error:
+            self._failure = error.report
+            raise
+
+    def _tensors(self) -> list[Tensor]:
+        return [t.data for t in list(self.parameters()) + list(self.buffers())]
+
+    def extra_repr(self) -> str:
+        return (
+            f"stage={self.stage_index}/{self.pp}, replica={self.dp_rank}/{self.dp}, "
+            f"chunks={self.chunks}, schedule={self.schedule.name!r}, checkpoint={self.checkpoint!r}"
+        )
+
+
+def wrap(
+    model: nn.Sequential,
+    balance: list[int],
+    *,
+    chunks: int = 1,
+    schedule: str | Schedule = "gpipe",
+    dp: int = 1,
+    checkpoint: str = "except_last",
+    device: torch.device | str | None = None,
+    group: dist.ProcessGroup | None = None,
+    state_dict: Mapping[str, Tensor] | None = None,
+    timeout: float = 300.0,
+) -> DistributedPipe:
+    """Split ``model`` over the ranks of ``group``: ``len(balance)`` stages x ``dp`` replicas.
+
+    Call it on every rank (under torchrun) with the same arguments. Group rank ``g`` runs stage
+    ``g % pp`` of replica ``g // pp``. Each rank keeps and materializes only its own layers:
+    build the model on the meta device so it never exists whole, and either let each layer's
+    ``reset_parameters()`` initialise it (replica 0's weights are broadcast to the others) or
+    pass ``state_dict`` (the whole model's, same keys as the plain model).
+
+    Args:
+        model: an ``nn.Sequential``, real or on the meta device.
+        balance: layers per stage; its length is the number of stages (pp).
+        chunks: micro-batches per mini-batch (M).
+        schedule: ``"gpipe"``, ``"1f1b"`` or a :class:`~pipepar.schedule.Schedule`.
+        dp: data-parallel replicas; the group must have ``len(balance) * dp`` ranks.
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` (recompute, non-reentrant).
+        device: this rank's device; default ``cuda:LOCAL_RANK`` on NCCL, else CPU.
+        group: parent process group (default: the world); initialized from torchrun's
+            environment if no process group exists yet.
+        state_dict: weights to load into the local layers.
+        timeout: seconds a rank waits on a peer before failing (bounds how long a fault takes
+            to reach every rank).
+
+    Raises:
+        ValueError, TypeError: for inconsistent arguments, before any pipeline communication.
+
+    Example:
+        >>> pipe = wrap(model, [4, 4], chunks=8, schedule="1f1b", dp=2)  # doctest: +SKIP
+        >>> loss = pipe.step(x, y, nn.functional.cross_entropy)  # doctest: +SKIP
+    """
+    return DistributedPipe(
+        model,
+        balance,
+        chunks=chunks,
+        schedule=schedule,
+        dp=dp,
+        checkpoint=checkpoint,
+        device=device,
+        group=group,
+        state_dict=state_dict,
+        timeout=timeout,
+    )
+
+
+def _check_model(model: object, balance: object) -> tuple[nn.Sequential, list[int]]:
+    model = validation.check_model(model)
+    if balance is None:
+        raise ValueError(
+            "balance=None cannot be profiled across ranks; pass balance=pipepar.plan(model, "
+            f"sample, devices=N).balance or e.g. balance={[len(model)]}"
+        )
+    checked = validation.check_balance(balance, len(model))
+    validation.check_unique_layers(model)
+    validation.check_shared_parameters(model, checked)
+    return model, checked
+
+
+def _check_schedule(schedule: str | Schedule, n_stages: int, chunks: int) -> Schedule:
+    if isinstance(schedule, Schedule):
+        if (schedule.n_stages, schedule.n_microbatches) != (n_stages, chunks):
+            raise ValueError(
+                f"schedule is for {schedule.n_stages} stages x {schedule.n_microbatches} "
+                f"micro-batches but balance has {n_stages} stages and chunks={chunks}; build it "
+                f"for ({n_stages}, {chunks})"
+            )
+        validate(schedule)
+        _check_orders(schedule)
+        return schedule
+    if schedule not in SCHEDULES:
+        raise ValueError(
+            f"schedule must be one of {sorted(SCHEDULES)} or a Schedule, but got {schedule!r}; "
+            "'1f1b' holds fewer activations"
+        )
+    return SCHEDULES[schedule](n_stages, chunks)
+
+
+def _check_orders(schedule: Schedule) -> None:
+    """Point-to-point messages match in order: all stages must walk micro-batches alike."""
+    orders = {
+        kind: [
+            [a.microbatch for a in schedule.stage(j) if a.kind == kind]
+            for j in range(schedule.n_stages)
+        ]
+        for kind in ("F", "B")
+    }
+    for kind, per_stage in orders.items():
+        for j, order in enumerate(per_stage):
+            if order != per_stage[0]:
+                raise ValueError(
+                    f"stage {j} runs its {kind} actions in order {order} but stage 0 in "
+                    f"{per_stage[0]}; every stage must take micro-batches in the same order"
+                )
+
+
+def _check_timeout(timeout: object) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, but got {timeout!r}")
+    return float(timeout)
+
+
+def _ensure_process_group() -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise ValueError(
+            "torch.distributed is not initialized and RANK/WORLD_SIZE are not set; launch with "
+            "torchrun, or call torch.distributed.init_process_group(...) before wrap()"
+        )
+    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _resolve_device(
+    device: torch.device | str | None, group: dist.ProcessGroup | None
+) -> torch.device:
+    if device is not None:
+        resolved = torch.device(device)
+    elif "nccl" in str(dist.get_backend(group)):
+        resolved = torch.device(
+            "cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
+        )
+    else:
+        resolved = torch.device("cpu")
+    if resolved.type == "cuda":
+        torch.cuda.set_device(resolved)
+    return resolved
+
+
+def _default_store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()
+
+
+def _board_prefix(mesh: Mesh) -> str:
+    grid = tuple(mesh.grid_ranks)
+    _built[grid] += 1
+    return f"pipepar/{'-'.join(map(str, grid))}/{_built[grid]}/"

@@ -1,0 +1,140 @@
+"""Keep the dp replicas of a stage identical: same initial weights, averaged gradients.
+
+Gradients are averaged while the stage's last backward of a mini-batch still runs: as soon as
+a bucket of gradients (a few layers' worth, last layers first, the order autograd produces
+them) is final, its all-reduce is posted, so communication overlaps the rest of that backward
+and the drain of the stages upstream. Buckets are posted strictly in order, so every replica
+issues the same collectives in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from pipepar.distributed.failure import comm, wait
+from pipepar.distributed.mesh import Mesh
+
+__all__ = ["GradientSync", "broadcast_from_first"]
+
+
+def broadcast_from_first(tensors: Iterable[Tensor], mesh: Mesh) -> None:
+    """Overwrite ``tensors`` on every replica with replica 0's values (no-op when dp == 1).
+
+    Example:
+        >>> broadcast_from_first(pipe.parameters(), pipe.mesh)  # doctest: +SKIP
+    """
+    if mesh.dp_group is None:
+        return
+    src = mesh.replica_ranks[0]
+    with torch.no_grad():
+        _collective(
+            list(tensors),
+            mesh,
+            lambda flat: dist.broadcast(flat, src, group=mesh.dp_group, async_op=True),
+            "broadcast of initial weights",
+        )
+
+
+def _collective(
+    tensors: list[Tensor], mesh: Mesh, post: Callable[[Tensor], dist.Work | None], what: str
+) -> None:
+    buckets: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for t in tensors:
+        buckets.setdefault((t.dtype, t.device), []).append(t)
+    flats = [_flatten_dense_tensors(group) for group in buckets.values()]
+    with comm(f"{what} over ranks {mesh.replica_ranks}"):
+        works = [post(flat) for flat in flats]
+    for work, flat, group in zip(works, flats, buckets.values(), strict=True):
+        wait(work, f"{what} over ranks {mesh.replica_ranks}")
+        for t, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
+            t.copy_(synced)
+
+
+class GradientSync:
+    """Average a stage's gradients over its dp replicas, overlapped with the last backward.
+
+    Args:
+        module: the local stage (its layers are bucketed last to first).
+        mesh: this rank's grid position; nothing happens without a dp group.
+        bucket_bytes: gradients per all-reduce, at least one layer's.
+
+    Example:
+        >>> sync = GradientSync(stage, mesh)  # doctest: +SKIP
+        >>> sync.arm(); last_backward(); sync.finish()  # doctest: +SKIP
+    """
+
+    def __init__(self, module: nn.Module, mesh: Mesh, *, bucket_bytes: int = 4 << 20) -> None:
+        self.mesh = mesh
+        self.buckets = _buckets(module, bucket_bytes) if mesh.dp_group is not None else []
+        self._bucket_of = {id(p): k for k, bucket in enumerate(self.buckets) for p in bucket}
+        self._missing: list[int] = []
+        self._posted: list[tuple[dist.Work | None, Tensor, list[Tensor]]] = []
+        self._armed = False
+        self.posted_early = 0
+        """Buckets of the last mini-batch posted while its last backward was still running."""
+        for bucket in self.buckets:
+            for p in bucket:
+                p.register_post_accumulate_grad_hook(self._on_grad)
+
+    def arm(self) -> None:
+        """The next backward is the stage's last of the mini-batch: post buckets as they fill."""
+        self._missing = [len(bucket) for bucket in self.buckets]
+        self._posted = []
+        self._armed = True
+        self.posted_early = 0
+
+    def finish(self, extra: Tensor | None = None) -> None:
+        """Post the buckets left, average ``extra`` too, wait and write the means back."""
+        self._armed = False
+        if self.mesh.dp_group is None:
+            return
+        self.posted_early = len(self._posted)
+        while len(self._posted) < len(self.buckets):
+            self._post(len(self._posted))
+        if extra is not None:
+            self._post_tensors([extra])
+        with torch.no_grad():
+            for work, flat, tensors in self._posted:
+                wait(work, f"gradient all-reduce over ranks {self.mesh.replica_ranks}")
+                flat.div_(self.mesh.dp)
+                for t, mean in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
+                    t.copy_(mean)
+        self._posted = []
+
+    def _on_grad(self, p: Tensor) -> None:
+        if not self._armed:
+            return
+        self._missing[self._bucket_of[id(p)]] -= 1
+        while len(self._posted) < len(self.buckets) and self._missing[len(self._posted)] == 0:
+            self._post(len(self._posted))
+
+    def _post(self, k: int) -> None:
+        self._post_tensors([p.grad for p in self.buckets[k] if p.grad is not None])
+
+    def _post_tensors(self, tensors: list[Tensor]) -> None:
+        flat = _flatten_dense_tensors(tensors) if tensors else torch.zeros(0)
+        with comm(f"gradient all-reduce over ranks {self.mesh.replica_ranks}"):
+            work = dist.all_reduce(flat, group=self.mesh.dp_group, async_op=True)
+        self._posted.append((work, flat, tensors))
+
+
+def _buckets(module: nn.Module, bucket_bytes: int) -> list[list[Tensor]]:
+    """Trainable parameters grouped by dtype and device, last layer first, ~bucket_bytes each."""
+    buckets: list[list[Tensor]] = []
+    open_: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    seen: set[int] = set()
+    for layer in reversed(list(module.children())):
+        for p in reversed(list(layer.parameters())):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            bucket = open_.setdefault((p.dtype, p.device), [])
+            bucket.append(p)
+            if sum(t.numel() * t.element_size() for t in bucket) >= bucket_bytes:
+                buckets.append(open_.pop((p.dtype, p.device)))
+    return buckets + [b for b in open_.values() if b]

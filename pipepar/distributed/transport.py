@@ -1,0 +1,268 @@
+"""Point-to-point hand-off of activations (stage j to j+1) and gradients (j+1 to j).
+
+Only ``torch.distributed`` isend/irecv move bytes. A receive needs a buffer of the right shape,
+so when the shapes of a mini-batch are new, each activation is preceded by a small metadata
+message (dtype, requires_grad, shape of every tensor); the runtime caches the shapes and later
+mini-batches with the same input signature post their receives early, before the data is sent.
+
+Messages between two ranks keep their order within a group and tag, and both sides walk the
+micro-batches in schedule order, so receives match sends without per-message bookkeeping.
+With ``PIPEPAR_DEBUG=1`` every send and receive is logged at DEBUG level.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from pipepar.distributed.failure import comm, wait
+from pipepar.distributed.mesh import Mesh
+
+__all__ = ["Incoming", "TensorMeta", "Transport", "debug_enabled", "decode_meta", "encode_meta"]
+
+logger = logging.getLogger(__name__)
+
+_HEADER, _META, _DATA = 1, 2, 3  # tags: one ordered channel per kind of message
+_META_LEN = 64
+#: Fewest gradient sends kept in flight before the oldest is awaited.
+_MIN_SEND_WINDOW = 2
+_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What a receiver must know to allocate a buffer for one tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @classmethod
+    def of(cls, t: Tensor) -> TensorMeta:
+        """The metadata of ``t``."""
+        return cls(tuple(t.shape), t.dtype, t.requires_grad)
+
+
+def encode_meta(metas: Sequence[TensorMeta], device: torch.device) -> Tensor:
+    """Pack tensor metadata into a fixed-size int64 message.
+
+    Example:
+        >>> m = TensorMeta((4, 2), torch.float32, True)
+        >>> decode_meta(encode_meta([m], torch.device("cpu"))) == (m,)
+        True
+    """
+    words = [len(metas)]
+    for m in metas:
+        if m.dtype not in _DTYPES:
+            raise TypeError(f"cannot send a {m.dtype} tensor between stages; use one of {_DTYPES}")
+        words += [_DTYPES.index(m.dtype), int(m.requires_grad), len(m.shape), *m.shape]
+    if len(words) > _META_LEN:
+        raise ValueError(
+            f"a stage output of {len(metas)} tensors needs {len(words)} metadata words but at "
+            f"most {_META_LEN} fit; return fewer or lower-dimensional tensors from the stage"
+        )
+    words += [0] * (_META_LEN - len(words))
+    return torch.tensor(words, dtype=torch.int64, device=device)
+
+
+def decode_meta(message: Tensor) -> tuple[TensorMeta, ...]:
+    """Unpack what :func:`encode_meta` packed."""
+    words = message.tolist()
+    metas, k = [], 1
+    for _ in range(words[0]):
+        dtype, grad, ndim = _DTYPES[words[k]], bool(words[k + 1]), words[k + 2]
+        metas.append(TensorMeta(tuple(words[k + 3 : k + 3 + ndim]), dtype, grad))
+        k += 3 + ndim
+    return tuple(metas)
+
+
+def debug_enabled() -> bool:
+    """True when ``PIPEPAR_DEBUG=1``; then the ``pipepar`` logger prints DEBUG records."""
+    if os.environ.get("PIPEPAR_DEBUG", "") not in ("1", "true", "yes"):
+        return False
+    root = logging.getLogger("pipepar")
+    if not root.handlers:  # opted in by env: make the trace visible without logging config
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+        root.addHandler(handler)
+    if root.level == logging.NOTSET or root.level > logging.DEBUG:
+        root.setLevel(logging.DEBUG)
+    return True
+
+
+@dataclass
+class Incoming:
+    """Receives posted for one micro-batch: buffers filling in and their pending works."""
+
+    microbatch: int
+    buffers: tuple[Tensor, ...]
+    works: list[dist.Work | None]
+    what: str
+
+
+class Transport:
+    """Sends and receives of one rank, on the mesh's ``fwd`` and ``bwd`` groups.
+
+    Args:
+        mesh: this rank's grid position and groups.
+        device: where received buffers are allocated.
+        send_window: gradient sends kept in flight before the oldest is awaited; the stage's
+            in-flight bound keeps the gradient buffers in step with the activations it holds
+            (awaiting sooner would stall on a receiver that is still busy).
+    """
+
+    def __init__(self, mesh: Mesh, device: torch.device, *, send_window: int = 2) -> None:
+        self.mesh = mesh
+        self.device = device
+        self.send_window = max(_MIN_SEND_WINDOW, send_window)
+        self.debug = debug_enabled()
+        self._fwd_sends: dict[int, list[dist.Work | None]] = {}
+        self._grad_sends: deque[tuple[int, list[dist.Work | None]]] = deque()
+
+    # -- mini-batch header: lets every stage know the input signature ------------------------
+    def exchange_header(self, signature: int | None) -> int:
+        """Stage 0 passes ``signature``; every stage gets it and hands it to the next."""
+        m = self.mesh
+        header = torch.tensor([-1 if signature is None else signature], device=self.device)
+        if m.prev_rank is not None:
+            work = self._irecv(header, m.prev_rank, m.fwd, _HEADER, "the header")
+            self._wait(work, f"receiving the header from rank {m.prev_rank}")
+            self._trace("recv header", int(header.item()), m.prev_rank, ())
+        if m.next_rank is not None:
+            self._fwd_sends.setdefault(-1, []).append(
+                self._isend(header, m.next_rank, m.fwd, _HEADER, "the header")
+            )
+            self._trace("send header", int(header.item()), m.next_rank, ())
+        return int(header.item())
+
+    # -- activations, stage j -> j+1 ----------------------------------------------------------
+    def send_activation(self, i: int, tensors: Sequence[Tensor], *, with_meta: bool) -> None:
+        """Send micro-batch ``i``'s stage output to the next stage (metadata first if asked)."""
+        dst, group = self.mesh.next_rank, self.mesh.fwd
+        works = []
+        if with_meta:
+            meta = encode_meta([TensorMeta.of(t) for t in tensors], self.device)
+            works.append(self._isend(meta, dst, group, _META, f"metadata {i}"))
+        works += [
+            self._isend(t.detach().contiguous(), dst, group, _DATA, f"activation {i}")
+            for t in tensors
+        ]
+        self._fwd_sends[i] = works
+        self._trace("send activation", i, dst, tensors)
+
+    def recv_meta(self) -> tuple[TensorMeta, ...]:
+        """Receive the metadata message that precedes an activation on a new signature."""
+        src = self.mesh.prev_rank
+        message = torch.empty(_META_LEN, dtype=torch.int64, device=self.device)
+        work = self._irecv(message, src, self.mesh.fwd, _META, "metadata")
+        self._wait(work, f"receiving metadata from rank {src}")
+        metas = decode_meta(message)
+        self._trace("recv metadata", -1, src, ())
+        return metas
+
+    def post_activation(self, i: int, metas: Sequence[TensorMeta]) -> Incoming:
+        """Post the receives of micro-batch ``i``'s input from the previous stage."""
+        return self._post(i, metas, self.mesh.prev_rank, self.mesh.fwd, "activation")
+
+    # -- gradients, stage j+1 -> j ------------------------------------------------------------
+    def send_grad(self, i: int, grads: Sequence[Tensor]) -> None:
+        """Send the gradients of micro-batch ``i``'s stage input to the previous stage."""
+        dst = self.mesh.prev_rank
+        works = [
+            self._isend(g.contiguous(), dst, self.mesh.bwd, _DATA, f"gradient {i}") for g in grads
+        ]
+        self._grad_sends.append((i, works))
+        self._trace("send gradient", i, dst, grads)
+        while len(self._grad_sends) > self.send_window:  # long received, normally
+            j, old = self._grad_sends.popleft()
+            self._wait_all(old, f"sending gradient {j} to rank {dst}")
+
+    def post_grad(self, i: int, metas: Sequence[TensorMeta]) -> Incoming:
+        """Post the receives of the gradients of micro-batch ``i``'s stage output."""
+        return self._post(i, metas, self.mesh.next_rank, self.mesh.bwd, "gradient")
+
+    def release_activation(self, i: int) -> None:
+        """Forget the finished send of micro-batch ``i`` (its gradient came back, so it arrived)."""
+        works = self._fwd_sends.pop(i, None)
+        if works:
+            self._wait_all(works, f"sending activation {i} to rank {self.mesh.next_rank}")
+
+    # -- completion ---------------------------------------------------------------------------
+    def take(self, incoming: Incoming) -> tuple[Tensor, ...]:
+        """Wait for a posted receive and return its buffers."""
+        src = self.mesh.prev_rank if incoming.what == "activation" else self.mesh.next_rank
+        self._wait_all(
+            incoming.works, f"receiving {incoming.what} {incoming.microbatch} from rank {src}"
+        )
+        self._trace(f"recv {incoming.what}", incoming.microbatch, src, incoming.buffers)
+        return incoming.buffers
+
+    def flush(self) -> None:
+        """Wait for every send still in flight (end of a mini-batch)."""
+        for i in list(self._fwd_sends):
+            self.release_activation(i)
+        while self._grad_sends:
+            i, works = self._grad_sends.popleft()
+            self._wait_all(works, f"sending gradient {i} to rank {self.mesh.prev_rank}")
+
+    def drop(self) -> None:
+        """Forget every pending work without waiting (after a failure)."""
+        self._fwd_sends.clear()
+        self._grad_sends.clear()
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _post(
+        self,
+        i: int,
+        metas: Sequence[TensorMeta],
+        src: int | None,
+        group: dist.ProcessGroup | None,
+        what: str,
+    ) -> Incoming:
+        buffers = tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas)
+        works = [self._irecv(b, src, group, _DATA, f"{what} {i}") for b in buffers]
+        return Incoming(i, buffers, works, what)
+
+    def _isend(
+        self, t: Tensor, dst: int | None, group: dist.ProcessGroup | None, tag: int, what: str
+    ) -> dist.Work | None:
+        with comm(f"sending {what} to rank {dst}"):
+            return dist.isend(t, dst, group=group, tag=tag)
+
+    def _irecv(
+        self, t: Tensor, src: int | None, group: dist.ProcessGroup | None, tag: int, what: str
+    ) -> dist.Work | None:
+        with comm(f"receiving {what} from rank {src}"):
+            return dist.irecv(t, src, group=group, tag=tag)
+
+    def _wait(self, work: dist.Work | None, what: str) -> None:
+        wait(work, what)
+
+    def _wait_all(self, works: Sequence[dist.Work | None], what: str) -> None:
+        for work in works:
+            self._wait(work, what)
+
+    def _trace(self, verb: str, i: int, peer: int | None, tensors: Sequence[Tensor]) -> None:
+        if self.debug:
+            shapes = [tuple(t.shape) for t in tensors]
+            logger.debug("%s: %s %d with rank %s %s", self.mesh.where, verb, i, peer, shapes)

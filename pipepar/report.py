@@ -1,0 +1,206 @@
+"""A plan as a terminal table (rich) and as plain data (JSON).
+
+    >>> print(plan.report())          # one row per layer, one per stage, totals
+    >>> data = json.loads(plan.to_json())
+    >>> data["units"]["peak_bytes"]
+    'B'
+"""
+
+from __future__ import annotations
+
+import io
+from typing import TYPE_CHECKING, Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from pipepar.units import format_bytes
+
+if TYPE_CHECKING:
+    from pipepar.plan import Plan
+
+__all__ = ["plan_dict", "render_report", "shape_text"]
+
+FORMAT_VERSION = 1
+
+
+def shape_text(shape: Any) -> str:
+    """``(64, 3, 224, 224)`` -> ``"64x3x224x224"``; tuple outputs joined with ``", "``.
+
+    Example:
+        >>> shape_text(((8, 16), (8,)))
+        '8x16, 8'
+    """
+    if not shape:
+        return "-"
+    if all(isinstance(d, int) for d in shape):
+        return "x".join(str(d) for d in shape)
+    return ", ".join(shape_text(s) for s in shape)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _layer_table(plan: Plan) -> Table:
+    table = Table(title="Layers (whole batch of {} rows)".format(plan.profile.batch_size), box=box.SIMPLE_HEAD)
+    for name, justify in [
+        ("#", "right"), ("layer", "left"), ("type", "left"), ("output", "left"),
+        ("params", "right"), ("grads+opt", "right"), ("activations", "right"),
+        ("peak", "right"), ("time ms", "right"), ("stage", "right"),
+    ]:  # fmt: skip
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    for layer in plan.layers:
+        table.add_row(
+            str(layer.index),
+            layer.name,
+            layer.type_name,
+            shape_text(layer.output_shape),
+            format_bytes(layer.params_bytes),
+            format_bytes(layer.grads_bytes + layer.optimizer_bytes),
+            format_bytes(layer.activation_bytes),
+            format_bytes(layer.peak_bytes),
+            _ms(layer.time_ms),
+            str(plan.stage_of(layer.index)),
+        )
+    return table
+
+
+def _stage_table(plan: Plan) -> Table:
+    title = (
+        f"Stages ({plan.schedule}, {plan.chunks} micro-batches of {plan.micro_batch_rows} rows, "
+        f"checkpoint={plan.checkpoint}, optimizer={plan.profile.optimizer})"
+    )
+    table = Table(title=title, box=box.SIMPLE_HEAD, show_footer=True)
+    totals = _totals(plan)
+    columns = [
+        ("stage", "right", "total"), ("device", "left", ""), ("layers", "left", str(len(plan.layers))),
+        ("params", "right", format_bytes(totals["params_bytes"])),
+        ("grads", "right", format_bytes(totals["grads_bytes"])),
+        ("optimizer", "right", format_bytes(totals["optimizer_bytes"])),
+        ("activations", "right", format_bytes(totals["activation_bytes"])),
+        ("transient", "right", format_bytes(totals["transient_bytes"])),
+        ("peak", "right", format_bytes(totals["peak_bytes"])),
+        ("capacity", "right", ""), ("headroom", "right", ""), ("in flight", "right", ""),
+        ("time ms", "right", _ms(totals["max_stage_time_ms"])),
+    ]  # fmt: skip
+    for name, justify, footer in columns:
+        table.add_column(name, justify=justify, footer=footer)  # type: ignore[arg-type]
+    for s in plan.stages:
+        headroom = s.headroom_bytes
+        room = format_bytes(headroom) if headroom is not None else "-"
+        table.add_row(
+            str(s.index),
+            s.device,
+            f"{s.layers.start}..{s.layers.stop - 1}",
+            format_bytes(s.params_bytes),
+            format_bytes(s.grads_bytes),
+            format_bytes(s.optimizer_bytes),
+            format_bytes(s.activation_bytes),
+            format_bytes(s.transient_bytes),
+            format_bytes(s.peak_bytes),
+            format_bytes(s.capacity_bytes) if s.capacity_bytes is not None else "unlimited",
+            room if s.fits else f"[red]{room}[/red]",
+            f"x{s.in_flight}",
+            _ms(s.time_ms),
+        )
+    return table
+
+
+def render_report(plan: Plan, *, width: int = 140, color: bool = False) -> str:
+    """The plan as text: the layer table, the stage table and a summary line.
+
+    Args:
+        plan: the plan to show.
+        width: the console width in characters.
+        color: keep ANSI colors (for a terminal) or not (for files and logs).
+
+    Returns:
+        The rendered text.
+
+    Example:
+        >>> "bubble" in render_report(plan)
+        True
+    """
+    out = io.StringIO()
+    console = Console(file=out, width=width, color_system="standard" if color else None, force_terminal=color)
+    console.print(_layer_table(plan))
+    console.print(_stage_table(plan))
+    console.print(_summary(plan), highlight=False)
+    return out.getvalue()
+
+
+def _summary(plan: Plan) -> str:
+    k = len(plan.stages)
+    verdict = "fits" if all(s.fits for s in plan.stages) else "DOES NOT FIT"
+    return (
+        f"balance {plan.balance}: {verdict}; peak {format_bytes(plan.peak_bytes)}; predicted bubble "
+        f"(K-1)/(M+K-1) = {k - 1}/{plan.chunks + k - 1} = {plan.bubble:.1%}; "
+        f"balanced by {plan.objective}"
+    )
+
+
+def _totals(plan: Plan) -> dict[str, Any]:
+    times = [s.time_ms for s in plan.stages]
+    return {
+        "params_bytes": sum(s.params_bytes for s in plan.stages),
+        "grads_bytes": sum(s.grads_bytes for s in plan.stages),
+        "optimizer_bytes": sum(s.optimizer_bytes for s in plan.stages),
+        "activation_bytes": sum(s.activation_bytes for s in plan.stages),
+        "transient_bytes": sum(s.transient_bytes for s in plan.stages),
+        "peak_bytes": sum(s.peak_bytes for s in plan.stages),
+        "max_peak_bytes": plan.peak_bytes,
+        "max_stage_time_ms": None if None in times else max(times),  # type: ignore[type-var]
+    }
+
+
+_UNITS = {
+    "*_bytes": "B",
+    "*_ms": "ms",
+    "bubble": "fraction of the step the pipeline idles, (K-1)/(M+K-1)",
+    "in_flight": "micro-batches",
+    "micro_batch_rows": "rows",
+    "peak_bytes": "B",
+    "layer activation_bytes": "B, for the whole batch",
+    "stage activation_bytes": "B, for the micro-batches in flight",
+}
+
+
+def plan_dict(plan: Plan) -> dict[str, Any]:
+    """Everything in the report as JSON-ready data, sizes in bytes and times in ms.
+
+    Example:
+        >>> plan_dict(plan)["balance"] == plan.balance
+        True
+    """
+    layers = []
+    for layer, data in zip(plan.layers, plan.profile.to_dict()["layers"]):
+        data["output_shape"] = list(layer.output_shape)
+        data["time_ms"] = layer.time_ms
+        data["stage"] = plan.stage_of(layer.index)
+        layers.append(data)
+    return {
+        "format": "pipepar.plan",
+        "version": FORMAT_VERSION,
+        "units": _UNITS,
+        "config": {
+            "devices": [s.device for s in plan.stages],
+            "capacity_bytes": [s.capacity_bytes for s in plan.stages],
+            "chunks": plan.chunks,
+            "schedule": plan.schedule,
+            "checkpoint": plan.checkpoint,
+            "optimizer": plan.profile.optimizer,
+            "profile_device": plan.profile.device,
+            "batch_size": plan.profile.batch_size,
+            "micro_batch_rows": plan.micro_batch_rows,
+            "input_shape": list(plan.profile.input_shape),
+            "objective": plan.objective,
+        },
+        "balance": list(plan.balance),
+        "bubble": plan.bubble,
+        "fits": all(s.fits for s in plan.stages),
+        "stages": [s.to_dict() | {"fits": s.fits} for s in plan.stages],
+        "layers": layers,
+        "totals": _totals(plan),
+    }

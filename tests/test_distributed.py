@@ -1,0 +1,578 @@
+"""pipepar.distributed on CPU: gloo ranks spawned on localhost, compared with one plain process.
+
+Spawning is slow on 2 cores, so one pool of 4 worker processes (one gloo world) serves every
+multi-process case; each case is a module-level function that runs on all 4 ranks and returns
+what the parent asserts on. Cases that need fewer ranks use sub-groups of the world.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import pipepar.distributed as ppd
+from pipepar.distributed.mesh import check_grid
+from pipepar.distributed.stage import build_stage, load_local_state
+from pipepar.distributed.transport import TensorMeta, decode_meta, encode_meta
+from pipepar.schedule import parse
+
+WORLD = 4
+TOL = 1e-5
+ROWS, CHUNKS, WIDTH = 8, 4, 6
+
+
+# -- models and data shared by the parent and the workers ---------------------------------------
+def tiny_model(seed: int = 1) -> nn.Sequential:
+    """8 layers: 4 x (Linear(6, 6) + Tanh)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(WIDTH, WIDTH), nn.Tanh())])
+
+
+def batches(dp: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per step, inputs and targets of all replicas stacked: (dp, ROWS, WIDTH) each."""
+    g = torch.Generator().manual_seed(2)
+    return [
+        (torch.randn(dp, ROWS, WIDTH, generator=g), torch.randn(dp, ROWS, WIDTH, generator=g))
+        for _ in range(steps)
+    ]
+
+
+BALANCE = {1: [8], 2: [3, 5], 4: [2, 2, 2, 2]}
+
+
+# -- the pool -----------------------------------------------------------------------------------
+def _serve(rank: int, port: int, tasks: Any, results: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
+    )
+    while (task := tasks.get()) is not None:
+        fn, args = task
+        try:
+            results.put((rank, True, fn(rank, *args)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class Pool:
+    """WORLD long-lived gloo ranks that run one case at a time."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.tasks = [ctx.SimpleQueue() for _ in range(WORLD)]
+        self.results = ctx.Queue()
+        self.procs = [
+            ctx.Process(target=_serve, args=(r, port, self.tasks[r], self.results), daemon=True)
+            for r in range(WORLD)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 90.0) -> list[Any]:
+        """Run ``fn(rank, *args)`` on every rank; return the values in rank order."""
+        for q in self.tasks:
+            q.put((fn, args))
+        out: dict[int, Any] = {}
+        for _ in range(WORLD):
+            try:
+                rank, ok, value = self.results.get(timeout=timeout)
+            except queue.Empty:
+                raise AssertionError(f"ranks {sorted(set(range(WORLD)) - set(out))} hung") from None
+            if not ok:
+                raise AssertionError(f"rank {rank} raised:\n{value}")
+            out[rank] = value
+        return [out[r] for r in range(WORLD)]
+
+    def close(self) -> None:
+        for q in self.tasks:
+            q.put(None)
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[Pool]:
+    p = Pool()
+    yield p
+    p.close()
+
+
+def _subgroup(size: int) -> dist.ProcessGroup | None:
+    """Split the world into consecutive groups of ``size`` ranks; return this rank's."""
+    if size == WORLD:
+        return None
+    mine = None
+    for start in range(0, WORLD, size):
+        g = dist.new_group(list(range(start, start + size)))
+        if start <= dist.get_rank() < start + size:
+            mine = g
+    return mine
+
+
+# -- cases (run on every rank) ------------------------------------------------------------------
+def case_matches_plain(rank: int, pp: int, dp: int, schedule: str, checkpoint: str) -> dict:
+    group = _subgroup(pp * dp)
+    pipe = ppd.wrap(
+        tiny_model(),
+        BALANCE[pp],
+        chunks=CHUNKS,
+        schedule=schedule,
+        dp=dp,
+        checkpoint=checkpoint,
+        group=group,
+    )
+    plain = tiny_model()
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    errors = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    for x, y in batches(dp, steps=3):
+        mine = pipe.step(x[pipe.dp_rank], y[pipe.dp_rank], nn.functional.mse_loss)
+        ref = nn.functional.mse_loss(plain(x.reshape(-1, WIDTH)), y.reshape(-1, WIDTH))
+        ref.backward()
+        ref_grads = dict(plain.named_parameters())
+        errors["loss"] = max(errors["loss"], abs(mine - ref.item()))
+        for name, p in pipe.named_parameters():
+            errors["grad"] = max(errors["grad"], (p.grad - ref_grads[name].grad).abs().max().item())
+        opt.step(), plain_opt.step(), opt.zero_grad(), plain_opt.zero_grad()
+    ref_state = plain.state_dict()
+    for name, t in pipe.state_dict().items():
+        errors["param"] = max(errors["param"], (t - ref_state[name]).abs().max().item())
+    keys = sorted(pipe.state_dict())
+    overlap = (pipe._sync.posted_early, len(pipe._sync.buckets))
+    pipe.close()
+    return {"errors": errors, "keys": keys, "stage": pipe.stage_index, "overlap": overlap}
+
+
+def case_state_dict(rank: int) -> dict:
+    plain = tiny_model()
+    with torch.device("meta"):
+        meta = tiny_model()
+    loaded = ppd.wrap(meta, BALANCE[2], chunks=2, dp=2, state_dict=plain.state_dict())
+    full = loaded.full_state_dict()
+    shifted = {k: v + 1 for k, v in plain.state_dict().items()}
+    loaded.load_state_dict(shifted)
+    after_load = {k: (v - shifted[k]).abs().max().item() for k, v in loaded.state_dict().items()}
+    with torch.device("meta"):
+        unset = tiny_model()
+    torch.manual_seed(100 + rank)  # replicas would initialise differently without the broadcast
+    fresh = ppd.wrap(unset, BALANCE[2], chunks=2, dp=2)
+    mine = torch.cat([p.detach().flatten() for p in fresh.parameters()])
+    copies = [torch.empty_like(mine) for _ in range(WORLD)]
+    dist.all_gather(copies, mine)
+    for pipe in (loaded, fresh):
+        pipe.close()
+    return {
+        "full_keys": list(full),
+        "full_error": max((full[k] - v).abs().max().item() for k, v in plain.state_dict().items()),
+        "local_keys": list(loaded.state_dict()),
+        "after_load": after_load,
+        "stage": loaded.stage_index,
+        "same_as_replica": torch.equal(copies[rank], copies[rank ^ 2]),  # rank r and r+-2
+        "differs_from_plain": all(
+            not torch.equal(v, plain.state_dict()[k]) for k, v in fresh.named_parameters()
+        ),
+    }
+
+
+class _SavedBytes:
+    """Bytes of tensors autograd holds for backward, now and at peak (saved_tensors_hooks)."""
+
+    def __init__(self) -> None:
+        self.now = self.peak = 0
+
+    def pack(self, t: torch.Tensor) -> Any:
+        return _Held(self, t)
+
+    @staticmethod
+    def unpack(held: Any) -> torch.Tensor:
+        return held.t
+
+
+class _Held:
+    def __init__(self, meter: _SavedBytes, t: torch.Tensor) -> None:
+        self.meter, self.t, self.n = meter, t, t.numel() * t.element_size()
+        meter.now += self.n
+        meter.peak = max(meter.peak, meter.now)
+
+    def __del__(self) -> None:
+        self.meter.now -= self.n
+
+
+def case_memory(rank: int, m: int) -> dict:
+    """Peak saved-activation bytes of each stage for GPipe and 1F1B, pp=4, no checkpointing."""
+    width = 64
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(4)])
+    x, y = torch.randn(4 * m, width), torch.randn(4 * m, width)
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        pipe = ppd.wrap(model, [1, 1, 1, 1], chunks=m, schedule=schedule, checkpoint="never")
+        meter = _SavedBytes()
+        with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
+            pipe.step(x, y, nn.functional.mse_loss)
+        peaks[schedule] = (meter.peak, meter.now)
+        pipe.close()
+    return {"stage": rank, "peaks": peaks}
+
+
+def case_bad_arguments(rank: int) -> dict:
+    """Mismatched grids raise on every rank without creating any group or sending anything."""
+    before = dist.distributed_c10d._world.group_count
+    messages = {}
+    for label, kwargs in {
+        "world": {"balance": [2, 2, 2, 2], "dp": 2},
+        "dp": {"balance": [4, 4], "dp": 0},
+        "balance": {"balance": [4, 3], "dp": 2},
+        "schedule": {"balance": [4, 4], "dp": 2, "schedule": "zigzag"},
+        "custom schedule": {
+            "balance": [4, 4],
+            "dp": 2,
+            "chunks": 2,
+            "schedule": parse("F0 F1 B1 B0 | F0 F1 B0 B1"),
+        },
+    }.items():
+        try:
+            ppd.wrap(tiny_model(), **kwargs)
+        except (ValueError, TypeError) as e:
+            messages[label] = str(e)
+    return {
+        "messages": messages,
+        "groups_created": dist.distributed_c10d._world.group_count - before,
+    }
+
+
+class _Boom(nn.Module):
+    """Raises in forward once ``armed`` is set on the rank named ``where``."""
+
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _Boom.armed:
+            raise RuntimeError("boom")
+        return x
+
+
+def case_failure(rank: int, timeout: float) -> dict:
+    """Stage 1 of replica 0 (rank 1) raises in its second step; every rank must end in error."""
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh(), _Boom(), nn.Linear(WIDTH, WIDTH))
+    pipe = ppd.wrap(model, [2, 2], chunks=2, schedule="1f1b", dp=2, timeout=timeout)
+    x, y = batches(2, 1)[0]
+    pipe.step(x[pipe.dp_rank], y[pipe.dp_rank], nn.functional.mse_loss)
+    _Boom.armed = rank == 1
+    start = time.monotonic()
+    try:
+        pipe.step(x[pipe.dp_rank], y[pipe.dp_rank], nn.functional.mse_loss)
+        outcome = "no error"
+    except ppd.PipelineError as e:
+        outcome = str(e)
+    finally:
+        _Boom.armed = False
+    elapsed = time.monotonic() - start
+    try:
+        pipe.step(x[pipe.dp_rank], y[pipe.dp_rank], nn.functional.mse_loss)
+        again = "no error"
+    except ppd.PipelineError as e:
+        again = str(e)
+    dist.barrier()  # the world group outlives the pipeline's groups
+    return {"outcome": outcome, "elapsed": elapsed, "again": again}
+
+
+def case_hang(rank: int, timeout: float) -> dict:
+    """Stage 0 of each 2-rank pipeline stalls past the timeout; stage 1 must give up in time."""
+    pipe = ppd.wrap(tiny_model(), BALANCE[2], chunks=2, group=_subgroup(2), timeout=timeout)
+    x, y = batches(1, 1)[0]
+    if pipe.stage_index == 0:
+        time.sleep(2 * timeout)
+    start = time.monotonic()
+    try:
+        pipe.step(x[0], y[0], nn.functional.mse_loss)
+        outcome = "no error"
+    except ppd.PipelineError as e:
+        outcome = str(e)
+    return {"stage": pipe.stage_index, "outcome": outcome, "elapsed": time.monotonic() - start}
+
+
+def case_debug_log(rank: int) -> list[str]:
+    """PIPEPAR_DEBUG=1 logs every send and receive."""
+    records: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    handler = Keep()
+    logging.getLogger("pipepar").addHandler(handler)
+    os.environ["PIPEPAR_DEBUG"] = "1"
+    try:
+        pipe = ppd.wrap(tiny_model(), BALANCE[4], chunks=3, schedule="1f1b")
+        x, y = batches(1, 1)[0]
+        pipe.step(x[0], y[0], nn.functional.mse_loss)
+        pipe.close()
+    finally:
+        del os.environ["PIPEPAR_DEBUG"]
+        logging.getLogger("pipepar").removeHandler(handler)
+    return records
+
+
+def case_pipe_under_ddp(rank: int, checkpoint: str) -> dict:
+    """A single-process pipepar.wrap pipeline per rank, replicas kept in sync by DDP (2 x 2)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    import pipepar
+
+    group = _subgroup(2)
+    pipe = pipepar.wrap(
+        tiny_model(), [3, 5], devices=["cpu", "cpu"], chunks=CHUNKS, checkpoint=checkpoint
+    )
+    ddp = DistributedDataParallel(pipe, process_group=group)
+    plain = tiny_model()
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    worst = 0.0
+    for x, y in batches(2, steps=2):
+        me = dist.get_rank(group)
+        nn.functional.mse_loss(ddp(x[me]), y[me]).backward()
+        nn.functional.mse_loss(plain(x.reshape(-1, WIDTH)), y.reshape(-1, WIDTH)).backward()
+        ref = dict(plain.named_parameters())
+        for name, p in pipe.named_parameters():
+            worst = max(worst, (p.grad - ref[name].grad).abs().max().item())
+        opt.step(), plain_opt.step(), opt.zero_grad(), plain_opt.zero_grad()
+    pipe.close()
+    return {"grad_error": worst, "n_params": len(list(pipe.parameters()))}
+
+
+# -- tests: multi-process -----------------------------------------------------------------------
+GRIDS = [
+    (2, 2, "gpipe", "never"),
+    (2, 2, "1f1b", "except_last"),
+    (4, 1, "gpipe", "always"),
+    (4, 1, "1f1b", "never"),
+    (1, 2, "gpipe", "always"),
+    (1, 2, "1f1b", "except_last"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("pp", "dp", "schedule", "checkpoint"), GRIDS)
+def test_training_matches_one_plain_process(
+    pool: Pool, pp: int, dp: int, schedule: str, checkpoint: str
+) -> None:
+    results = pool.run(case_matches_plain, pp, dp, schedule, checkpoint)
+    plain = tiny_model().state_dict()
+    for r in results:
+        assert r["errors"]["loss"] < TOL, r
+        assert r["errors"]["grad"] < TOL, r
+        assert r["errors"]["param"] < TOL, r
+        if dp > 1:  # gradients were averaged while the last backward still ran
+            assert r["overlap"][0] == r["overlap"][1] > 0, r
+    for j in range(pp):  # every parameter of the model is trained by some rank
+        start = sum(BALANCE[pp][:j])
+        local = {k for k in plain if int(k.split(".")[0]) in range(start, start + BALANCE[pp][j])}
+        assert all(set(r["keys"]) == local for r in results if r["stage"] == j)
+
+
+@pytest.mark.slow
+def test_state_dicts_use_the_original_keys_and_gather_the_whole_model(pool: Pool) -> None:
+    plain = tiny_model().state_dict()
+    for rank, r in enumerate(pool.run(case_state_dict)):
+        assert r["full_keys"] == list(plain)
+        assert r["full_error"] == 0.0
+        start, stop = (0, 3) if r["stage"] == 0 else (3, 8)
+        assert r["local_keys"] == [k for k in plain if start <= int(k.split(".")[0]) < stop]
+        assert max(r["after_load"].values()) == 0.0
+        assert r["same_as_replica"], f"rank {rank}: replicas were initialised differently"
+        assert r["differs_from_plain"], f"rank {rank}: reset_parameters did not run"
+
+
+@pytest.mark.slow
+def test_1f1b_holds_fewer_activations_than_gpipe(pool: Pool) -> None:
+    m = 8
+    for r in pool.run(case_memory, m):
+        j = r["stage"]
+        gpipe_peak, gpipe_left = r["peaks"]["gpipe"]
+        ofob_peak, ofob_left = r["peaks"]["1f1b"]
+        assert gpipe_left == ofob_left == 0  # everything saved was released after backward
+        per_microbatch = gpipe_peak / m
+        assert per_microbatch > 0
+        assert ofob_peak == pytest.approx((4 - j) * per_microbatch), (j, r["peaks"])
+
+
+@pytest.mark.slow
+def test_bad_grids_fail_on_every_rank_before_any_communication(pool: Pool) -> None:
+    for r in pool.run(case_bad_arguments):
+        assert r["groups_created"] == 0
+        msg = r["messages"]
+        assert "needs 8 ranks, but the process group has 4; pass dp=1" in msg["world"]
+        assert "dp must be at least 1" in msg["dp"]
+        assert "sums to 7 but the model has 8 layers" in msg["balance"]
+        assert "'zigzag'" in msg["schedule"]
+        assert "same order" in msg["custom schedule"]
+
+
+@pytest.mark.slow
+def test_a_failing_rank_ends_every_rank_with_its_error(pool: Pool) -> None:
+    timeout = 20.0
+    results = pool.run(case_failure, timeout)
+    for rank, r in enumerate(results):
+        assert "rank 1 (stage 1, replica 0): RuntimeError: boom" in r["outcome"], (rank, r)
+        assert r["elapsed"] < timeout, (rank, r)
+        assert "rank 1 (stage 1, replica 0): RuntimeError: boom" in r["again"], (rank, r)
+        assert "the pipeline is closed" in r["again"], (rank, r)
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_ends_its_peers_within_the_timeout(pool: Pool) -> None:
+    timeout = 1.5
+    for r in pool.run(case_hang, timeout):
+        assert "Timed out" in r["outcome"], r
+        if r["stage"] == 1:  # it named the stalled peer and gave up after about the timeout
+            assert "receiving the header from rank" in r["outcome"], r
+            assert timeout * 0.9 < r["elapsed"] < timeout + 5, r
+
+
+@pytest.mark.slow
+def test_pipepar_debug_logs_every_send_and_receive(pool: Pool) -> None:
+    for stage, records in enumerate(pool.run(case_debug_log)):
+        sends = [m for m in records if "send activation" in m]
+        recvs = [m for m in records if "recv gradient" in m]
+        assert len(sends) == (3 if stage < 3 else 0), records
+        assert len(recvs) == (3 if stage < 3 else 0), records
+        assert len([m for m in records if "recv activation" in m]) == (3 if stage > 0 else 0)
+        assert len([m for m in records if "send gradient" in m]) == (3 if stage > 0 else 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_single_process_pipes_compose_with_ddp(pool: Pool, checkpoint: str) -> None:
+    n_params = len(list(tiny_model().parameters()))
+    for r in pool.run(case_pipe_under_ddp, checkpoint):
+        assert r["n_params"] == n_params
+        assert r["grad_error"] < TOL, r
+
+
+# -- tests: no process group --------------------------------------------------------------------
+def test_check_grid_names_both_sizes_and_a_fix() -> None:
+    assert check_grid(6, 3, 2) == 2
+    with pytest.raises(ValueError, match="needs 4 ranks, but the process group has 6; pass dp=3"):
+        check_grid(6, 2, 2)
+    with pytest.raises(ValueError, match="divides 5"):
+        check_grid(5, 2, 2)
+    with pytest.raises(TypeError, match="dp must be an int"):
+        check_grid(4, 2, 2.0)
+
+
+def test_build_stage_keeps_local_layers_under_original_names() -> None:
+    with torch.device("meta"):
+        model = tiny_model()
+    part = build_stage(model, [3, 5], 1, device=torch.device("cpu"))
+    assert list(part._modules) == ["3", "4", "5", "6", "7"]
+    assert list(part.state_dict()) == ["4.weight", "4.bias", "6.weight", "6.bias"]
+    assert all(not p.is_meta for p in part.parameters())
+    assert all(torch.isfinite(p).all() and p.abs().sum() > 0 for p in part.parameters())
+    assert all(p.is_meta for p in model[0].parameters())  # other stages stay unallocated
+
+
+def test_build_stage_loads_a_whole_model_state_dict() -> None:
+    plain = tiny_model()
+    with torch.device("meta"):
+        model = tiny_model()
+    part = build_stage(model, [3, 5], 0, device=torch.device("cpu"), state_dict=plain.state_dict())
+    for k, v in part.state_dict().items():
+        assert torch.equal(v, plain.state_dict()[k])
+    with pytest.raises(
+        ValueError, match=r"lacks 3 key\(s\) of this stage, e.g. \[.0.bias., .2.weight"
+    ):
+        load_local_state(part, {"0.weight": plain[0].weight})
+
+
+def test_meta_layers_without_reset_parameters_need_a_state_dict() -> None:
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.s = nn.Parameter(torch.ones(1))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.s
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, 2), Scale())
+    with pytest.raises(ValueError, match=r"layer 1 is on the meta device .*\['Scale'\]"):
+        build_stage(model, [1, 1], 1, device=torch.device("cpu"))
+    part = build_stage(
+        model, [1, 1], 1, device=torch.device("cpu"), state_dict={"1.s": torch.tensor([3.0])}
+    )
+    assert part[0].s.item() == 3.0
+
+
+def test_gradient_buckets_run_from_the_last_layer_and_split_by_size() -> None:
+    from pipepar.distributed.replicas import _buckets
+
+    model = tiny_model()  # 4 Linear(6, 6): 36 + 6 floats each
+    one_layer = (36 + 6) * 4
+    order = [
+        p for layer in reversed(list(model.children())) for p in reversed(list(layer.parameters()))
+    ]
+    flat = [p for b in _buckets(model, one_layer) for p in b]
+    assert [id(p) for p in flat] == [id(p) for p in order]
+    assert [len(b) for b in _buckets(model, one_layer)] == [2, 2, 2, 2]
+    assert [len(b) for b in _buckets(model, 2 * one_layer)] == [4, 4]
+    assert [len(b) for b in _buckets(model, 1 << 30)] == [8]
+
+
+def test_failure_board_keeps_the_first_report_and_names_it_everywhere() -> None:
+    from pipepar.distributed.failure import CommError, FailureBoard, Where, guarded
+
+    store = dist.HashStore()
+    first = FailureBoard(store, "p/", Where(rank=3, stage=1, replica=1))
+    other = FailureBoard(store, "p/", Where(rank=0, stage=0, replica=0))
+    assert other.read() is None
+    assert first.post(RuntimeError("boom")) == "rank 3 (stage 1, replica 1): RuntimeError: boom"
+    assert other.post(ValueError("later")) == first.read()  # the first failure wins
+    closed: list[str] = []
+
+    def broken() -> None:
+        raise CommError("receiving activation 0 from rank 3 failed: Connection closed")
+
+    with pytest.raises(ppd.PipelineError) as info:
+        guarded(other, lambda: closed.append("closed"), broken)
+    assert str(info.value) == (
+        "pipeline failed: rank 3 (stage 1, replica 1): RuntimeError: boom "
+        "(seen by rank 0 (stage 0, replica 0))"
+    )
+    assert closed == ["closed"]
+    assert FailureBoard(store, "q/", other.here).read() is None  # another pipeline's board
+
+
+def test_metadata_round_trip() -> None:
+    metas = [TensorMeta((4, 3, 2), torch.float32, True), TensorMeta((4,), torch.int64, False)]
+    assert decode_meta(encode_meta(metas, torch.device("cpu"))) == tuple(metas)
+    with pytest.raises(ValueError, match="metadata words"):
+        encode_meta([TensorMeta((1,) * 8, torch.float32, True)] * 8, torch.device("cpu"))
+
+
+def test_wrap_without_a_process_group_says_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    if dist.is_initialized():
+        pytest.skip("a process group exists in this process")
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ValueError, match="launch with torchrun"):
+        ppd.wrap(tiny_model(), [4, 4], chunks=2)
+    with pytest.raises(ValueError, match="balance=None cannot be profiled"):
+        ppd.wrap(tiny_model(), None)  # type: ignore[arg-type]

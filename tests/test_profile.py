@@ -1,0 +1,217 @@
+"""The profiler: exact parameter bytes, activations against independent counts, meta == CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torchvision
+from torch import nn
+
+import pipepar
+from pipepar.allocator_log import AllocatorLog
+from pipepar.optimizer_state import optimizer_cost, resolve_optimizer
+from pipepar.profile import LayerProfile, Profile, profile
+
+_SAME_ON_EVERY_DEVICE = (
+    "params_bytes",
+    "grads_bytes",
+    "optimizer_bytes",
+    "activation_bytes",
+    "output_bytes",
+    "output_shape",
+    "type_name",
+    "name",
+)
+
+
+def _torchvision(name: str) -> nn.Sequential:
+    with torch.device("meta"):
+        model = getattr(torchvision.models, name)(weights=None)
+    return pipepar.sequentialize(model)
+
+
+def test_exported_names() -> None:
+    assert (pipepar.profile, pipepar.Profile, pipepar.LayerProfile) == (profile, Profile, LayerProfile)
+
+
+@pytest.mark.parametrize(("name", "count"), [("alexnet", 61_100_840), ("resnet50", 25_557_032)])
+def test_exact_parameter_bytes_of_torchvision_layouts(name: str, count: int) -> None:
+    model = _torchvision(name)
+    prof = profile(model, torch.empty(2, 3, 224, 224, device="meta"), optimizer="adam")
+    assert prof.total("params_bytes") == 4 * count  # the published parameter counts, fp32
+    for layer, child in zip(prof.layers, model):
+        expected = sum(p.numel() * 4 for p in child.parameters())
+        assert layer.params_bytes == layer.grads_bytes == expected
+        assert layer.optimizer_bytes == 2 * expected  # Adam: exp_avg + exp_avg_sq
+    assert prof.layers[-1].output_shape == (2, 1000)
+
+
+def test_alexnet_saved_activations_match_the_allocator_within_10_percent() -> None:
+    model = pipepar.sequentialize(torchvision.models.alexnet(weights=None))
+    x = torch.randn(4, 3, 224, 224)
+    prof = profile(model, x, device="meta", optimizer=None)
+    predicted = prof.total("activation_bytes")
+    # Independent count: what the CPU allocator still holds after a plain forward with grad
+    # (everything autograd keeps), minus the final output, which nothing saves.
+    with AllocatorLog() as log:
+        y = model(x)
+    independent = log.net_bytes - y.numel() * y.element_size()
+    assert independent > 10 * 2**20
+    assert abs(predicted - independent) / independent < 0.10
+
+
+def test_meta_and_cpu_agree() -> None:
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(2),
+        nn.Dropout(0.2),
+        nn.Flatten(),
+        nn.Linear(8 * 8 * 8, 32),
+        nn.GELU(),
+        nn.Linear(32, 10),
+    )
+    x = torch.randn(6, 3, 16, 16)
+    on_meta = profile(model, x, device="meta")
+    on_cpu = profile(model, x, device="cpu")
+    for a, b in zip(on_meta.layers, on_cpu.layers):
+        for field in _SAME_ON_EVERY_DEVICE:
+            assert getattr(a, field) == getattr(b, field), (a.index, field)
+        # The CPU allocator also sees kernels' scratch buffers, which meta cannot have.
+        assert b.backward_peak_bytes >= a.backward_peak_bytes
+        assert a.forward_ms is None and b.forward_ms is not None and b.backward_ms is not None
+    assert on_meta.input_bytes == on_cpu.input_bytes == x.numel() * 4
+
+
+def test_inplace_ops_views_and_outputs_are_counted_at_their_creator() -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(32, 4))
+    prof = profile(model, torch.randn(8, 16), optimizer=None)
+    linear, relu, flatten, last = prof.layers
+    # ReLU rewrites the Linear's output in place and saves it; the next Linear saves it too.
+    # One storage, counted once, at the layer that created it.
+    assert linear.activation_bytes == 8 * 32 * 4
+    assert relu.activation_bytes == flatten.activation_bytes == 0
+    assert flatten.output_bytes == 8 * 32 * 4  # a view: handed on, not allocated
+    assert last.activation_bytes == 0 and last.output_bytes == 8 * 4 * 4
+
+
+def test_shared_frozen_buffers_and_mixed_dtypes() -> None:
+    tied = nn.Linear(8, 8)
+    frozen = nn.Linear(8, 8)
+    frozen.requires_grad_(False)
+    half = nn.Linear(8, 8).to(torch.bfloat16)
+    model = nn.Sequential(tied, nn.ReLU(), tied, frozen, nn.BatchNorm1d(8), Cast(torch.bfloat16), half)
+    prof = profile(model, torch.randn(4, 8), optimizer="adam")
+    layers = prof.layers
+    assert layers[0].params_bytes == 72 * 4 and layers[2].params_bytes == 0  # shared: once
+    assert layers[3].params_bytes == 72 * 4 and layers[3].grads_bytes == layers[3].optimizer_bytes == 0
+    assert layers[4].params_bytes == 16 * 4  # weight and bias; running stats are buffers
+    assert layers[6].params_bytes == layers[6].grads_bytes == 72 * 2  # bf16
+    assert layers[6].optimizer_bytes == 2 * 72 * 2  # Adam keeps bf16 state for bf16 params
+    assert layers[6].output_shape == (4, 8)
+
+
+class Cast(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
+
+
+class Pair(nn.Module):
+    """Takes and returns a tuple, as layers of two-stream models do."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, xy: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = xy
+        return self.a(x), y * 2
+
+
+def test_tuple_inputs_and_outputs() -> None:
+    model = nn.Sequential(Pair(), Pair(), Sum())
+    prof = profile(model, (torch.randn(4, 8), torch.randn(4, 8)), device="cpu")
+    assert prof.input_shape == ((4, 8), (4, 8))
+    assert prof.layers[0].output_shape == ((4, 8), (4, 8))
+    assert prof.layers[2].output_shape == (4, 8)
+    assert prof.batch_size == 4 and prof.timed
+
+
+class Sum(nn.Module):
+    def forward(self, xy: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return xy[0] + xy[1]
+
+
+def test_the_model_is_left_untouched() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU(inplace=True))
+    x = torch.randn(8, 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x_before = x.clone()
+    profile(model, x, device="cpu")
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(x, x_before)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "factor"),
+    [("adam", 2), ("adamw", 2), ("sgd", 0), ("sgd-momentum", 1), ("rmsprop", 1), (None, 0)],
+)
+def test_optimizer_state_is_what_the_optimizer_allocates(optimizer: object, factor: int) -> None:
+    prof = profile(nn.Sequential(nn.Linear(32, 32)), torch.randn(2, 32), optimizer=optimizer)
+    assert prof.layers[0].optimizer_bytes == factor * 33 * 32 * 4
+
+
+def test_any_optimizer_class_or_instance() -> None:
+    layer = nn.Linear(16, 16)
+    params = 17 * 16 * 4
+    assert profile(nn.Sequential(layer), torch.randn(2, 16), optimizer=torch.optim.Adagrad).layers[
+        0
+    ].optimizer_bytes == params  # state_sum
+    instance = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.5)
+    assert resolve_optimizer(instance).kwargs["momentum"] == 0.5
+    cost = optimizer_cost(resolve_optimizer(instance), [torch.empty(100, device="meta")])
+    assert cost.state_bytes == 400
+    assert profile(nn.Sequential(layer), torch.randn(2, 16)).with_optimizer("sgd").layers[0].optimizer_bytes == 0
+
+
+def test_huge_models_profile_on_meta_without_memory() -> None:
+    model = nn.Sequential(*[nn.Linear(16384, 16384, device="meta") for _ in range(4)])
+    prof = profile(model, torch.empty(8, 16384, device="meta"), optimizer="adam")
+    assert prof.total("params_bytes") == 4 * (16384 * 16384 + 16384) * 4
+    assert prof.device == "meta" and not prof.timed
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"model": nn.Linear(2, 2)}, TypeError, "sequentialize"),
+        ({"model": nn.Sequential()}, ValueError, "empty"),
+        ({"sample": [1, 2]}, TypeError, "sample must be a tensor"),
+        ({"device": "gpu"}, ValueError, "not a torch device"),
+        ({"optimizer": "adamax9"}, ValueError, "optimizer='adamax9' is not known"),
+        ({"optimizer": 3}, TypeError, "optimizer must be"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, error: type, match: str) -> None:
+    args = {"model": nn.Sequential(nn.Linear(2, 2)), "sample": torch.randn(1, 2)} | kwargs
+    with pytest.raises(error, match=match):
+        profile(args.pop("model"), args.pop("sample"), **args)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_profile_matches_meta() -> None:
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256))
+    x = torch.randn(64, 256)
+    on_meta = profile(model, x, device="meta")
+    on_cuda = profile(model, x, device="cuda")
+    for a, b in zip(on_meta.layers, on_cuda.layers):
+        for field in _SAME_ON_EVERY_DEVICE:
+            assert getattr(a, field) == getattr(b, field)
+        assert b.forward_ms is not None

@@ -1,0 +1,137 @@
+"""Schedules as data: builders, grid, in-flight counts and the validator (no process group)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipepar.schedule import Action, Schedule, gpipe, one_f_one_b, parse, simulate, validate
+
+sizes = st.tuples(st.integers(1, 6), st.integers(1, 12))
+
+
+def _strs(actions: tuple[Action, ...]) -> list[str]:
+    return [str(a) for a in actions]
+
+
+def test_gpipe_runs_all_forwards_then_backwards_in_reverse() -> None:
+    s = gpipe(3, 4)
+    for j in range(3):
+        assert _strs(s.stage(j)) == ["F0", "F1", "F2", "F3", "B3", "B2", "B1", "B0"]
+        assert all(a.stage == j for a in s.stage(j))
+
+
+def test_1f1b_warm_up_steady_state_and_cool_down() -> None:
+    s = one_f_one_b(3, 5)
+    assert _strs(s.stage(0)) == ["F0", "F1", "F2", "B0", "F3", "B1", "F4", "B2", "B3", "B4"]
+    assert _strs(s.stage(1)) == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "F4", "B3", "B4"]
+    assert _strs(s.stage(2)) == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", "F4", "B4"]
+
+
+def test_1f1b_with_fewer_microbatches_than_stages() -> None:
+    s = one_f_one_b(4, 2)
+    assert _strs(s.stage(0)) == ["F0", "F1", "B0", "B1"]
+    validate(s)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes)
+def test_builders_are_valid_and_have_the_documented_in_flight(size: tuple[int, int]) -> None:
+    n, m = size
+    for s in (gpipe(n, m), one_f_one_b(n, m)):
+        validate(s)
+    assert [gpipe(n, m).in_flight(j) for j in range(n)] == [m] * n
+    assert [one_f_one_b(n, m).in_flight(j) for j in range(n)] == [min(n - j, m) for j in range(n)]
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes)
+def test_bubble_matches_the_formula(size: tuple[int, int]) -> None:
+    n, m = size
+    expected = (n - 1) / (m + n - 1)
+    assert gpipe(n, m).bubble() == pytest.approx(expected)
+    assert one_f_one_b(n, m).bubble() == pytest.approx(expected)
+
+
+def test_simulate_respects_cross_stage_dependencies() -> None:
+    s = one_f_one_b(3, 6)
+    finished: dict[tuple[int, str, int], int] = {}
+    for t, row in enumerate(simulate(s)):
+        for a in row:
+            if a is not None:
+                finished[(a.stage, a.kind, a.microbatch)] = t
+    for (j, kind, i), t in finished.items():
+        if kind == "F" and j > 0:
+            assert finished[(j - 1, "F", i)] < t
+        if kind == "B" and j < 2:
+            assert finished[(j + 1, "B", i)] < t
+        if kind == "B":
+            assert finished[(j, "F", i)] < t
+    assert len(finished) == 3 * 6 * 2
+
+
+def test_grid_prints_one_row_per_step_and_one_column_per_stage() -> None:
+    s = gpipe(2, 2)
+    lines = s.grid().splitlines()
+    assert lines[0].split() == ["step", "stage0", "stage1"]
+    assert len(lines) == 1 + len(simulate(s))
+    assert lines[1].split() == ["0", "F0", "."]
+    assert lines[2].split() == ["1", "F1", "F0"]
+    assert str(s) == s.grid()
+
+
+def test_parse_reads_per_stage_lists() -> None:
+    s = parse("F0 F1 B0 B1 | F0 B0 F1 B1")
+    assert (s.n_stages, s.n_microbatches) == (2, 2)
+    assert _strs(s.stage(1)) == ["F0", "B0", "F1", "B1"]
+    assert repr(s.stage(1)[1]) == "1B0"
+    validate(s)
+    with pytest.raises(ValueError, match="cannot read action 'X1'"):
+        parse(["F0 X1"])
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("F0 F1 B0 | F0 B0 F1 B1", "never runs B1"),
+        ("F0 F0 B0 | F0 B0", "runs F0 twice"),
+        ("B0 F0 | F0 B0", "runs B0 before F0"),
+        ("F0 B0 F1 B1 | F0 F1 B0 B1", "deadlocks at step 2: 0B0, 1F1"),
+    ],
+)
+def test_validator_rejects_broken_schedules(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        validate(parse(text))
+
+
+def test_validator_rejects_an_action_listed_on_the_wrong_stage() -> None:
+    good = gpipe(2, 1)
+    moved = (good.actions[0], (Action(0, "F", 0), Action(1, "B", 0)))
+    with pytest.raises(ValueError, match="belongs to stage 0"):
+        validate(dataclasses.replace(good, actions=moved))
+
+
+def test_validator_enforces_the_in_flight_bound() -> None:
+    as_gpipe = gpipe(2, 4)
+    over = dataclasses.replace(as_gpipe, max_in_flight=one_f_one_b(2, 4).max_in_flight)
+    with pytest.raises(ValueError, match="holds 4 micro-batches at once but the schedule allows 2"):
+        validate(over)
+
+
+def test_validator_checks_the_number_of_stage_lists() -> None:
+    s = Schedule("x", 3, 1, gpipe(2, 1).actions)
+    with pytest.raises(ValueError, match="2 action lists but n_stages=3"):
+        validate(s)
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_builders_reject_bad_sizes(bad: int) -> None:
+    with pytest.raises(ValueError, match="n_stages must be at least 1"):
+        gpipe(bad, 4)
+    with pytest.raises(ValueError, match="n_microbatches must be at least 1"):
+        one_f_one_b(2, bad)
+    with pytest.raises(TypeError, match="n_stages must be an int"):
+        gpipe(2.0, 4)  # type: ignore[arg-type]
