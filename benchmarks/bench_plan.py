@@ -49,7 +49,8 @@ _PLAN_JOB = textwrap.dedent("""
     print(json.dumps({"seconds": time.perf_counter() - start,
                       "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                       "params": sum(p.numel() for p in model.parameters()),
-                      "balance": plan.balance, "peak": plan.peak_bytes, "stages": len(plan.stages)}))
+                      "balance": plan.balance, "peak": plan.peak_bytes,
+                      "stages": len(plan.stages)}))
 """)
 
 
@@ -57,12 +58,29 @@ def planning_rows(quick: bool) -> list[list[object]]:
     """Time and peak RSS of planning big models on meta, each in a fresh process."""
     rows = []
     for what in ["stack"] if quick else ["stack", "gpt"]:
-        out = subprocess.run([sys.executable, "-c", _PLAN_JOB, what], capture_output=True,
-                             text=True, check=True, cwd=ROOT)  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-c", _PLAN_JOB, what],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=ROOT,
+        )
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        name = "40 x Linear(16384, 16384), 8 x 80 GiB" if what == "stack" else "GPT 48 x 8192, 16 x 80 GiB, 1f1b"
-        rows.append([name, f"{r['params'] / 1e9:.1f}B", f"{r['seconds']:.2f}", format_bytes(r["rss"]),
-                     format_bytes(r["peak"]), str(r["balance"])])  # fmt: skip
+        name = (
+            "40 x Linear(16384, 16384), 8 x 80 GiB"
+            if what == "stack"
+            else "GPT 48 x 8192, 16 x 80 GiB, 1f1b"
+        )
+        rows.append(
+            [
+                name,
+                f"{r['params'] / 1e9:.1f}B",
+                f"{r['seconds']:.2f}",
+                format_bytes(r["rss"]),
+                format_bytes(r["peak"]),
+                str(r["balance"]),
+            ]
+        )
     return rows
 
 
@@ -72,24 +90,88 @@ def _mlp(width: int, depth: int, act: type[nn.Module] = nn.ReLU) -> nn.Sequentia
 
 def _convnet() -> nn.Sequential:
     return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.Dropout(0.1),
-        nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4), nn.Flatten(),
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Conv2d(64, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(),
         nn.Linear(1024, 10),
-    )  # fmt: skip
+    )
 
 
 # name: (model, input shape, stages, chunks, checkpoint, schedule, optimizer)
 CASES = {
-    "MLP 8x1024 (params), adam, never": (lambda: _mlp(1024, 8), (64, 1024), 2, 8, "never", "gpipe", "adam"),
-    "MLP 8x1024 (params), sgd, except_last": (lambda: _mlp(1024, 8), (64, 1024), 4, 8, "except_last", "gpipe", "sgd"),
-    "MLP 4x256 GELU (activations), never": (lambda: _mlp(256, 4, nn.GELU), (4096, 256), 2, 4, "never", "gpipe", "adam"),
-    "MLP 4x256 GELU, always": (lambda: _mlp(256, 4, nn.GELU), (4096, 256), 2, 4, "always", "gpipe", "adam"),
-    "MLP 4x256 GELU, 1f1b, except_last": (lambda: _mlp(256, 4, nn.GELU), (4096, 256), 3, 8, "except_last", "1f1b", "adamw"),
-    "ConvNet 64x3x32x32, never": (_convnet, (64, 3, 32, 32), 2, 4, "never", "gpipe", "sgd-momentum"),
+    "MLP 8x1024 (params), adam, never": (
+        lambda: _mlp(1024, 8),
+        (64, 1024),
+        2,
+        8,
+        "never",
+        "gpipe",
+        "adam",
+    ),
+    "MLP 8x1024 (params), sgd, except_last": (
+        lambda: _mlp(1024, 8),
+        (64, 1024),
+        4,
+        8,
+        "except_last",
+        "gpipe",
+        "sgd",
+    ),
+    "MLP 4x256 GELU (activations), never": (
+        lambda: _mlp(256, 4, nn.GELU),
+        (4096, 256),
+        2,
+        4,
+        "never",
+        "gpipe",
+        "adam",
+    ),
+    "MLP 4x256 GELU, always": (
+        lambda: _mlp(256, 4, nn.GELU),
+        (4096, 256),
+        2,
+        4,
+        "always",
+        "gpipe",
+        "adam",
+    ),
+    "MLP 4x256 GELU, 1f1b, except_last": (
+        lambda: _mlp(256, 4, nn.GELU),
+        (4096, 256),
+        3,
+        8,
+        "except_last",
+        "1f1b",
+        "adamw",
+    ),
+    "ConvNet 64x3x32x32, never": (
+        _convnet,
+        (64, 3, 32, 32),
+        2,
+        4,
+        "never",
+        "gpipe",
+        "sgd-momentum",
+    ),
     "ConvNet 64x3x32x32, 1f1b": (_convnet, (64, 3, 32, 32), 3, 8, "never", "1f1b", "adam"),
-    "AlexNet 32x3x224x224, except_last": (lambda: pipepar.sequentialize(__import__("torchvision").models.alexnet(weights=None)), (32, 3, 224, 224), 3, 4, "except_last", "gpipe", "adam"),
-}  # fmt: skip
+    "AlexNet 32x3x224x224, except_last": (
+        lambda: pipepar.sequentialize(__import__("torchvision").models.alexnet(weights=None)),
+        (32, 3, 224, 224),
+        3,
+        4,
+        "except_last",
+        "gpipe",
+        "adam",
+    ),
+}
 QUICK = ["MLP 8x1024 (params), adam, never", "MLP 4x256 GELU, 1f1b, except_last"]
 
 
@@ -101,38 +183,68 @@ def accuracy_rows(quick: bool) -> tuple[list[list[object]], float]:
         torch.manual_seed(0)
         model, x = build(), torch.randn(*shape)
         prof = pipepar.profile(model, x, device="cpu", optimizer=opt)
-        plan = pipepar.plan(prof, devices=["cpu"] * k, chunks=m, checkpoint=ckpt, schedule=schedule, optimizer=opt)
+        plan = pipepar.plan(
+            prof, devices=["cpu"] * k, chunks=m, checkpoint=ckpt, schedule=schedule, optimizer=opt
+        )
         for s in plan.stages:
             with torch.no_grad():
                 inp = model[: s.layers.start](x) if s.layers.start else x
-            measured = measure_stage(model[s.layers.start : s.layers.stop], inp, chunks=m, optimizer=opt,
-                                     checkpoint=ckpt, schedule=schedule, stage=s.index, stages=k)  # fmt: skip
+            measured = measure_stage(
+                model[s.layers.start : s.layers.stop],
+                inp,
+                chunks=m,
+                optimizer=opt,
+                checkpoint=ckpt,
+                schedule=schedule,
+                stage=s.index,
+                stages=k,
+            )
             error = (s.peak_bytes - measured) / measured
             worst = max(worst, abs(error))
-            rows.append([name, f"{s.index} ({s.layers.start}..{s.layers.stop - 1})", format_bytes(s.peak_bytes),
-                         format_bytes(measured), f"{error:+.1%}", s.phase])  # fmt: skip
+            rows.append(
+                [
+                    name,
+                    f"{s.index} ({s.layers.start}..{s.layers.stop - 1})",
+                    format_bytes(s.peak_bytes),
+                    format_bytes(measured),
+                    f"{error:+.1%}",
+                    s.phase,
+                ]
+            )
     return rows, worst
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="fewer cases, no RESULTS.md (CI smoke)")
+    parser.add_argument(
+        "--quick", action="store_true", help="fewer cases, no RESULTS.md (CI smoke)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    plan_table = markdown_table(["model", "params", "plan s", "peak RSS", "largest stage", "balance"],
-                                planning_rows(args.quick))  # fmt: skip
+    plan_table = markdown_table(
+        ["model", "params", "plan s", "peak RSS", "largest stage", "balance"],
+        planning_rows(args.quick),
+    )
     rows, worst = accuracy_rows(args.quick)
-    acc_table = markdown_table(["case", "stage", "predicted", "measured", "error", "peak during"], rows)
+    acc_table = markdown_table(
+        ["case", "stage", "predicted", "measured", "error", "peak during"], rows
+    )
     print(plan_table, "\n\n", acc_table, f"\n\nworst |error| {worst:.1%}", sep="")
     if not args.quick:
-        record("Planning on the meta device", plan_table,
-               notes="Profile + plan in a fresh process; peak RSS is the process's ru_maxrss "
-                     "(torch import included). Target: < 30 s and < 2 GiB for the 10.7B stack.")  # fmt: skip
-        record("Predicted vs measured stage peaks (CPU)", acc_table,
-               notes=f"Worst |error| over all stages: {worst:.1%} (target: within 10%). Profiles on "
-                     "the CPU; measured = parameters + optimizer state (+ the batch on stage 0) + "
-                     "the largest rise of the CPU allocator's total during one training step of "
-                     "the stage after a warm-up step, read from torch.profiler memory events.")  # fmt: skip
+        record(
+            "Planning on the meta device",
+            plan_table,
+            notes="Profile + plan in a fresh process; peak RSS is the process's ru_maxrss "
+            "(torch import included). Target: < 30 s and < 2 GiB for the 10.7B stack.",
+        )
+        record(
+            "Predicted vs measured stage peaks (CPU)",
+            acc_table,
+            notes=f"Worst |error| over all stages: {worst:.1%} (target: within 10%). Profiles on "
+            "the CPU; measured = parameters + optimizer state (+ the batch on stage 0) + "
+            "the largest rise of the CPU allocator's total during one training step of "
+            "the stage after a warm-up step, read from torch.profiler memory events.",
+        )
     return 0 if worst < 0.10 else 1
 
 

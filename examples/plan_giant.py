@@ -32,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capacity", default="80GiB", help="memory per GPU")
     parser.add_argument("--chunks", type=int, default=32, help="micro-batches per mini-batch")
     parser.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b"])
-    parser.add_argument("--checkpoint", default="always", choices=["always", "except_last", "never"])
+    parser.add_argument(
+        "--checkpoint", default="always", choices=["always", "except_last", "never"]
+    )
     parser.add_argument("--html", default="plan_giant.html", help="where to write the report")
     args = parser.parse_args(argv)
 
@@ -42,8 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     tokens = torch.zeros(args.batch, args.seq_len, dtype=torch.long, device="meta")
     params = sum(p.numel() for p in model.parameters())
-    print(f"GPT: {args.depth} blocks x {args.width} wide, {params / 1e9:.1f}B parameters, "
-          f"{len(model)} layers; batch {args.batch} x {args.seq_len} tokens")  # fmt: skip
+    print(
+        f"GPT: {args.depth} blocks x {args.width} wide, {params / 1e9:.1f}B parameters, "
+        f"{len(model)} layers; batch {args.batch} x {args.seq_len} tokens"
+    )
     try:
         plan = pipepar.plan(
             model,
@@ -61,8 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - start
     print(plan.report(width=150))
     path = plan.save_html(args.html)
-    print(f"planned in {seconds:.1f} s; largest stage {format_bytes(plan.peak_bytes)} of "
-          f"{args.capacity}; report: {path}")  # fmt: skip
+    print(
+        f"planned in {seconds:.1f} s; largest stage {format_bytes(plan.peak_bytes)} of "
+        f"{args.capacity}; report: {path}"
+    )
     return 0
 
 

@@ -52,15 +52,18 @@ class AllocatorLog:
 
     def __exit__(self, *exc: Any) -> None:
         self._prof.__exit__(*exc)
-        from torch._C._profiler import _EventType
+        from torch._C._profiler import _ExtraFields_Allocation
 
         events: list[tuple[int, int]] = []
-        stack = list(self._prof.profiler.kineto_results.experimental_event_tree())
+        profiler = self._prof.profiler
+        results = profiler.kineto_results if profiler is not None else None
+        stack = list(results.experimental_event_tree()) if results is not None else []
         while stack:
             node = stack.pop()
-            if node.tag == _EventType.Allocation:
-                if node.extra_fields.device.type == "cpu":
-                    events.append((node.start_time_ns, node.extra_fields.alloc_size))
+            fields = node.extra_fields
+            if isinstance(fields, _ExtraFields_Allocation):
+                if fields.device.type == "cpu":
+                    events.append((node.start_time_ns, fields.alloc_size))
             elif node.name.startswith("pipepar:"):
                 self._ranges[node.name] = (node.start_time_ns, node.end_time_ns)
             stack.extend(node.children)

@@ -15,8 +15,9 @@ import argparse
 import json
 import re
 import sys
-from collections.abc import Sequence
-from typing import NoReturn
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn, TypeVar
 
 import torch
 
@@ -49,18 +50,30 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pipepar", description="Plan and inspect pipeline-parallel splits.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     p = sub.add_parser("profile", help="profile a model and plan its split over devices")
-    p.add_argument("model", help="models.alexnet, torchvision.models.resnet50, resnet50 or pkg.mod:fn")
+    p.add_argument(
+        "model", help="models.alexnet, torchvision.models.resnet50, resnet50 or pkg.mod:fn"
+    )
     p.add_argument("--input-shape", required=True, help="sample shape, batch first: 64,3,224,224")
     p.add_argument("--input-dtype", default="float32", choices=sorted(_DTYPES))
     p.add_argument("--vocab", type=int, default=None, help="token id range for integer inputs")
     p.add_argument("--devices", default="4", help="a count (4) or names (cuda:0,cuda:1)")
-    p.add_argument("--capacity", default=None, help="per device: 16GiB, or one per device: 16GiB,24GiB")
+    p.add_argument(
+        "--capacity", default=None, help="per device: 16GiB, or one per device: 16GiB,24GiB"
+    )
     p.add_argument("--chunks", type=int, default=8, help="micro-batches per mini-batch (M)")
-    p.add_argument("--optimizer", default="adam", help="adam, adamw, sgd, sgd-momentum, rmsprop or none")
+    p.add_argument(
+        "--optimizer", default="adam", help="adam, adamw, sgd, sgd-momentum, rmsprop or none"
+    )
     p.add_argument("--schedule", default="gpipe", choices=["gpipe", "1f1b"])
-    p.add_argument("--checkpoint", default="except_last", choices=["always", "except_last", "never"])
-    p.add_argument("--profile-device", default="meta", help="meta (default, no memory), cpu or cuda:0")
-    p.add_argument("--model-kwargs", default="{}", help='JSON keyword arguments for the builder: {"depth": 4}')
+    p.add_argument(
+        "--checkpoint", default="except_last", choices=["always", "except_last", "never"]
+    )
+    p.add_argument(
+        "--profile-device", default="meta", help="meta (default, no memory), cpu or cuda:0"
+    )
+    p.add_argument(
+        "--model-kwargs", default="{}", help='JSON keyword arguments for the builder: {"depth": 4}'
+    )
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON ('-' for stdout)")
     p.add_argument("--html", metavar="FILE", help="write the HTML report")
     p.add_argument("--quiet", action="store_true", help="do not print the table")
@@ -99,17 +112,19 @@ def _profile(args: argparse.Namespace) -> int:
     import pipepar
 
     options = _options(args)
-    model = _guard(lambda: load_model(args.model, device=args.profile_device, **options["kwargs"]))
-    sample = _sample(options["shape"], options["dtype"], args.vocab, args.profile_device)
+    model = _guard(lambda: load_model(args.model, device=args.profile_device, **options.kwargs))
+    sample = _sample(options.shape, options.dtype, args.vocab, args.profile_device)
     prof = _guard(
-        lambda: pipepar.profile(model, sample, device=args.profile_device, optimizer=options["optimizer"])
+        lambda: pipepar.profile(
+            model, sample, device=args.profile_device, optimizer=options.optimizer
+        )
     )
     try:
         plan = pipepar.plan(
             prof,
-            devices=options["devices"],
-            capacity=options["capacity"],
-            optimizer=options["optimizer"],
+            devices=options.devices,
+            capacity=options.capacity,
+            optimizer=options.optimizer,
             chunks=args.chunks,
             schedule=args.schedule,
             checkpoint=args.checkpoint,
@@ -129,7 +144,19 @@ def _profile(args: argparse.Namespace) -> int:
     return 0 if all(s.fits for s in plan.stages) else 1
 
 
-def _options(args: argparse.Namespace) -> dict[str, object]:
+@dataclass(frozen=True)
+class _Options:
+    """The checked arguments of ``pipepar profile``."""
+
+    optimizer: str | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    devices: int | list[str]
+    capacity: int | list[int] | None
+    kwargs: dict[str, Any]
+
+
+def _options(args: argparse.Namespace) -> _Options:
     if args.chunks < 1:
         raise UsageError(f"--chunks {args.chunks} must be >= 1 (micro-batches)")
     try:
@@ -137,26 +164,33 @@ def _options(args: argparse.Namespace) -> dict[str, object]:
     except json.JSONDecodeError as err:
         raise UsageError(f"--model-kwargs {args.model_kwargs!r} is not JSON ({err.msg})") from None
     if not isinstance(kwargs, dict):
-        raise UsageError(f"--model-kwargs must be a JSON object like '{{\"depth\": 4}}', got {args.model_kwargs!r}")
+        raise UsageError(
+            "--model-kwargs must be a JSON object like '{\"depth\": 4}', "
+            f"got {args.model_kwargs!r}"
+        )
     optimizer = None if args.optimizer == "none" else args.optimizer
     _guard(lambda: resolve_optimizer(optimizer))
     _guard(lambda: torch.device(args.profile_device))
-    return {
-        "optimizer": optimizer,
-        "shape": _shape(args.input_shape),
-        "dtype": _DTYPES[args.input_dtype],
-        "devices": _devices(args.devices),
-        "capacity": _capacity(args.capacity),
-        "kwargs": kwargs,
-    }
+    return _Options(
+        optimizer=optimizer,
+        shape=_shape(args.input_shape),
+        dtype=_DTYPES[args.input_dtype],
+        devices=_devices(args.devices),
+        capacity=_capacity(args.capacity),
+        kwargs=kwargs,
+    )
 
 
 def _shape(text: str) -> tuple[int, ...]:
     if not re.fullmatch(r"\s*\d+(\s*[,x]\s*\d+)*\s*", text):
-        raise UsageError(f"--input-shape {text!r} must be positive ints, batch first, e.g. 64,3,224,224")
+        raise UsageError(
+            f"--input-shape {text!r} must be positive ints, batch first, e.g. 64,3,224,224"
+        )
     shape = tuple(int(d) for d in re.split(r"[,x]", text))
     if any(d < 1 for d in shape):
-        raise UsageError(f"--input-shape {text!r} must be positive ints, batch first, e.g. 64,3,224,224")
+        raise UsageError(
+            f"--input-shape {text!r} must be positive ints, batch first, e.g. 64,3,224,224"
+        )
     return shape
 
 
@@ -170,7 +204,9 @@ def _devices(text: str) -> int | list[str]:
         try:
             torch.device(name)
         except (RuntimeError, TypeError):
-            raise UsageError(f"--devices has {name!r}, not a device name; use e.g. 4 or cuda:0,cuda:1") from None
+            raise UsageError(
+                f"--devices has {name!r}, not a device name; use e.g. 4 or cuda:0,cuda:1"
+            ) from None
     return names
 
 
@@ -184,14 +220,20 @@ def _capacity(text: str | None) -> int | list[int] | None:
     return parts[0] if len(parts) == 1 else parts
 
 
-def _sample(shape: tuple[int, ...], dtype: torch.dtype, vocab: int | None, device: str) -> torch.Tensor:
+def _sample(
+    shape: tuple[int, ...], dtype: torch.dtype, vocab: int | None, device: str
+) -> torch.Tensor:
     where = "meta" if device == "meta" else "cpu"
     if dtype.is_floating_point:
         return torch.zeros(shape, dtype=dtype, device=where)
     return torch.randint(0, vocab or 2, shape, dtype=dtype, device="cpu").to(where)
 
 
-def _guard(fn):  # type: ignore[no-untyped-def]
+_T = TypeVar("_T")
+
+
+def _guard(fn: Callable[[], _T]) -> _T:
+    """Run ``fn``; a user error in it becomes a one-line usage error (exit status 2)."""
     try:
         return fn()
     except (ValueError, TypeError, ImportError, AttributeError, OSError) as err:

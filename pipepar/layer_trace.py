@@ -183,7 +183,9 @@ def trace_layers(
     traces = [LayerTrace() for _ in layers]
     probe = _Peak(tracker, device)
     inputs: list[Any] = []
-    log = AllocatorLog() if device.type == "cpu" else contextlib.nullcontext()
+    # The CPU allocator's events need torch.profiler; never take over the user's own session.
+    own_profiler = torch._C._autograd._profiler_enabled()
+    log = AllocatorLog() if device.type == "cpu" and not own_profiler else contextlib.nullcontext()
     with log, tracker, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
         x = sample
         for i, layer in enumerate(layers):

@@ -86,7 +86,15 @@ def measure_stage(
     batch = batch.to(device)
 
     def step() -> None:
-        _train_step(layers, batch, opt, chunks, checkpoint, stage_order(schedule, chunks, stages, stage), stage)
+        _train_step(
+            layers,
+            batch,
+            opt,
+            chunks,
+            checkpoint,
+            stage_order(schedule, chunks, stages, stage),
+            stage,
+        )
 
     step()  # warm-up: creates the optimizer state, as in any step after the first
     resident = _storage_bytes(list(layers.parameters()) + list(layers.buffers()))
@@ -123,7 +131,7 @@ def _train_step(
                     y = layers(x)  # recompute the checkpointed micro-batch
             grad_out = torch.ones_like(y)  # arrives from the next stage
             inputs = [x] if x.requires_grad else []
-            grads = torch.autograd.grad([y], inputs + params, [grad_out], allow_unused=True)
+            grads = torch.autograd.grad([y], [*inputs, *params], [grad_out], allow_unused=True)
             _accumulate(sums, owned, grads[len(inputs) :])
             del x, y, grad_out, inputs, grads  # the engine drops them when backward returns
     for p, g in zip(params, sums):

@@ -88,6 +88,7 @@ def _torchvision(name: str) -> Callable[..., Any]:
             f"MODEL {name!r} is not a torchvision model{hint}; use models.<name> for the zoo "
             "or package.module:function"
         )
+
     def build(**kw: Any) -> nn.Module:
         return tvm.get_model(name, **{"weights": None, **kw})  # never download
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,14 +106,14 @@ def resolve_optimizer(optimizer: object) -> OptimizerSpec:
 def _required_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
     # Some optimizers (older SGD, custom ones) make lr a required argument; give them one.
     try:
-        lr = inspect.signature(cls.__init__).parameters.get("lr")
+        lr = inspect.signature(cls).parameters.get("lr")
     except (TypeError, ValueError):
         return {}
     return {"lr": 1e-3} if lr is not None and lr.default is inspect.Parameter.empty else {}
 
 
 def optimizer_cost(
-    spec: OptimizerSpec, params: list[torch.Tensor], *, foreach: bool | None = None
+    spec: OptimizerSpec, params: Sequence[torch.Tensor], *, foreach: bool | None = None
 ) -> OptimizerCost:
     """Measure state and step temporaries for ``params`` (only shapes and dtypes are used).
 
@@ -150,7 +151,7 @@ def optimizer_cost(
 
 def _init_parameters(cls: type) -> set[str]:
     try:
-        return set(inspect.signature(cls.__init__).parameters)
+        return set(inspect.signature(cls).parameters)
     except (TypeError, ValueError):
         return set()
 
@@ -158,7 +159,7 @@ def _init_parameters(cls: type) -> set[str]:
 def _step_and_count(
     cls: type[torch.optim.Optimizer],
     kwargs: dict[str, Any],
-    params: list[torch.Tensor],
+    params: Sequence[torch.Tensor],
     device: torch.device,
 ) -> OptimizerCost:
     copies = [_grad_copy(p, device) for p in params]

@@ -67,7 +67,7 @@ def partition(
 def _check_costs(costs: Sequence[float]) -> list[float]:
     if isinstance(costs, (str, bytes)) or not isinstance(costs, Sequence):
         raise TypeError(f"costs must be a sequence of numbers, got {type(costs).__name__}")
-    values = []
+    values: list[float] = []
     for i, c in enumerate(costs):
         if isinstance(c, bool) or not isinstance(c, numbers.Real):
             raise TypeError(f"costs[{i}]={c!r} is not a number; pass one number per layer")
@@ -100,7 +100,9 @@ def _capacities(capacity: float | Sequence[float | None] | None, parts: int) -> 
                 f"capacity has {len(capacity)} entries but parts={parts}; "
                 "give one capacity per part, or a single number for all"
             )
-        return [_INF if c is None else _check_cap(c, f"capacity[{j}]") for j, c in enumerate(capacity)]
+        return [
+            _INF if c is None else _check_cap(c, f"capacity[{j}]") for j, c in enumerate(capacity)
+        ]
     raise TypeError(f"capacity must be a number, a sequence or None, got {capacity!r}")
 
 
@@ -194,7 +196,8 @@ def _explain_misfit(values: list[float], parts: int, caps: list[float], prefix: 
     if values[biggest] > top:
         return (
             f"costs[{biggest}]={values[biggest]:g} is larger than every capacity (the largest "
-            f"is {top:g}, short by {values[biggest] - top:g}); raise the capacity or split that item"
+            f"is {top:g}, short by {values[biggest] - top:g}); raise the capacity or split "
+            "that item"
         )
     free = _solve(prefix, parts, [_INF] * parts)
     assert free is not None  # parts <= n was checked

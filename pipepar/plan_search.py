@@ -8,9 +8,8 @@ stage oracle of :class:`~pipepar.stage_memory.MemoryModel` as the feasibility te
 oracle calls at most, each O(1); two exact prunings cut most of them: a stage's parameters,
 gradients and optimizer state only grow as it takes more layers, and so does its time.
 
-    >>> chosen = search(model, targets, times=None)
-    >>> [len(c.layers) for c in chosen]
-    [3, 3, 2]
+    >>> chosen = search(memory_model, targets, times=None)   # None: nothing fits
+    >>> [len(c.layers) for c in chosen]                      # the balance
 """
 
 from __future__ import annotations
@@ -41,7 +40,9 @@ class Candidate:
 _Objective = Callable[[int, int, int], "tuple[float, int] | None"]
 
 
-def search(model: MemoryModel, targets: list[Target], times: list[float] | None) -> list[Candidate] | None:
+def search(
+    model: MemoryModel, targets: list[Target], times: list[float] | None
+) -> list[Candidate] | None:
     """The split minimizing the slowest stage's time (or, without times, the fullest stage).
 
     Args:
@@ -134,7 +135,9 @@ def _dp(
     return _backtrack(picks, targets, n)
 
 
-def _backtrack(picks: list[list[tuple[int, int]]], targets: list[Target], n: int) -> list[Candidate]:
+def _backtrack(
+    picks: list[list[tuple[int, int]]], targets: list[Target], n: int
+) -> list[Candidate]:
     out, b = [], n
     for j in reversed(range(len(targets))):
         a, peak = picks[j][b]

@@ -8,6 +8,7 @@ Devices are only described, never used, so a plan may target GPUs this machine d
 
 from __future__ import annotations
 
+import logging
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ import torch
 from pipepar.units import format_bytes, parse_bytes
 
 __all__ = ["Target", "resolve_targets"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -37,7 +40,7 @@ class Target:
 
 
 def resolve_targets(
-    devices: int | Sequence[str | torch.device] | None,
+    devices: int | Sequence[str | int | torch.device] | None,
     capacity: int | str | Sequence[int | str | None] | None,
     *,
     layers: int,
@@ -45,8 +48,8 @@ def resolve_targets(
     """Describe each device of the plan.
 
     Args:
-        devices: a count, names (``"cuda:1"``, ``torch.device("cpu")``), or None (the CUDA
-            devices here, or one CPU).
+        devices: a count, names (``"cuda:1"``, ``torch.device("cpu")``, or a CUDA index like
+            ``1``), or None (the CUDA devices here, or one CPU).
         capacity: bytes for all devices (int or ``"80GiB"``), one entry per device, or None.
         layers: the number of layers; there cannot be more stages than layers.
 
@@ -73,12 +76,13 @@ def _devices(devices: object) -> tuple[list[str], list[str]]:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         devices = [f"cuda:{i}" for i in range(count)] or ["cpu"]
     if isinstance(devices, numbers.Integral) and not isinstance(devices, bool):
-        if devices < 1:
-            raise ValueError(f"devices={devices} must be at least 1")
+        count = int(devices)
+        if count < 1:
+            raise ValueError(f"devices={count} must be at least 1; give the number of devices")
         here = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if 0 < devices <= here:
-            return [f"cuda:{i}" for i in range(int(devices))], ["cuda"] * int(devices)
-        return [f"device {i}" for i in range(int(devices))], ["any"] * int(devices)
+        if count <= here:
+            return [f"cuda:{i}" for i in range(count)], ["cuda"] * count
+        return [f"device {i}" for i in range(count)], ["any"] * count
     if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence):
         raise TypeError(
             f"devices must be a count, a list of device names or None, got {devices!r}; "
@@ -104,7 +108,10 @@ def _capacities(capacity: object, names: list[str], types: list[str]) -> list[in
                 f"capacity has {len(capacity)} entries but there are {len(names)} devices; "
                 "give one capacity per device, or one value for all"
             )
-        given = [None if c is None else parse_bytes(c, name=f"capacity[{i}]") for i, c in enumerate(capacity)]
+        given = [
+            None if c is None else parse_bytes(c, name=f"capacity[{i}]")
+            for i, c in enumerate(capacity)
+        ]
     elif capacity is None:
         given = [None] * len(names)
     else:
@@ -121,11 +128,5 @@ def _default_capacity(name: str, kind: str) -> int | None:
     if index >= torch.cuda.device_count():
         return None
     total = int(torch.cuda.get_device_properties(index).total_memory)
-    _log_default(name, total)
+    logger.debug("capacity of %s: %s (its total memory)", name, format_bytes(total))
     return total
-
-
-def _log_default(name: str, total: int) -> None:
-    import logging
-
-    logging.getLogger(__name__).debug("capacity of %s: %s (its total memory)", name, format_bytes(total))

@@ -1,9 +1,9 @@
 """A plan as a terminal table (rich) and as plain data (JSON).
 
-    >>> print(plan.report())          # one row per layer, one per stage, totals
-    >>> data = json.loads(plan.to_json())
-    >>> data["units"]["peak_bytes"]
-    'B'
+>>> print(plan.report())          # one row per layer, one per stage, totals
+>>> data = json.loads(plan.to_json())
+>>> data["units"]["peak_bytes"]
+'B'
 """
 
 from __future__ import annotations
@@ -44,12 +44,21 @@ def _ms(value: float | None) -> str:
 
 
 def _layer_table(plan: Plan) -> Table:
-    table = Table(title="Layers (whole batch of {} rows)".format(plan.profile.batch_size), box=box.SIMPLE_HEAD)
+    table = Table(
+        title=f"Layers (whole batch of {plan.profile.batch_size} rows)", box=box.SIMPLE_HEAD
+    )
     for name, justify in [
-        ("#", "right"), ("layer", "left"), ("type", "left"), ("output", "left"),
-        ("params", "right"), ("grads+opt", "right"), ("activations", "right"),
-        ("peak", "right"), ("time ms", "right"), ("stage", "right"),
-    ]:  # fmt: skip
+        ("#", "right"),
+        ("layer", "left"),
+        ("type", "left"),
+        ("output", "left"),
+        ("params", "right"),
+        ("grads+opt", "right"),
+        ("activations", "right"),
+        ("peak", "right"),
+        ("time ms", "right"),
+        ("stage", "right"),
+    ]:
         table.add_column(name, justify=justify)  # type: ignore[arg-type]
     for layer in plan.layers:
         table.add_row(
@@ -75,16 +84,20 @@ def _stage_table(plan: Plan) -> Table:
     table = Table(title=title, box=box.SIMPLE_HEAD, show_footer=True)
     totals = _totals(plan)
     columns = [
-        ("stage", "right", "total"), ("device", "left", ""), ("layers", "left", str(len(plan.layers))),
+        ("stage", "right", "total"),
+        ("device", "left", ""),
+        ("layers", "left", str(len(plan.layers))),
         ("params", "right", format_bytes(totals["params_bytes"])),
         ("grads", "right", format_bytes(totals["grads_bytes"])),
         ("optimizer", "right", format_bytes(totals["optimizer_bytes"])),
         ("activations", "right", format_bytes(totals["activation_bytes"])),
         ("transient", "right", format_bytes(totals["transient_bytes"])),
         ("peak", "right", format_bytes(totals["peak_bytes"])),
-        ("capacity", "right", ""), ("headroom", "right", ""), ("in flight", "right", ""),
+        ("capacity", "right", ""),
+        ("headroom", "right", ""),
+        ("in flight", "right", ""),
         ("time ms", "right", _ms(totals["max_stage_time_ms"])),
-    ]  # fmt: skip
+    ]
     for name, justify, footer in columns:
         table.add_column(name, justify=justify, footer=footer)  # type: ignore[arg-type]
     for s in plan.stages:
@@ -124,7 +137,9 @@ def render_report(plan: Plan, *, width: int = 140, color: bool = False) -> str:
         True
     """
     out = io.StringIO()
-    console = Console(file=out, width=width, color_system="standard" if color else None, force_terminal=color)
+    console = Console(
+        file=out, width=width, color_system="standard" if color else None, force_terminal=color
+    )
     console.print(_layer_table(plan))
     console.print(_stage_table(plan))
     console.print(_summary(plan), highlight=False)
@@ -135,7 +150,8 @@ def _summary(plan: Plan) -> str:
     k = len(plan.stages)
     verdict = "fits" if all(s.fits for s in plan.stages) else "DOES NOT FIT"
     return (
-        f"balance {plan.balance}: {verdict}; peak {format_bytes(plan.peak_bytes)}; predicted bubble "
+        f"balance {plan.balance}: {verdict}; peak {format_bytes(plan.peak_bytes)}; "
+        "predicted bubble "
         f"(K-1)/(M+K-1) = {k - 1}/{plan.chunks + k - 1} = {plan.bubble:.1%}; "
         f"balanced by {plan.objective}"
     )

@@ -31,18 +31,30 @@ PARTS = [
 ]
 CAPACITY_COLOR = "#d62728"
 BAND_COLORS = ["#f3f6fa", "#fbf7ee"]
-_UNITS = [("B", 1), ("KiB", 1024), ("MiB", 1024**2), ("GiB", 1024**3), ("TiB", 1024**4), ("PiB", 1024**5)]
+_UNITS = [
+    ("B", 1),
+    ("KiB", 1024),
+    ("MiB", 1024**2),
+    ("GiB", 1024**3),
+    ("TiB", 1024**4),
+    ("PiB", 1024**5),
+]
 
-_CSS = """
-body{font-family:-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;margin:24px;color:#222;max-width:1200px}
-h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 8px;border-bottom:1px solid #ddd}
-.meta{color:#555;font-size:13px} .ok{color:#2a7d2a;font-weight:600} .bad{color:#c0392b;font-weight:600}
-table{border-collapse:collapse;font-size:12px;margin-top:6px} td,th{padding:3px 8px;border-bottom:1px solid #eee}
-th{background:#f5f5f5;text-align:left} td.n{text-align:right;font-variant-numeric:tabular-nums}
-tr.over td{background:#fdecea} svg text{font-family:inherit}
-.legend span{display:inline-block;margin-right:14px;font-size:12px}
-.legend i{display:inline-block;width:11px;height:11px;margin-right:4px;vertical-align:-1px}
-"""
+_CSS = (
+    "body{font-family:-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;margin:24px;"
+    "color:#222;max-width:1200px}"
+    "h1{font-size:22px;margin:0 0 4px} h2{font-size:17px;margin:28px 0 8px;"
+    "border-bottom:1px solid #ddd}"
+    ".meta{color:#555;font-size:13px} .ok{color:#2a7d2a;font-weight:600}"
+    " .bad{color:#c0392b;font-weight:600}"
+    "table{border-collapse:collapse;font-size:12px;margin-top:6px}"
+    " td,th{padding:3px 8px;border-bottom:1px solid #eee}"
+    "th{background:#f5f5f5;text-align:left}"
+    " td.n{text-align:right;font-variant-numeric:tabular-nums}"
+    "tr.over td{background:#fdecea} svg text{font-family:inherit}"
+    ".legend span{display:inline-block;margin-right:14px;font-size:12px}"
+    ".legend i{display:inline-block;width:11px;height:11px;margin-right:4px;vertical-align:-1px}"
+)
 
 
 def write_html(plan: Plan, path: Path) -> Path:
@@ -75,7 +87,13 @@ def render_html(plan: Plan) -> str:
         _stage_chart(plan),
         _stage_table(plan),
         "<h2>Memory per layer</h2>",
-        _legend([PARTS[0], ("", "gradients + optimizer", "#f0a35e"), ("", "activations (whole batch)", PARTS[3][2])]),
+        _legend(
+            [
+                PARTS[0],
+                ("", "gradients + optimizer", "#f0a35e"),
+                ("", "activations (whole batch)", PARTS[3][2]),
+            ]
+        ),
         _layer_memory_chart(plan),
         "<h2>Time per layer</h2>",
         _layer_time_chart(plan),
@@ -95,7 +113,9 @@ def _e(text: object) -> str:
 
 
 def _legend(items: list[tuple[str, str, str]]) -> str:
-    spans = "".join(f'<span><i style="background:{c}"></i>{_e(label)}</span>' for _, label, c in items)
+    spans = "".join(
+        f'<span><i style="background:{c}"></i>{_e(label)}</span>' for _, label, c in items
+    )
     return f'<div class="legend">{spans}</div>'
 
 
@@ -106,7 +126,7 @@ def _axis(top: float) -> tuple[str, int, list[float]]:
     raw = top / scale / 5
     base = 10 ** math.floor(math.log10(raw))
     step = next(m * base for m in (1, 2, 2.5, 5, 10) if m * base >= raw)
-    ticks = [i * step * scale for i in range(int(math.ceil(top / scale / step)) + 1)]
+    ticks = [i * step * scale for i in range(math.ceil(top / scale / step) + 1)]
     return unit, scale, ticks
 
 
@@ -119,13 +139,13 @@ def _svg(width: int, height: int, parts: list[str], label: str) -> str:
     return (
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" role="img" aria-label="{_e(label)}" '
-        'style="max-width:100%;height:auto">'
-        + "".join(parts)
-        + "</svg>"
+        'style="max-width:100%;height:auto">' + "".join(parts) + "</svg>"
     )
 
 
-def _y_grid(ticks: list[float], unit: str, scale: int, y: object, left: int, right: int) -> list[str]:
+def _y_grid(
+    ticks: list[float], unit: str, scale: int, y: object, left: int, right: int
+) -> list[str]:
     out = []
     for t in ticks:
         py = y(t)  # type: ignore[operator]
@@ -163,7 +183,8 @@ def _stage_chart(plan: Plan) -> str:
             y0, y1 = y(base), y(base + value)
             parts.append(
                 f'<rect x="{x:.1f}" y="{y1:.1f}" width="{bar_w}" height="{max(y0 - y1, 0.5):.1f}" '
-                f'fill="{color}"><title>stage {s.index} {label}: {format_bytes(value)}</title></rect>'
+                f'fill="{color}"><title>stage {s.index} {label}: {format_bytes(value)}'
+                "</title></rect>"
             )
             base += value
         if s.capacity_bytes is not None:
@@ -175,7 +196,8 @@ def _stage_chart(plan: Plan) -> str:
             )
         color = "#222" if s.fits else CAPACITY_COLOR
         parts.append(
-            f'<text x="{x + bar_w / 2:.1f}" y="{y(base) - 5:.1f}" font-size="11" text-anchor="middle" '
+            f'<text x="{x + bar_w / 2:.1f}" y="{y(base) - 5:.1f}" font-size="11" '
+            'text-anchor="middle" '
             f'fill="{color}">{format_bytes(s.peak_bytes)}</text>'
         )
         parts.append(
@@ -203,7 +225,9 @@ def _bands(plan: Plan, x_of: object, step: float, head: int, inner: float) -> li
     return out
 
 
-def _layer_chart(plan: Plan, series: list[tuple[list[float], str, str]], unit_fn: object, label: str) -> str:
+def _layer_chart(
+    plan: Plan, series: list[tuple[list[float], str, str]], unit_fn: object, label: str
+) -> str:
     n = len(plan.layers)
     step = max(2.0, min(40.0, 1000 / n))
     left, right, head, foot = 80, 20, 18, 110
@@ -227,8 +251,9 @@ def _layer_chart(plan: Plan, series: list[tuple[list[float], str, str]], unit_fn
             v = values[i]
             if v > 0:
                 parts.append(
-                    f'<rect x="{x_of(i) + step * 0.15:.1f}" y="{y(base + v):.1f}" width="{step * 0.7:.1f}" '
-                    f'height="{max(y(base) - y(base + v), 0.5):.1f}" fill="{color}"><title>{layer.index} '
+                    f'<rect x="{x_of(i) + step * 0.15:.1f}" y="{y(base + v):.1f}" '
+                    f'width="{step * 0.7:.1f}" height="{max(y(base) - y(base + v), 0.5):.1f}" '
+                    f'fill="{color}"><title>{layer.index} '
                     f"{_e(layer.type_name)} {name}: {_tick_label(v, unit, scale)}</title></rect>"
                 )
                 base += v
@@ -236,7 +261,8 @@ def _layer_chart(plan: Plan, series: list[tuple[list[float], str, str]], unit_fn
             lx, ly = x_of(i) + step / 2, height - foot + 10
             parts.append(
                 f'<text x="{lx:.1f}" y="{ly}" font-size="9" text-anchor="end" '
-                f'transform="rotate(-60 {lx:.1f} {ly})" fill="#444">{i} {_e(layer.type_name)}</text>'
+                f'transform="rotate(-60 {lx:.1f} {ly})" fill="#444">'
+                f"{i} {_e(layer.type_name)}</text>"
             )
     return _svg(width, height, parts, label)
 
@@ -244,8 +270,16 @@ def _layer_chart(plan: Plan, series: list[tuple[list[float], str, str]], unit_fn
 def _layer_memory_chart(plan: Plan) -> str:
     series = [
         ([float(x.params_bytes) for x in plan.layers], "parameters", PARTS[0][2]),
-        ([float(x.grads_bytes + x.optimizer_bytes) for x in plan.layers], "gradients + optimizer", "#f0a35e"),
-        ([float(x.activation_bytes) for x in plan.layers], "activations (whole batch)", PARTS[3][2]),
+        (
+            [float(x.grads_bytes + x.optimizer_bytes) for x in plan.layers],
+            "gradients + optimizer",
+            "#f0a35e",
+        ),
+        (
+            [float(x.activation_bytes) for x in plan.layers],
+            "activations (whole batch)",
+            PARTS[3][2],
+        ),
     ]
     return _layer_chart(plan, series, _axis, "memory per layer")
 
@@ -258,7 +292,7 @@ def _layer_time_chart(plan: Plan) -> str:
         raw = top / 5
         base = 10 ** math.floor(math.log10(raw))
         step = next(m * base for m in (1, 2, 2.5, 5, 10) if m * base >= raw)
-        return "ms", 1, [i * step for i in range(int(math.ceil(top / step)) + 1)]
+        return "ms", 1, [i * step for i in range(math.ceil(top / step) + 1)]
 
     series = [
         ([x.forward_ms or 0.0 for x in plan.layers], "forward", "#4e79a7"),
@@ -269,38 +303,82 @@ def _layer_time_chart(plan: Plan) -> str:
 
 
 def _stage_table(plan: Plan) -> str:
-    head = "".join(f"<th>{h}</th>" for h in [
-        "stage", "device", "layers", "params", "grads", "optimizer", "activations", "temporaries",
-        "peak", "capacity", "headroom", "in flight", "peak during", "time ms",
-    ])  # fmt: skip
+    head = "".join(
+        f"<th>{h}</th>"
+        for h in [
+            "stage",
+            "device",
+            "layers",
+            "params",
+            "grads",
+            "optimizer",
+            "activations",
+            "temporaries",
+            "peak",
+            "capacity",
+            "headroom",
+            "in flight",
+            "peak during",
+            "time ms",
+        ]
+    )
     rows = []
     for s in plan.stages:
         cap = format_bytes(s.capacity_bytes) if s.capacity_bytes is not None else "unlimited"
         room = format_bytes(s.headroom_bytes) if s.headroom_bytes is not None else "-"
         cells = [
-            str(s.index), _e(s.device), f"{s.layers.start}..{s.layers.stop - 1}",
-            *(format_bytes(getattr(s, f)) for f, _, _ in PARTS), format_bytes(s.peak_bytes),
-            cap, room, f"x{s.in_flight}", s.phase, "-" if s.time_ms is None else f"{s.time_ms:.2f}",
-        ]  # fmt: skip
-        tds = "".join(f'<td class="n">{c}</td>' if i > 2 else f"<td>{c}</td>" for i, c in enumerate(cells))
+            str(s.index),
+            _e(s.device),
+            f"{s.layers.start}..{s.layers.stop - 1}",
+            *(format_bytes(getattr(s, f)) for f, _, _ in PARTS),
+            format_bytes(s.peak_bytes),
+            cap,
+            room,
+            f"x{s.in_flight}",
+            s.phase,
+            "-" if s.time_ms is None else f"{s.time_ms:.2f}",
+        ]
+        tds = "".join(
+            f'<td class="n">{c}</td>' if i > 2 else f"<td>{c}</td>" for i, c in enumerate(cells)
+        )
         rows.append(f'<tr class="{"" if s.fits else "over"}">{tds}</tr>')
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
 
 def _layer_table(plan: Plan) -> str:
-    head = "".join(f"<th>{h}</th>" for h in [
-        "#", "layer", "type", "output", "params", "grads+opt", "activations", "peak",
-        "fwd ms", "bwd ms", "stage",
-    ])  # fmt: skip
+    head = "".join(
+        f"<th>{h}</th>"
+        for h in [
+            "#",
+            "layer",
+            "type",
+            "output",
+            "params",
+            "grads+opt",
+            "activations",
+            "peak",
+            "fwd ms",
+            "bwd ms",
+            "stage",
+        ]
+    )
     rows = []
     for x in plan.layers:
         cells = [
-            str(x.index), _e(x.name), _e(x.type_name), _e(shape_text(x.output_shape)),
-            format_bytes(x.params_bytes), format_bytes(x.grads_bytes + x.optimizer_bytes),
-            format_bytes(x.activation_bytes), format_bytes(x.peak_bytes),
+            str(x.index),
+            _e(x.name),
+            _e(x.type_name),
+            _e(shape_text(x.output_shape)),
+            format_bytes(x.params_bytes),
+            format_bytes(x.grads_bytes + x.optimizer_bytes),
+            format_bytes(x.activation_bytes),
+            format_bytes(x.peak_bytes),
             "-" if x.forward_ms is None else f"{x.forward_ms:.2f}",
-            "-" if x.backward_ms is None else f"{x.backward_ms:.2f}", str(plan.stage_of(x.index)),
-        ]  # fmt: skip
-        tds = "".join(f'<td class="n">{c}</td>' if i > 3 else f"<td>{c}</td>" for i, c in enumerate(cells))
+            "-" if x.backward_ms is None else f"{x.backward_ms:.2f}",
+            str(plan.stage_of(x.index)),
+        ]
+        tds = "".join(
+            f'<td class="n">{c}</td>' if i > 3 else f"<td>{c}</td>" for i, c in enumerate(cells)
+        )
         rows.append(f"<tr>{tds}</tr>")
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"

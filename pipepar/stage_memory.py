@@ -144,10 +144,16 @@ class MemoryModel:
         r = self.scale
         self._bwd_last = [x.backward_peak_bytes for x in layers]
         self._bwd_freed = _RangeMax(
-            [round(r * (x.backward_peak_bytes + self._freed[i + 1])) - self._g[i] for i, x in enumerate(layers)]
+            [
+                round(r * (x.backward_peak_bytes + self._freed[i + 1])) - self._g[i]
+                for i, x in enumerate(layers)
+            ]
         )
         self._bwd_inner_freed = _RangeMax(
-            [round(r * (x.backward_inner_bytes + self._freed[i + 1])) - self._g[i] for i, x in enumerate(layers)]
+            [
+                round(r * (x.backward_inner_bytes + self._freed[i + 1])) - self._g[i]
+                for i, x in enumerate(layers)
+            ]
         )
         # new_grad_upto[b]: the last layer <= b whose backward makes a new input gradient.
         last = -1
@@ -244,7 +250,9 @@ class MemoryModel:
             (q, b - 1, self._bwd_freed, 0),
         ):
             if lo <= hi:
-                best = max(best, table(lo, hi) + round(self.scale * (extra - tail)) + self._g[b + 1])
+                best = max(
+                    best, table(lo, hi) + round(self.scale * (extra - tail)) + self._g[b + 1]
+                )
         return best
 
     def _split(self, m: int) -> tuple[int, int]:

@@ -80,7 +80,7 @@ def _split(text: str, name: str) -> tuple[int | float, str]:
         raise ValueError(f"{name} must be a finite size, got {text!r}; pass e.g. '16GiB'")
     match = _PATTERN.match(text)
     unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS and unit != "":
+    if match is None or (unit not in _UNITS and unit != ""):
         known = "B, kB, MB, GB, TB, KiB, MiB, GiB, TiB (or K, M, G, T)"
         raise ValueError(
             f"{name}={text!r} is not a byte size; write a number and a unit such as "

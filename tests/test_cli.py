@@ -19,16 +19,36 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     return code, out, err
 
 
-def test_profile_zoo_model_writes_json_and_html(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_profile_zoo_model_writes_json_and_html(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     js, page = tmp_path / "plan.json", tmp_path / "report.html"
     code, out, err = _run(
-        capsys, "profile", "models.alexnet", "--input-shape", "64,3,224,224", "--devices", "4",
-        "--capacity", "2GiB", "--chunks", "8", "--optimizer", "adam", "--json", str(js), "--html", str(page),
-    )  # fmt: skip
+        capsys,
+        "profile",
+        "models.alexnet",
+        "--input-shape",
+        "64,3,224,224",
+        "--devices",
+        "4",
+        "--capacity",
+        "2GiB",
+        "--chunks",
+        "8",
+        "--optimizer",
+        "adam",
+        "--json",
+        str(js),
+        "--html",
+        str(page),
+    )
     assert code == 0 and err == ""
     data = json.loads(js.read_text())
     assert len(data["balance"]) == 4 and sum(data["balance"]) == len(data["layers"])
-    assert data["config"]["capacity_bytes"] == [2 * 2**30] * 4 and data["config"]["optimizer"] == "adam"
+    assert (
+        data["config"]["capacity_bytes"] == [2 * 2**30] * 4
+        and data["config"]["optimizer"] == "adam"
+    )
     assert data["config"]["input_shape"] == [64, 3, 224, 224] and data["fits"]
     assert data["layers"][0]["type_name"] == "Conv2d"
     html = page.read_text()
@@ -39,32 +59,77 @@ def test_profile_zoo_model_writes_json_and_html(tmp_path: Path, capsys: pytest.C
 
 def test_torchvision_names_and_1f1b(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(
-        capsys, "profile", "resnet18", "--input-shape", "8,3,64,64", "--devices", "cuda:0,cuda:1",
-        "--capacity", "1GiB,2GiB", "--schedule", "1f1b", "--json", "-", "--quiet",
-    )  # fmt: skip
+        capsys,
+        "profile",
+        "resnet18",
+        "--input-shape",
+        "8,3,64,64",
+        "--devices",
+        "cuda:0,cuda:1",
+        "--capacity",
+        "1GiB,2GiB",
+        "--schedule",
+        "1f1b",
+        "--json",
+        "-",
+        "--quiet",
+    )
     data = json.loads(out)
     assert code == 0 and data["config"]["schedule"] == "1f1b"
     assert data["config"]["devices"] == ["cuda:0", "cuda:1"]
     assert [s["in_flight"] for s in data["stages"]] == [2, 1]
-    code, out, _ = _run(capsys, "profile", "torchvision.models.resnet18", "--input-shape", "2,3,64,64",
-                        "--devices", "2", "--json", "-", "--quiet")  # fmt: skip
+    code, out, _ = _run(
+        capsys,
+        "profile",
+        "torchvision.models.resnet18",
+        "--input-shape",
+        "2,3,64,64",
+        "--devices",
+        "2",
+        "--json",
+        "-",
+        "--quiet",
+    )
     assert code == 0 and json.loads(out)["totals"]["params_bytes"] == 11_689_512 * 4
 
 
 def test_package_module_function_with_kwargs(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = _run(
-        capsys, "profile", "models.gpt:gpt", "--model-kwargs",
+        capsys,
+        "profile",
+        "models.gpt:gpt",
+        "--model-kwargs",
         '{"depth": 2, "width": 64, "heads": 4, "vocab": 100, "seq_len": 16}',
-        "--input-shape", "4,16", "--input-dtype", "long", "--vocab", "100", "--devices", "2",
-        "--chunks", "2", "--json", "-", "--quiet",
-    )  # fmt: skip
+        "--input-shape",
+        "4,16",
+        "--input-dtype",
+        "long",
+        "--vocab",
+        "100",
+        "--devices",
+        "2",
+        "--chunks",
+        "2",
+        "--json",
+        "-",
+        "--quiet",
+    )
     data = json.loads(out)
     assert code == 0 and data["layers"][-1]["output_shape"] == [4, 16, 100]
 
 
 def test_no_fitting_split_exits_1_with_the_reason(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = _run(capsys, "profile", "models.alexnet", "--input-shape", "8,3,224,224",
-                          "--devices", "2", "--capacity", "100MB")  # fmt: skip
+    code, out, err = _run(
+        capsys,
+        "profile",
+        "models.alexnet",
+        "--input-shape",
+        "8,3,224,224",
+        "--devices",
+        "2",
+        "--capacity",
+        "100MB",
+    )
     assert code == 1 and out == ""
     assert err.count("\n") == 1 and "layer 16 (Linear)" in err and "short by" in err
 
@@ -72,26 +137,52 @@ def test_no_fitting_split_exits_1_with_the_reason(capsys: pytest.CaptureFixture[
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["profile", "models.mlp", "--input-shape", "8,1024", "--bogus"], "unrecognized arguments: --bogus"),
+        (
+            ["profile", "models.mlp", "--input-shape", "8,1024", "--bogus"],
+            "unrecognized arguments: --bogus",
+        ),
         (["profile", "models.mlp"], "--input-shape"),
-        (["profile", "models.mlp", "--input-shape", "8,x"], "--input-shape '8,x' must be positive ints"),
-        (["profile", "models.mlp", "--input-shape", "8,1024", "--capacity", "abc"], "is not a byte size"),
-        (["profile", "models.mlp", "--input-shape", "8,1024", "--capacity=-1GiB"], "must not be negative"),
-        (["profile", "models.mlp", "--input-shape", "8,16"], "layer 0 (Linear) failed on an input of shape (8, 16)"),
+        (
+            ["profile", "models.mlp", "--input-shape", "8,x"],
+            "--input-shape '8,x' must be positive ints",
+        ),
+        (
+            ["profile", "models.mlp", "--input-shape", "8,1024", "--capacity", "abc"],
+            "is not a byte size",
+        ),
+        (
+            ["profile", "models.mlp", "--input-shape", "8,1024", "--capacity=-1GiB"],
+            "must not be negative",
+        ),
+        (
+            ["profile", "models.mlp", "--input-shape", "8,16"],
+            "layer 0 (Linear) failed on an input of shape (8, 16)",
+        ),
         (["profile", "models.mlp", "--input-shape", "8,1024", "--devices", "0"], "--devices 0"),
-        (["profile", "models.mlp", "--input-shape", "8,1024", "--devices", "gpu:x"], "not a device name"),
+        (
+            ["profile", "models.mlp", "--input-shape", "8,1024", "--devices", "gpu:x"],
+            "not a device name",
+        ),
         (["profile", "models.mlp", "--input-shape", "8,1024", "--chunks", "0"], "--chunks 0"),
-        (["profile", "models.mlp", "--input-shape", "8,1024", "--schedule", "zz"], "invalid choice"),
+        (
+            ["profile", "models.mlp", "--input-shape", "8,1024", "--schedule", "zz"],
+            "invalid choice",
+        ),
         (["profile", "models.mlp", "--input-shape", "8,1024", "--optimizer", "adamx"], "not known"),
         (["profile", "nosuch.module:fn", "--input-shape", "8,3"], "cannot import 'nosuch.module'"),
         (["profile", "models.nosuch", "--input-shape", "8,3"], "has no 'nosuch'"),
         (["profile", "resnet9000", "--input-shape", "8,3"], "not a torchvision model"),
-        (["profile", "models.mlp", "--input-shape", "8,1024", "--model-kwargs", "{"], "is not JSON"),
+        (
+            ["profile", "models.mlp", "--input-shape", "8,1024", "--model-kwargs", "{"],
+            "is not JSON",
+        ),
         (["frobnicate"], "invalid choice"),
         ([], "required"),
     ],
 )
-def test_bad_arguments_exit_2_with_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+def test_bad_arguments_exit_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
     code, out, err = _run(capsys, *argv)
     assert code == 2 and out == ""
     assert err.startswith("pipepar: error: ") and err.count("\n") == 1
@@ -100,10 +191,24 @@ def test_bad_arguments_exit_2_with_one_line(capsys: pytest.CaptureFixture[str], 
 
 def test_python_dash_m_entry_point(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "pipepar", "profile", "models.mlp", "--input-shape", "16,1024",
-         "--devices", "2", "--json", str(tmp_path / "p.json")],
-        capture_output=True, text=True, cwd=Path(__file__).parents[1], timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pipepar",
+            "profile",
+            "models.mlp",
+            "--input-shape",
+            "16,1024",
+            "--devices",
+            "2",
+            "--json",
+            str(tmp_path / "p.json"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parents[1],
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert json.loads((tmp_path / "p.json").read_text())["balance"] == [8, 8]
 

@@ -180,6 +180,7 @@ def case_state_dict(rank: int) -> dict:
     for pipe in (loaded, fresh):
         pipe.close()
     return {
+        "full": full,
         "full_keys": list(full),
         "full_error": max((full[k] - v).abs().max().item() for k, v in plain.state_dict().items()),
         "local_keys": list(loaded.state_dict()),
@@ -392,7 +393,8 @@ def test_training_matches_one_plain_process(
 @pytest.mark.slow
 def test_state_dicts_use_the_original_keys_and_gather_the_whole_model(pool: Pool) -> None:
     plain = tiny_model().state_dict()
-    for rank, r in enumerate(pool.run(case_state_dict)):
+    results = pool.run(case_state_dict)
+    for rank, r in enumerate(results):
         assert r["full_keys"] == list(plain)
         assert r["full_error"] == 0.0
         start, stop = (0, 3) if r["stage"] == 0 else (3, 8)
@@ -400,6 +402,16 @@ def test_state_dicts_use_the_original_keys_and_gather_the_whole_model(pool: Pool
         assert max(r["after_load"].values()) == 0.0
         assert r["same_as_replica"], f"rank {rank}: replicas were initialised differently"
         assert r["differs_from_plain"], f"rank {rank}: reset_parameters did not run"
+    # the gathered checkpoint loads into a single-process pipeline and into the plain model
+    import pipepar
+
+    full = {k: v + 0.5 for k, v in results[0]["full"].items()}
+    single = pipepar.wrap(tiny_model(seed=7), [4, 4], devices=["cpu", "cpu"], chunks=2)
+    single.load_state_dict(full)
+    again = tiny_model(seed=7)
+    again.load_state_dict(single.state_dict())
+    assert all(torch.equal(v, full[k]) for k, v in again.state_dict().items())
+    single.close()
 
 
 @pytest.mark.slow

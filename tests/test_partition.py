@@ -53,7 +53,9 @@ def test_optimal_against_brute_force_on_many_random_lists() -> None:
     for _ in range(1500):
         n = rng.randint(1, 9)
         parts = rng.randint(1, n)
-        costs = [rng.choice([0, 0, 1, 2, 3, 5, 8, 13, round(rng.random() * 10, 3)]) for _ in range(n)]
+        costs = [
+            rng.choice([0, 0, 1, 2, 3, 5, 8, 13, round(rng.random() * 10, 3)]) for _ in range(n)
+        ]
         kind = rng.random()
         if kind < 0.4:
             _check(costs, parts, None, [math.inf] * parts)

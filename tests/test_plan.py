@@ -27,11 +27,19 @@ def _mlp(width: int, depth: int, act: type[nn.Module] = nn.ReLU) -> nn.Sequentia
 
 def _convnet() -> nn.Sequential:
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.Dropout(0.1),
-        nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(4), nn.Flatten(),
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(),
         nn.Linear(512, 10),
-    )  # fmt: skip
+    )
 
 
 CASES = {
@@ -56,16 +64,30 @@ def test_predicted_peaks_within_10_percent_of_measured(case: str) -> None:
     build, shape, k, m, ckpt, schedule, optimizer = CASES[case]
     model, x = build(), torch.randn(*shape)
     prof = profile(model, x, device="cpu", optimizer=optimizer)
-    p = plan(prof, devices=["cpu"] * k, chunks=m, checkpoint=ckpt, schedule=schedule, optimizer=optimizer)
+    # Drop the measured times so the split (by memory) does not depend on timing noise.
+    prof = replace(
+        prof, layers=[replace(x, forward_ms=None, backward_ms=None) for x in prof.layers]
+    )
+    p = plan(
+        prof, devices=["cpu"] * k, chunks=m, checkpoint=ckpt, schedule=schedule, optimizer=optimizer
+    )
     for stage in p.stages:
         first = stage.layers.start
         layers = model[first : stage.layers.stop]
         measured = measure_stage(
-            layers, _stage_input(model, x, first), chunks=m, optimizer=optimizer,
-            checkpoint=ckpt, schedule=schedule, stage=stage.index, stages=k,
-        )  # fmt: skip
+            layers,
+            _stage_input(model, x, first),
+            chunks=m,
+            optimizer=optimizer,
+            checkpoint=ckpt,
+            schedule=schedule,
+            stage=stage.index,
+            stages=k,
+        )
         error = (stage.peak_bytes - measured) / measured
-        assert abs(error) < 0.10, f"stage {stage.index}: predicted {stage.peak_bytes}, measured {measured}"
+        assert abs(error) < 0.10, (
+            f"stage {stage.index}: predicted {stage.peak_bytes}, measured {measured}"
+        )
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -73,19 +95,39 @@ def test_predicted_peaks_within_10_percent_of_measured(case: str) -> None:
 def test_predicted_peaks_within_10_percent_on_cuda(case: str) -> None:
     build, shape, k, m, ckpt, schedule, optimizer = CASES[case]
     model, x = build().cuda(), torch.randn(*shape, device="cuda")
-    p = plan(profile(model, x, device="cuda", optimizer=optimizer), devices=["cuda:0"] * k,
-             chunks=m, checkpoint=ckpt, schedule=schedule, optimizer=optimizer, capacity=None)  # fmt: skip
+    p = plan(
+        profile(model, x, device="cuda", optimizer=optimizer),
+        devices=["cuda:0"] * k,
+        chunks=m,
+        checkpoint=ckpt,
+        schedule=schedule,
+        optimizer=optimizer,
+        capacity=None,
+    )
     for stage in p.stages:
         layers = model[stage.layers.start : stage.layers.stop]
         measured = measure_stage(
-            layers, _stage_input(model, x, stage.layers.start), chunks=m, optimizer=optimizer,
-            checkpoint=ckpt, schedule=schedule, stage=stage.index, stages=k,
-        )  # fmt: skip
+            layers,
+            _stage_input(model, x, stage.layers.start),
+            chunks=m,
+            optimizer=optimizer,
+            checkpoint=ckpt,
+            schedule=schedule,
+            stage=stage.index,
+            stages=k,
+        )
         assert abs(stage.peak_bytes - measured) / measured < 0.10
 
 
 def test_stage_order_matches_the_schedules() -> None:
-    assert stage_order("gpipe", 3, 2, 1) == [("F", 0), ("F", 1), ("F", 2), ("B", 2), ("B", 1), ("B", 0)]
+    assert stage_order("gpipe", 3, 2, 1) == [
+        ("F", 0),
+        ("F", 1),
+        ("F", 2),
+        ("B", 2),
+        ("B", 1),
+        ("B", 0),
+    ]
     order = stage_order("1f1b", 8, 4, 0)
     in_flight, most = 0, 0
     for action, _ in order:
@@ -122,7 +164,9 @@ def _brute_force(model: MemoryModel, targets: list, n: int) -> float:
     best = float("inf")
     for cuts in itertools.combinations(range(1, n), len(targets) - 1):
         bounds = [0, *cuts, n]
-        peaks = [model.stage(j, bounds[j], bounds[j + 1] - 1).peak_bytes for j in range(len(targets))]
+        peaks = [
+            model.stage(j, bounds[j], bounds[j + 1] - 1).peak_bytes for j in range(len(targets))
+        ]
         if all(t.capacity is None or p <= t.capacity for p, t in zip(peaks, targets)):
             best = min(best, max(p / t.capacity for p, t in zip(peaks, targets)))
     return best
@@ -130,14 +174,25 @@ def _brute_force(model: MemoryModel, targets: list, n: int) -> float:
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_balance_by_memory_is_optimal(schedule: str) -> None:
-    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 512), nn.GELU(),
-                          nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, 512), nn.Linear(512, 8))  # fmt: skip
+    model = nn.Sequential(
+        nn.Linear(64, 256),
+        nn.ReLU(),
+        nn.Linear(256, 512),
+        nn.GELU(),
+        nn.Linear(512, 64),
+        nn.ReLU(),
+        nn.Linear(64, 512),
+        nn.Linear(512, 8),
+    )
     prof = profile(model, torch.randn(128, 64))
     caps = ["3MiB", "4MiB", "2MiB"]
-    p = plan(prof, devices=["cuda:0", "cuda:1", "cuda:2"], capacity=caps, chunks=4, schedule=schedule)
+    p = plan(
+        prof, devices=["cuda:0", "cuda:1", "cuda:2"], capacity=caps, chunks=4, schedule=schedule
+    )
     targets = resolve_targets(["cuda:0", "cuda:1", "cuda:2"], caps, layers=len(model))
-    oracle = MemoryModel(prof, chunks=4, stages=3, schedule=schedule, checkpoint="except_last",
-                         foreach=[True] * 3)  # fmt: skip
+    oracle = MemoryModel(
+        prof, chunks=4, stages=3, schedule=schedule, checkpoint="except_last", foreach=[True] * 3
+    )
     got = max(s.peak_bytes / s.capacity_bytes for s in p.stages)  # type: ignore[operator]
     assert got == pytest.approx(_brute_force(oracle, targets, len(model)))
 
@@ -145,7 +200,9 @@ def test_balance_by_memory_is_optimal(schedule: str) -> None:
 def test_balance_by_time_when_measured() -> None:
     prof = profile(_mlp(32, 4), torch.randn(8, 32))
     times = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 6.0, 6.0]
-    timed = replace(prof, layers=[replace(x, forward_ms=t, backward_ms=0.0) for x, t in zip(prof.layers, times)])
+    timed = replace(
+        prof, layers=[replace(x, forward_ms=t, backward_ms=0.0) for x, t in zip(prof.layers, times)]
+    )
     p = plan(timed, devices=3, chunks=2)
     assert p.objective == "time"
     assert p.balance == pipepar.partition(times, 3) == [6, 1, 1]
@@ -162,7 +219,9 @@ def test_heterogeneous_capacities_give_the_big_device_more() -> None:
 
 def test_a_layer_too_big_for_any_device_is_named() -> None:
     model = nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 4096), nn.Linear(4096, 8))
-    with pytest.raises(ValueError, match=r"layer 1 \(Linear\) needs .* on a stage of its own") as err:
+    with pytest.raises(
+        ValueError, match=r"layer 1 \(Linear\) needs .* on a stage of its own"
+    ) as err:
         plan(model, torch.randn(4, 8), devices=2, capacity="1MiB")
     assert "short by" in str(err.value) and "checkpoint='always'" in str(err.value)
 
@@ -170,7 +229,9 @@ def test_a_layer_too_big_for_any_device_is_named() -> None:
 def test_no_fitting_split_names_the_stage_and_shortfall() -> None:
     prof = profile(_mlp(256, 4), torch.randn(8, 256), optimizer="adam")
     need = max(s.peak_bytes for s in plan(prof, devices=2).stages)
-    with pytest.raises(ValueError, match=r"no balance of 8 layers over 2 devices fits: at best stage \d") as err:
+    with pytest.raises(
+        ValueError, match=r"no balance of 8 layers over 2 devices fits: at best stage \d"
+    ) as err:
         plan(prof, devices=2, capacity=int(need * 0.95))
     assert "short by" in str(err.value)
 
@@ -208,7 +269,9 @@ def test_plan_from_a_model_and_a_sample() -> None:
 def test_wrap_without_balance_uses_the_planner() -> None:
     model = _mlp(32, 4)
     x = torch.randn(16, 32)
-    expected = plan(profile(model, x, device="cpu"), devices=["cpu", "cpu"], chunks=4, optimizer=None)
+    expected = plan(
+        profile(model, x, device="cpu"), devices=["cpu", "cpu"], chunks=4, optimizer=None
+    )
     pipe = pipepar.wrap(model, sample=x, devices=["cpu", "cpu"], chunks=4)
     assert sum(pipe.balance) == 8 and len(pipe.balance) == 2
     assert pipe.balance == expected.balance or expected.objective == "time"  # times are noisy
@@ -224,7 +287,11 @@ def test_wrap_without_balance_uses_the_planner() -> None:
         ({"devices": 9}, ValueError, "asks for 9 stages but the model has 4 layers"),
         ({"devices": "cuda:0"}, TypeError, "devices must be a count"),
         ({"devices": ["gpu:0"]}, ValueError, r"devices\[0\]='gpu:0' is not a torch device"),
-        ({"devices": 2, "capacity": ["1GiB"]}, ValueError, "capacity has 1 entries but there are 2"),
+        (
+            {"devices": 2, "capacity": ["1GiB"]},
+            ValueError,
+            "capacity has 1 entries but there are 2",
+        ),
         ({"capacity": "lots"}, ValueError, "capacity='lots' is not a byte size"),
     ],
 )
@@ -237,12 +304,14 @@ def test_bad_arguments(kwargs: dict, error: type, match: str) -> None:
 def test_model_without_sample_is_an_error() -> None:
     with pytest.raises(ValueError, match="no sample"):
         plan(_mlp(8, 2))
-    with pytest.raises(TypeError, match="nn.Sequential or a pipepar Profile"):
+    with pytest.raises(TypeError, match=r"nn\.Sequential or a pipepar Profile"):
         plan("model")  # type: ignore[arg-type]
 
 
 def test_stages_never_start_with_a_layer_that_writes_its_input() -> None:
-    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), nn.ReLU(inplace=True))])
+    model = nn.Sequential(
+        *[m for _ in range(4) for m in (nn.Linear(64, 64), nn.ReLU(inplace=True))]
+    )
     prof = profile(model, torch.randn(8, 64))
     assert [x.modifies_input for x in prof.layers] == [False, True] * 4
     for k in (2, 3, 4):

@@ -31,7 +31,11 @@ def _torchvision(name: str) -> nn.Sequential:
 
 
 def test_exported_names() -> None:
-    assert (pipepar.profile, pipepar.Profile, pipepar.LayerProfile) == (profile, Profile, LayerProfile)
+    assert (pipepar.profile, pipepar.Profile, pipepar.LayerProfile) == (
+        profile,
+        Profile,
+        LayerProfile,
+    )
 
 
 @pytest.mark.parametrize(("name", "count"), [("alexnet", 61_100_840), ("resnet50", 25_557_032)])
@@ -101,11 +105,15 @@ def test_shared_frozen_buffers_and_mixed_dtypes() -> None:
     frozen = nn.Linear(8, 8)
     frozen.requires_grad_(False)
     half = nn.Linear(8, 8).to(torch.bfloat16)
-    model = nn.Sequential(tied, nn.ReLU(), tied, frozen, nn.BatchNorm1d(8), Cast(torch.bfloat16), half)
+    model = nn.Sequential(
+        tied, nn.ReLU(), tied, frozen, nn.BatchNorm1d(8), Cast(torch.bfloat16), half
+    )
     prof = profile(model, torch.randn(4, 8), optimizer="adam")
     layers = prof.layers
     assert layers[0].params_bytes == 72 * 4 and layers[2].params_bytes == 0  # shared: once
-    assert layers[3].params_bytes == 72 * 4 and layers[3].grads_bytes == layers[3].optimizer_bytes == 0
+    assert (
+        layers[3].params_bytes == 72 * 4 and layers[3].grads_bytes == layers[3].optimizer_bytes == 0
+    )
     assert layers[4].params_bytes == 16 * 4  # weight and bias; running stats are buffers
     assert layers[6].params_bytes == layers[6].grads_bytes == 72 * 2  # bf16
     assert layers[6].optimizer_bytes == 2 * 72 * 2  # Adam keeps bf16 state for bf16 params
@@ -171,14 +179,23 @@ def test_optimizer_state_is_what_the_optimizer_allocates(optimizer: object, fact
 def test_any_optimizer_class_or_instance() -> None:
     layer = nn.Linear(16, 16)
     params = 17 * 16 * 4
-    assert profile(nn.Sequential(layer), torch.randn(2, 16), optimizer=torch.optim.Adagrad).layers[
-        0
-    ].optimizer_bytes == params  # state_sum
+    assert (
+        profile(nn.Sequential(layer), torch.randn(2, 16), optimizer=torch.optim.Adagrad)
+        .layers[0]
+        .optimizer_bytes
+        == params
+    )  # state_sum
     instance = torch.optim.SGD(layer.parameters(), lr=0.1, momentum=0.5)
     assert resolve_optimizer(instance).kwargs["momentum"] == 0.5
     cost = optimizer_cost(resolve_optimizer(instance), [torch.empty(100, device="meta")])
     assert cost.state_bytes == 400
-    assert profile(nn.Sequential(layer), torch.randn(2, 16)).with_optimizer("sgd").layers[0].optimizer_bytes == 0
+    assert (
+        profile(nn.Sequential(layer), torch.randn(2, 16))
+        .with_optimizer("sgd")
+        .layers[0]
+        .optimizer_bytes
+        == 0
+    )
 
 
 def test_huge_models_profile_on_meta_without_memory() -> None:

@@ -55,7 +55,7 @@ def test_parse_bytes_rejects_negative_sizes(bad: object) -> None:
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, "nan", "inf", "-inf", "NaN GiB"])
 def test_parse_bytes_rejects_nan_and_infinity(bad: object) -> None:
-    with pytest.raises(ValueError, match="finite|not a byte size"):
+    with pytest.raises(ValueError, match=r"finite|not a byte size"):
         parse_bytes(bad)  # type: ignore[arg-type]
 
 
