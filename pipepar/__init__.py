@@ -10,7 +10,7 @@ run micro-batches through them concurrently, and plan the split from a memory pr
 
 from pipepar.partition import partition
 from pipepar.pipe import Pipe, wrap
-from pipepar.plan import Plan, plan
+from pipepar.plan import Plan, StagePlan, plan
 from pipepar.profile import LayerProfile, Profile, profile
 from pipepar.sequential import sequentialize
 
@@ -21,6 +21,7 @@ __all__ = [
     "Pipe",
     "Plan",
     "Profile",
+    "StagePlan",
     "partition",
     "plan",
     "profile",

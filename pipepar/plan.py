@@ -164,7 +164,7 @@ class Plan:
         """
         return json.dumps(self.to_dict(), indent=indent)
 
-    def report(self, *, width: int = 140, color: bool = False) -> str:
+    def report(self, *, width: int = 200, color: bool = False) -> str:
         """A terminal table: one row per layer, one per stage, and totals."""
         from pipepar.report import render_report
 

@@ -59,7 +59,7 @@ def _layer_table(plan: Plan) -> Table:
         ("time ms", "right"),
         ("stage", "right"),
     ]:
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+        table.add_column(name, justify=justify, no_wrap=True)  # type: ignore[arg-type]
     for layer in plan.layers:
         table.add_row(
             str(layer.index),
@@ -99,7 +99,7 @@ def _stage_table(plan: Plan) -> Table:
         ("time ms", "right", _ms(totals["max_stage_time_ms"])),
     ]
     for name, justify, footer in columns:
-        table.add_column(name, justify=justify, footer=footer)  # type: ignore[arg-type]
+        table.add_column(name, justify=justify, footer=footer, no_wrap=True)  # type: ignore[arg-type]
     for s in plan.stages:
         headroom = s.headroom_bytes
         room = format_bytes(headroom) if headroom is not None else "-"
@@ -121,7 +121,7 @@ def _stage_table(plan: Plan) -> Table:
     return table
 
 
-def render_report(plan: Plan, *, width: int = 140, color: bool = False) -> str:
+def render_report(plan: Plan, *, width: int = 200, color: bool = False) -> str:
     """The plan as text: the layer table, the stage table and a summary line.
 
     Args:
