@@ -480,6 +480,36 @@ def test_single_process_pipes_compose_with_ddp(pool: Pool, checkpoint: str) -> N
         assert r["grad_error"] < TOL, r
 
 
+def _nccl_worker(rank: int, port: int, out: Any) -> None:
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.cuda.set_device(rank)
+    pipe = ppd.wrap(tiny_model(), BALANCE[2], chunks=CHUNKS, schedule="1f1b")
+    plain = tiny_model().cuda(rank)
+    x, y = (t[0].cuda(rank) for t in batches(1, 1)[0])
+    loss = pipe.step(x, y, nn.functional.mse_loss)
+    ref = nn.functional.mse_loss(plain(x), y)
+    ref.backward()
+    grads = dict(plain.named_parameters())
+    err = max((p.grad - grads[k].grad).abs().max().item() for k, p in pipe.named_parameters())
+    out.put((rank, abs(loss - ref.item()), err, str(pipe.device)))
+    pipe.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_nccl_pipeline_on_two_gpus_matches_plain() -> None:
+    ctx = mp.get_context("spawn")
+    out = ctx.SimpleQueue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_nccl_worker, args=(port, out), nprocs=2)
+    for rank, loss_err, grad_err, device in sorted(out.get() for _ in range(2)):
+        assert device == f"cuda:{rank}"
+        assert loss_err < TOL and grad_err < TOL
+
+
 # -- tests: no process group --------------------------------------------------------------------
 def test_check_grid_names_both_sizes_and_a_fix() -> None:
     assert check_grid(6, 3, 2) == 2
