@@ -8,6 +8,7 @@ run micro-batches through them concurrently, and plan the split from a memory pr
     >>> loss_fn(pipe(x), y).backward()
 """
 
+from pipepar import io
 from pipepar.partition import partition
 from pipepar.pipe import Pipe, wrap
 from pipepar.plan import Plan, StagePlan, plan
@@ -21,6 +22,7 @@ __all__ = [
     "Pipe",
     "Plan",
     "Profile",
+    "io",
     "StagePlan",
     "partition",
     "plan",

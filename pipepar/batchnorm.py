@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from pipepar.checkpoint import is_recomputing
 
-__all__ = ["DeferredBatchNorm", "commit_all", "convert_deferred_batch_norm"]
+__all__ = ["DeferredBatchNorm", "commit_all", "convert_deferred_batch_norm", "reset_all"]
 
 
 class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -113,3 +113,11 @@ def commit_all(modules: list[nn.Module]) -> None:
         for sub in module.modules():
             if isinstance(sub, DeferredBatchNorm):
                 sub.commit()
+
+
+def reset_all(modules: list[nn.Module]) -> None:
+    """Drop what every deferred batch norm in ``modules`` gathered since its last commit."""
+    for module in modules:
+        for sub in module.modules():
+            if isinstance(sub, DeferredBatchNorm):
+                sub.reset_accumulators()

@@ -25,6 +25,7 @@ __all__ = [
     "RNG_LOCK",
     "RngState",
     "is_recomputing",
+    "private_stream",
     "recomputing",
     "should_checkpoint",
     "uses_randomness",
@@ -81,6 +82,26 @@ class RngState:
             for index, state in self.cuda.items():
                 torch.cuda.set_rng_state(state, index)
             yield
+
+
+def _cuda_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@contextmanager
+def private_stream(device: torch.device, seed: int) -> Iterator[None]:
+    """Draw the block's random numbers from a stream of its own, then restore the global state.
+
+    Stage workers are threads sharing the process-wide generator: without a stream per
+    (stage, micro-batch), which stage draws first, and so every dropout mask, would depend on
+    thread timing, and the same seed would not give the same run. Hold :data:`RNG_LOCK`.
+    """
+    cuda = [_cuda_index(device)] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):
+        torch.default_generator.manual_seed(seed)
+        for index in cuda:
+            torch.cuda.default_generators[index].manual_seed(seed)
+        yield
 
 
 def is_recomputing() -> bool:

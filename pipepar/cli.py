@@ -23,6 +23,7 @@ import torch
 
 from pipepar.model_loader import load_model
 from pipepar.optimizer_state import resolve_optimizer
+from pipepar.plan_targets import resolve_targets
 from pipepar.units import parse_bytes
 
 __all__ = ["main"]
@@ -119,6 +120,8 @@ def _profile(args: argparse.Namespace) -> int:
             model, sample, device=args.profile_device, optimizer=options.optimizer
         )
     )
+    # Device and capacity lists that do not match each other or the model are bad arguments.
+    _guard(lambda: resolve_targets(options.devices, options.capacity, layers=len(prof)))
     try:
         plan = pipepar.plan(
             prof,
@@ -170,7 +173,9 @@ def _options(args: argparse.Namespace) -> _Options:
         )
     optimizer = None if args.optimizer == "none" else args.optimizer
     _guard(lambda: resolve_optimizer(optimizer))
-    _guard(lambda: torch.device(args.profile_device))
+    _profile_device(args.profile_device)
+    if args.vocab is not None and args.vocab < 1:
+        raise UsageError(f"--vocab {args.vocab} must be at least 1 (token ids are 0..vocab-1)")
     return _Options(
         optimizer=optimizer,
         shape=_shape(args.input_shape),
@@ -192,6 +197,19 @@ def _shape(text: str) -> tuple[int, ...]:
             f"--input-shape {text!r} must be positive ints, batch first, e.g. 64,3,224,224"
         )
     return shape
+
+
+def _profile_device(text: str) -> None:
+    try:
+        device = torch.device(text)
+    except (RuntimeError, TypeError):
+        raise UsageError(
+            f"--profile-device {text!r} is not a device; use meta (the default), cpu or cuda:0"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(
+            f"--profile-device {text} but CUDA is not available here; use meta (the default) or cpu"
+        )
 
 
 def _devices(text: str) -> int | list[str]:
@@ -224,9 +242,13 @@ def _sample(
     shape: tuple[int, ...], dtype: torch.dtype, vocab: int | None, device: str
 ) -> torch.Tensor:
     where = "meta" if device == "meta" else "cpu"
-    if dtype.is_floating_point:
-        return torch.zeros(shape, dtype=dtype, device=where)
-    return torch.randint(0, vocab or 2, shape, dtype=dtype, device="cpu").to(where)
+    try:
+        if dtype.is_floating_point:
+            return torch.zeros(shape, dtype=dtype, device=where)
+        return torch.randint(0, vocab or 2, shape, dtype=dtype, device="cpu").to(where)
+    except RuntimeError as err:  # sizes that overflow, or more memory than this machine has
+        first = str(err).splitlines()[0]
+        raise UsageError(f"--input-shape {','.join(map(str, shape))}: {first}") from None
 
 
 _T = TypeVar("_T")

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipepar.checkpoint import RngState, recomputing, should_checkpoint
+from pipepar.checkpoint import RngState, private_stream, recomputing, should_checkpoint
 from pipepar.microbatch import Value, map_tensors, tensors
 from pipepar.stage import Stage
 from pipepar.trace import Tracer
@@ -90,6 +90,10 @@ class Run:
         self.training = any(layer.training for s in stages for layer in s.layers)
         self.autocast = Autocast.capture()
         self.tracer = tracer
+        # Random stages on several threads would race for the global generator: give each
+        # (stage, micro-batch) a stream of its own, seeded here on the caller's thread.
+        racing = self.training and sum(s.stochastic for s in stages) > 1
+        self.seed = int(torch.randint(2**62, ())) if racing else None
         self.acts = Slots(blocking=blocking)
         self.grads = Slots(blocking=blocking)
         for i, x in enumerate(microbatches):
@@ -110,8 +114,10 @@ class Run:
         leaf = _leaf(x, keep) if self.grad else x
         ckpt = self.grad and self.training and should_checkpoint(self.checkpoint, i, self.m)
         rng = None
-        with stage.rng_guard(), _on(stage.device), self.autocast():
-            rng = RngState.capture(stage.device) if ckpt else None
+        with self._random(stage, i), _on(stage.device), self.autocast():
+            # Only random stages touch the generator: they hold RNG_LOCK, and a save/restore
+            # by another thread without it would clobber their state (and their masks).
+            rng = RngState.capture(stage.device) if ckpt and stage.stochastic else None
             with torch.set_grad_enabled(self.grad and not ckpt):
                 y = stage.run(stage.protect(leaf) if self.grad else leaf)
         if self.grad:
@@ -119,6 +125,15 @@ class Run:
             y = map_tensors(y, Tensor.detach)
         self.acts.put((j + 1, i), y)
         self._trace(j, i, "forward", start)
+
+    def _random(self, stage: Stage, i: int) -> contextlib.AbstractContextManager[Any]:
+        """The RNG lock and, when training, a stream of the stage's own for micro-batch ``i``."""
+        if self.seed is None or not stage.stochastic:
+            return stage.rng_guard()
+        stack = contextlib.ExitStack()
+        stack.enter_context(stage.rng_guard())
+        stack.enter_context(private_stream(stage.device, self.seed + stage.index * self.m + i))
+        return stack
 
     def outputs(self) -> list[Value]:
         """The last stage's outputs, in micro-batch order (after the forward actions ran)."""
@@ -160,10 +175,9 @@ class Run:
 
     def _recompute(self, stage: Stage, rec: _Record, i: int) -> Value:
         start = time.perf_counter()
-        assert rec.rng is not None
         with (
             stage.rng_guard(),
-            rec.rng.replay(),
+            rec.rng.replay() if rec.rng is not None else contextlib.nullcontext(),
             recomputing(stage.layers),
             _on(stage.device),
             torch.enable_grad(),

@@ -61,6 +61,15 @@ def _batch_size(value: Value) -> int:
     return sizes.pop()
 
 
+def _check_dense(value: Value) -> None:
+    for k, t in enumerate(tensors(value)):
+        if t.layout != torch.strided:
+            raise TypeError(
+                f"input tensor {k} has layout {t.layout}, but micro-batches are row views of "
+                "dense tensors; pass x.to_dense(), or build the sparse tensor inside a layer"
+            )
+
+
 def scatter(value: Value, chunks: int) -> list[Value]:
     """Split a batch into at most ``chunks`` micro-batches along dimension 0.
 
@@ -69,6 +78,7 @@ def scatter(value: Value, chunks: int) -> list[Value]:
     >>> [t.shape[0] for t in scatter(torch.zeros(10, 3), 4)]
     [3, 3, 2, 2]
     """
+    _check_dense(value)
     m = max(1, min(chunks, _batch_size(value)))
     if isinstance(value, Tensor):
         return list(value.tensor_split(m))

@@ -107,10 +107,10 @@ def _capacities(capacity: float | Sequence[float | None] | None, parts: int) -> 
 
 
 def _check_cap(value: object, name: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name}={value!r} must be a number")
-    if value < 0:
-        raise ValueError(f"{name}={value!r} must be >= 0")
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"{name}={value!r} must be >= 0; use None or math.inf for no limit")
     return float(value)
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from pipepar import validation
-from pipepar.batchnorm import commit_all, convert_deferred_batch_norm
+from pipepar.batchnorm import commit_all, convert_deferred_batch_norm, reset_all
 from pipepar.checkpoint import should_checkpoint
 from pipepar.devices import DeviceSpec, resolve_devices
 from pipepar.engine import Run, backward_order, forward_order, wavefront
@@ -108,6 +108,14 @@ class Pipe(nn.Module):
     # -- running ------------------------------------------------------------------------------
     def forward(self, input: Value) -> Value:
         """Run the batch through the pipeline; the output is on the last stage's device."""
+        try:
+            return self._forward_batch(input)
+        except BaseException:
+            # The micro-batches that got through must not count towards the next mini-batch.
+            reset_all(list(self))
+            raise
+
+    def _forward_batch(self, input: Value) -> Value:
         input = check_value(input, what="input")
         microbatches = scatter(input, self.chunks)
         if self._direct(len(microbatches)):

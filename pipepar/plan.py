@@ -232,6 +232,7 @@ def plan(
     _check_choice("checkpoint", checkpoint, CHECKPOINTS)
     chunks = _check_chunks(chunks)
     prof = _as_profile(model_or_profile, sample, optimizer, profile_device)
+    _check_profile(prof)
     targets = resolve_targets(devices, capacity, layers=len(prof))
     m = min(chunks, max(prof.batch_size, 1))
     if m < chunks:
@@ -273,6 +274,38 @@ def _check_chunks(chunks: object) -> int:
     if chunks < 1:
         raise ValueError(f"chunks={chunks} must be >= 1; use e.g. chunks=8 micro-batches")
     return chunks
+
+
+_BYTE_FIELDS = (
+    "params_bytes",
+    "grads_bytes",
+    "optimizer_bytes",
+    "activation_bytes",
+    "output_bytes",
+    "forward_peak_bytes",
+    "backward_peak_bytes",
+)
+
+
+def _check_profile(prof: Profile) -> None:
+    """A profile built or edited by hand: NaN or negative figures would mislead the search."""
+    if not prof.layers:
+        raise ValueError("the profile has no layers; profile a non-empty nn.Sequential")
+    for layer in prof.layers:
+        what = f"layer {layer.index} ({layer.type_name})"
+        for name in ("forward_ms", "backward_ms"):
+            value = getattr(layer, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(
+                    f"{what} has {name}={value!r}, but times must be finite and >= 0 (None when "
+                    "not measured); re-profile on a real device or set it to None"
+                )
+        for name in _BYTE_FIELDS:
+            if getattr(layer, name) < 0:
+                raise ValueError(
+                    f"{what} has {name}={getattr(layer, name)!r}, but sizes must be >= 0; "
+                    "re-profile the model with pipepar.profile"
+                )
 
 
 def _check_cut_points(startable: list[bool], k: int, prof: Profile) -> None:

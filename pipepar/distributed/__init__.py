@@ -8,10 +8,20 @@ Modules: :mod:`~pipepar.distributed.mesh` (the pp x dp grid of ranks),
 :mod:`~pipepar.distributed.stage` (materializing the local layers),
 :mod:`~pipepar.distributed.transport` (point-to-point activations and gradients),
 :mod:`~pipepar.distributed.runtime` (running a schedule), :mod:`~pipepar.distributed.replicas`
-(dp sync) and :mod:`~pipepar.distributed.failure` (fault reporting).
+(dp sync), :mod:`~pipepar.distributed.handshake` (ranks agree on the arguments at wrap time),
+:mod:`~pipepar.distributed.failure` (fault reporting) and
+:mod:`~pipepar.distributed.snapshot` (training checkpoints).
 """
 
 from pipepar.distributed.failure import PipelineError
 from pipepar.distributed.pipe import SCHEDULES, DistributedPipe, wrap
+from pipepar.distributed.snapshot import load_checkpoint, save_checkpoint
 
-__all__ = ["SCHEDULES", "DistributedPipe", "PipelineError", "wrap"]
+__all__ = [
+    "SCHEDULES",
+    "DistributedPipe",
+    "PipelineError",
+    "load_checkpoint",
+    "save_checkpoint",
+    "wrap",
+]

@@ -1,15 +1,23 @@
 """Fault reporting: one rank's error ends every rank of the pipeline grid with that error.
 
-A rank that raises posts "rank r (stage j, replica d): Error: message" to the c10d store, then
-closes its pipeline process groups. Peers blocked on a receive or a collective with that rank
-see the connection close (or, at the latest, their group timeout expire), read the store and
-raise :class:`PipelineError` naming the failing rank and stage; they close their own groups in
-turn, so the failure spreads along the grid within a bounded time instead of hanging.
+A rank that raises posts "rank r (stage j, replica d) failed in the backward of micro-batch i:
+Error: message" to the c10d store, then closes its pipeline process groups. Peers blocked on a
+receive or a collective with that rank see the connection close (or, at the latest, their group
+timeout expire), read the store and raise :class:`PipelineError` naming the failing rank, stage
+and micro-batch; they close their own groups in turn, so the failure spreads along the grid
+within a bounded time instead of hanging.
+
+A ``KeyboardInterrupt`` or ``SystemExit`` (a SIGTERM handler's, say) is posted and spreads the
+same way, but the interrupted rank gets its own exception back, so Ctrl-C still stops it. A
+rank that dies without a word (SIGKILL, default SIGTERM, a crash) closes its connections with
+the process; its peers see "Connection closed by peer" from that rank and report it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,7 +26,16 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-__all__ = ["CommError", "FailureBoard", "PipelineError", "Where", "comm", "guarded", "wait"]
+__all__ = [
+    "CommError",
+    "FailureBoard",
+    "PipelineError",
+    "Where",
+    "comm",
+    "guarded",
+    "release_works",
+    "wait",
+]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -27,6 +44,9 @@ T = TypeVar("T")
 #: rank posts before it closes its connections, so the report is normally there already.
 _REPORT_GRACE_S = 0.25
 _KEY = "failure"
+_SILENT_PEER = "no rank reported an error: a peer process died, was killed or is stuck"
+#: Frames whose locals may hold communication works (see release_works).
+_COMM_DIRS = (os.path.dirname(__file__), os.path.dirname(dist.__file__))
 
 
 @dataclass(frozen=True)
@@ -70,9 +90,16 @@ class FailureBoard:
         self._store = dist.PrefixStore(prefix, store)
         self.here = here
 
-    def post(self, error: BaseException) -> str:
-        """Post this rank's report unless a failure is already posted; return the board's report."""
-        report = f"{self.here}: {type(error).__name__}: {error}"
+    def post(self, error: BaseException, doing: str | None = None) -> str:
+        """Post this rank's report unless a failure is already posted; return the board's report.
+
+        Args:
+            error: what this rank raised.
+            doing: what it was running, e.g. ``"forward of micro-batch 2"``.
+        """
+        where = f"{self.here} failed in the {doing}" if doing else str(self.here)
+        message = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        report = f"{where}: {message}"
         try:
             posted = self._store.compare_set(_KEY, "", report)
             report = posted.decode() if isinstance(posted, bytes) else str(posted)
@@ -119,20 +146,69 @@ def wait(work: dist.Work | None, what: str) -> None:
             work.wait()
 
 
-def guarded(board: FailureBoard, close: Callable[[], None], fn: Callable[[], T]) -> T:
+def guarded(
+    board: FailureBoard,
+    close: Callable[[], None],
+    fn: Callable[[], T],
+    *,
+    doing: Callable[[], str | None] = lambda: None,
+) -> T:
     """Run ``fn``; on any error post it (or adopt the posted one), close the groups, re-raise.
 
     The error that comes out names the rank that failed first: this rank for its own error, or
     the rank whose report is on the board when this rank only saw a broken connection or a
-    timeout (then the failing rank had time to post before its connections closed).
+    timeout (then the failing rank had time to post before its connections closed). The
+    original exception is the ``__cause__`` of the :class:`PipelineError`. A
+    ``KeyboardInterrupt`` or ``SystemExit`` is posted too, then re-raised as it is.
+
+    Args:
+        board: where failures are posted.
+        close: closes this rank's pipeline groups, so blocked peers wake up.
+        fn: the work.
+        doing: says what the rank was running when it failed, for the report.
     """
     try:
         return fn()
-    except PipelineError:
+    except PipelineError as error:
+        release_works(error)
         close()
         raise
     except Exception as error:
         posted = board.read(wait_s=_REPORT_GRACE_S) if isinstance(error, CommError) else None
-        report = posted if posted is not None else board.post(error)
+        shown = error
+        if posted is None and isinstance(error, CommError):  # nobody said why: say what it means
+            shown = CommError(f"{error} [{_SILENT_PEER}]")
+        report = posted if posted is not None else board.post(shown, doing())
+        release_works(error)
         close()
         raise PipelineError(report, here=board.here) from error
+    except BaseException as stop:  # KeyboardInterrupt, SystemExit: tell the peers, then stop
+        board.post(stop, doing())
+        release_works(stop)
+        close()
+        raise
+
+
+def release_works(error: BaseException) -> None:
+    """Drop the communication works that the frames of ``error``'s tracebacks still hold.
+
+    A gloo work, even a finished one, keeps its group's connections open after the group is
+    destroyed, so a peer blocked on this rank would wait out its timeout instead of seeing the
+    connection close. The works live in the locals of pipepar.distributed and torch.distributed
+    frames on the traceback (of the error and of its causes); those frames are cleared. The
+    user's frames (layers, loss_fn) keep their locals for post-mortem debugging.
+    """
+    pending: list[BaseException | None] = [error]
+    seen: set[int] = set()
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename.startswith(_COMM_DIRS):
+                with contextlib.suppress(RuntimeError):  # a frame still running keeps its locals
+                    tb.tb_frame.clear()
+            tb = tb.tb_next
+        pending += [e.__cause__, e.__context__]

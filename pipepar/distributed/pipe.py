@@ -27,9 +27,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipepar import validation
+from pipepar.distributed import handshake
 from pipepar.distributed.failure import FailureBoard, PipelineError, comm, guarded, wait
 from pipepar.distributed.mesh import Mesh, build_mesh, check_grid
-from pipepar.distributed.replicas import GradientSync, broadcast_from_first
+from pipepar.distributed.replicas import (
+    GradientSync,
+    broadcast_from_first,
+    check_replica_inputs,
+)
 from pipepar.distributed.runtime import LossFn, Runtime
 from pipepar.distributed.stage import build_stage
 from pipepar.distributed.transport import Transport
@@ -67,15 +72,29 @@ class DistributedPipe(nn.Module):
         timeout: float = 300.0,
     ) -> None:
         super().__init__()
-        model, self.balance = _check_model(model, balance)
-        self.chunks = validation.check_chunks(chunks)
-        self.checkpoint = validation.check_checkpoint(checkpoint)
-        self.schedule = _check_schedule(schedule, len(self.balance), self.chunks)
-        self.timeout = _check_timeout(timeout)
-        _ensure_process_group()
-        self.dp = check_grid(dist.get_world_size(group), len(self.balance), dp)
-        self.device = _resolve_device(device, group)
+        try:
+            model = self._configure(
+                model, balance, chunks, schedule, dp, checkpoint, timeout, group
+            )
+        except (ValueError, TypeError) as error:
+            if dist.is_initialized():  # peers must not wait for this rank: tell them why
+                handshake.refuse(error, group=group)
+            raise
         # -- from here on ranks talk to each other ----------------------------------------------
+        handshake.agree(
+            handshake.fingerprint(
+                model,
+                self.balance,
+                chunks=self.chunks,
+                schedule=self.schedule,
+                dp=self.dp,
+                checkpoint=self.checkpoint,
+                state_dict=state_dict,
+            ),
+            group=group,
+            timeout=self.timeout,
+        )
+        self.device = _resolve_device(device, group)
         self.mesh: Mesh = build_mesh(
             len(self.balance), self.dp, group=group, timeout=timedelta(seconds=self.timeout)
         )
@@ -87,6 +106,27 @@ class DistributedPipe(nn.Module):
         self._assemble(stage)
         if state_dict is None:  # replicas start from the same weights, like DDP
             self._guard(lambda: broadcast_from_first(self._tensors(), self.mesh))
+
+    def _configure(
+        self,
+        model: nn.Sequential,
+        balance: list[int],
+        chunks: int,
+        schedule: str | Schedule,
+        dp: int,
+        checkpoint: str,
+        timeout: float,
+        group: dist.ProcessGroup | None,
+    ) -> nn.Sequential:
+        """Check this rank's arguments on their own (no communication) and keep them."""
+        model, self.balance = _check_model(model, balance)
+        self.chunks = validation.check_chunks(chunks)
+        self.checkpoint = validation.check_checkpoint(checkpoint)
+        self.schedule = _check_schedule(schedule, len(self.balance), self.chunks)
+        self.timeout = _check_timeout(timeout)
+        _ensure_process_group()
+        self.dp = check_grid(dist.get_world_size(group), len(self.balance), dp)
+        return model
 
     def _assemble(self, stage: nn.Sequential) -> None:
         """Wire the local stage to its transport, gradient sync, runtime and failure board."""
@@ -149,20 +189,30 @@ class DistributedPipe(nn.Module):
         return self._guard(lambda: self._step(x, target, loss_fn))
 
     def _step(self, x: Tensor | None, target: Tensor | None, loss_fn: LossFn) -> float:
+        first = self.mesh.stage == 0
+        same_inputs = check_replica_inputs(x, self.mesh, self.device) if first else None
         loss_sum = self._runtime.run(x, target, loss_fn)
+        if same_inputs is not None:  # before the averaged gradients are written back
+            same_inputs()
         loss = None if loss_sum is None else (loss_sum / self.chunks).float().reshape(1)
         self._sync.finish(extra=loss)  # gradient buckets were posted during the last backward
         return self._share_loss(loss)
 
     def _share_loss(self, loss: Tensor | None) -> float:
-        """Broadcast the last stage's loss along the pipeline."""
+        """Give the last stage's loss to every stage of the pipeline.
+
+        An all-reduce (other stages add zero) rather than a broadcast: it completes only once
+        every stage finished its step, so no rank returns from a step that another rank of the
+        grid failed (a failed rank never reaches it, and a replica that lost a rank blocks its
+        peer replicas' gradient all-reduce, hence their loss all-reduce, until it fails too).
+        """
         if self.mesh.ctl is None:
             assert loss is not None  # a single stage is the last stage
             return float(loss.item())
         value = loss if loss is not None else torch.zeros(1, device=self.device)
-        what = f"receiving the loss from rank {self.mesh.last_rank}"
+        what = f"sharing the loss over ranks {self.mesh.pipeline_ranks}"
         with comm(what):
-            work = dist.broadcast(value, self.mesh.last_rank, group=self.mesh.ctl, async_op=True)
+            work = dist.all_reduce(value, group=self.mesh.ctl, async_op=True)
         wait(work, what)
         return float(value.item())
 
@@ -201,6 +251,7 @@ class DistributedPipe(nn.Module):
     def close(self) -> None:
         """Release this pipeline's process groups (the pipe cannot step afterwards)."""
         self._transport.drop()
+        self._sync.drop()
         self.mesh.close()
 
     # -- helpers ------------------------------------------------------------------------------
@@ -208,7 +259,7 @@ class DistributedPipe(nn.Module):
         if self.mesh.closed:
             raise PipelineError(f"{self._failure} (the pipeline is closed; build a new one)")
         try:
-            return guarded(self._board, self.close, fn)
+            return guarded(self._board, self.close, fn, doing=lambda: self._runtime.doing)
         except PipelineError as error:
             self._failure = error.report
             raise

@@ -5,6 +5,10 @@ a bucket of gradients (a few layers' worth, last layers first, the order autogra
 them) is final, its all-reduce is posted, so communication overlaps the rest of that backward
 and the drain of the stages upstream. Buckets are posted strictly in order, so every replica
 issues the same collectives in the same order.
+
+Replicas must train on mini-batches of the same shape (the average of their gradients is the
+whole batch's gradient only then): stage 0 of every replica all-gathers its input's shape and
+dtype when a step starts and compares them before the averaged gradients are written back.
 """
 
 from __future__ import annotations
@@ -18,8 +22,55 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from pipepar.distributed.failure import comm, wait
 from pipepar.distributed.mesh import Mesh
+from pipepar.distributed.transport import TensorMeta, decode_meta, encode_meta
 
-__all__ = ["GradientSync", "broadcast_from_first"]
+__all__ = ["GradientSync", "broadcast_from_first", "check_replica_inputs"]
+
+
+def check_replica_inputs(x: object, mesh: Mesh, device: torch.device) -> Callable[[], None]:
+    """Post an all-gather of ``x``'s shape over the replicas; return the check to call later.
+
+    The returned callable waits for the gather and raises ``ValueError`` naming the ranks and
+    shapes when replicas differ. Nothing is exchanged without replicas or without a tensor
+    (the runtime then explains what ``x`` should be).
+
+    Example:
+        >>> check = check_replica_inputs(x, pipe.mesh, pipe.device)  # doctest: +SKIP
+        >>> run_the_step(); check()  # doctest: +SKIP
+    """
+    if mesh.dp_group is None or not isinstance(x, Tensor):
+        return lambda: None
+    try:
+        mine = encode_meta([TensorMeta(tuple(x.shape), x.dtype, False)], device)
+    except (TypeError, ValueError):  # a dtype or rank the metadata cannot carry: nothing to check
+        return lambda: None
+    gathered = [torch.empty_like(mine) for _ in range(mesh.dp)]
+    what = f"comparing input shapes over ranks {mesh.replica_ranks}"
+    with comm(what):
+        work = dist.all_gather(gathered, mine, group=mesh.dp_group, async_op=True)
+
+    def check() -> None:
+        wait(work, what)
+        _compare_inputs([decode_meta(t)[0] for t in gathered], mesh.replica_ranks)
+
+    return check
+
+
+def _compare_inputs(metas: list[TensorMeta], ranks: list[int]) -> None:
+    if all(m == metas[0] for m in metas):
+        return
+    holders: dict[TensorMeta, list[int]] = {}
+    for rank, meta in zip(ranks, metas, strict=True):
+        holders.setdefault(meta, []).append(rank)
+    shown = [
+        f"{m.shape} {str(m.dtype).removeprefix('torch.')} on rank(s) {who}"
+        for m, who in holders.items()
+    ]
+    raise ValueError(
+        f"the replicas got mini-batches of different shapes: x is {' but '.join(shown)}; their "
+        "gradients are averaged, so give every replica a mini-batch of the same shape (e.g. "
+        "DistributedSampler(..., drop_last=True), or drop the uneven last batch)"
+    )
 
 
 def broadcast_from_first(tensors: Iterable[Tensor], mesh: Mesh) -> None:
@@ -104,6 +155,12 @@ class GradientSync:
                 flat.div_(self.mesh.dp)
                 for t, mean in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
                     t.copy_(mean)
+        self._posted = []
+
+    def drop(self) -> None:
+        """Forget the posted all-reduces without waiting (after a failure: their works would
+        keep the dp group's connections open)."""
+        self._armed = False
         self._posted = []
 
     def _on_grad(self, p: Tensor) -> None:

@@ -96,9 +96,12 @@ class Runtime:
         self._bwd_pos = {i: k for k, i in enumerate(self._bwd_order)}
         self._shapes: dict[int, _Shapes] = {}
         self._signatures: dict[tuple[Any, ...], int] = {}
+        self.doing: str | None = None
+        """What the stage runs now, e.g. ``"backward of micro-batch 2"``, for error reports."""
 
     def run(self, x: Tensor | None, target: Tensor | None, loss_fn: LossFn) -> Tensor | None:
         """Run one mini-batch; return the sum of the micro-batch losses on the last stage."""
+        self.doing = None
         signature = self.transport.exchange_header(self._signature(x) if self.first else None)
         st = _Step(self.m, self._shapes.get(signature))
         if self.first:
@@ -110,12 +113,16 @@ class Runtime:
         last_b = self._bwd_order[-1]
         for action in self.actions:
             if action.kind == "F":
+                self.doing = f"forward of micro-batch {action.microbatch}"
                 self._forward(st, action.microbatch, loss_fn)
                 continue
             if action.microbatch == last_b and self.before_last_backward is not None:
                 self.before_last_backward()
+            self.doing = f"backward of micro-batch {action.microbatch}"
             self._backward(st, action.microbatch)
+        self.doing = "last sends of the mini-batch"
         self.transport.flush()
+        self.doing = None
         if st.shapes is None:
             self._remember(signature, st)
         return st.loss_sum
@@ -128,12 +135,28 @@ class Runtime:
         st.inputs[i], st.outputs[i] = inputs, outputs
         st.out_metas[i] = tuple(TensorMeta.of(t) for t in outputs)
         if self.last:
+            self.doing = f"loss_fn of micro-batch {i}"
             loss = loss_fn(output, st.targets[i])
             st.losses[i] = loss
             detached = loss.detach()
             st.loss_sum = detached if st.loss_sum is None else st.loss_sum + detached
         else:
+            if st.shapes is not None:
+                self._check_outputs(i, st.out_metas[i], st.shapes.outputs[i])
             self.transport.send_activation(i, outputs, with_meta=st.shapes is None)
+
+    def _check_outputs(
+        self, i: int, metas: tuple[TensorMeta, ...], expected: tuple[TensorMeta, ...]
+    ) -> None:
+        """Refuse to send an output the next stage has no buffer for (gloo would abort on it)."""
+        if metas != expected:
+            raise ValueError(
+                f"stage {self.mesh.stage} output of micro-batch {i} is {_show(metas)} but was "
+                f"{_show(expected)} on an earlier mini-batch with the same input shape; the next "
+                "stage receives into buffers sized from that earlier mini-batch, so a stage's "
+                "output shapes and dtypes must depend only on its input's (pad variable-size "
+                "outputs to a fixed size)"
+            )
 
     def _receive_input(self, st: _Step, i: int) -> tuple[Tensor, ...]:
         metas = st.shapes.inputs[i] if st.shapes else self.transport.recv_meta()
@@ -208,6 +231,14 @@ class Runtime:
     def _remember(self, signature: int, st: _Step) -> None:
         inputs = [st.in_metas.get(i, ()) for i in range(self.m)]
         self._shapes[signature] = _Shapes(inputs, [st.out_metas[i] for i in range(self.m)])
+
+
+def _show(metas: Sequence[TensorMeta]) -> str:
+    shown = [
+        f"{m.shape} {str(m.dtype).removeprefix('torch.')}{'' if m.requires_grad else ' (no grad)'}"
+        for m in metas
+    ]
+    return shown[0] if len(shown) == 1 else f"({', '.join(shown)})"
 
 
 def _grad_metas(metas: Sequence[TensorMeta]) -> list[TensorMeta]:
