@@ -18,5 +18,5 @@ def test_quick_mode_writes_its_section(tmp_path: Path) -> None:
     assert names[:2] == ["one core, same micro-batches", "pipepar.wrap"]
     for row in rows[1:]:
         fraction = float(row.split("|")[4].split()[0])
-        assert 0 < fraction < 10
+        assert 0 <= fraction < 10  # speed is not checked here, only the table
     assert "overhead" in text and "%" in text.split("overhead")[-1]
