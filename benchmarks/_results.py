@@ -25,8 +25,8 @@ def machine() -> str:
     cpus = os.cpu_count()
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     return (
-        f"{platform.node() or 'host'}: {cpus} CPU cores, {gpu}; Python {platform.python_version()}, "
-        f"torch {torch.__version__}"
+        f"{platform.node() or 'host'}: {cpus} CPU cores, {gpu}; "
+        f"Python {platform.python_version()}, torch {torch.__version__}"
     )
 
 
