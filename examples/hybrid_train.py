@@ -6,7 +6,9 @@ Each rank builds the model on the meta device and materializes only its own stag
 talk over gloo; with one GPU per rank (``LOCAL_RANK``) the ranks use NCCL. The data is
 synthetic: sequences that count up modulo the vocabulary, so the next token is predictable and
 the loss falls quickly. Rank 0 prints the loss and throughput and, at the end, saves the whole
-model's state_dict (original keys: it loads into the plain model or a ``pipepar.wrap`` pipe).
+model and the optimizer state with ``ppd.save_checkpoint`` (``torch.load(path)["model"]`` is a
+plain state_dict: it loads into the plain model or a ``pipepar.wrap`` pipe); ``--resume PATH``
+goes on from such a file, with any --pp/--dp.
 Multi-node runs use torchrun's usual flags (``--nnodes``, ``--rdzv-endpoint`` ...).
 """
 
@@ -65,25 +67,27 @@ def main() -> None:
         checkpoint=args.checkpoint,
     )
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
+    first = ppd.load_checkpoint(args.resume, pipe, opt)["step"] + 1 if args.resume else 0
     rank0 = dist.get_rank() == 0
     if rank0:
         print(
             f"{args.pp} stages x {args.dp} replicas, balance {pipe.balance}, "
             f"schedule {args.schedule}, {args.chunks} micro-batches, device {pipe.device}"
+            + (f", resuming at step {first}" if first else "")
         )
     start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         x, y = (t.to(pipe.device) for t in batch(step, pipe.dp_rank, args))
         loss = pipe.step(x, y, next_token_loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
         if rank0 and (step % args.log_every == 0 or step == args.steps - 1):
-            rate = (step + 1) * args.batch * args.dp / (time.perf_counter() - start)
+            rate = (step + 1 - first) * args.batch * args.dp / (time.perf_counter() - start)
             print(f"step {step:4d}  loss {loss:.4f}  {rate:.0f} sequences/s", flush=True)
-    state = pipe.full_state_dict()  # every rank takes part in the gather
+    # every rank takes part; rank 0 writes the file atomically (weights + AdamW state)
+    ppd.save_checkpoint(args.out, pipe, opt, extra={"step": args.steps - 1})
     if rank0:
-        torch.save(state, args.out)
-        print(f"saved {len(state)} tensors to {args.out}")
+        print(f"saved the model and optimizer to {args.out} (--resume {args.out} goes on)")
     dist.destroy_process_group()
 
 
@@ -103,6 +107,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--log-every", type=int, default=5)
     p.add_argument("--out", default="hybrid_checkpoint.pt", help="where rank 0 saves the model")
+    p.add_argument("--resume", default=None, help="a checkpoint saved by --out to go on from")
     return p.parse_args()
 
 

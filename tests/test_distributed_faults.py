@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import socket
 import sys
@@ -29,11 +30,7 @@ from torch.autograd import Function
 import pipepar
 import pipepar.distributed as ppd
 from pipepar.distributed import snapshot
-from pipepar.distributed.snapshot import (
-    load_named_optimizer_state,
-    named_optimizer_state,
-    write_atomic,
-)
+from pipepar.distributed.snapshot import load_named_optimizer_state, named_optimizer_state
 
 GRID = {"balance": BALANCE[2], "dp": 2}  # 2 stages x 2 replicas on the 4 ranks
 
@@ -53,8 +50,9 @@ def pool() -> Iterator[Pool]:
 class _Fault(nn.Module):
     """Identity that misbehaves on this rank at ``plan = (phase, micro-batch, action)``.
 
-    ``phase`` is "forward" or "backward"; ``action`` is "raise" or a signal number to send to
-    this process. Micro-batches are counted by forward calls since ``calls`` was reset (use
+    ``phase`` is "forward" or "backward"; ``action`` is "raise", "raise late" (after the
+    peers had time to finish their own step) or a signal number to send to this process.
+    Micro-batches are counted by forward calls since ``calls`` was reset (use
     checkpoint="never" so no recomputation counts twice).
     """
 
@@ -72,7 +70,8 @@ class _Fault(nn.Module):
         if _Fault.plan is None or _Fault.plan[:2] != (phase, i):
             return
         action = _Fault.plan[2]
-        if action == "raise":
+        if action in ("raise", "raise late"):
+            time.sleep(0.5 if action == "raise late" else 0)
             raise RuntimeError("boom")
         os.kill(os.getpid(), action)
         time.sleep(5)  # a handled signal raises here; an unhandled one ends the process
@@ -163,8 +162,10 @@ def case_disagreements(rank: int, timeout: float) -> dict:
 
 
 def case_shapes(rank: int) -> dict:
+    """Three bad or changing shapes; each failing pipe has timeout=20, the case takes ~1 s."""
     out: dict[str, Any] = {}
     x, y = batches(2, 1)[0]
+    start = time.monotonic()
     # 1. replicas with mini-batches of different shapes
     pipe = ppd.wrap(tiny_model(), **GRID, chunks=2, timeout=20)
     rows = ROWS if pipe.dp_rank == 0 else ROWS - 2
@@ -186,6 +187,7 @@ def case_shapes(rank: int) -> dict:
     # 3. a stage whose output changes shape or dtype for the same input shape
     for label, change in (("narrower", lambda t: t[:, :-1]), ("dtype", lambda t: t.double())):
         out[label] = _changing_stage(rank, change, x, y)
+    out["elapsed"] = time.monotonic() - start
     return out
 
 
@@ -211,16 +213,16 @@ def _changing_stage(rank: int, change: Callable, x: torch.Tensor, y: torch.Tenso
         _Changer.change = None
 
 
-def case_faults(rank: int, plans: list[tuple[int, str, int, str]], timeout: float) -> dict:
-    """For each (rank, phase, micro-batch, schedule): a good step, then a step that fails."""
+def case_faults(rank: int, plans: list[tuple[int, str, int, str, str]], timeout: float) -> dict:
+    """For each (rank, phase, micro-batch, schedule, action): a good step, then a failing one."""
     outcomes = []
-    for target, phase, i, schedule in plans:
+    for target, phase, i, schedule, action in plans:
         pipe = ppd.wrap(
             fault_model(), [4, 4], chunks=3, dp=2, schedule=schedule, checkpoint="never",
             timeout=timeout,
         )  # fmt: skip
         _failing_step(pipe, None)
-        outcome = _failing_step(pipe, (phase, i, "raise") if rank == target else None)
+        outcome = _failing_step(pipe, (phase, i, action) if rank == target else None)
         outcome["closed"] = pipe.mesh.closed
         outcome["again"] = _failing_step(pipe, None)
         outcomes.append(outcome)
@@ -305,7 +307,9 @@ def _crash_while_saving(rank: int, pipe: ppd.DistributedPipe, opt: Any, path: st
     """The writer dies half-way through torch.save: the previous file must survive intact."""
     real_save = torch.save
 
-    def half_then_die(obj: Any, f: Any) -> None:
+    def half_then_die(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if not (isinstance(obj, dict) and obj.get("format") == snapshot.FORMAT):
+            return real_save(obj, f, *args, **kwargs)  # torch.distributed pickles with it
         f.write(b"PK\x03\x04 half a zip file")
         raise OSError(28, "No space left on device")
 
@@ -371,16 +375,18 @@ def test_inputs_of_different_shapes_are_refused_clearly_or_carried(pool: Pool) -
             "stage 0 output of micro-batch 0 is (4, 5) float32 but was (4, 6) float32"
         ) in r["narrower"], (rank, r["narrower"])
         assert "is (4, 6) float64 but was (4, 6) float32" in r["dtype"], (rank, r["dtype"])
+        assert r["elapsed"] < 10.0  # two failures, each detected long before its 20 s timeout
 
 
 # -- tests: faults ------------------------------------------------------------------------------
-FAULTS = [  # (rank, phase, micro-batch, schedule) on the 2 x 2 grid, chunks=3
-    (0, "forward", 0, "gpipe"),
-    (3, "forward", 2, "1f1b"),
-    (1, "backward", 0, "gpipe"),
-    (2, "backward", 1, "1f1b"),
-    (0, "backward", 2, "1f1b"),
-    (3, "loss_fn", 1, "gpipe"),
+FAULTS = [  # (rank, phase, micro-batch, schedule, action) on the 2 x 2 grid, chunks=3
+    (0, "forward", 0, "gpipe", "raise"),
+    (3, "forward", 2, "1f1b", "raise"),
+    (1, "backward", 0, "gpipe", "raise"),
+    (2, "backward", 1, "1f1b", "raise"),
+    # stage 0's last backward, after every other rank has sent all it had to send
+    (0, "backward", 2, "1f1b", "raise late"),
+    (3, "loss_fn", 1, "gpipe", "raise"),
 ]
 
 
@@ -389,7 +395,7 @@ def test_an_exception_anywhere_ends_every_rank_with_its_position(pool: Pool) -> 
     timeout = 20.0
     results = pool.run(case_faults, FAULTS, timeout)
     for rank, r in enumerate(results):
-        for (target, phase, i, _), out in zip(FAULTS, r["outcomes"], strict=True):
+        for (target, phase, i, _, _), out in zip(FAULTS, r["outcomes"], strict=True):
             report = f"{_where(target)} failed in the {phase} of micro-batch {i}: "
             assert out["raised"] == "PipelineError", (rank, target, phase, out)
             assert report + "RuntimeError: boom" in out["message"], (rank, out)
@@ -520,31 +526,11 @@ def test_a_killed_rank_ends_every_other_rank_within_the_timeout() -> None:
         assert r["raised"] == "PipelineError", (rank, r)
         assert r["elapsed"] < timeout, (rank, r)
         assert f"from rank {dead}" in r["message"] or f"ranks [1, {dead}]" in r["message"], r
-        assert "Connection closed by peer" in r["message"], (rank, r)
+        assert re.search(r"Connection (closed|reset) by peer", r["message"]), (rank, r)
         assert "a peer process died" in r["message"], (rank, r)
 
 
 # -- tests: no process group --------------------------------------------------------------------
-def test_write_atomic_leaves_the_old_file_when_the_write_dies(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    path = tmp_path / "state.pt"
-    write_atomic(path, {"w": torch.arange(3.0)})
-
-    def half_then_die(obj: Any, f: Any) -> None:
-        f.write(b"garbage")
-        raise KeyboardInterrupt  # even an interrupt mid-write leaves no trace
-
-    monkeypatch.setattr(snapshot.torch, "save", half_then_die)
-    with pytest.raises(KeyboardInterrupt):
-        write_atomic(path, {"w": torch.zeros(3)})
-    monkeypatch.undo()
-    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.arange(3.0))
-    assert os.listdir(tmp_path) == ["state.pt"]
-    write_atomic(str(path), {"w": torch.ones(3)})
-    assert torch.equal(torch.load(path, weights_only=True)["w"], torch.ones(3))
-
-
 def test_optimizer_state_moves_by_name_between_splits() -> None:
     model = tiny_model()
     opt = torch.optim.Adam(
@@ -578,10 +564,11 @@ def test_optimizer_state_errors_name_the_parameters() -> None:
     with pytest.raises(ValueError, match=r"no entry for parameter\(s\) \['2.weight'"):
         load_named_optimizer_state(model, torch.optim.SGD(model.parameters(), lr=0.1), saved)
     split = torch.optim.SGD(
-        [{"params": model[0].parameters()}, {"params": model[2].parameters()}], lr=0.1
+        [{"params": model[0].parameters(), "lr": 0.2}, {"params": model[2:].parameters()}],
+        lr=0.1,
     )
     whole = named_optimizer_state(model, split)
-    with pytest.raises(ValueError, match="group 0 holds parameters that were in 2 different"):
+    with pytest.raises(ValueError, match="group 0 holds parameters that were in 2 saved groups"):
         load_named_optimizer_state(model, torch.optim.SGD(model.parameters(), lr=0.1), whole)
 
 
@@ -590,9 +577,11 @@ def test_load_checkpoint_refuses_other_files(tmp_path: Path) -> None:
     torch.save(model.state_dict(), tmp_path / "bare.pt")
     with pytest.raises(ValueError, match="is not a pipepar checkpoint"):
         ppd.load_checkpoint(tmp_path / "bare.pt", model)
-    write_atomic(tmp_path / "w.pt", {"format": snapshot.FORMAT, "model": model.state_dict()})
+    torch.save({"format": snapshot.FORMAT, "model": model.state_dict()}, tmp_path / "w.pt")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="holds no optimizer state"):
         ppd.load_checkpoint(tmp_path / "w.pt", model, opt)
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at .*missing\.pt"):
+        ppd.load_checkpoint(tmp_path / "missing.pt", model)
     with pytest.raises(TypeError, match=r"path must be a str or os\.PathLike"):
         ppd.load_checkpoint(3, model)  # type: ignore[arg-type]

@@ -8,7 +8,8 @@ Modules: :mod:`~pipepar.distributed.mesh` (the pp x dp grid of ranks),
 :mod:`~pipepar.distributed.stage` (materializing the local layers),
 :mod:`~pipepar.distributed.transport` (point-to-point activations and gradients),
 :mod:`~pipepar.distributed.runtime` (running a schedule), :mod:`~pipepar.distributed.replicas`
-(dp sync), :mod:`~pipepar.distributed.handshake` (ranks agree on the arguments at wrap time),
+(dp sync), :mod:`~pipepar.distributed.arguments` (one rank's arguments checked alone),
+:mod:`~pipepar.distributed.handshake` (ranks agree on the arguments at wrap time),
 :mod:`~pipepar.distributed.failure` (fault reporting) and
 :mod:`~pipepar.distributed.snapshot` (training checkpoints).
 """

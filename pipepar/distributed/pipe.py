@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from pipepar import validation
 from pipepar.distributed import handshake
+from pipepar.distributed.arguments import SCHEDULES, check_model, check_schedule, check_timeout
 from pipepar.distributed.failure import FailureBoard, PipelineError, comm, guarded, wait
 from pipepar.distributed.mesh import Mesh, build_mesh, check_grid
 from pipepar.distributed.replicas import (
@@ -38,14 +39,13 @@ from pipepar.distributed.replicas import (
 from pipepar.distributed.runtime import LossFn, Runtime
 from pipepar.distributed.stage import build_stage
 from pipepar.distributed.transport import Transport
-from pipepar.schedule import Schedule, gpipe, one_f_one_b, validate
+from pipepar.schedule import Schedule
 
-__all__ = ["DistributedPipe", "wrap"]
+__all__ = ["SCHEDULES", "DistributedPipe", "wrap"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
 _built: Counter[tuple[int, ...]] = Counter()  # pipes built per grid, to keep store keys apart
 
 
@@ -119,11 +119,11 @@ class DistributedPipe(nn.Module):
         group: dist.ProcessGroup | None,
     ) -> nn.Sequential:
         """Check this rank's arguments on their own (no communication) and keep them."""
-        model, self.balance = _check_model(model, balance)
+        model, self.balance = check_model(model, balance)
         self.chunks = validation.check_chunks(chunks)
         self.checkpoint = validation.check_checkpoint(checkpoint)
-        self.schedule = _check_schedule(schedule, len(self.balance), self.chunks)
-        self.timeout = _check_timeout(timeout)
+        self.schedule = check_schedule(schedule, len(self.balance), self.chunks)
+        self.timeout = check_timeout(timeout)
         _ensure_process_group()
         self.dp = check_grid(dist.get_world_size(group), len(self.balance), dp)
         return model
@@ -310,7 +310,12 @@ def wrap(
             to reach every rank).
 
     Raises:
-        ValueError, TypeError: for inconsistent arguments, before any pipeline communication.
+        ValueError, TypeError: for inconsistent arguments, before any pipeline group exists.
+            Ranks check each other's arguments (balance, chunks, schedule, dp, checkpoint,
+            the model's layers, whether state_dict is given) through the c10d store, so one
+            rank's bad or different arguments fail every rank with a ValueError naming the
+            ranks and both values, instead of a hang.
+        PipelineError: when a rank of the group does not call ``wrap`` within ``timeout``.
 
     Example:
         >>> pipe = wrap(model, [4, 4], chunks=8, schedule="1f1b", dp=2)  # doctest: +SKIP
@@ -328,62 +333,6 @@ def wrap(
         state_dict=state_dict,
         timeout=timeout,
     )
-
-
-def _check_model(model: object, balance: object) -> tuple[nn.Sequential, list[int]]:
-    model = validation.check_model(model)
-    if balance is None:
-        raise ValueError(
-            "balance=None cannot be profiled across ranks; pass balance=pipepar.plan(model, "
-            f"sample, devices=N).balance or e.g. balance={[len(model)]}"
-        )
-    checked = validation.check_balance(balance, len(model))
-    validation.check_unique_layers(model)
-    validation.check_shared_parameters(model, checked)
-    return model, checked
-
-
-def _check_schedule(schedule: str | Schedule, n_stages: int, chunks: int) -> Schedule:
-    if isinstance(schedule, Schedule):
-        if (schedule.n_stages, schedule.n_microbatches) != (n_stages, chunks):
-            raise ValueError(
-                f"schedule is for {schedule.n_stages} stages x {schedule.n_microbatches} "
-                f"micro-batches but balance has {n_stages} stages and chunks={chunks}; build it "
-                f"for ({n_stages}, {chunks})"
-            )
-        validate(schedule)
-        _check_orders(schedule)
-        return schedule
-    if schedule not in SCHEDULES:
-        raise ValueError(
-            f"schedule must be one of {sorted(SCHEDULES)} or a Schedule, but got {schedule!r}; "
-            "'1f1b' holds fewer activations"
-        )
-    return SCHEDULES[schedule](n_stages, chunks)
-
-
-def _check_orders(schedule: Schedule) -> None:
-    """Point-to-point messages match in order: all stages must walk micro-batches alike."""
-    orders = {
-        kind: [
-            [a.microbatch for a in schedule.stage(j) if a.kind == kind]
-            for j in range(schedule.n_stages)
-        ]
-        for kind in ("F", "B")
-    }
-    for kind, per_stage in orders.items():
-        for j, order in enumerate(per_stage):
-            if order != per_stage[0]:
-                raise ValueError(
-                    f"stage {j} runs its {kind} actions in order {order} but stage 0 in "
-                    f"{per_stage[0]}; every stage must take micro-batches in the same order"
-                )
-
-
-def _check_timeout(timeout: object) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, but got {timeout!r}")
-    return float(timeout)
 
 
 def _ensure_process_group() -> None:

@@ -3,10 +3,10 @@
 (Not to be confused with activation checkpointing, the ``checkpoint=`` option of ``wrap``.)
 
 :func:`save_checkpoint` is called on every rank of the grid. The stages of replica 0 gather
-their layers' state and their optimizer's state onto stage 0, which writes one file (to a
-temporary file in the same folder, flushed to disk, then renamed over ``path``: a crash
-mid-write leaves the previous checkpoint intact). Every rank returns once the file is in place.
-The file is a plain dict that ``torch.load(path, weights_only=True)`` reads::
+their layers' state and their optimizer's state onto stage 0, which writes one file with
+:func:`pipepar.io.save` (a temporary file in the same folder, flushed to disk, then renamed over
+``path``: a crash mid-write leaves the previous checkpoint intact). Every rank returns once the
+file is in place. The file is a plain dict that ``torch.load(path, weights_only=True)`` reads::
 
     {"format": "pipepar/1", "model": <the whole model's state_dict, original keys>,
      "optimizer": {"state": {param name: state}, "param_groups": [{..., "params": [names]}]},
@@ -20,10 +20,8 @@ same kind). RNG states are not saved: seed per step if a layer draws random numb
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+import pipepar.io
 from pipepar.distributed.failure import comm
 from pipepar.distributed.mesh import Mesh
 from pipepar.distributed.pipe import DistributedPipe
@@ -40,7 +39,6 @@ __all__ = [
     "load_named_optimizer_state",
     "named_optimizer_state",
     "save_checkpoint",
-    "write_atomic",
 ]
 
 logger = logging.getLogger(__name__)
@@ -106,7 +104,7 @@ def _save(
         if mesh.stage == 0:
             payload = _merge(parts, balance=pipe.balance, dp=pipe.dp, extra=extra)
             try:
-                write_atomic(path, payload)
+                pipepar.io.save(payload, path)
             except Exception as error:  # reported to every rank; the pipe stays usable
                 outcome[0] = error
                 failure = f"{mesh.where} could not write it: {type(error).__name__}: {error}"
@@ -143,7 +141,9 @@ def _merge(
     if parts[0]["optimizer"] is not None:
         optimizer = {
             "state": {k: v for p in parts for k, v in p["optimizer"]["state"].items()},
-            "param_groups": [g for p in parts for g in p["optimizer"]["param_groups"]],
+            "param_groups": _merge_groups(
+                [g for p in parts for g in p["optimizer"]["param_groups"]]
+            ),
         }
     return {
         "format": FORMAT,
@@ -155,43 +155,30 @@ def _merge(
     }
 
 
-def write_atomic(path: PathLike, payload: Any) -> None:
-    """``torch.save(payload, path)``, but all or nothing: a crash leaves the old file intact.
-
-    Writes a temporary file next to ``path``, flushes it to disk, renames it over ``path``
-    and flushes the folder, so a reader sees either the old or the new file, whole.
-
-    Example:
-        >>> write_atomic("model.pt", model.state_dict())  # doctest: +SKIP
-    """
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_folder(folder)
+def _merge_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One group per distinct set of hyperparameters: each stage had its own copy of each."""
+    merged: list[dict[str, Any]] = []
+    for group in groups:
+        same = next((m for m in merged if _same_hyperparameters(m, group)), None)
+        if same is None:
+            merged.append({**group, "params": list(group["params"])})
+        else:
+            same["params"] += group["params"]
+    return merged
 
 
-def _fsync_folder(folder: str) -> None:
-    """Make the rename itself durable (best effort: not every platform opens folders)."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        logger.debug("could not fsync %s", folder, exc_info=True)
-    finally:
-        os.close(fd)
+def _same_hyperparameters(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    keys = set(a) - {"params"}
+    if keys != set(b) - {"params"}:
+        return False
+    for key in keys:
+        x, y = a[key], b[key]
+        if isinstance(x, Tensor) or isinstance(y, Tensor):
+            if not (isinstance(x, Tensor) and isinstance(y, Tensor) and torch.equal(x, y)):
+                return False
+        elif x != y:
+            return False
+    return True
 
 
 # -- loading ------------------------------------------------------------------------------------
@@ -222,6 +209,9 @@ def load_checkpoint(
     extra: dict[str, Any] = {}
 
     def load() -> None:
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"no checkpoint at {path!r}; check the path on every rank")
+        # mmap: each rank pages in only the tensors of its own stage
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
             raise ValueError(
@@ -254,7 +244,7 @@ def named_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -
     """``optimizer.state_dict()`` keyed by ``module``'s parameter names (CPU tensors).
 
     Example:
-        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # doctest: +SKIP
         >>> named_optimizer_state(model, opt)["param_groups"][0]["params"][:2]  # doctest: +SKIP
         ['0.weight', '0.bias']
     """
@@ -302,13 +292,14 @@ def _saved_group(mine: list[str], group_of: dict[str, Any], k: int) -> dict[str,
             f"the saved optimizer state has no entry for parameter(s) {missing[:3]} of group "
             f"{k}; load a checkpoint of the same model, or pass optimizer=None"
         )
-    sources = {id(group_of[n]): group_of[n] for n in mine}
-    if len(sources) > 1:
+    sources = list({id(group_of[n]): group_of[n] for n in mine}.values())
+    if any(not _same_hyperparameters(sources[0], other) for other in sources[1:]):
         raise ValueError(
-            f"optimizer group {k} holds parameters that were in {len(sources)} different saved "
-            "groups; build the optimizer's groups as when the checkpoint was saved"
+            f"optimizer group {k} holds parameters that were in {len(sources)} saved groups "
+            "with different hyperparameters; build the optimizer's groups as when the "
+            "checkpoint was saved"
         )
-    return next(iter(sources.values())) if sources else {}
+    return sources[0] if sources else {}
 
 
 def _names_of(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:

@@ -1,0 +1,90 @@
+"""This rank's arguments of ``ppd.wrap``, checked on their own before any communication.
+
+(:mod:`~pipepar.distributed.handshake` then checks that all ranks passed the same ones.)
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from pipepar import validation
+from pipepar.schedule import Schedule, gpipe, one_f_one_b, validate
+
+__all__ = ["SCHEDULES", "check_model", "check_schedule", "check_timeout"]
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
+"""The schedules ``wrap`` accepts by name."""
+
+
+def check_model(model: object, balance: object) -> tuple[nn.Sequential, list[int]]:
+    """The model as an ``nn.Sequential`` and its balance, which must be given explicitly.
+
+    Example:
+        >>> check_model(nn.Sequential(nn.ReLU(), nn.ReLU()), [1, 1])[1]
+        [1, 1]
+    """
+    model = validation.check_model(model)
+    if balance is None:
+        raise ValueError(
+            "balance=None cannot be profiled across ranks; pass balance=pipepar.plan(model, "
+            f"sample, devices=N).balance or e.g. balance={[len(model)]}"
+        )
+    checked = validation.check_balance(balance, len(model))
+    validation.check_unique_layers(model)
+    validation.check_shared_parameters(model, checked)
+    return model, checked
+
+
+def check_schedule(schedule: str | Schedule, n_stages: int, chunks: int) -> Schedule:
+    """The schedule named by ``schedule`` (or ``schedule`` itself, validated) for the grid.
+
+    Example:
+        >>> check_schedule("1f1b", 2, 4).name
+        '1f1b'
+    """
+    if isinstance(schedule, Schedule):
+        if (schedule.n_stages, schedule.n_microbatches) != (n_stages, chunks):
+            raise ValueError(
+                f"schedule is for {schedule.n_stages} stages x {schedule.n_microbatches} "
+                f"micro-batches but balance has {n_stages} stages and chunks={chunks}; build it "
+                f"for ({n_stages}, {chunks})"
+            )
+        validate(schedule)
+        _check_orders(schedule)
+        return schedule
+    if schedule not in SCHEDULES:
+        raise ValueError(
+            f"schedule must be one of {sorted(SCHEDULES)} or a Schedule, but got {schedule!r}; "
+            "'1f1b' holds fewer activations"
+        )
+    return SCHEDULES[schedule](n_stages, chunks)
+
+
+def _check_orders(schedule: Schedule) -> None:
+    """Point-to-point messages match in order: all stages must walk micro-batches alike."""
+    orders = {
+        kind: [
+            [a.microbatch for a in schedule.stage(j) if a.kind == kind]
+            for j in range(schedule.n_stages)
+        ]
+        for kind in ("F", "B")
+    }
+    for kind, per_stage in orders.items():
+        for j, order in enumerate(per_stage):
+            if order != per_stage[0]:
+                raise ValueError(
+                    f"stage {j} runs its {kind} actions in order {order} but stage 0 in "
+                    f"{per_stage[0]}; every stage must take micro-batches in the same order"
+                )
+
+
+def check_timeout(timeout: object) -> float:
+    """``timeout`` in seconds as a float; it must be positive.
+
+    Example:
+        >>> check_timeout(30)
+        30.0
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds, but got {timeout!r}")
+    return float(timeout)
