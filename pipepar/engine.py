@@ -167,7 +167,8 @@ class Run:
                     outs, [*inputs, *self.params[j]], gouts, allow_unused=True
                 )
             grads_in = list(result[: len(inputs)])
-            self._accumulate(j, result[len(inputs) :])
+            shared = [*gouts, *(g for g in grads_in if g is not None)]
+            self._accumulate(j, result[len(inputs) :], shared)
         it = iter(grads_in)
         aligned = tuple(next(it) if t.requires_grad else None for t in tensors(rec.input))
         self.grads.put((j - 1, i), aligned)
@@ -187,13 +188,18 @@ class Run:
         self._trace(stage.index, i, "recompute", start)
         return y
 
-    def _accumulate(self, j: int, grads: Sequence[Tensor | None]) -> None:
+    def _accumulate(self, j: int, grads: Sequence[Tensor | None], shared: Sequence[Tensor]) -> None:
         sums, owned = self.param_grads[j], self._owned[j]
+        taken = {t.untyped_storage().data_ptr() for t in shared}
         for k, g in enumerate(grads):
             if g is None:
                 continue
             if sums[k] is None:
-                sums[k] = g  # may alias another gradient: never modified in place until owned
+                # A fresh, dense gradient nobody else holds is summed into in place later on
+                # (no new buffer per step); one that may alias another gradient is copied
+                # before the first in-place add.
+                sums[k], owned[k] = g, _exclusive(g, taken)
+                taken.add(g.untyped_storage().data_ptr())
             elif owned[k]:
                 sums[k].add_(g)  # type: ignore[union-attr]
             else:
@@ -223,6 +229,11 @@ class Run:
     def _trace(self, j: int, i: int, kind: str, start: float, end: float | None = None) -> None:
         if self.tracer is not None:
             self.tracer.record(j, i, kind, start, time.perf_counter() if end is None else end)
+
+
+def _exclusive(g: Tensor, taken: set[int]) -> bool:
+    """True if ``g`` owns its storage alone: not a view, dense, not aliasing ``taken``."""
+    return g._base is None and g.is_contiguous() and g.untyped_storage().data_ptr() not in taken
 
 
 def _items(value: object) -> tuple[Tensor | None, ...]:
