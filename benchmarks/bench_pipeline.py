@@ -2,8 +2,10 @@
 
 Efficiency: throughput of K stages with M micro-batches as a fraction of the bubble-limited ideal
 K * M / (M + K - 1) x (one core running the same M micro-batches one after another, forward and
-backward). Each stage gets one math thread (two stages on two cores). Contenders alternate
-within every round; the table gives medians over rounds and the spread.
+backward). Both libraries run with their defaults: pipepar gives each CPU stage an equal share
+of the math threads (one each for two stages on two cores); torchgpipe's stage threads use
+torch's default thread count. Contenders alternate within every
+round; the table gives medians over rounds and the spread.
 
 Overhead: ``wrap(model, [L], chunks=1)`` against the plain model on the same batch.
 
@@ -72,9 +74,8 @@ def _contenders(
     """name -> (step, math threads of the calling thread)."""
     n = len(model)
     balance = [n // k + (1 if j < n % k else 0) for j in range(k)]
-    ours = pipepar.wrap(
-        copy.deepcopy(model), balance, devices=["cpu"] * k, chunks=m, checkpoint="never", threads=1
-    )
+    wrap = {"devices": ["cpu"] * k, "chunks": m, "checkpoint": "never"}
+    ours = pipepar.wrap(copy.deepcopy(model), balance, **wrap)
     steps = {
         "one core, same micro-batches": (_sequential_step(copy.deepcopy(model), x, m), 1),
         "pipepar.wrap": (_train_step(ours, x), k),
@@ -164,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(table, over, sep="\n\n")
     notes = (
-        f"Model 8 x (Linear({width}, {width}) + ReLU), batch {batch}, checkpoint='never', one math "
-        f"thread per stage; {rounds} rounds x {repeats} steps, contenders alternating; ideal = "
+        f"Model 8 x (Linear({width}, {width}) + ReLU), batch {batch}, checkpoint='never'; "
+        f"{rounds} rounds x {repeats} steps, contenders alternating; ideal = "
         "K*M/(M+K-1) x one core on the same micro-batches. Every step includes "
         "zero_grad(set_to_none=True).\n\nOverhead (plain model vs one-stage pipe, default threads):"
         f"\n\n{over}"
