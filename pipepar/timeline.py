@@ -98,7 +98,8 @@ def _layout(timeline: Timeline, width: int, title: str | None) -> _Chart:
     for e in sorted(timeline.events, key=lambda e: _DRAW_ORDER[e.kind]):
         top = lane(e.stage)
         y0, y1 = _BANDS[e.kind]
-        hover = f"stage {e.stage} {e.label} {e.kind}: {e.start * 1e3:.3f} ms + {e.duration * 1e3:.3f} ms"
+        when = f"{e.start * 1e3:.3f} ms + {e.duration * 1e3:.3f} ms"
+        hover = f"stage {e.stage} {e.label} {e.kind}: {when}"
         x0, x1 = x(e.start), max(x(e.end), x(e.start) + 0.5)
         text = e.label if e.kind in ("forward", "backward", "recompute") else ""
         fits = (x1 - x0) >= _text_width(text) + 4
@@ -201,7 +202,8 @@ def _svg_box(b: _Box) -> str:
 
 def _svg_axis(chart: _Chart) -> list[str]:
     base = chart.height - _BOTTOM + 6
-    out = [f'<line x1="{_LEFT}" y1="{base}" x2="{chart.width - _RIGHT}" y2="{base}" stroke="#444"/>']
+    right = chart.width - _RIGHT
+    out = [f'<line x1="{_LEFT}" y1="{base}" x2="{right}" y2="{base}" stroke="#444"/>']
     for x, label in chart.ticks:
         out.append(f'<line x1="{x:.2f}" y1="{base}" x2="{x:.2f}" y2="{base + 4}" stroke="#444"/>')
         out.append(f'<text x="{x:.2f}" y="{base + 16}" text-anchor="middle">{escape(label)}</text>')

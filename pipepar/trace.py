@@ -233,7 +233,8 @@ class Timeline:
             busy = self.busy(j)
             cells = [busy] + [self.seconds(j, c) for c in cols[1:]]
             idle = 1.0 - busy / self.span if self.span > 0 else 0.0
-            rows.append(f"{j:>5} " + "".join(f"{v * 1e3:>9.2f} ms" for v in cells) + f"{idle:>9.1%}")
+            times = "".join(f"{v * 1e3:>9.2f} ms" for v in cells)
+            rows.append(f"{j:>5} {times}{idle:>9.1%}")
         return "\n".join([head, *rows])
 
     # -- structure ----------------------------------------------------------------------------
