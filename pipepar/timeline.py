@@ -22,8 +22,15 @@ from xml.sax.saxutils import escape
 
 from pipepar.trace import Timeline, Tracer
 
-__all__ = ["COLORS", "save", "save_chrome_trace", "save_png", "save_svg", "to_chrome_trace",
-           "to_svg"]
+__all__ = [
+    "COLORS",
+    "save",
+    "save_chrome_trace",
+    "save_png",
+    "save_svg",
+    "to_chrome_trace",
+    "to_svg",
+]
 
 COLORS = {
     "forward": "#4C78A8",
@@ -103,8 +110,17 @@ def _layout(timeline: Timeline, width: int, title: str | None) -> _Chart:
         x0, x1 = x(e.start), max(x(e.end), x(e.start) + 0.5)
         text = e.label if e.kind in ("forward", "backward", "recompute") else ""
         fits = (x1 - x0) >= _text_width(text) + 4
-        boxes.append(_Box(x0, top + y0 * _LANE, x1, top + y1 * _LANE, COLORS[e.kind],
-                          text if fits else "", hover))
+        boxes.append(
+            _Box(
+                x0,
+                top + y0 * _LANE,
+                x1,
+                top + y1 * _LANE,
+                COLORS[e.kind],
+                text if fits else "",
+                hover,
+            )
+        )
     return _Chart(
         width=width,
         height=height,
@@ -216,7 +232,7 @@ def _svg_axis(chart: _Chart) -> list[str]:
     lx = _LEFT
     for fill, name in _legend():
         out.append(f'<rect x="{lx}" y="{base + 26}" width="12" height="12" fill="{fill}"/>')
-        out.append(f"<text x=\"{lx + 16}\" y=\"{base + 36}\">{escape(name)}</text>")
+        out.append(f'<text x="{lx + 16}" y="{base + 36}">{escape(name)}</text>')
         lx += 24 + int(_text_width(name))
     return out
 
@@ -310,10 +326,12 @@ def to_chrome_trace(source: Timeline | Tracer) -> dict[str, Any]:
         {"ph": "M", "pid": 0, "tid": 0, "name": "process_name", "args": {"name": "pipepar"}}
     ]
     for j in range(timeline.n_stages):
-        events.append({"ph": "M", "pid": 0, "tid": j, "name": "thread_name",
-                       "args": {"name": f"stage {j}"}})
-        events.append({"ph": "M", "pid": 0, "tid": j, "name": "thread_sort_index",
-                       "args": {"sort_index": j}})
+        events.append(
+            {"ph": "M", "pid": 0, "tid": j, "name": "thread_name", "args": {"name": f"stage {j}"}}
+        )
+        events.append(
+            {"ph": "M", "pid": 0, "tid": j, "name": "thread_sort_index", "args": {"sort_index": j}}
+        )
     for step, part in enumerate(timeline.steps()):
         shift = part.origin - timeline.origin
         events += [
@@ -325,13 +343,21 @@ def to_chrome_trace(source: Timeline | Tracer) -> dict[str, Any]:
                 "dur": round(e.duration * 1e6, 3),
                 "pid": 0,
                 "tid": e.stage,
-                "args": {"stage": e.stage, "microbatch": e.microbatch, "kind": e.kind,
-                         "step": step},
+                "args": {
+                    "stage": e.stage,
+                    "microbatch": e.microbatch,
+                    "kind": e.kind,
+                    "step": step,
+                },
             }
             for e in part.events
         ]
-    other = {"stages": timeline.n_stages, "microbatches": timeline.n_microbatches,
-             "bubble": timeline.bubble, "ideal_bubble": timeline.ideal_bubble}
+    other = {
+        "stages": timeline.n_stages,
+        "microbatches": timeline.n_microbatches,
+        "bubble": timeline.bubble,
+        "ideal_bubble": timeline.ideal_bubble,
+    }
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 
@@ -368,4 +394,3 @@ def save(source: Timeline | Tracer, path: str | Path, **options: Any) -> Path:
         f"cannot tell the format of {str(path)!r} from its suffix {suffix or '(none)'!r}; "
         "name it .svg or .png (Gantt chart) or .json (Chrome trace for Perfetto)"
     )
-
