@@ -223,7 +223,7 @@ def _svg_axis(chart: _Chart) -> list[str]:
     for x, label in chart.ticks:
         out.append(f'<line x1="{x:.2f}" y1="{base}" x2="{x:.2f}" y2="{base + 4}" stroke="#444"/>')
         out.append(f'<text x="{x:.2f}" y="{base + 16}" text-anchor="middle">{escape(label)}</text>')
-    out.append(f'<text x="{chart.width - _RIGHT}" y="{base + 16}" text-anchor="end">ms</text>')
+    out.append(f'<text x="{_LEFT - 8}" y="{base + 16}" text-anchor="end">ms</text>')
     for x in chart.separators:
         out.append(
             f'<line x1="{x:.2f}" y1="{_TOP - 4}" x2="{x:.2f}" y2="{base}" stroke="#444" '
@@ -270,7 +270,10 @@ def save_png(
     font = _pil_font()
     draw.text((_LEFT, 8), chart.title, fill="black", font=font)
     for b in chart.boxes:
-        draw.rectangle([b.x0, b.y0, max(b.x1 - 1, b.x0), b.y1 - 1], fill=b.fill)
+        x1 = max(b.x1 - 1, b.x0)
+        draw.rectangle([b.x0, b.y0, x1, b.y1 - 1], fill=b.fill)
+        if b.hover and x1 - b.x0 >= 3:  # a white edge keeps neighbouring actions apart
+            draw.line([(x1, b.y0), (x1, b.y1 - 1)], fill="white")
         if b.label:
             cx, cy = (b.x0 + b.x1) / 2, (b.y0 + b.y1) / 2
             draw.text((cx, cy), b.label, fill="white", font=font, anchor="mm")
@@ -297,7 +300,7 @@ def _png_axis(draw: Any, chart: _Chart, font: Any) -> None:
     for x, label in chart.ticks:
         draw.line([(x, base), (x, base + 4)], fill="#444")
         draw.text((x, base + 6), label, fill="black", font=font, anchor="ma")
-    draw.text((chart.width - _RIGHT, base + 6), "ms", fill="black", font=font, anchor="ra")
+    draw.text((_LEFT - 8, base + 6), "ms", fill="black", font=font, anchor="ra")
     for x in chart.separators:
         for y in range(_TOP - 4, base, 7):
             draw.line([(x, y), (x, min(y + 4, base))], fill="#444")

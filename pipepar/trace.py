@@ -9,8 +9,11 @@ tracer (``pipepar.wrap(..., trace=True)``, or for one block with :func:`tracing`
 - ``"recompute"``: a checkpointed forward re-run inside the backward (nested in it).
 
 Without a tracer the engine only skips a ``None`` check per action, so recording costs nothing
-when off. A :class:`Timeline` turns the events into figures (busy time per stage, the bubble,
-one timeline per mini-batch) and draws them (:mod:`pipepar.timeline`).
+when off; when on, it costs a few microseconds per action (``benchmarks/bench_overhead.py``).
+Times are host-side ``perf_counter`` readings: on CPU they are the computation; on CUDA, where
+kernels run asynchronously, they show when the work was issued and waited for. A
+:class:`Timeline` turns the events into figures (busy time per stage, the bubble, one timeline
+per mini-batch) and draws them (:mod:`pipepar.timeline`).
 
     >>> with tracing(pipe) as tracer:
     ...     pipe(x).sum().backward()

@@ -1,0 +1,179 @@
+"""What the benchmark scripts share: workloads, balance, alternating rounds, statistics, options.
+
+A *workload* is a model with its batch, target and loss. Every script times contenders in
+alternating rounds (the order rotates each round) so that a load change on the shared machine
+hits all contenders alike, and reports the median over rounds with the min-max spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from benchmarks._results import RESULTS
+
+Loss = Callable[[Tensor, Tensor], Tensor]
+WORKLOADS = ("mlp", "alexnet", "gpt")
+
+
+@dataclass
+class Workload:
+    """A model, one mini-batch of inputs and targets, and the loss."""
+
+    name: str
+    model: nn.Sequential
+    x: Tensor
+    y: Tensor
+    loss: Loss
+    description: str
+
+    @property
+    def batch(self) -> int:
+        """Rows in the mini-batch."""
+        return int(self.x.shape[0])
+
+
+def _mlp_inline(depth: int, width: int) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def _gpt_loss(out: Tensor, y: Tensor) -> Tensor:
+    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def workload(name: str, *, quick: bool = False, seed: int = 0) -> Workload:
+    """Build the named workload (``"mlp"``, ``"alexnet"`` or ``"gpt"``), seeded, on the CPU.
+
+    ``quick`` shrinks every size so one step takes milliseconds (for CI).
+    """
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    if name == "mlp":
+        depth, width, batch = (4, 64, 32) if quick else (8, 1024, 256)
+        try:
+            import models
+
+            model = models.mlp(depth=depth, width=width)
+        except ImportError:  # the zoo is optional for this one
+            model = _mlp_inline(depth, width)
+        x, y = torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen)
+        text = f"{depth} x (Linear({width}, {width}) + ReLU), batch {batch}"
+        return Workload(name, model, x, y, F.mse_loss, text)
+    import models
+
+    if name == "alexnet":
+        hidden, size, batch = (64, 63, 8) if quick else (1024, 96, 64)
+        model = models.alexnet(10, hidden=hidden)
+        x = torch.randn(batch, 3, size, size, generator=gen)
+        y = torch.randint(10, (batch,), generator=gen)
+        text = f"AlexNet (fc {hidden}, 10 classes), {size}x{size} images, batch {batch}"
+        return Workload(name, model, x, y, F.cross_entropy, text)
+    if name == "gpt":
+        depth, width, heads, vocab, seq, batch = (
+            (2, 32, 2, 64, 16, 8) if quick else (8, 256, 4, 2048, 64, 32)
+        )
+        model = models.gpt(depth, width, heads, vocab, seq)
+        x = torch.randint(vocab, (batch, seq), generator=gen)
+        y = torch.randint(vocab, (batch, seq), generator=gen)
+        text = f"GPT {depth} blocks x {width} wide, vocab {vocab}, {batch} x {seq} tokens"
+        return Workload(name, model, x, y, _gpt_loss, text)
+    raise ValueError(f"workload {name!r} is not one of {WORKLOADS}; pass e.g. 'mlp'")
+
+
+def layer_flops(model: nn.Sequential, sample: Tensor) -> list[int]:
+    """Forward FLOPs of each layer on ``sample`` (counted by ``torch.utils.flop_counter``)."""
+    flops = []
+    with torch.no_grad():
+        for layer in model:
+            with FlopCounterMode(display=False) as counter:
+                sample = layer(sample)
+            flops.append(counter.get_total_flops())
+    return flops
+
+
+def balance(work: Workload, k: int) -> list[int]:
+    """Layers per stage that even out forward FLOPs (exact min-max split, pipepar.partition)."""
+    import pipepar
+
+    costs = [f + 1 for f in layer_flops(work.model, work.x[:1])]  # +1: ReLUs are not free
+    return list(pipepar.partition(costs, k))
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Median and min-max of one contender's per-round values."""
+
+    median: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Stats:
+        return cls(statistics.median(values), min(values), max(values))
+
+    def spread(self) -> float:
+        """(max - min) / median."""
+        return (self.high - self.low) / self.median if self.median else 0.0
+
+
+def alternate(contenders: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Call every contender once per round, rotating the order; collect what each returns."""
+    names = list(contenders)
+    out: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            out[name].append(contenders[name]())
+    return out
+
+
+def load() -> str:
+    """The machine's 1/5/15-minute load averages, for the notes."""
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f} on {os.cpu_count()} cores"
+
+
+def add_options(parser: argparse.ArgumentParser, *, rounds: int) -> None:
+    """The options every benchmark takes: --quick, --rounds, --results, --json."""
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny sizes, one round: seconds, for CI (writes to a temp file)",
+    )
+    parser.add_argument("--rounds", type=int, default=rounds, help="alternating rounds")
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=None,
+        help="markdown file to write the section to (default: benchmarks/"
+        "RESULTS.md, or a temp file with --quick)",
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
+
+
+def results_path(args: argparse.Namespace, script: str) -> Path:
+    """Where to record: --results, else a temp file in quick mode, else RESULTS.md."""
+    if args.results is not None:
+        return Path(args.results)
+    if args.quick:
+        return Path(tempfile.gettempdir()) / f"pipepar-{script}-quick.md"
+    return RESULTS
+
+
+def write_json(path: Path | None, rows: list[dict[str, object]]) -> None:
+    """Write rows as a JSON list (nothing when ``path`` is None)."""
+    if path is not None:
+        Path(path).write_text(json.dumps(rows, indent=1))

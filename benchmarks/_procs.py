@@ -1,0 +1,147 @@
+"""A group of spawned processes, one per pipeline stage, that time steps on command.
+
+The benchmark's main process keeps its in-process contenders and one :class:`ProcessGroup`
+per multi-process library, and asks each in turn to time a few steps, so that all contenders
+alternate within one run. Each rank runs one math thread, joins a gloo group on a free
+localhost port, and builds its contenders lazily through a *factory*: a ``"module:function"``
+name called as ``factory(spec, rank, world)`` that returns ``build(contender, m) -> step``.
+
+A rank times ``steps`` calls of ``step`` between two barriers; rank 0's seconds per step come
+back. An error while building or stepping comes back as its text instead of a time, and a
+group that stops answering is terminated.
+"""
+
+from __future__ import annotations
+
+import importlib
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+Step = Callable[[], None]
+Builder = Callable[[str, int], Step]
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ProcessGroup:
+    """``world`` spawned ranks serving ``time(contender, m, steps)`` requests."""
+
+    def __init__(self, world: int, factory: str, spec: dict[str, Any], *, timeout: float = 300):
+        ctx = mp.get_context("spawn")
+        self.world, self.timeout = world, timeout
+        self._inbox = [ctx.Queue() for _ in range(world)]
+        self._outbox = ctx.Queue()
+        port = free_port()
+        self._procs = [
+            ctx.Process(
+                target=_serve,
+                args=(rank, world, port, factory, spec, self._inbox[rank], self._outbox),
+                daemon=True,
+            )
+            for rank in range(world)
+        ]
+        for p in self._procs:
+            p.start()
+        ready = self._gather()  # every rank says it is ready, or why not
+        self.error: str | None = next((a for a in ready if isinstance(a, str)), None)
+        if self.error is not None:
+            self.close()
+
+    def time(self, contender: str, m: int, steps: int) -> float | str:
+        """Seconds per step of ``contender`` with ``m`` micro-batches, or an error's text."""
+        if self.error is not None:
+            return self.error
+        if not self.alive:
+            return "error: the process group died earlier"
+        for box in self._inbox:
+            box.put((contender, m, steps))
+        answers = self._gather()
+        errors = [a for a in answers if isinstance(a, str)]
+        return errors[0] if errors else float(answers[0])
+
+    @property
+    def alive(self) -> bool:
+        """Whether every rank is still running."""
+        return all(p.is_alive() for p in self._procs)
+
+    def _gather(self) -> list[float | str]:
+        answers: dict[int, float | str] = {}
+        deadline = time.monotonic() + self.timeout
+        while len(answers) < self.world:
+            try:
+                rank, answer = self._outbox.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                self.close()
+                return [f"error: no answer within {self.timeout:.0f} s"]
+            answers[rank] = answer
+        return [answers[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        """Ask the ranks to stop, and terminate those that do not within a few seconds."""
+        for box in self._inbox:
+            box.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _serve(
+    rank: int, world: int, port: int, factory: str, spec: dict[str, Any], inbox: Any, outbox: Any
+) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=120),
+        )
+        module, name = factory.split(":")
+        build: Builder = getattr(importlib.import_module(module), name)(spec, rank, world)
+    except Exception:
+        outbox.put((rank, "error: " + traceback.format_exc(limit=3)))
+        return
+    outbox.put((rank, 0.0))
+    steps: dict[tuple[str, int], Step] = {}
+    while (request := inbox.get()) is not None:
+        contender, m, n = request
+        try:
+            if (contender, m) not in steps:
+                steps[(contender, m)] = build(contender, m)
+                _timed(steps[(contender, m)], 1)  # warm-up
+            outbox.put((rank, _timed(steps[(contender, m)], n)))
+        except Exception as error:
+            outbox.put((rank, f"error: {type(error).__name__}: {str(error)[:200]}"))
+    dist.destroy_process_group()
+
+
+def _timed(step: Step, n: int) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(n):
+        step()
+    dist.barrier()
+    return (time.perf_counter() - start) / n

@@ -1,0 +1,265 @@
+"""Peak memory per stage: GPipe vs 1F1B vs checkpointing, measured beside the planner's prediction,
+and the largest GPT-style stack that trains within a fixed per-stage budget for K = 1, 2, 4.
+
+Measured: each stage's layers run one training step (after a warm-up step) in the schedule's
+order for that stage, with Adam, by :func:`pipepar.measure.measure_stage`; its peak is read from
+the CPU allocator's events that ``torch.profiler`` records (``profile_memory=True``), plus the
+resident parameters, optimizer state and (stage 0) the batch. That is independent of the
+prediction, which comes from the planner's memory model
+(:class:`pipepar.stage_memory.MemoryModel`) over a profile taken on the meta device.
+
+The scaling table is the one the GPipe and torchgpipe papers show: for K stages of the same
+budget, the deepest stack :func:`pipepar.plan` fits, then checked by measuring every stage.
+
+    python benchmarks/bench_memory.py                  # writes benchmarks/RESULTS.md
+    python benchmarks/bench_memory.py --quick --json rows.json   # seconds, temp results
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import models
+import pipepar
+from benchmarks import _common as common
+from benchmarks._results import markdown_table, record
+from pipepar.measure import measure_stage
+from pipepar.stage_memory import MemoryModel
+from pipepar.units import format_bytes, parse_bytes
+
+TITLE_MODES = "Memory per stage: GPipe vs 1F1B vs checkpointing"
+TITLE_SCALE = "Memory scaling: largest GPT stack within a per-stage budget"
+MODES = [
+    ("gpipe", "never"),
+    ("gpipe", "except_last"),
+    ("gpipe", "always"),
+    ("1f1b", "never"),
+    ("1f1b", "except_last"),
+]
+OPTIMIZER = "adam"
+
+
+def _gpt(depth: int, quick: bool, device: str = "cpu") -> tuple[nn.Sequential, Tensor]:
+    """GPT stack of ``depth`` blocks and a seeded batch of token ids."""
+    width, heads, vocab, seq, batch = (32, 2, 64, 16, 4) if quick else (128, 4, 512, 64, 16)
+    torch.manual_seed(0)
+    model = models.gpt(depth, width, heads, vocab, seq, device=device)
+    ids = torch.randint(vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+    return model, ids.to(device)
+
+
+def _ranges(balance: list[int]) -> list[tuple[int, int]]:
+    """(first, last) layer index of each stage, inclusive."""
+    out, start = [], 0
+    for n in balance:
+        out.append((start, start + n - 1))
+        start += n
+    return out
+
+
+def predicted(
+    prof: pipepar.Profile, balance: list[int], m: int, schedule: str, checkpoint: str
+) -> list[int]:
+    """The planner's predicted peak of every stage for this balance."""
+    k = len(balance)
+    mm = MemoryModel(
+        prof, chunks=m, stages=k, schedule=schedule, checkpoint=checkpoint, foreach=[False] * k
+    )
+    return [mm.stage(j, a, b).peak_bytes for j, (a, b) in enumerate(_ranges(balance))]
+
+
+def measured(
+    model: nn.Sequential, x: Tensor, balance: list[int], m: int, schedule: str, checkpoint: str
+) -> list[int]:
+    """Each stage's measured peak over one training step (stage inputs from a real forward)."""
+    peaks, k = [], len(balance)
+    for j, (a, b) in enumerate(_ranges(balance)):
+        layers = nn.Sequential(*list(model)[a : b + 1])
+        peaks.append(
+            measure_stage(
+                layers,
+                x,
+                chunks=m,
+                optimizer=OPTIMIZER,
+                checkpoint=checkpoint,
+                schedule=schedule,
+                stage=j,
+                stages=k,
+            )
+        )
+        with torch.no_grad():
+            x = layers(x)
+    return peaks
+
+
+def mode_rows(quick: bool) -> list[dict[str, Any]]:
+    """Every schedule x checkpoint mode on one GPT stack, K=4 (2 in quick mode), same balance."""
+    k, m, depth = (2, 4, 2) if quick else (4, 8, 8)
+    model, x = _gpt(depth, quick)
+    work = common.Workload("gpt", model, x, x, nn.functional.cross_entropy, "")
+    bal = common.balance(work, k)
+    prof = pipepar.profile(model, x, device="meta", optimizer=OPTIMIZER)
+    rows = []
+    for schedule, checkpoint in MODES:
+        want = predicted(prof, bal, m, schedule, checkpoint)
+        got = measured(model, x, bal, m, schedule, checkpoint)
+        rows.append(
+            {
+                "depth": depth,
+                "k": k,
+                "m": m,
+                "balance": bal,
+                "schedule": schedule,
+                "checkpoint": checkpoint,
+                "measured": got,
+                "predicted": want,
+            }
+        )
+    return rows
+
+
+def largest(k: int, budget: int, m: int, quick: bool, limit: int) -> dict[str, Any]:
+    """The deepest GPT stack the planner fits on K stages of ``budget`` bytes, then measured."""
+
+    def plan(depth: int) -> pipepar.Plan | None:
+        model, x = _gpt(depth, quick, device="meta")
+        try:
+            return pipepar.plan(
+                model,
+                x,
+                devices=k,
+                capacity=budget,
+                optimizer=OPTIMIZER,
+                chunks=m,
+                schedule="gpipe",
+                checkpoint="except_last",
+            )
+        except ValueError:
+            return None
+
+    lo, hi = 0, limit + 1  # plan(lo) fits (or lo == 0), plan(hi) does not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if plan(mid) is not None else (lo, mid)
+    best = plan(lo) if lo else None
+    if best is None:
+        return {"k": k, "depth": 0, "budget": budget}
+    model, x = _gpt(lo, quick)
+    got = measured(model, x, list(best.balance), best.chunks, "gpipe", "except_last")
+    return {
+        "k": k,
+        "depth": lo,
+        "budget": budget,
+        "balance": list(best.balance),
+        "params": sum(p.numel() for p in model.parameters()),
+        "predicted": [s.peak_bytes for s in best.stages],
+        "measured": got,
+        "at_limit": lo == limit,
+    }
+
+
+def _cell(got: int, want: int) -> str:
+    return f"{format_bytes(got)} ({format_bytes(want)}, {got / want - 1:+.0%})"
+
+
+def mode_table(rows: list[dict[str, Any]]) -> str:
+    """One line per mode: each stage's measured peak (predicted, error)."""
+    k = rows[0]["k"]
+    lines = [
+        [
+            r["schedule"],
+            r["checkpoint"],
+            *(_cell(g, w) for g, w in zip(r["measured"], r["predicted"])),
+            format_bytes(max(r["measured"])),
+        ]
+        for r in rows
+    ]
+    headers = [
+        "schedule",
+        "checkpoint",
+        *(f"stage {j} measured (predicted, error)" for j in range(k)),
+        "max measured",
+    ]
+    return markdown_table(headers, lines)
+
+
+def scale_table(rows: list[dict[str, Any]]) -> str:
+    """One line per K: the deepest stack, its size, and the stages' measured peaks."""
+    lines = []
+    for r in rows:
+        if not r["depth"]:
+            lines.append([r["k"], 0, "-", "-", "-", "-", format_bytes(r["budget"])])
+            continue
+        worst = max(r["measured"])
+        depth = f"{r['depth']}{'+ (search limit)' if r['at_limit'] else ''}"
+        lines.append(
+            [
+                r["k"],
+                depth,
+                f"{r['params'] / 1e6:.2f}M",
+                str(r["balance"]),
+                format_bytes(max(r["predicted"])),
+                format_bytes(worst),
+                f"{format_bytes(r['budget'])} ({'fits' if worst <= r['budget'] else 'OVER'})",
+            ]
+        )
+    headers = ["K", "blocks", "params", "balance", "max predicted", "max measured", "budget"]
+    return markdown_table(headers, lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure both tables, print and record them; 0 on success."""
+    args = _parse(argv)
+    before = common.load()
+    modes = mode_rows(args.quick)
+    ks, m = ([1, 2], 2) if args.quick else ([1, 2, 4], 4)
+    budget = parse_bytes(args.budget or ("1MiB" if args.quick else "64MiB"))
+    scale = [largest(k, budget, m, args.quick, limit=12 if args.quick else 96) for k in ks]
+    r = modes[0]
+    path = common.results_path(args, "memory")
+    size = "tiny GPT" if args.quick else "GPT 128 wide, 4 heads, vocab 512, 16 x 64 tokens"
+    how = (
+        "Measured: pipepar.measure.measure_stage, one training step of each stage after a "
+        "warm-up, peak from torch.profiler's CPU allocator events plus resident parameters, "
+        f"Adam state and (stage 0) the batch. Predicted: pipepar's MemoryModel over a meta "
+        f"profile. Machine load: before {before}, after {common.load()}."
+    )
+    notes_modes = (
+        f"{size}, {r['depth']} blocks, K={r['k']}, M={r['m']}, balance {r['balance']} "
+        f"(equal forward FLOPs), Adam. {how}"
+    )
+    notes_scale = (
+        f"{size}, Adam, GPipe with checkpoint='except_last', M={m}; budget "
+        f"{format_bytes(budget)} per stage. Depth: the deepest the planner fits "
+        f"(binary search); then every stage measured as above. {how}"
+    )
+    for title, text, notes in (
+        (TITLE_MODES, mode_table(modes), notes_modes),
+        (TITLE_SCALE, scale_table(scale), notes_scale),
+    ):
+        print(f"## {title}\n\n{text}\n\n{notes}\n")
+        record(title, text, notes=notes, path=path)
+    common.write_json(
+        args.json,
+        [{"table": "modes", **x} for x in modes] + [{"table": "scaling", **x} for x in scale],
+    )
+    return 0
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_options(parser, rounds=1)
+    parser.add_argument("--budget", default=None, help="per-stage budget, e.g. 64MiB")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,151 @@
+"""The benchmark scripts run in quick mode and write well-formed rows; speed is not checked.
+
+Each script runs in a subprocess (as a user runs it), writes its section to a temporary
+results file and its rows to JSON, which the tests check for shape and internal consistency.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import _common as common
+from benchmarks._results import RESULTS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, tmp_path: Path, *extra: str) -> tuple[list[dict[str, Any]], str]:
+    results, rows = tmp_path / "RESULTS.md", tmp_path / "rows.json"
+    cmd = [
+        sys.executable,
+        f"benchmarks/{script}",
+        "--quick",
+        "--results",
+        str(results),
+        "--json",
+        str(rows),
+        *extra,
+    ]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = results.read_text()
+    assert "Command: `python benchmarks/" in text and "Machine:" in text
+    return json.loads(rows.read_text()), text
+
+
+def _check_efficiency_row(row: dict[str, Any]) -> None:
+    k, m = row["k"], row["m"]
+    assert sum(row["balance"]) == 8 and len(row["balance"]) == k  # quick MLP: 8 layers
+    assert row["samples_per_s"] == pytest.approx(32 / (row["step_ms"] / 1e3))  # batch 32
+    assert row["of_ideal_low"] <= row["of_ideal"] <= row["of_ideal_high"]
+    assert row["rounds"] == 2 and row["spread"] >= 0
+    if row["contender"] == "one device":  # its own time x (M+K-1)/(KM) over itself
+        assert row["of_ideal"] == pytest.approx((m + k - 1) / (k * m))
+
+
+def test_efficiency_quick_in_process(tmp_path: Path) -> None:
+    rows, text = _run("bench_efficiency.py", tmp_path, "--contenders", "pipepar,torchgpipe")
+    assert "## Pipeline efficiency: all contenders, one run" in text
+    got = {(r["k"], r["m"], r["contender"]) for r in rows}
+    assert got == {(2, m, c) for m in (1, 2) for c in ("one device", "pipepar", "torchgpipe")}
+    for row in rows:
+        assert row["error"] is None, row
+        _check_efficiency_row(row)
+    table_rows = [line for line in text.splitlines() if line.startswith("| mlp |")]
+    assert len(table_rows) == len(rows)
+
+
+@pytest.mark.slow
+def test_efficiency_quick_with_every_contender(tmp_path: Path) -> None:
+    rows, text = _run("bench_efficiency.py", tmp_path)
+    by = {(r["m"], r["contender"]): r for r in rows}
+    for m in (1, 2):
+        for name in (
+            "one device",
+            "pipepar",
+            "torchgpipe",
+            "pipepar.distributed gpipe",
+            "pipepar.distributed 1f1b",
+            "torch pipelining gpipe",
+        ):
+            assert by[(m, name)]["error"] is None, by[(m, name)]
+            _check_efficiency_row(by[(m, name)])
+    assert "M >= K" in by[(1, "torch pipelining 1f1b")]["error"]  # torch refuses M < K
+    assert by[(2, "torch pipelining 1f1b")]["error"] is None
+    assert "Targets (MLP, K=2, M=8): not measured" in text  # quick mode has no M=8
+
+
+def test_overhead_quick(tmp_path: Path) -> None:
+    rows, text = _run("bench_overhead.py", tmp_path)
+    assert "## Overhead on one device" in text and "Target: wrap([L], chunks=1)" in text
+    names = [r["comparison"] for r in rows]
+    assert names == [
+        "wrap([L], chunks=1) vs plain model",
+        "wrap([L], chunks=2) vs accumulation over 2",
+        "trace=True vs trace=False, chunks=2 (engine vs plain autograd)",
+        "trace=True vs trace=False, chunks=2, checkpoint='always' (recording only)",
+    ]
+    for row in rows:
+        assert row["reference_ms"] > 0 and row["pipepar_ms"] > 0
+        assert row["overhead_low"] <= row["overhead"] <= row["overhead_high"]
+        assert row["rounds"] == 3
+
+
+def test_memory_quick(tmp_path: Path) -> None:
+    rows, text = _run("bench_memory.py", tmp_path)
+    assert "## Memory per stage: GPipe vs 1F1B vs checkpointing" in text
+    assert "## Memory scaling: largest GPT stack within a per-stage budget" in text
+    modes = {(r["schedule"], r["checkpoint"]): r for r in rows if r["table"] == "modes"}
+    assert len(modes) == 5
+    for row in modes.values():
+        assert len(row["measured"]) == len(row["predicted"]) == row["k"] == len(row["balance"])
+        assert all(b > 0 for b in row["measured"] + row["predicted"])
+    # what the schedules are for: checkpointing and 1F1B hold fewer activations than GPipe
+    never = modes[("gpipe", "never")]["measured"]
+    assert max(modes[("gpipe", "always")]["measured"]) < max(never)
+    assert modes[("1f1b", "never")]["measured"][0] < never[0]
+    scaling = [r for r in rows if r["table"] == "scaling"]
+    assert [r["k"] for r in scaling] == [1, 2]
+    assert 0 < scaling[0]["depth"] < scaling[1]["depth"] and not scaling[1]["at_limit"]
+    for row in scaling:
+        assert len(row["balance"]) == row["k"] and len(row["measured"]) == row["k"]
+        verdict = "fits" if max(row["measured"]) <= row["budget"] else "OVER"
+        assert f"({verdict})" in text
+
+
+def test_quick_mode_never_writes_the_real_results(tmp_path: Path) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    common.add_options(parser, rounds=3)
+    quick = common.results_path(parser.parse_args(["--quick"]), "x")
+    assert quick != RESULTS and quick.parent != RESULTS.parent
+    assert common.results_path(parser.parse_args([]), "x") == RESULTS
+    chosen = tmp_path / "r.md"
+    assert (
+        common.results_path(parser.parse_args(["--quick", "--results", str(chosen)]), "x") == chosen
+    )
+
+
+def test_alternate_rotates_the_order_each_round() -> None:
+    calls: list[str] = []
+
+    def contender(name: str) -> Any:
+        return lambda: calls.append(name) or float(len(calls))
+
+    out = common.alternate({n: contender(n) for n in "abc"}, rounds=3)
+    assert calls == list("abcbcacab")
+    assert out == {"a": [1.0, 6.0, 8.0], "b": [2.0, 4.0, 9.0], "c": [3.0, 5.0, 7.0]}
+
+
+def test_stats_and_unknown_workload() -> None:
+    stats = common.Stats.of([3.0, 1.0, 2.0])
+    assert (stats.median, stats.low, stats.high, stats.spread()) == (2.0, 1.0, 3.0, 1.0)
+    with pytest.raises(ValueError, match="'mlp'"):
+        common.workload("resnet")
