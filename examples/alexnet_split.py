@@ -262,8 +262,9 @@ def save_timeline(pipe: pipepar.Pipe, path: Path, out: TextIO) -> None:
     if tracer is None:
         print("timeline: unsupported, this pipepar does not record stage actions", file=out)
         return
-    written = timeline.save(tracer, path)
-    print(f"timeline: {len(tracer.events)} actions written to {written}", file=out)
+    last = tracer.timeline().steps()[-1]  # the last, warmed-up mini-batch
+    written = timeline.save(last, path)
+    print(f"timeline: {len(last.events)} events of the last step written to {written}", file=out)
 
 
 def main(argv: list[str] | None = None, out: TextIO | None = None) -> int:

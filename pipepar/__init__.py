@@ -8,12 +8,13 @@ run micro-batches through them concurrently, and plan the split from a memory pr
     >>> loss_fn(pipe(x), y).backward()
 """
 
-from pipepar import io
+from pipepar import io, timeline
 from pipepar.partition import partition
 from pipepar.pipe import Pipe, wrap
 from pipepar.plan import Plan, StagePlan, plan
 from pipepar.profile import LayerProfile, Profile, profile
 from pipepar.sequential import sequentialize
+from pipepar.trace import Timeline, tracing
 
 __version__ = "0.1.0"
 
@@ -24,9 +25,12 @@ __all__ = [
     "Profile",
     "io",
     "StagePlan",
+    "Timeline",
     "partition",
     "plan",
     "profile",
     "sequentialize",
+    "timeline",
+    "tracing",
     "wrap",
 ]

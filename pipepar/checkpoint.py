@@ -54,8 +54,15 @@ def should_checkpoint(mode: str, index: int, m: int) -> bool:
 
 
 def uses_randomness(layers: Iterable[nn.Module]) -> bool:
-    """True if any layer (or sub-module) is a known random layer such as ``nn.Dropout``."""
-    return any(isinstance(sub, _STOCHASTIC) for layer in layers for sub in layer.modules())
+    """True if any layer (or sub-module) is a known random layer such as ``nn.Dropout``.
+
+    Dropout with ``p=0`` draws nothing, so it does not make a stage random (and take the lock).
+    """
+    return any(_draws(sub) for layer in layers for sub in layer.modules())
+
+
+def _draws(module: nn.Module) -> bool:
+    return isinstance(module, _STOCHASTIC) and getattr(module, "p", 1.0) != 0
 
 
 @dataclass
