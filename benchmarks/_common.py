@@ -8,6 +8,7 @@ hits all contenders alike, and reports the median over rounds with the min-max s
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -24,6 +25,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from benchmarks._results import RESULTS
 
 Loss = Callable[[Tensor, Tensor], Tensor]
+Step = Callable[[], None]
 WORKLOADS = ("mlp", "alexnet", "gpt")
 
 
@@ -42,6 +44,22 @@ class Workload:
     def batch(self) -> int:
         """Rows in the mini-batch."""
         return int(self.x.shape[0])
+
+
+def accumulation_step(work: Workload, m: int) -> Step:
+    """The one-device reference: the same m micro-batches one after another, then one
+    optimizer step (gradient accumulation), on a copy of the workload's model."""
+    model = copy.deepcopy(work.model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    xs, ys = work.x.tensor_split(m), work.y.tensor_split(m)
+
+    def step() -> None:
+        for x, y in zip(xs, ys):
+            (work.loss(model(x), y) / m).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
 
 
 def _mlp_inline(depth: int, width: int) -> nn.Sequential:

@@ -52,7 +52,7 @@ PROCS = {
 }
 CONTENDERS = (BASE, *THREADED, *(c for pair in PROCS.values() for c in pair))
 FULL_GRID = {"mlp": ([1, 2], [1, 2, 4, 8, 16]), "alexnet": ([2], [4, 8]), "gpt": ([2], [4, 8])}
-Step = Callable[[], None]
+Step = common.Step
 
 
 # -- one step of each contender ---------------------------------------------------------------
@@ -64,21 +64,6 @@ def _train(
     def step() -> None:
         out = forward(work.x)
         work.loss(out, work.y.to(out.device)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
-
-
-def _one_device(work: common.Workload, m: int) -> Step:
-    """The reference: the same M micro-batches one after another (gradient accumulation)."""
-    model = copy.deepcopy(work.model)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    xs, ys = work.x.tensor_split(m), work.y.tensor_split(m)
-
-    def step() -> None:
-        for x, y in zip(xs, ys):
-            (work.loss(model(x), y) / m).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -191,7 +176,9 @@ def measure(
 ) -> list[dict[str, Any]]:
     """One configuration: time every chosen contender in alternating rounds; rows per contender."""
     bal = common.balance(work, k)
-    timers: dict[str, Callable[[], float]] = {BASE: _timer(_one_device(work, m), args.steps)}
+    timers: dict[str, Callable[[], float]] = {
+        BASE: _timer(common.accumulation_step(work, m), args.steps)
+    }
     skipped: dict[str, str] = {}
     pipes = []
     for name in chosen:

@@ -40,7 +40,7 @@ from benchmarks import _common as common
 from benchmarks._results import markdown_table, record
 
 TITLE = "Overhead on one device"
-Step = Callable[[], None]
+Step = common.Step
 
 
 def _step(module: nn.Module, work: common.Workload) -> Step:
@@ -48,20 +48,6 @@ def _step(module: nn.Module, work: common.Workload) -> Step:
 
     def step() -> None:
         work.loss(module(work.x), work.y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
-
-
-def _accumulate(work: common.Workload, m: int) -> Step:
-    model = copy.deepcopy(work.model)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    xs, ys = work.x.tensor_split(m), work.y.tensor_split(m)
-
-    def step() -> None:
-        for x, y in zip(xs, ys):
-            (work.loss(model(x), y) / m).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -104,7 +90,7 @@ def pairs(work: common.Workload, ms: list[int]) -> list[tuple[str, int, Step, St
         (
             f"wrap([L], chunks={m}) vs accumulation over {m}",
             m,
-            _accumulate(work, m),
+            common.accumulation_step(work, m),
             _wrapped(work, m),
         )
         for m in ms
