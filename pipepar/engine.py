@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -276,6 +276,3 @@ def wavefront(per_stage: list[list[tuple[int, int]]], forward: bool) -> list[tup
             if 0 <= t < len(per_stage[j]):
                 order.append(per_stage[j][t])
     return order
-
-
-Job = Callable[[], None]

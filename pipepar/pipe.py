@@ -14,7 +14,7 @@ from pipepar.checkpoint import should_checkpoint
 from pipepar.devices import DeviceSpec, resolve_devices
 from pipepar.engine import Run, backward_order, forward_order, wavefront
 from pipepar.microbatch import Value, check_value, gather, scatter, tensors
-from pipepar.stage import split_stages
+from pipepar.stage import iter_layers, split_stages
 from pipepar.trace import Tracer
 from pipepar.transfer import move
 from pipepar.worker import WorkerPool, run_inline
@@ -82,8 +82,7 @@ class Pipe(nn.Module):
         return sum(len(s.layers) for s in self._stages)
 
     def __iter__(self) -> Iterator[nn.Module]:
-        for stage in self._stages:
-            yield from stage.layers
+        yield from iter_layers(self._stages)
 
     def __getitem__(self, index: int | slice) -> nn.Module:
         layers = list(self)
@@ -157,7 +156,7 @@ class Pipe(nn.Module):
         k, m = len(self._stages), run.m
         self._execute(run, forward_order(k, m), run.forward, forward=True)
         if run.training:
-            commit_all([layer for s in self._stages for layer in s.layers])
+            commit_all(list(self))
         return gather(run.outputs())
 
     def _backward(self, run: Run, grads: Sequence[Tensor | None]) -> None:
