@@ -34,6 +34,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pipepar.distributed as ppd
+from benchmarks._contenders import torch_pipelining
 from benchmarks._results import markdown_table, record
 
 BASELINE = "one core, same micro-batches"
@@ -93,18 +94,12 @@ def _pipepar(args: argparse.Namespace, rank: int, schedule: str) -> Callable[[],
 
 
 def _torch(args: argparse.Namespace, rank: int, schedule: str) -> Callable[[], None]:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
     model = build_model(args.width, args.blocks)
     half = len(model) // 2
     part = nn.Sequential(*list(model)[rank * half : (rank + 1) * half])
-    stage = PipelineStage(part, rank, 2, torch.device("cpu"))
-    kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    sched = kind(stage, n_microbatches=args.chunks, loss_fn=nn.functional.mse_loss)
+    run = torch_pipelining(part, rank, 2, args.chunks, schedule, nn.functional.mse_loss)
     x, y = _batch(args)
-    if rank == 0:
-        return lambda: sched.step(x)
-    return lambda: sched.step(target=y, losses=[])
+    return lambda: run(x, y)
 
 
 def _busy_seconds() -> float:

@@ -11,10 +11,14 @@ Contenders: pipepar.wrap (one process, a thread per stage), torchgpipe.GPipe (th
 pipepar.distributed GPipe and 1F1B, torch.distributed.pipelining ScheduleGPipe and
 Schedule1F1B (one process per stage, gloo). All of them, the one-device reference included,
 alternate within every round (order rotating); the table gives medians over rounds and the
-min-max spread.
+min-max spread. With ``--defaults`` the two single-process libraries keep their own thread
+defaults instead (pipepar: an equal share of the cores per stage; torchgpipe: torch's default
+count in every stage thread); the one-device reference keeps one thread.
 
     python benchmarks/bench_efficiency.py                   # full grid, writes RESULTS.md
     python benchmarks/bench_efficiency.py --models mlp --k 2 --m 8 --rounds 9
+    python benchmarks/bench_efficiency.py --defaults --models mlp --k 2 --m 8 \
+        --contenders pipepar,torchgpipe --rounds 15      # each library's own thread defaults
     python benchmarks/bench_efficiency.py --quick --json rows.json   # seconds, temp results
 """
 
@@ -26,7 +30,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # every thread (torchgpipe's too)
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import argparse
-import copy
 import sys
 import time
 from collections.abc import Callable
@@ -34,16 +37,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import pipepar
 from benchmarks import _common as common
+from benchmarks import _contenders as contenders
 from benchmarks._procs import ProcessGroup
 from benchmarks._results import markdown_table, record
 
 TITLE = "Pipeline efficiency: all contenders, one run"
+TITLE_DEFAULTS = "Pipeline efficiency: single-process libraries at their thread defaults"
 BASE = "one device"
 THREADED = ("pipepar", "torchgpipe")
 PROCS = {
@@ -53,83 +56,6 @@ PROCS = {
 CONTENDERS = (BASE, *THREADED, *(c for pair in PROCS.values() for c in pair))
 FULL_GRID = {"mlp": ([1, 2], [1, 2, 4, 8, 16]), "alexnet": ([2], [4, 8]), "gpt": ([2], [4, 8])}
 Step = common.Step
-
-
-# -- one step of each contender ---------------------------------------------------------------
-def _train(
-    module: nn.Module, work: common.Workload, forward: Callable[[torch.Tensor], Any]
-) -> Step:
-    opt = torch.optim.SGD(module.parameters(), lr=1e-4)
-
-    def step() -> None:
-        out = forward(work.x)
-        work.loss(out, work.y.to(out.device)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
-
-
-def _threaded(name: str, work: common.Workload, bal: list[int], m: int) -> tuple[Step, Any]:
-    model, devices = copy.deepcopy(work.model), ["cpu"] * len(bal)
-    if name == "pipepar":
-        pipe: nn.Module = pipepar.wrap(
-            model, bal, devices=devices, chunks=m, checkpoint="never", threads=1
-        )
-    else:
-        from torchgpipe import GPipe
-
-        pipe = GPipe(model, bal, devices=devices, chunks=m, checkpoint="never")
-    return _train(pipe, work, pipe), pipe
-
-
-def stage_builder(spec: dict[str, Any], rank: int, world: int) -> Callable[[str, int], Step]:
-    """Factory run on every rank of a :class:`ProcessGroup`: ``build(contender, m) -> step``."""
-    work = common.workload(spec["workload"], quick=spec["quick"])
-    bal: list[int] = spec["balance"]
-
-    def build(contender: str, m: int) -> Step:
-        schedule = contender.rsplit(" ", 1)[1]
-        if contender.startswith("torch"):
-            return _torch_stage(work, bal, rank, world, m, schedule)
-        import pipepar.distributed as ppd
-
-        pipe = ppd.wrap(
-            copy.deepcopy(work.model), bal, chunks=m, schedule=schedule, checkpoint="never"
-        )
-        opt = torch.optim.SGD(pipe.parameters(), lr=1e-4)
-
-        def step() -> None:
-            pipe.step(work.x, work.y, work.loss)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
-        return step
-
-    return build
-
-
-def _torch_stage(
-    work: common.Workload, bal: list[int], rank: int, world: int, m: int, schedule: str
-) -> Step:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-    start = sum(bal[:rank])
-    part = nn.Sequential(*list(copy.deepcopy(work.model))[start : start + bal[rank]])
-    stage = PipelineStage(part, rank, world, torch.device("cpu"))
-    kind = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    runner = kind(stage, n_microbatches=m, loss_fn=work.loss)
-    opt = torch.optim.SGD(part.parameters(), lr=1e-4)
-    first, last = rank == 0, rank == world - 1
-    inputs = (work.x,) if first else ()
-    targets: dict[str, Any] = {"target": work.y, "losses": []} if last else {}
-
-    def step() -> None:
-        runner.step(*inputs, **targets)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
 
 
 # -- rounds -----------------------------------------------------------------------------------
@@ -186,7 +112,7 @@ def measure(
         if why is not None:
             skipped[name] = why
         elif name in THREADED:
-            step, pipe = _threaded(name, work, bal, m)
+            step, pipe = contenders.threaded(name, work, bal, m, args.defaults)
             step()  # warm-up (and worker start)
             timers[name] = _timer(step, args.steps)
             pipes.append(pipe)
@@ -325,7 +251,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         for k in ks:
             spec = {"workload": name, "quick": args.quick, "balance": common.balance(work, k)}
             groups = {
-                lib: ProcessGroup(k, "benchmarks.bench_efficiency:stage_builder", spec)
+                lib: ProcessGroup(k, "benchmarks._contenders:stage_builder", spec)
                 for lib, names in PROCS.items()
                 if set(names) & set(args.contenders)
             }
@@ -352,8 +278,7 @@ def main(argv: list[str] | None = None) -> int:
             "Workloads: " + "; ".join(f"{n}: {d}" for n, d in works.items()) + ".",
             f"{args.rounds} alternating rounds x {args.steps} timed steps per contender (after one "
             "warm-up step); SGD with zero_grad(set_to_none=True) every step; checkpoint='never'; "
-            "one math thread per stage (torch threads in this process: "
-            f"{torch.get_num_threads()}); "
+            f"{_threads_note(args.defaults)}; "
             "balance = exact min-max split of forward FLOPs. Of ideal = (one device's step x "
             "(M+K-1)/(K*M)) / the contender's step, per round. Spread = (max-min)/median of the "
             f"step time. Machine load before: {before}; after: {common.load()}.",
@@ -361,9 +286,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = table(rows)
     print(text, notes, sep="\n\n")
-    record(TITLE, text, notes=notes, path=common.results_path(args, "efficiency"))
+    title = TITLE_DEFAULTS if args.defaults else TITLE
+    record(title, text, notes=notes, path=common.results_path(args, "efficiency"))
     common.write_json(args.json, rows)
     return 0
+
+
+def _threads_note(defaults: bool) -> str:
+    if defaults:
+        return (
+            "each library's thread defaults (pipepar: an equal share per stage, torchgpipe: "
+            f"{contenders.DEFAULT_THREADS} per stage thread; one-device reference: 1)"
+        )
+    return f"one math thread per stage (this process: {torch.get_num_threads()})"
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -378,6 +313,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         type=_names,
         default=list(CONTENDERS[1:]),
         help="comma-separated subset of: " + ", ".join(CONTENDERS[1:]),
+    )
+    parser.add_argument(
+        "--defaults", action="store_true", help="pipepar and torchgpipe at their thread defaults"
     )
     args = parser.parse_args(argv)
     unknown = set(args.contenders) - set(CONTENDERS) | set(args.models) - set(common.WORKLOADS)

@@ -61,6 +61,18 @@ def test_efficiency_quick_in_process(tmp_path: Path) -> None:
     assert len(table_rows) == len(rows)
 
 
+def test_efficiency_quick_at_library_thread_defaults(tmp_path: Path) -> None:
+    rows, text = _run(
+        "bench_efficiency.py", tmp_path, "--contenders", "pipepar,torchgpipe", "--defaults"
+    )
+    assert "## Pipeline efficiency: single-process libraries at their thread defaults" in text
+    assert "each library's thread defaults" in text and "all contenders, one run" not in text
+    assert {r["contender"] for r in rows} == {"one device", "pipepar", "torchgpipe"}
+    for row in rows:
+        assert row["error"] is None, row
+        _check_efficiency_row(row)
+
+
 @pytest.mark.slow
 def test_efficiency_quick_with_every_contender(tmp_path: Path) -> None:
     rows, text = _run("bench_efficiency.py", tmp_path)
@@ -149,3 +161,25 @@ def test_stats_and_unknown_workload() -> None:
     assert (stats.median, stats.low, stats.high, stats.spread()) == (2.0, 1.0, 3.0, 1.0)
     with pytest.raises(ValueError, match="'mlp'"):
         common.workload("resnet")
+
+
+def test_distributed_quick_prints_every_variant() -> None:
+    cmd = [sys.executable, "benchmarks/bench_distributed.py", "--quick"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[2:-1]
+        for line in done.stdout.splitlines()
+        if line.startswith("| ") and not line.startswith("| variant")
+    }
+    assert set(rows) == {
+        "one core, same micro-batches",
+        "pipepar gpipe",
+        "pipepar 1f1b",
+        "torch.pipelining gpipe",
+        "torch.pipelining 1f1b",
+    }
+    for name, cells in rows.items():
+        assert float(cells[0]) > 0 and float(cells[1]) > 0, (name, cells)  # step ms, samples/s
+        if name != "one core, same micro-batches":
+            assert 0 < float(cells[3].split()[0]) < 10  # fraction over all rounds
