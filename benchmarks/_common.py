@@ -46,20 +46,34 @@ class Workload:
         return int(self.x.shape[0])
 
 
-def accumulation_step(work: Workload, m: int) -> Step:
+def accumulation_step(work: Workload, m: int, device: str = "cpu") -> Step:
     """The one-device reference: the same m micro-batches one after another, then one
-    optimizer step (gradient accumulation), on a copy of the workload's model."""
-    model = copy.deepcopy(work.model)
+    optimizer step (gradient accumulation), on a copy of the workload's model on ``device``."""
+    model = copy.deepcopy(work.model).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    xs, ys = work.x.tensor_split(m), work.y.tensor_split(m)
+    xs, ys = work.x.to(device).tensor_split(m), work.y.to(device).tensor_split(m)
 
     def step() -> None:
         for x, y in zip(xs, ys):
             (work.loss(model(x), y) / m).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        synchronize([device])
 
     return step
+
+
+def synchronize(devices: list[str]) -> None:
+    """Wait for the work queued on each CUDA device in ``devices`` (a step's time includes it)."""
+    for name in sorted(set(devices)):
+        device = torch.device(name)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+
+def stage_devices(kind: str, k: int) -> list[str]:
+    """``k`` stage devices: ``cpu`` for every stage, or ``cuda:0`` .. ``cuda:k-1``."""
+    return ["cpu"] * k if kind == "cpu" else [f"cuda:{j}" for j in range(k)]
 
 
 def _mlp_inline(depth: int, width: int) -> nn.Sequential:

@@ -7,9 +7,10 @@ of a :class:`benchmarks._procs.ProcessGroup` by :func:`stage_builder`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -24,46 +25,70 @@ DEFAULT_THREADS = os.cpu_count() or 1  # torch's default math threads: one per c
 Step = common.Step
 
 
-def _train(module: nn.Module, work: common.Workload) -> Step:
-    def backward() -> None:
-        out = module(work.x)
-        work.loss(out, work.y.to(out.device)).backward()
+def _train(module: nn.Module, work: common.Workload, devices: list[str]) -> Step:
+    x, y = work.x.to(devices[0]), work.y.to(devices[-1])
 
-    return _optimized(module, backward)
+    def backward() -> None:
+        work.loss(module(x), y).backward()
+
+    step = _optimized(module, backward)
+
+    def synchronized() -> None:
+        step()
+        common.synchronize(devices)
+
+    return synchronized if devices[0] != "cpu" else step
 
 
 def threaded(
-    name: str, work: common.Workload, bal: list[int], m: int, defaults: bool
+    name: str,
+    work: common.Workload,
+    bal: list[int],
+    m: int,
+    defaults: bool,
+    devices: list[str] | None = None,
 ) -> tuple[Step, Any]:
     """``(step, pipe)`` for ``"pipepar"`` or ``"torchgpipe"``: one thread per stage.
 
-    ``defaults=False``: one math thread per stage. ``defaults=True``: each library's own default
-    (pipepar: an equal share of the cores per stage; torchgpipe: torch's default count).
+    ``defaults=False``: one math thread per CPU stage. ``defaults=True``: each library's own
+    default (pipepar: an equal share of the cores per stage; torchgpipe: torch's default count).
+    ``devices``: one per stage, default the CPU for all.
     """
-    model, devices = copy.deepcopy(work.model), ["cpu"] * len(bal)
+    model, devices = copy.deepcopy(work.model), devices or ["cpu"] * len(bal)
     if name == "pipepar":
-        threads = None if defaults else 1
-        pipe: nn.Module = pipepar.wrap(
-            model, bal, devices=devices, chunks=m, checkpoint="never", threads=threads
-        )
-        return _train(pipe, work), pipe
-    from torchgpipe import GPipe
+        # Built and run as in a process that kept torch's default thread count.
+        with _threads(DEFAULT_THREADS if defaults else torch.get_num_threads()):
+            pipe: nn.Module = pipepar.wrap(
+                model,
+                bal,
+                devices=devices,
+                chunks=m,
+                checkpoint="never",
+                threads=None if defaults else 1,
+            )
+    else:
+        from torchgpipe import GPipe
 
-    pipe = GPipe(model, bal, devices=devices, chunks=m, checkpoint="never")
-    step = _train(pipe, work)
+        pipe = GPipe(model, bal, devices=devices, chunks=m, checkpoint="never")
+    step = _train(pipe, work, devices)
     return (_with_threads(step, DEFAULT_THREADS) if defaults else step), pipe
 
 
-def _with_threads(step: Step, threads: int) -> Step:
-    """Run ``step`` with ``threads`` math threads here and on the threads it starts."""
+@contextlib.contextmanager
+def _threads(threads: int) -> Iterator[None]:
+    """``threads`` math threads here, and on the threads started meanwhile."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
+
+def _with_threads(step: Step, threads: int) -> Step:
     def wrapped() -> None:
-        previous = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with _threads(threads):
             step()
-        finally:
-            torch.set_num_threads(previous)
 
     return wrapped
 
@@ -79,12 +104,9 @@ def torch_pipelining(
     runner = kind(stage, n_microbatches=m, loss_fn=loss)
 
     def run(x: Tensor, y: Tensor) -> None:
-        if rank == 0:
-            runner.step(x)
-        elif rank == world - 1:
-            runner.step(target=y, losses=[])
-        else:
-            runner.step()
+        inputs = (x,) if rank == 0 else ()
+        targets: dict[str, Any] = {"target": y, "losses": []} if rank == world - 1 else {}
+        runner.step(*inputs, **targets)
 
     return run
 

@@ -11,7 +11,10 @@ Contenders: pipepar.wrap (one process, a thread per stage), torchgpipe.GPipe (th
 pipepar.distributed GPipe and 1F1B, torch.distributed.pipelining ScheduleGPipe and
 Schedule1F1B (one process per stage, gloo). All of them, the one-device reference included,
 alternate within every round (order rotating); the table gives medians over rounds and the
-min-max spread. With ``--defaults`` the two single-process libraries keep their own thread
+min-max spread. ``--device cuda`` puts stage j on ``cuda:j`` and the reference on ``cuda:0``, K up
+to the number of GPUs; there the multi-process contenders are left out (this script runs them
+on gloo; ``pipepar.distributed`` on NCCL is measured by ``examples/hybrid_train.py``). With
+``--defaults`` the two single-process libraries keep their own thread
 defaults instead (pipepar: an equal share of the cores per stage; torchgpipe: torch's default
 count in every stage thread); the one-device reference keeps one thread.
 
@@ -20,6 +23,7 @@ count in every stage thread); the one-device reference keeps one thread.
     python benchmarks/bench_efficiency.py --defaults --models mlp --k 2 --m 8 \
         --contenders pipepar,torchgpipe --rounds 15      # each library's own thread defaults
     python benchmarks/bench_efficiency.py --quick --json rows.json   # seconds, temp results
+    python benchmarks/bench_efficiency.py --device cuda --models mlp,gpt   # K = 1, 2, 4, 8 GPUs
 """
 
 from __future__ import annotations
@@ -103,7 +107,7 @@ def measure(
     """One configuration: time every chosen contender in alternating rounds; rows per contender."""
     bal = common.balance(work, k)
     timers: dict[str, Callable[[], float]] = {
-        BASE: _timer(common.accumulation_step(work, m), args.steps)
+        BASE: _timer(common.accumulation_step(work, m, args.device_names[0]), args.steps)
     }
     skipped: dict[str, str] = {}
     pipes = []
@@ -112,7 +116,8 @@ def measure(
         if why is not None:
             skipped[name] = why
         elif name in THREADED:
-            step, pipe = contenders.threaded(name, work, bal, m, args.defaults)
+            devices = common.stage_devices(args.device, k)
+            step, pipe = contenders.threaded(name, work, bal, m, args.defaults, devices)
             step()  # warm-up (and worker start)
             timers[name] = _timer(step, args.steps)
             pipes.append(pipe)
@@ -224,8 +229,10 @@ def table(rows: list[dict[str, Any]]) -> str:
     return markdown_table(headers, lines)
 
 
-def targets(rows: list[dict[str, Any]]) -> str:
+def targets(rows: list[dict[str, Any]], defaults: bool) -> str:
     """The issue's targets at K=2, M=8 on the MLP, from this run's medians."""
+    if defaults:
+        return "Targets are judged at one math thread per stage (run without --defaults)."
     at = [r for r in rows if (r["workload"], r["k"], r["m"]) == ("mlp", 2, 8)]
     ours = next((r for r in at if r["contender"] == "pipepar" and not r.get("error")), None)
     if ours is None:
@@ -240,6 +247,9 @@ def targets(rows: list[dict[str, Any]]) -> str:
 
 def _grid(args: argparse.Namespace) -> dict[str, tuple[list[int], list[int]]]:
     base = {"mlp": ([2], [1, 2])} if args.quick else FULL_GRID
+    if args.device == "cuda":  # every power of two up to the number of GPUs
+        gpus = torch.cuda.device_count()
+        base = {n: ([k for k in (1, 2, 4, 8) if k <= gpus], ms) for n, (_, ms) in base.items()}
     return {n: (args.k or ks, args.m or ms) for n, (ks, ms) in base.items() if n in args.models}
 
 
@@ -273,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     works = {n: common.workload(n, quick=args.quick).description for n in _grid(args)}
     notes = "\n".join(
         [
-            targets(rows),
+            targets(rows, args.defaults),
             "",
             "Workloads: " + "; ".join(f"{n}: {d}" for n, d in works.items()) + ".",
             f"{args.rounds} alternating rounds x {args.steps} timed steps per contender (after one "
@@ -286,7 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = table(rows)
     print(text, notes, sep="\n\n")
-    title = TITLE_DEFAULTS if args.defaults else TITLE
+    title = (TITLE_DEFAULTS if args.defaults else TITLE) + (
+        f" ({torch.cuda.get_device_name(0)})" if args.device == "cuda" else ""
+    )
     record(title, text, notes=notes, path=common.results_path(args, "efficiency"))
     common.write_json(args.json, rows)
     return 0
@@ -317,12 +329,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--defaults", action="store_true", help="pipepar and torchgpipe at their thread defaults"
     )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="stage devices")
     args = parser.parse_args(argv)
     unknown = set(args.contenders) - set(CONTENDERS) | set(args.models) - set(common.WORKLOADS)
     if unknown:
         parser.error(f"unknown contender or model {sorted(unknown)}; see --help")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("--device cuda: no CUDA device is visible; use --device cpu")
+        args.contenders = [c for c in args.contenders if c in THREADED]
     if args.quick:
         args.rounds, args.steps = min(args.rounds, 2), 1
+    args.device_names = common.stage_devices(args.device, 1)
     return args
 
 

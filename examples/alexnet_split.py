@@ -98,7 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=Path,
         default=None,
         metavar="PATH",
-        help="record every stage action and draw it: .json (Perfetto), .svg or .png",
+        help="record every stage action and draw the last step: .svg, .png, .html (chart and "
+        "table per stage) or .json (Perfetto)",
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -124,6 +125,11 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None
         if getattr(args, name) < 1:
             flag = "--" + name.replace("_", "-")
             parser.error(f"{flag} {getattr(args, name)} must be >= 1")
+    if args.timeline is not None and args.timeline.suffix.lower() not in timeline.SUFFIXES:
+        parser.error(
+            f"--timeline {args.timeline}: cannot tell the format from its suffix; "
+            f"name it with one of {', '.join(timeline.SUFFIXES)}"
+        )
 
 
 def default_devices() -> list[str]:
@@ -257,7 +263,7 @@ def report(pipe: pipepar.Pipe, result: Result, args: argparse.Namespace, out: Te
 
 
 def save_timeline(pipe: pipepar.Pipe, path: Path, out: TextIO) -> None:
-    """Draw the recorded stage actions: ``.json`` (ui.perfetto.dev), ``.svg`` or ``.png``."""
+    """Draw the last step's stage actions in the format the suffix of ``path`` names."""
     tracer = getattr(pipe, "tracer", None)
     if tracer is None:
         print("timeline: unsupported, this pipepar does not record stage actions", file=out)

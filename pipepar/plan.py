@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -32,6 +32,9 @@ from pipepar.plan_targets import Target, resolve_targets
 from pipepar.profile import LayerProfile, Profile, profile
 from pipepar.stage_memory import MemoryModel
 from pipepar.units import format_bytes
+
+if TYPE_CHECKING:
+    from pipepar.trace import Timeline, Tracer
 
 __all__ = ["Plan", "StagePlan", "plan"]
 
@@ -170,11 +173,18 @@ class Plan:
 
         return render_report(self, width=width, color=color)
 
-    def save_html(self, path: str | Path) -> Path:
-        """Write a self-contained HTML report (inline SVG charts, no scripts) to ``path``."""
+    def save_html(self, path: str | Path, *, timeline: Timeline | Tracer | None = None) -> Path:
+        """Write a self-contained HTML report (inline SVG charts, no scripts) to ``path``.
+
+        Args:
+            path: the ``.html`` file to write.
+            timeline: a run of the pipe recorded with ``trace=True`` (``pipe.tracer`` or a
+                :class:`~pipepar.trace.Timeline`); its last mini-batch is drawn after the
+                stage table, with the measured bubble beside the predicted one.
+        """
         from pipepar.report_html import write_html
 
-        return write_html(self, Path(path))
+        return write_html(self, Path(path), timeline=timeline)
 
     def __str__(self) -> str:
         peaks = ", ".join(format_bytes(s.peak_bytes) for s in self.stages)

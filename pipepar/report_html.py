@@ -19,6 +19,7 @@ from pipepar.units import format_bytes
 
 if TYPE_CHECKING:
     from pipepar.plan import Plan
+    from pipepar.trace import Timeline, Tracer
 
 __all__ = ["render_html", "write_html"]
 
@@ -57,15 +58,16 @@ _CSS = (
 )
 
 
-def write_html(plan: Plan, path: Path) -> Path:
+def write_html(plan: Plan, path: Path, *, timeline: Timeline | Tracer | None = None) -> Path:
     """Write :func:`render_html` to ``path`` (parents created) and return the path."""
+    page = render_html(plan, timeline=timeline)  # before touching the file: errors leave it
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_html(plan), encoding="utf-8")
+    path.write_text(page, encoding="utf-8")
     return path
 
 
-def render_html(plan: Plan) -> str:
-    """The whole report as an HTML string.
+def render_html(plan: Plan, *, timeline: Timeline | Tracer | None = None) -> str:
+    """The whole report as an HTML string; with ``timeline``, a measured run beside the plan.
 
     Example:
         >>> render_html(plan).startswith("<!DOCTYPE html>")
@@ -100,6 +102,10 @@ def render_html(plan: Plan) -> str:
         "<h2>Layers</h2>",
         _layer_table(plan),
     ]
+    if timeline is not None:
+        from pipepar.timeline_html import section
+
+        body[4:4] = [section(timeline, heading="Measured pipeline timeline (a real run)")]
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>pipepar plan {plan.balance}</title><style>{_CSS}</style></head><body>\n"

@@ -7,7 +7,7 @@ bubble is the pink area. The same layout feeds the SVG (written by hand, embedda
 and the PNG (drawn with Pillow, imported only when a PNG is asked for).
 
     >>> from pipepar import timeline
-    >>> timeline.save(pipe.tracer, "pipeline.png")    # or .svg, or .json for ui.perfetto.dev
+    >>> timeline.save(pipe.tracer, "pipeline.png")    # .svg, .html, or .json for ui.perfetto.dev
     >>> html = f"<h2>Pipeline</h2>{timeline.to_svg(pipe.tracer)}"
 """
 
@@ -24,6 +24,8 @@ from pipepar.trace import Timeline, Tracer
 
 __all__ = [
     "COLORS",
+    "SUFFIXES",
+    "as_timeline",
     "save",
     "save_chrome_trace",
     "save_png",
@@ -41,6 +43,9 @@ COLORS = {
     "idle": "#FBE3E3",
 }
 """Fill colour of each event kind, and of idle time (the bubble)."""
+
+SUFFIXES = (".svg", ".png", ".html", ".json")
+"""The file names :func:`save` understands."""
 
 _LANE, _GAP, _LEFT, _RIGHT, _TOP, _BOTTOM = 34, 8, 70, 20, 46, 62
 _FONT = 11
@@ -72,7 +77,8 @@ class _Chart:
     separators: list[float]  # x of each mini-batch boundary after the first
 
 
-def _as_timeline(source: Timeline | Tracer) -> Timeline:
+def as_timeline(source: Timeline | Tracer) -> Timeline:
+    """``source`` itself, or the tracer's recording as a :class:`Timeline`; TypeError else."""
     if isinstance(source, Tracer):
         return source.timeline()
     if isinstance(source, Timeline):
@@ -182,7 +188,7 @@ def to_svg(source: Timeline | Tracer, *, width: int = 1000, title: str | None = 
         >>> svg.startswith("<svg")
         True
     """
-    chart = _layout(_as_timeline(source), _check_width(width), title)
+    chart = _layout(as_timeline(source), _check_width(width), title)
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{chart.width}" height="{chart.height}" '
         f'viewBox="0 0 {chart.width} {chart.height}" font-family="sans-serif" '
@@ -264,7 +270,7 @@ def save_png(
             "saving the timeline as PNG needs Pillow, which is not installed; "
             "`pip install pillow` (torchvision brings it), or save it as .svg or .json instead"
         ) from error
-    chart = _layout(_as_timeline(source), _check_width(width), title)
+    chart = _layout(as_timeline(source), _check_width(width), title)
     image = Image.new("RGB", (chart.width, chart.height), "white")
     draw = ImageDraw.Draw(image)
     font = _pil_font()
@@ -324,7 +330,7 @@ def to_chrome_trace(source: Timeline | Tracer) -> dict[str, Any]:
         >>> sorted(trace)
         ['displayTimeUnit', 'otherData', 'traceEvents']
     """
-    timeline = _as_timeline(source)
+    timeline = as_timeline(source)
     events: list[dict[str, Any]] = [
         {"ph": "M", "pid": 0, "tid": 0, "name": "process_name", "args": {"name": "pipepar"}}
     ]
@@ -372,12 +378,13 @@ def save_chrome_trace(source: Timeline | Tracer, path: str | Path) -> Path:
 
 
 def save(source: Timeline | Tracer, path: str | Path, **options: Any) -> Path:
-    """Write the timeline in the format the suffix names: ``.svg``, ``.png`` or ``.json``.
+    """Write the timeline in the format its suffix names: .svg, .png, .html or .json.
 
     Args:
         source: a :class:`~pipepar.trace.Timeline` or the pipe's :class:`~pipepar.trace.Tracer`.
-        path: where to write; ``.json`` is a Chrome trace (Perfetto), the others a Gantt chart.
-        **options: ``width=`` and ``title=`` for the charts.
+        path: where to write; ``.json`` is a Chrome trace (Perfetto), ``.html`` a page with the
+            last mini-batch's chart and a table per stage, the others a Gantt chart.
+        **options: ``width=`` and ``title=`` for the charts and the page.
 
     Example:
         >>> save(pipe.tracer, "out.png")
@@ -389,11 +396,16 @@ def save(source: Timeline | Tracer, path: str | Path, **options: Any) -> Path:
         return save_svg(source, path, **options)
     if suffix == ".png":
         return save_png(source, path, **options)
+    if suffix == ".html":
+        from pipepar.timeline_html import save_html
+
+        return save_html(source, path, **options)
     if suffix == ".json":
         if options:
             raise TypeError(f"a Chrome trace takes no drawing options, got {sorted(options)}")
         return save_chrome_trace(source, path)
     raise ValueError(
         f"cannot tell the format of {str(path)!r} from its suffix {suffix or '(none)'!r}; "
-        "name it .svg or .png (Gantt chart) or .json (Chrome trace for Perfetto)"
+        "name it .svg or .png (Gantt chart), .html (chart and table) or .json (Chrome trace "
+        "for Perfetto)"
     )

@@ -89,7 +89,7 @@ def test_timeline_is_written_as_a_chrome_trace(example: ModuleType, tmp_path: Pa
 @pytest.mark.parametrize(
     ("argv", "flag"),
     [(["--image-size", "32"], "--image-size"), (["--chunks", "0"], "--chunks"),
-     (["--balance", "a,b"], "--balance")],
+     (["--balance", "a,b"], "--balance"), (["--timeline", "t.pdf"], "--timeline")],
 )  # fmt: skip
 def test_bad_flags_exit_with_a_usage_error(
     example: ModuleType, argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]

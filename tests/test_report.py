@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+import pipepar
 from pipepar.plan import Plan, plan
 from pipepar.profile import profile
 from pipepar.report import shape_text
@@ -107,6 +108,26 @@ def test_html_marks_a_plan_that_does_not_fit(fitted: Plan, tmp_path: Path) -> No
     text = over.save_html(tmp_path / "over.html").read_text()
     assert "does not fit" in text and 'class="over"' in text
     assert "DOES NOT FIT" in over.report()
+
+
+def test_html_embeds_a_measured_run_beside_the_plan(fitted: Plan, tmp_path: Path) -> None:
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(3)])
+    pipe = pipepar.wrap(model, [1, 1, 1], devices=["cpu"] * 3, chunks=4, trace=True)
+    pipe(torch.randn(8, 8)).sum().backward()
+    assert pipe.tracer is not None
+    text = fitted.save_html(tmp_path / "r.html", timeline=pipe.tracer).read_text()
+    assert text.count("<svg") == 4  # the plan's three charts and the timeline
+    order = [text.index(h) for h in ("Memory per stage", "Measured pipeline", "Memory per layer")]
+    assert order == sorted(order)
+    step = pipe.tracer.timeline().steps()[-1]
+    assert f"measured bubble {step.bubble:.1%}" in text
+    assert f"predicted bubble (K-1)/(M+K-1) = {fitted.bubble:.1%}" in text
+
+
+def test_html_with_a_bad_timeline_leaves_no_file(fitted: Plan, tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"pipe\.tracer"):
+        fitted.save_html(tmp_path / "r.html", timeline=[1, 2])  # type: ignore[arg-type]
+    assert not (tmp_path / "r.html").exists()
 
 
 @pytest.mark.skipif(

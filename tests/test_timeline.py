@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import sys
 import xml.etree.ElementTree as ET
 from collections import Counter
@@ -207,3 +208,24 @@ def test_png_without_pillow_is_a_clear_error(
     with pytest.raises(ImportError, match="pip install pillow"):
         drawing.save(recorded, tmp_path / "t.png")
     assert drawing.save(recorded, tmp_path / "t.svg").exists()  # SVG needs no Pillow
+
+
+def test_html_page_shows_the_last_step_and_a_row_per_stage(tmp_path: Path) -> None:
+    timeline = _run(2, 3, steps=2)
+    last = timeline.steps()[-1]
+    path = drawing.save(timeline, tmp_path / "t.html", title="my <run>")
+    text = path.read_text()
+    assert text.startswith("<!DOCTYPE html>") and "<script" not in text
+    assert text.count("<svg") == 1 and "<title>my &lt;run&gt;</title>" in text
+    assert "last of 2 mini-batches" in text
+    assert f"measured bubble {last.bubble:.1%}" in text
+    rows = re.findall(r"<tr><td>(\d+)</td><td>([\d.]+)</td>", text)
+    assert rows == [(str(j), f"{last.busy(j) * 1e3:.2f}") for j in range(2)]
+    # the chart is the last step's: as many hover texts as that step has events
+    assert text.count("<title>") - 1 == len(last.events)
+
+
+def test_html_of_an_empty_recording_says_what_to_do(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="trace=True"):
+        drawing.save(Timeline([]), tmp_path / "t.html")
+    assert not (tmp_path / "t.html").exists()
