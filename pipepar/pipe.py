@@ -58,7 +58,7 @@ class Pipe(nn.Module):
         for name, layer in module.named_children():
             self.add_module(name, layer)
         self._stages = split_stages(list(module), balance, resolved)
-        self.threads = _check_threads(threads, resolved)
+        self.threads = _check_threads(threads, resolved, self.chunks)
         self.tracer: Tracer | None = Tracer() if trace else None
         self._pool: WorkerPool | None = None
 
@@ -259,15 +259,19 @@ def _moving_denied(call: str) -> ValueError:
     )
 
 
-def _check_threads(threads: int | None, devices: list[torch.device]) -> list[int]:
+def _check_threads(threads: int | None, devices: list[torch.device], chunks: int) -> list[int]:
+    """Math threads per stage: ``threads``, or the cores shared among the CPU stages that
+    compute at once on average, ``K * M / (M + K - 1)`` under GPipe, rounded (K CPU stages, M
+    micro-batches): with ``chunks=1`` the stages take turns and each gets every core."""
     if threads is not None and (
         not isinstance(threads, int) or isinstance(threads, bool) or threads < 1
     ):
         raise ValueError(
             f"threads must be a positive int or None, but got {threads!r}; e.g. threads=1"
         )
-    n_cpu = sum(d.type == "cpu" for d in devices)
-    share = threads or max(1, torch.get_num_threads() // max(n_cpu, 1))
+    k = sum(d.type == "cpu" for d in devices)
+    at_once = max(1, round(k * chunks / (chunks + k - 1))) if k else 1
+    share = threads or max(1, torch.get_num_threads() // at_once)
     return [share if d.type == "cpu" else 1 for d in devices]
 
 
@@ -298,7 +302,8 @@ def wrap(
         deferred_batch_norm: track batch-norm statistics over the whole mini-batch.
         sample: an input batch to profile when ``balance`` is None.
         capacity: bytes per device for planning (int, ``"16GiB"``, or one per device).
-        threads: math threads per CPU stage; default: an equal share of ``torch.get_num_threads()``.
+        threads: math threads per CPU stage; default: ``torch.get_num_threads()`` shared among
+            the CPU stages that compute at once on average (``round(K*M/(M+K-1))``).
         trace: record a timeline of every action in ``pipe.tracer``.
 
     Example:

@@ -138,6 +138,19 @@ def test_one_math_thread_per_stage_on_two_cores() -> None:
     assert seen == [1, 1]
 
 
+@pytest.mark.parametrize(("chunks", "want"), [(1, 4), (2, 4), (3, 2), (8, 2)])
+def test_default_threads_share_the_cores_among_stages_that_overlap(chunks: int, want: int) -> None:
+    # Two stages compute at once K*M/(M+K-1) = 1, 1.33, 1.5, 1.78 on average: rounded 1 or 2.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2), nn.Linear(2, 2))
+        pipe = pipepar.wrap(model, [1, 2], devices=["cpu", "cpu"], chunks=chunks)
+    finally:
+        torch.set_num_threads(previous)
+    assert pipe.threads == [want, want]
+
+
 def test_keyboard_interrupt_stops_cleanly() -> None:
     import _thread
     import time
