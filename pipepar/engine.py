@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -190,16 +191,17 @@ class Run:
 
     def _accumulate(self, j: int, grads: Sequence[Tensor | None], shared: Sequence[Tensor]) -> None:
         sums, owned = self.param_grads[j], self._owned[j]
-        taken = {t.untyped_storage().data_ptr() for t in shared}
+        present = [g for g in grads if g is not None]
+        uses = Counter(t.untyped_storage().data_ptr() for t in [*shared, *present])
         for k, g in enumerate(grads):
             if g is None:
                 continue
             if sums[k] is None:
-                # A fresh, dense gradient nobody else holds is summed into in place later on
-                # (no new buffer per step); one that may alias another gradient is copied
-                # before the first in-place add.
-                sums[k], owned[k] = g, _exclusive(g, taken)
-                taken.add(g.untyped_storage().data_ptr())
+                # A fresh, dense gradient whose storage nothing else in this backward uses is
+                # summed into in place later on (no new buffer per micro-batch); one that
+                # shares its storage is replaced by a new sum, never written to.
+                sums[k] = g
+                owned[k] = uses[g.untyped_storage().data_ptr()] == 1 and _whole(g)
             elif owned[k]:
                 sums[k].add_(g)  # type: ignore[union-attr]
             else:
@@ -231,9 +233,14 @@ class Run:
             self.tracer.record(j, i, kind, start, time.perf_counter() if end is None else end)
 
 
-def _exclusive(g: Tensor, taken: set[int]) -> bool:
-    """True if ``g`` owns its storage alone: not a view, dense, not aliasing ``taken``."""
-    return g._base is None and g.is_contiguous() and g.untyped_storage().data_ptr() not in taken
+def _whole(g: Tensor) -> bool:
+    """True if ``g`` is dense, contiguous and spans its whole storage (a weight gradient is
+    often a transposed view of a fresh product that covers all of it)."""
+    return (
+        g.layout == torch.strided
+        and g.is_contiguous()
+        and g.untyped_storage().nbytes() == g.numel() * g.element_size()
+    )
 
 
 def _items(value: object) -> tuple[Tensor | None, ...]:

@@ -165,7 +165,9 @@ def _forward(
 
 
 def _accumulate(sums: list[Any], owned: list[bool], grads: tuple[Any, ...]) -> None:
-    # The engine's sum: alias the first gradient, add out of place once, then in place.
+    # The engine's sum at its most expensive: alias the first gradient, add out of place once,
+    # then in place (the engine adds in place from the start when a gradient owns its storage,
+    # so this and the planner's model, which follows it, are upper bounds).
     for k, g in enumerate(grads):
         if g is None:
             continue

@@ -17,7 +17,8 @@ two layers counts once; one that crosses a stage boundary counts on both devices
 - first backward: in-flight activations (one micro-batch recomputed, if checkpointed) + ``G``
   + the largest backward temporary;
 - second backward: as the first, plus the engine's gradient sum: each backward returns a new
-  ``G`` that is added to the running sum (out of place once, so one parameter's worth more);
+  ``G`` that is added to the running sum (at most once out of place, so one parameter's worth
+  more; the engine sums in place from the start when a gradient owns its storage);
 - optimizer step: ``G`` + the step's temporaries (per tensor on CPU, all at once with the
   ``foreach`` kernels torch picks on CUDA).
 

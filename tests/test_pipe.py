@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -187,3 +188,43 @@ def test_in_place_first_layer_of_a_stage(checkpoint: str) -> None:
     model.append(nn.Sequential(nn.ReLU(inplace=True), nn.Linear(WIDTH, 2)))
     model = model.double()
     _compare(model, [1, 2, 1], 3, checkpoint)
+
+
+class _TwinGrads(torch.autograd.Function):
+    """``x * (a + b)`` whose backward hands ``a`` and ``b`` views of one gradient tensor."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return x * (a + b)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        (x,) = ctx.saved_tensors
+        shared = (g * x).sum(0)
+        return g * 0 + g, shared, shared.view(shared.shape)  # a's and b's grads alias
+
+
+class _Twin(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(4, dtype=torch.float64))
+        self.b = nn.Parameter(torch.randn(4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _TwinGrads.apply(x, self.a, self.b)
+
+
+@pytest.mark.parametrize("chunks", [2, 4])
+def test_gradient_sums_survive_aliased_and_view_gradients(chunks: int) -> None:
+    # Linear's weight gradient is a view spanning a fresh product (summed into in place);
+    # _Twin's two gradients share one storage (must be copied before any in-place sum).
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), _Twin(), nn.Linear(4, 4), _Twin()).double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    plain(x).pow(2).sum().backward()
+    pipe = pipepar.wrap(model, [2, 2], devices=["cpu", "cpu"], chunks=chunks, checkpoint="never")
+    pipe(x).pow(2).sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), pipe.parameters()):
+        assert q.grad is not None and torch.allclose(p.grad, q.grad, atol=1e-12), name
