@@ -4,13 +4,15 @@ Every micro-batch's backward allocates fresh weight gradients (a 1024 x 1024 ``L
 4 MiB one) and frees them once they are summed. glibc adapts its thresholds to this only
 gradually and, while it does, hands such blocks back to the kernel (``munmap`` or trimming the
 top of an arena) and takes them again on the next micro-batch. Each round trip page-faults the
-whole buffer again, and with several CPU stages in one process the stage threads queue on the
-process's memory-map lock: on a 2-core machine this alone cost ~10% of a K=2, M=8 step
-(``benchmarks/RESULTS.md``, "Analysis").
+whole buffer again (up to 4,000 faults per micro-batch measured), and with several CPU stages
+in one process the stage threads also queue on the process's memory-map lock: on a 2-core
+machine this cost ~10% of a K=2, M=8 step (``benchmarks/RESULTS.md``, "Analysis").
 
 :func:`tune` fixes glibc's thresholds at the ceiling its own adaptive rule would reach (blocks up
 to 32 MiB come from the arenas, an arena keeps up to 64 MiB free at its top), once per process.
-It is called when a pipe starts two or more CPU stage threads. It does nothing when:
+A pipe calls it before the first training step its engine runs with a CPU stage (a one-stage
+pipe that runs plain autograd, with nothing to recompute or trace, does not). It does nothing
+when:
 
 - the C library is not glibc (musl, macOS, Windows);
 - the user chose malloc settings already (``MALLOC_*_`` variables or ``glibc.malloc`` tunables);

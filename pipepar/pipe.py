@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from pipepar import validation
+from pipepar import cpu_malloc, validation
 from pipepar.batchnorm import commit_all, convert_deferred_batch_norm, reset_all
 from pipepar.checkpoint import should_checkpoint
 from pipepar.devices import DeviceSpec, resolve_devices
@@ -134,6 +134,8 @@ class Pipe(nn.Module):
         )
         if not needs_grad:
             return self._forward(run)
+        if any(d.type == "cpu" for d in self.devices):
+            cpu_malloc.tune()  # gradient buffers of every micro-batch: see pipepar.cpu_malloc
         n_inputs = len(tensors(input))
         out = _PipeFunction.apply(self, run, n_inputs, *tensors(input), *params)
         return out

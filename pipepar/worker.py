@@ -21,8 +21,6 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 import torch
 
-from pipepar import cpu_malloc
-
 __all__ = ["Aborted", "Slots", "WorkerPool", "run_inline"]
 
 _log = logging.getLogger(__name__)
@@ -90,8 +88,6 @@ class WorkerPool:
     """One long-lived thread per stage; ``run(jobs, slots)`` runs ``jobs[j]`` on worker ``j``."""
 
     def __init__(self, devices: Sequence[torch.device], *, threads: Sequence[int]) -> None:
-        if sum(d.type == "cpu" for d in devices) > 1:
-            cpu_malloc.tune()  # the stage threads share one heap: see pipepar.cpu_malloc
         self._executors = [
             ThreadPoolExecutor(1, f"pipepar-stage{j}", _init_thread, (n, d))
             for j, (d, n) in enumerate(zip(devices, threads))

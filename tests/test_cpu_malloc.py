@@ -1,4 +1,4 @@
-"""pipepar.cpu_malloc: two CPU stages keep gradient-sized blocks in the heap, once per process.
+"""pipepar.cpu_malloc: training CPU stages keep gradient-sized blocks in the heap, once per process.
 
 Each case runs in a fresh interpreter: the thresholds are process-wide and the test process has
 long since built pipes. Whether a large block is mmapped is read from glibc's own count
@@ -36,9 +36,13 @@ PROBE = textwrap.dedent(
     libc.mallinfo2.restype = Info
 
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
-    devices = sys.argv[1].split(",")
-    pipe = pipepar.wrap(model, [2, 1] if len(devices) == 2 else [3], devices=devices, chunks=2)
-    pipe(torch.randn(4, 8)).sum().backward()
+    devices, checkpoint, train = sys.argv[1].split(","), sys.argv[2], sys.argv[3] == "train"
+    balance = [2, 1] if len(devices) == 2 else [3]
+    pipe = pipepar.wrap(model, balance, devices=devices, chunks=2, checkpoint=checkpoint)
+    with torch.set_grad_enabled(train):
+        out = pipe(torch.randn(4, 8))
+    if train:
+        out.sum().backward()
     before = libc.mallinfo2().hblks
     block = torch.empty(6 << 20)  # 24 MiB: above any threshold glibc adapted to while importing
     print(libc.mallinfo2().hblks - before)
@@ -46,12 +50,12 @@ PROBE = textwrap.dedent(
 )
 
 
-def _probe(devices: str, **env: str) -> int:
+def _probe(devices: str, checkpoint: str = "except_last", mode: str = "train", **env: str) -> int:
     """Number of mmapped blocks a 24 MiB tensor takes after a pipe on ``devices`` ran."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     environment.update(env)
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, devices],
+        [sys.executable, "-c", PROBE, devices, checkpoint, mode],
         capture_output=True,
         text=True,
         env=environment,
@@ -61,12 +65,14 @@ def _probe(devices: str, **env: str) -> int:
     return int(out)
 
 
-def test_two_cpu_stages_keep_large_blocks_in_the_heap() -> None:
+def test_training_on_cpu_stages_keeps_large_blocks_in_the_heap() -> None:
     assert _probe("cpu,cpu") == 0
+    assert _probe("cpu") == 0  # one stage that recomputes: the engine sums its gradients
 
 
-def test_one_stage_leaves_glibc_alone() -> None:
-    assert _probe("cpu") == 1
+def test_plain_autograd_and_inference_leave_glibc_alone() -> None:
+    assert _probe("cpu", checkpoint="never") == 1  # one stage, nothing to recompute
+    assert _probe("cpu,cpu", mode="eval") == 1  # no gradients to sum
 
 
 def test_opt_out_keeps_glibc_defaults() -> None:
