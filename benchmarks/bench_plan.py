@@ -26,6 +26,7 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import models  # noqa: E402
 import pipepar  # noqa: E402
 from benchmarks._results import markdown_table, record  # noqa: E402
 from pipepar.measure import measure_stage  # noqa: E402
@@ -84,31 +85,10 @@ def planning_rows(quick: bool) -> list[list[object]]:
     return rows
 
 
-def _mlp(width: int, depth: int, act: type[nn.Module] = nn.ReLU) -> nn.Sequential:
-    return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), act())])
-
-
-def _convnet() -> nn.Sequential:
-    return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1),
-        nn.BatchNorm2d(32),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1),
-        nn.ReLU(),
-        nn.Dropout(0.1),
-        nn.Conv2d(64, 64, 3, padding=1),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(4),
-        nn.Flatten(),
-        nn.Linear(1024, 10),
-    )
-
-
 # name: (model, input shape, stages, chunks, checkpoint, schedule, optimizer)
 CASES = {
     "MLP 8x1024 (params), adam, never": (
-        lambda: _mlp(1024, 8),
+        lambda: models.mlp(8, 1024),
         (64, 1024),
         2,
         8,
@@ -117,7 +97,7 @@ CASES = {
         "adam",
     ),
     "MLP 8x1024 (params), sgd, except_last": (
-        lambda: _mlp(1024, 8),
+        lambda: models.mlp(8, 1024),
         (64, 1024),
         4,
         8,
@@ -126,7 +106,7 @@ CASES = {
         "sgd",
     ),
     "MLP 4x256 GELU (activations), never": (
-        lambda: _mlp(256, 4, nn.GELU),
+        lambda: models.mlp(4, 256, activation=nn.GELU),
         (4096, 256),
         2,
         4,
@@ -135,7 +115,7 @@ CASES = {
         "adam",
     ),
     "MLP 4x256 GELU, always": (
-        lambda: _mlp(256, 4, nn.GELU),
+        lambda: models.mlp(4, 256, activation=nn.GELU),
         (4096, 256),
         2,
         4,
@@ -144,7 +124,7 @@ CASES = {
         "adam",
     ),
     "MLP 4x256 GELU, 1f1b, except_last": (
-        lambda: _mlp(256, 4, nn.GELU),
+        lambda: models.mlp(4, 256, activation=nn.GELU),
         (4096, 256),
         3,
         8,
@@ -153,7 +133,7 @@ CASES = {
         "adamw",
     ),
     "ConvNet 64x3x32x32, never": (
-        _convnet,
+        lambda: models.convnet(32),
         (64, 3, 32, 32),
         2,
         4,
@@ -161,7 +141,15 @@ CASES = {
         "gpipe",
         "sgd-momentum",
     ),
-    "ConvNet 64x3x32x32, 1f1b": (_convnet, (64, 3, 32, 32), 3, 8, "never", "1f1b", "adam"),
+    "ConvNet 64x3x32x32, 1f1b": (
+        lambda: models.convnet(32),
+        (64, 3, 32, 32),
+        3,
+        8,
+        "never",
+        "1f1b",
+        "adam",
+    ),
     "AlexNet 32x3x224x224, except_last": (
         lambda: pipepar.sequentialize(__import__("torchvision").models.alexnet(weights=None)),
         (32, 3, 224, 224),

@@ -7,6 +7,7 @@ Each builder takes keyword-only options and ``device=`` (``"meta"`` builds witho
 - :func:`resnet50` / :func:`resnet`: ResNet-18...152, stem layers then one layer per block.
 - :func:`gpt`: GPT-style decoder, token ids -> embedding -> blocks -> norm -> logits.
 - :func:`mlp`: ``depth`` x (Linear + ReLU), the benchmark model.
+- :func:`convnet`: a small conv / batch-norm / dropout classifier for tests and planning.
 
     >>> import models
     >>> model = models.get("resnet50", num_classes=10, device="meta")
@@ -15,10 +16,11 @@ Each builder takes keyword-only options and ``device=`` (``"meta"`` builds witho
 """
 
 from models.alexnet import alexnet
+from models.convnet import convnet
 from models.gpt import gpt
 from models.mlp import mlp
 from models.registry import get, names
 from models.resnet import resnet, resnet50
 from models.vgg import vgg, vgg16
 
-__all__ = ["alexnet", "get", "gpt", "mlp", "names", "resnet", "resnet50", "vgg", "vgg16"]
+__all__ = ["alexnet", "convnet", "get", "gpt", "mlp", "names", "resnet", "resnet50", "vgg", "vgg16"]

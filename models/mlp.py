@@ -10,7 +10,12 @@ __all__ = ["mlp"]
 
 
 def mlp(
-    depth: int = 8, width: int = 1024, *, bias: bool = True, device: DeviceLike = None
+    depth: int = 8,
+    width: int = 1024,
+    *,
+    bias: bool = True,
+    activation: type[nn.Module] = nn.ReLU,
+    device: DeviceLike = None,
 ) -> nn.Sequential:
     """A stack of ``depth`` Linear + ReLU pairs, flattened into ``2 * depth`` layers.
 
@@ -20,6 +25,7 @@ def mlp(
         depth: Number of Linear + ReLU pairs.
         width: Input, hidden and output features.
         bias: Whether the linear layers have a bias.
+        activation: The layer after each Linear, e.g. ``nn.GELU``.
         device: Where to build the parameters, e.g. ``"meta"`` to allocate nothing.
 
     Returns:
@@ -36,5 +42,5 @@ def mlp(
     with on_device(device):
         layers: list[nn.Module] = []
         for _ in range(depth):
-            layers += [nn.Linear(width, width, bias=bias), nn.ReLU()]
+            layers += [nn.Linear(width, width, bias=bias), activation()]
         return nn.Sequential(*layers)

@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from models.alexnet import alexnet
+from models.convnet import convnet
 from models.gpt import gpt
 from models.mlp import mlp
 from models.resnet import resnet, resnet50
@@ -17,6 +18,7 @@ __all__ = ["get", "names"]
 
 _BUILDERS: dict[str, Callable[..., nn.Sequential]] = {
     "alexnet": alexnet,
+    "convnet": convnet,
     "gpt": gpt,
     "mlp": mlp,
     "resnet": resnet,

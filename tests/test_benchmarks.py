@@ -183,3 +183,12 @@ def test_distributed_quick_prints_every_variant() -> None:
         assert float(cells[0]) > 0 and float(cells[1]) > 0, (name, cells)  # step ms, samples/s
         if name != "one core, same micro-batches":
             assert 0 < float(cells[3].split()[0]) < 10  # fraction over all rounds
+
+
+def test_plan_quick_predicts_measured_peaks() -> None:
+    cmd = [sys.executable, "benchmarks/bench_plan.py", "--quick"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    worst = [line for line in done.stdout.splitlines() if line.startswith("worst |error|")]
+    assert len(worst) == 1
+    assert float(worst[0].split()[-1].rstrip("%")) <= 10  # the planner's accuracy target

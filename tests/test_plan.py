@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+import models
 import pipepar
 from pipepar.measure import measure_stage, stage_order
 from pipepar.plan import Plan, StagePlan, plan
@@ -20,37 +21,47 @@ from pipepar.plan_targets import resolve_targets
 from pipepar.profile import profile
 from pipepar.stage_memory import MemoryModel
 
-
-def _mlp(width: int, depth: int, act: type[nn.Module] = nn.ReLU) -> nn.Sequential:
-    return nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), act())])
-
-
-def _convnet() -> nn.Sequential:
-    return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1),
-        nn.BatchNorm2d(16),
-        nn.ReLU(),
-        nn.MaxPool2d(2),
-        nn.Conv2d(16, 32, 3, padding=1),
-        nn.ReLU(),
-        nn.Dropout(0.1),
-        nn.Conv2d(32, 32, 3, padding=1),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(4),
-        nn.Flatten(),
-        nn.Linear(512, 10),
-    )
-
-
 CASES = {
     # name: (model, input shape, stages, chunks, checkpoint, schedule, optimizer)
-    "params-heavy": (lambda: _mlp(512, 4), (16, 512), 2, 4, "never", "gpipe", "adam"),
-    "params-heavy-sgd": (lambda: _mlp(512, 4), (16, 512), 2, 4, "except_last", "gpipe", "sgd"),
-    "activations": (lambda: _mlp(128, 4, nn.GELU), (2048, 128), 2, 4, "never", "gpipe", "adam"),
-    "recompute": (lambda: _mlp(128, 4, nn.GELU), (2048, 128), 2, 4, "always", "gpipe", "adam"),
-    "1f1b": (lambda: _mlp(128, 4, nn.GELU), (2048, 128), 2, 8, "except_last", "1f1b", "adamw"),
-    "conv": (_convnet, (16, 3, 32, 32), 2, 4, "never", "gpipe", "sgd-momentum"),
-    "conv-1f1b": (_convnet, (16, 3, 32, 32), 3, 4, "except_last", "1f1b", "adam"),
+    "params-heavy": (lambda: models.mlp(4, 512), (16, 512), 2, 4, "never", "gpipe", "adam"),
+    "params-heavy-sgd": (
+        lambda: models.mlp(4, 512),
+        (16, 512),
+        2,
+        4,
+        "except_last",
+        "gpipe",
+        "sgd",
+    ),
+    "activations": (
+        lambda: models.mlp(4, 128, activation=nn.GELU),
+        (2048, 128),
+        2,
+        4,
+        "never",
+        "gpipe",
+        "adam",
+    ),
+    "recompute": (
+        lambda: models.mlp(4, 128, activation=nn.GELU),
+        (2048, 128),
+        2,
+        4,
+        "always",
+        "gpipe",
+        "adam",
+    ),
+    "1f1b": (
+        lambda: models.mlp(4, 128, activation=nn.GELU),
+        (2048, 128),
+        2,
+        8,
+        "except_last",
+        "1f1b",
+        "adamw",
+    ),
+    "conv": (lambda: models.convnet(16), (16, 3, 32, 32), 2, 4, "never", "gpipe", "sgd-momentum"),
+    "conv-1f1b": (lambda: models.convnet(16), (16, 3, 32, 32), 3, 4, "except_last", "1f1b", "adam"),
 }
 
 
@@ -137,7 +148,7 @@ def test_stage_order_matches_the_schedules() -> None:
 
 
 def test_peak_is_the_sum_of_its_parts_and_in_flight_follows_the_schedule() -> None:
-    prof = profile(_mlp(64, 4), torch.randn(64, 64))
+    prof = profile(models.mlp(4, 64), torch.randn(64, 64))
     gpipe = plan(prof, devices=4, chunks=8, schedule="gpipe", checkpoint="never")
     one_f = plan(prof, devices=4, chunks=8, schedule="1f1b", checkpoint="never")
     assert [s.in_flight for s in gpipe.stages] == [8, 8, 8, 8]
@@ -153,7 +164,7 @@ def test_peak_is_the_sum_of_its_parts_and_in_flight_follows_the_schedule() -> No
 
 
 def test_checkpointing_keeps_only_stage_inputs() -> None:
-    prof = profile(_mlp(256, 8, nn.GELU), torch.randn(512, 256))
+    prof = profile(models.mlp(8, 256, activation=nn.GELU), torch.randn(512, 256))
     never = plan(prof, devices=2, chunks=4, checkpoint="never")
     always = plan(prof, devices=2, chunks=4, checkpoint="always")
     # 4 micro-batches x 9 stored tensors vs 4 inputs + one micro-batch recomputed (8 more).
@@ -198,7 +209,7 @@ def test_balance_by_memory_is_optimal(schedule: str) -> None:
 
 
 def test_balance_by_time_when_measured() -> None:
-    prof = profile(_mlp(32, 4), torch.randn(8, 32))
+    prof = profile(models.mlp(4, 32), torch.randn(8, 32))
     times = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 6.0, 6.0]
     timed = replace(
         prof, layers=[replace(x, forward_ms=t, backward_ms=0.0) for x, t in zip(prof.layers, times)]
@@ -210,7 +221,7 @@ def test_balance_by_time_when_measured() -> None:
 
 
 def test_heterogeneous_capacities_give_the_big_device_more() -> None:
-    prof = profile(_mlp(256, 4), torch.randn(8, 256))
+    prof = profile(models.mlp(4, 256), torch.randn(8, 256))
     even = plan(prof, devices=["cuda:0", "cuda:1"], capacity="100MiB")
     skewed = plan(prof, devices=["cuda:0", "cuda:1"], capacity=["2.2MiB", "100MiB"])
     assert even.balance == [4, 4]
@@ -227,7 +238,7 @@ def test_a_layer_too_big_for_any_device_is_named() -> None:
 
 
 def test_no_fitting_split_names_the_stage_and_shortfall() -> None:
-    prof = profile(_mlp(256, 4), torch.randn(8, 256), optimizer="adam")
+    prof = profile(models.mlp(4, 256), torch.randn(8, 256), optimizer="adam")
     need = max(s.peak_bytes for s in plan(prof, devices=2).stages)
     with pytest.raises(
         ValueError, match=r"no balance of 8 layers over 2 devices fits: at best stage \d"
@@ -260,14 +271,14 @@ def test_the_10_7b_stack_plans_fast_in_little_memory() -> None:
 
 
 def test_plan_from_a_model_and_a_sample() -> None:
-    p = plan(_mlp(32, 2), torch.randn(4, 32), devices=2, chunks=2, optimizer=None)
+    p = plan(models.mlp(2, 32), torch.randn(4, 32), devices=2, chunks=2, optimizer=None)
     assert isinstance(p, Plan) and isinstance(p.stages[0], StagePlan)
     assert p.profile.device == "meta" and p.profile.optimizer == "none"
     assert p.micro_batch_rows == 2 and sum(p.balance) == 4
 
 
 def test_wrap_without_balance_uses_the_planner() -> None:
-    model = _mlp(32, 4)
+    model = models.mlp(4, 32)
     x = torch.randn(16, 32)
     expected = plan(
         profile(model, x, device="cpu"), devices=["cpu", "cpu"], chunks=4, optimizer=None
@@ -296,14 +307,14 @@ def test_wrap_without_balance_uses_the_planner() -> None:
     ],
 )
 def test_bad_arguments(kwargs: dict, error: type, match: str) -> None:
-    prof = profile(_mlp(8, 2), torch.randn(2, 8))
+    prof = profile(models.mlp(2, 8), torch.randn(2, 8))
     with pytest.raises(error, match=match):
         plan(prof, **({"devices": 2} | kwargs))
 
 
 def test_model_without_sample_is_an_error() -> None:
     with pytest.raises(ValueError, match="no sample"):
-        plan(_mlp(8, 2))
+        plan(models.mlp(2, 8))
     with pytest.raises(TypeError, match=r"nn\.Sequential or a pipepar Profile"):
         plan("model")  # type: ignore[arg-type]
 
