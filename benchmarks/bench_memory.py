@@ -31,7 +31,7 @@ import models
 import pipepar
 from benchmarks import _common as common
 from benchmarks._results import markdown_table, record
-from pipepar.measure import measure_stage
+from pipepar.measure import measure_split
 from pipepar.stage_memory import MemoryModel
 from pipepar.units import format_bytes, parse_bytes
 
@@ -76,30 +76,6 @@ def predicted(
     return [mm.stage(j, a, b).peak_bytes for j, (a, b) in enumerate(_ranges(balance))]
 
 
-def measured(
-    model: nn.Sequential, x: Tensor, balance: list[int], m: int, schedule: str, checkpoint: str
-) -> list[int]:
-    """Each stage's measured peak over one training step (stage inputs from a real forward)."""
-    peaks, k = [], len(balance)
-    for j, (a, b) in enumerate(_ranges(balance)):
-        layers = nn.Sequential(*list(model)[a : b + 1])
-        peaks.append(
-            measure_stage(
-                layers,
-                x,
-                chunks=m,
-                optimizer=OPTIMIZER,
-                checkpoint=checkpoint,
-                schedule=schedule,
-                stage=j,
-                stages=k,
-            )
-        )
-        with torch.no_grad():
-            x = layers(x)
-    return peaks
-
-
 def mode_rows(quick: bool) -> list[dict[str, Any]]:
     """Every schedule x checkpoint mode on one GPT stack, K=4 (2 in quick mode), same balance."""
     k, m, depth = (2, 4, 2) if quick else (4, 8, 8)
@@ -110,7 +86,9 @@ def mode_rows(quick: bool) -> list[dict[str, Any]]:
     rows = []
     for schedule, checkpoint in MODES:
         want = predicted(prof, bal, m, schedule, checkpoint)
-        got = measured(model, x, bal, m, schedule, checkpoint)
+        got = measure_split(
+            model, x, bal, chunks=m, optimizer=OPTIMIZER, checkpoint=checkpoint, schedule=schedule
+        )
         rows.append(
             {
                 "depth": depth,
@@ -153,7 +131,15 @@ def largest(k: int, budget: int, m: int, quick: bool, limit: int) -> dict[str, A
     if best is None:
         return {"k": k, "depth": 0, "budget": budget}
     model, x = _gpt(lo, quick)
-    got = measured(model, x, list(best.balance), best.chunks, "gpipe", "except_last")
+    got = measure_split(
+        model,
+        x,
+        list(best.balance),
+        chunks=best.chunks,
+        optimizer=OPTIMIZER,
+        checkpoint="except_last",
+        schedule="gpipe",
+    )
     return {
         "k": k,
         "depth": lo,

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 import models  # noqa: E402
 import pipepar  # noqa: E402
 from benchmarks._results import markdown_table, record  # noqa: E402
-from pipepar.measure import measure_stage  # noqa: E402
+from pipepar.measure import measure_split  # noqa: E402
 from pipepar.units import format_bytes  # noqa: E402
 
 _PLAN_JOB = textwrap.dedent("""
@@ -174,19 +174,10 @@ def accuracy_rows(quick: bool) -> tuple[list[list[object]], float]:
         plan = pipepar.plan(
             prof, devices=["cpu"] * k, chunks=m, checkpoint=ckpt, schedule=schedule, optimizer=opt
         )
-        for s in plan.stages:
-            with torch.no_grad():
-                inp = model[: s.layers.start](x) if s.layers.start else x
-            measured = measure_stage(
-                model[s.layers.start : s.layers.stop],
-                inp,
-                chunks=m,
-                optimizer=opt,
-                checkpoint=ckpt,
-                schedule=schedule,
-                stage=s.index,
-                stages=k,
-            )
+        peaks = measure_split(
+            model, x, plan.balance, chunks=m, optimizer=opt, checkpoint=ckpt, schedule=schedule
+        )
+        for s, measured in zip(plan.stages, peaks):
             error = (s.peak_bytes - measured) / measured
             worst = max(worst, abs(error))
             rows.append(

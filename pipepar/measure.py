@@ -27,7 +27,7 @@ from torch import nn
 from pipepar.allocator_log import AllocatorLog
 from pipepar.optimizer_state import resolve_optimizer
 
-__all__ = ["measure_stage", "stage_order"]
+__all__ = ["measure_split", "measure_stage", "stage_order"]
 
 
 def stage_order(schedule: str, chunks: int, stages: int, j: int) -> list[tuple[str, int]]:
@@ -105,6 +105,46 @@ def measure_stage(
     with _allocation_rise(device) as rise:
         step()
     return resident + rise()
+
+
+def measure_split(
+    model: nn.Sequential,
+    batch: torch.Tensor,
+    balance: list[int],
+    *,
+    chunks: int = 1,
+    optimizer: object = "adam",
+    checkpoint: str = "never",
+    schedule: str = "gpipe",
+) -> list[int]:
+    """:func:`measure_stage` for every stage of ``model`` split by ``balance``.
+
+    Each stage's input batch is the previous stage's output on ``batch`` (computed without
+    gradients after that stage was measured); the layers stay on their devices.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        >>> len(measure_split(model, torch.randn(4, 8), [2, 1], chunks=2))
+        2
+    """
+    peaks, start, x = [], 0, batch
+    for j, n in enumerate(balance):
+        layers = model[start : start + n]
+        peak = measure_stage(
+            layers,
+            x,
+            chunks=chunks,
+            optimizer=optimizer,
+            checkpoint=checkpoint,
+            schedule=schedule,
+            stage=j,
+            stages=len(balance),
+        )
+        peaks.append(peak)
+        with torch.no_grad():
+            x = layers(x)
+        start += n
+    return peaks
 
 
 def _train_step(

@@ -15,7 +15,7 @@ from torch import nn
 
 import models
 import pipepar
-from pipepar.measure import measure_stage, stage_order
+from pipepar.measure import measure_split, stage_order
 from pipepar.plan import Plan, StagePlan, plan
 from pipepar.plan_targets import resolve_targets
 from pipepar.profile import profile
@@ -65,11 +65,6 @@ CASES = {
 }
 
 
-def _stage_input(model: nn.Sequential, x: torch.Tensor, first: int) -> torch.Tensor:
-    with torch.no_grad():
-        return model[:first](x) if first else x
-
-
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_predicted_peaks_within_10_percent_of_measured(case: str) -> None:
     build, shape, k, m, ckpt, schedule, optimizer = CASES[case]
@@ -82,19 +77,10 @@ def test_predicted_peaks_within_10_percent_of_measured(case: str) -> None:
     p = plan(
         prof, devices=["cpu"] * k, chunks=m, checkpoint=ckpt, schedule=schedule, optimizer=optimizer
     )
-    for stage in p.stages:
-        first = stage.layers.start
-        layers = model[first : stage.layers.stop]
-        measured = measure_stage(
-            layers,
-            _stage_input(model, x, first),
-            chunks=m,
-            optimizer=optimizer,
-            checkpoint=ckpt,
-            schedule=schedule,
-            stage=stage.index,
-            stages=k,
-        )
+    peaks = measure_split(
+        model, x, p.balance, chunks=m, optimizer=optimizer, checkpoint=ckpt, schedule=schedule
+    )
+    for stage, measured in zip(p.stages, peaks, strict=True):
         error = (stage.peak_bytes - measured) / measured
         assert abs(error) < 0.10, (
             f"stage {stage.index}: predicted {stage.peak_bytes}, measured {measured}"
@@ -115,18 +101,10 @@ def test_predicted_peaks_within_10_percent_on_cuda(case: str) -> None:
         optimizer=optimizer,
         capacity=None,
     )
-    for stage in p.stages:
-        layers = model[stage.layers.start : stage.layers.stop]
-        measured = measure_stage(
-            layers,
-            _stage_input(model, x, stage.layers.start),
-            chunks=m,
-            optimizer=optimizer,
-            checkpoint=ckpt,
-            schedule=schedule,
-            stage=stage.index,
-            stages=k,
-        )
+    peaks = measure_split(
+        model, x, p.balance, chunks=m, optimizer=optimizer, checkpoint=ckpt, schedule=schedule
+    )
+    for stage, measured in zip(p.stages, peaks, strict=True):
         assert abs(stage.peak_bytes - measured) / measured < 0.10
 
 
