@@ -24,6 +24,7 @@ import torch
 from pipepar.model_loader import load_model
 from pipepar.optimizer_state import resolve_optimizer
 from pipepar.plan_targets import resolve_targets
+from pipepar.profile import check_device
 from pipepar.units import parse_bytes
 
 __all__ = ["main"]
@@ -173,7 +174,10 @@ def _options(args: argparse.Namespace) -> _Options:
         )
     optimizer = None if args.optimizer == "none" else args.optimizer
     _guard(lambda: resolve_optimizer(optimizer))
-    _profile_device(args.profile_device)
+    try:
+        check_device(args.profile_device)
+    except ValueError as err:
+        raise UsageError(f"--profile-device {args.profile_device!r}: {err}") from None
     if args.vocab is not None and args.vocab < 1:
         raise UsageError(f"--vocab {args.vocab} must be at least 1 (token ids are 0..vocab-1)")
     return _Options(
@@ -197,19 +201,6 @@ def _shape(text: str) -> tuple[int, ...]:
             f"--input-shape {text!r} must be positive ints, batch first, e.g. 64,3,224,224"
         )
     return shape
-
-
-def _profile_device(text: str) -> None:
-    try:
-        device = torch.device(text)
-    except (RuntimeError, TypeError):
-        raise UsageError(
-            f"--profile-device {text!r} is not a device; use meta (the default), cpu or cuda:0"
-        ) from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(
-            f"--profile-device {text} but CUDA is not available here; use meta (the default) or cpu"
-        )
 
 
 def _devices(text: str) -> int | list[str]:

@@ -28,7 +28,7 @@ from pipepar.layer_trace import StorageRecord, stand_ins, time_layers, trace_lay
 from pipepar.memory_tracker import storage_key
 from pipepar.optimizer_state import OptimizerSpec, optimizer_cost, resolve_optimizer
 
-__all__ = ["LayerProfile", "Profile", "profile"]
+__all__ = ["LayerProfile", "Profile", "check_device", "profile"]
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def profile(
         True
     """
     layers = _check_model(model)
-    target = _check_device(device)
+    target = check_device(device)
     spec = resolve_optimizer(optimizer)
     x = _on_device(_check_sample(sample), target)
     params = [stand_ins(layer, target) for layer in layers]
@@ -264,7 +264,8 @@ def _check_model(model: object) -> list[nn.Module]:
     return list(model)
 
 
-def _check_device(device: str | torch.device) -> torch.device:
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch device to profile on; ValueError if it is not one or is absent."""
     try:
         target = torch.device(device)
     except (RuntimeError, TypeError):
