@@ -105,9 +105,9 @@ def measure(
     args: argparse.Namespace,
 ) -> list[dict[str, Any]]:
     """One configuration: time every chosen contender in alternating rounds; rows per contender."""
-    bal = common.balance(work, k)
+    bal, devices = common.balance(work, k), common.stage_devices(args.device, k)
     timers: dict[str, Callable[[], float]] = {
-        BASE: _timer(common.accumulation_step(work, m, args.device_names[0]), args.steps)
+        BASE: _timer(common.accumulation_step(work, m, devices[0]), args.steps)
     }
     skipped: dict[str, str] = {}
     pipes = []
@@ -116,7 +116,6 @@ def measure(
         if why is not None:
             skipped[name] = why
         elif name in THREADED:
-            devices = common.stage_devices(args.device, k)
             step, pipe = contenders.threaded(name, work, bal, m, args.defaults, devices)
             step()  # warm-up (and worker start)
             timers[name] = _timer(step, args.steps)
@@ -340,7 +339,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         args.contenders = [c for c in args.contenders if c in THREADED]
     if args.quick:
         args.rounds, args.steps = min(args.rounds, 2), 1
-    args.device_names = common.stage_devices(args.device, 1)
     return args
 
 

@@ -53,6 +53,8 @@ _outcome: bool | None = None
 def tune() -> bool:
     """Apply the thresholds once per process; return whether they are in effect."""
     global _outcome
+    if _outcome is not None:  # every training step asks: answer without the lock
+        return _outcome
     with _lock:
         if _outcome is None:
             reason = _reason_to_skip()

@@ -88,6 +88,7 @@ def render_html(plan: Plan, *, timeline: Timeline | Tracer | None = None) -> str
         _legend(PARTS + [("", "capacity", CAPACITY_COLOR)]),
         _stage_chart(plan),
         _stage_table(plan),
+        *_measured(timeline),
         "<h2>Memory per layer</h2>",
         _legend(
             [
@@ -102,16 +103,21 @@ def render_html(plan: Plan, *, timeline: Timeline | Tracer | None = None) -> str
         "<h2>Layers</h2>",
         _layer_table(plan),
     ]
-    if timeline is not None:
-        from pipepar.timeline_html import section
-
-        body[4:4] = [section(timeline, heading="Measured pipeline timeline (a real run)")]
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>pipepar plan {plan.balance}</title><style>{_CSS}</style></head><body>\n"
         + "\n".join(body)
         + "\n</body></html>\n"
     )
+
+
+def _measured(timeline: Timeline | Tracer | None) -> list[str]:
+    """The recorded run's section, after the predicted stage table; nothing without one."""
+    if timeline is None:
+        return []
+    from pipepar.timeline_html import section
+
+    return [section(timeline, heading="Measured pipeline timeline (a real run)")]
 
 
 def _e(text: object) -> str:

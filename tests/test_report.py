@@ -117,7 +117,9 @@ def test_html_embeds_a_measured_run_beside_the_plan(fitted: Plan, tmp_path: Path
     assert pipe.tracer is not None
     text = fitted.save_html(tmp_path / "r.html", timeline=pipe.tracer).read_text()
     assert text.count("<svg") == 4  # the plan's three charts and the timeline
-    order = [text.index(h) for h in ("Memory per stage", "Measured pipeline", "Memory per layer")]
+    # after the stage chart and its table, before the per-layer charts
+    heads = ("Memory per stage", "</table>", "Measured pipeline", "Memory per layer")
+    order = [text.index(h) for h in heads]
     assert order == sorted(order)
     step = pipe.tracer.timeline().steps()[-1]
     assert f"measured bubble {step.bubble:.1%}" in text
