@@ -33,11 +33,11 @@ def _train(module: nn.Module, work: common.Workload, devices: list[str]) -> Step
 
     step = _optimized(module, backward)
 
-    def synchronized() -> None:
+    def synchronized() -> None:  # a no-op on the CPU
         step()
         common.synchronize(devices)
 
-    return synchronized if devices[0] != "cpu" else step
+    return synchronized
 
 
 def threaded(
@@ -51,7 +51,8 @@ def threaded(
     """``(step, pipe)`` for ``"pipepar"`` or ``"torchgpipe"``: one thread per stage.
 
     ``defaults=False``: one math thread per CPU stage. ``defaults=True``: each library's own
-    default (pipepar: an equal share of the cores per stage; torchgpipe: torch's default count).
+    default (pipepar: the cores shared among the stages that compute at once on average;
+    torchgpipe: torch's default count).
     ``devices``: one per stage, default the CPU for all.
     """
     model, devices = copy.deepcopy(work.model), devices or ["cpu"] * len(bal)

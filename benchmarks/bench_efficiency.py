@@ -13,10 +13,10 @@ Schedule1F1B (one process per stage, gloo). All of them, the one-device referenc
 alternate within every round (order rotating); the table gives medians over rounds and the
 min-max spread. ``--device cuda`` puts stage j on ``cuda:j`` and the reference on ``cuda:0``, K up
 to the number of GPUs; there the multi-process contenders are left out (this script runs them
-on gloo; ``pipepar.distributed`` on NCCL is measured by ``examples/hybrid_train.py``). With
+on gloo; ``examples/hybrid_train.py`` prints ``pipepar.distributed``'s throughput on NCCL). With
 ``--defaults`` the two single-process libraries keep their own thread
-defaults instead (pipepar: an equal share of the cores per stage; torchgpipe: torch's default
-count in every stage thread); the one-device reference keeps one thread.
+defaults instead (pipepar: the cores shared among the stages that compute at once on average;
+torchgpipe: torch's default count in every stage thread); the one-device reference keeps one thread.
 
     python benchmarks/bench_efficiency.py                   # full grid, writes RESULTS.md
     python benchmarks/bench_efficiency.py --models mlp --k 2 --m 8 --rounds 9
@@ -306,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
 def _threads_note(defaults: bool) -> str:
     if defaults:
         return (
-            "each library's thread defaults (pipepar: an equal share per stage, torchgpipe: "
+            "each library's thread defaults (pipepar: the cores shared among the stages that "
+            "compute at once on average, torchgpipe: "
             f"{contenders.DEFAULT_THREADS} per stage thread; one-device reference: 1)"
         )
     return f"one math thread per stage (this process: {torch.get_num_threads()})"
