@@ -13,6 +13,7 @@ import json
 import os
 import statistics
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,6 +161,18 @@ class Stats:
     def spread(self) -> float:
         """(max - min) / median."""
         return (self.high - self.low) / self.median if self.median else 0.0
+
+
+def timer(step: Step, steps: int) -> Callable[[], float]:
+    """A contender for :func:`alternate`: run ``step`` ``steps`` times, return seconds per step."""
+
+    def timed() -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return (time.perf_counter() - start) / steps
+
+    return timed
 
 
 def alternate(contenders: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:

@@ -35,7 +35,6 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -63,16 +62,6 @@ Step = common.Step
 
 
 # -- rounds -----------------------------------------------------------------------------------
-def _timer(step: Step, steps: int) -> Callable[[], float]:
-    def timed() -> float:
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        return (time.perf_counter() - start) / steps
-
-    return timed
-
-
 def _remote(group: ProcessGroup, name: str, m: int, steps: int) -> Callable[[], float]:
     def timed() -> float:
         answer = group.time(name, m, steps)
@@ -107,7 +96,7 @@ def measure(
     """One configuration: time every chosen contender in alternating rounds; rows per contender."""
     bal, devices = common.balance(work, k), common.stage_devices(args.device, k)
     timers: dict[str, Callable[[], float]] = {
-        BASE: _timer(common.accumulation_step(work, m, devices[0]), args.steps)
+        BASE: common.timer(common.accumulation_step(work, m, devices[0]), args.steps)
     }
     skipped: dict[str, str] = {}
     pipes = []
@@ -118,7 +107,7 @@ def measure(
         elif name in THREADED:
             step, pipe = contenders.threaded(name, work, bal, m, args.defaults, devices)
             step()  # warm-up (and worker start)
-            timers[name] = _timer(step, args.steps)
+            timers[name] = common.timer(step, args.steps)
             pipes.append(pipe)
         else:
             lib = next(lib for lib, names in PROCS.items() if name in names)

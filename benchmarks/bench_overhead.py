@@ -25,7 +25,6 @@ import argparse
 import copy
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -115,16 +114,6 @@ def pairs(work: common.Workload, ms: list[int]) -> list[tuple[str, int, Step, St
     return out
 
 
-def _timer(step: Step, steps: int) -> Callable[[], float]:
-    def timed() -> float:
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        return (time.perf_counter() - start) / steps
-
-    return timed
-
-
 def measure(work: common.Workload, ms: list[int], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Time every pair's two contenders in the same alternating rounds; one row per pair."""
     cases = pairs(work, ms)
@@ -132,7 +121,7 @@ def measure(work: common.Workload, ms: list[int], args: argparse.Namespace) -> l
     for i, (_, _, ref_step, our_step) in enumerate(cases):
         for role, step in (("ref", ref_step), ("ours", our_step)):
             step()  # warm-up
-            timers[f"{i}:{role}"] = _timer(step, args.steps)
+            timers[f"{i}:{role}"] = common.timer(step, args.steps)
     times = common.alternate(timers, args.rounds)
     rows = []
     for i, (name, m, _, _) in enumerate(cases):
