@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipepar import validation
 from pipepar.layer_trace import StorageRecord, stand_ins, time_layers, trace_layers
 from pipepar.memory_tracker import storage_key
 from pipepar.optimizer_state import OptimizerSpec, optimizer_cost, resolve_optimizer
@@ -207,7 +208,7 @@ def profile(
         >>> prof.layers[0].optimizer_bytes == 2 * prof.layers[0].params_bytes  # Adam
         True
     """
-    layers = _check_model(model)
+    layers = list(validation.check_model(model, "model"))
     target = check_device(device)
     spec = resolve_optimizer(optimizer)
     x = _on_device(_check_sample(sample), target)
@@ -251,17 +252,6 @@ def profile(
         storages=kept,
         trained=_trained_specs(layers),
     )
-
-
-def _check_model(model: object) -> list[nn.Module]:
-    if not isinstance(model, nn.Sequential):
-        raise TypeError(
-            f"profile needs an nn.Sequential, got {type(model).__name__}; "
-            "convert it first with pipepar.sequentialize(model)"
-        )
-    if len(model) == 0:
-        raise ValueError("model is an empty nn.Sequential (0 layers); give it at least one layer")
-    return list(model)
 
 
 def check_device(device: str | torch.device) -> torch.device:

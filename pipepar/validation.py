@@ -19,15 +19,15 @@ __all__ = [
 ]
 
 
-def check_model(module: object) -> nn.Sequential:
-    """The module must be a non-empty ``nn.Sequential``."""
+def check_model(module: object, name: str = "module") -> nn.Sequential:
+    """The argument called ``name`` must be a non-empty ``nn.Sequential``."""
     if not isinstance(module, nn.Sequential):
         raise TypeError(
-            f"module must be an nn.Sequential, but got {type(module).__name__}; lay it out as one "
-            "with pipepar.sequentialize(module) or nn.Sequential(*layers)"
+            f"{name} must be an nn.Sequential, but got {type(module).__name__}; lay it out as one "
+            f"with pipepar.sequentialize({name}) or nn.Sequential(*layers)"
         )
     if len(module) == 0:
-        raise ValueError("module is an empty nn.Sequential; give it at least one layer")
+        raise ValueError(f"{name} is an empty nn.Sequential (0 layers); give it at least one layer")
     return module
 
 

@@ -23,7 +23,7 @@ def check_model(model: object, balance: object) -> tuple[nn.Sequential, list[int
         >>> check_model(nn.Sequential(nn.ReLU(), nn.ReLU()), [1, 1])[1]
         [1, 1]
     """
-    model = validation.check_model(model)
+    model = validation.check_model(model, "model")
     if balance is None:
         raise ValueError(
             "balance=None cannot be profiled across ranks; pass balance=pipepar.plan(model, "
