@@ -31,9 +31,9 @@ import models
 import pipepar
 from benchmarks import _common as common
 from benchmarks._results import markdown_table, record
-from pipepar.measure import measure_split
-from pipepar.stage_memory import MemoryModel
-from pipepar.units import format_bytes, parse_bytes
+from pipepar.core.units import format_bytes, parse_bytes
+from pipepar.planner.measure import measure_split
+from pipepar.planner.stage_memory import MemoryModel
 
 TITLE_MODES = "Memory per stage: GPipe vs 1F1B vs checkpointing"
 TITLE_SCALE = "Memory scaling: largest GPT stack within a per-stage budget"

@@ -29,8 +29,8 @@ sys.path.insert(0, str(ROOT))
 import models  # noqa: E402
 import pipepar  # noqa: E402
 from benchmarks._results import markdown_table, record  # noqa: E402
-from pipepar.measure import measure_split  # noqa: E402
-from pipepar.units import format_bytes  # noqa: E402
+from pipepar.core.units import format_bytes  # noqa: E402
+from pipepar.planner.measure import measure_split  # noqa: E402
 
 _PLAN_JOB = textwrap.dedent("""
     import json, resource, sys, time, torch

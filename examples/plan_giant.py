@@ -18,7 +18,7 @@ import torch
 
 import models
 import pipepar
-from pipepar.units import format_bytes
+from pipepar.core.units import format_bytes
 
 
 def main(argv: list[str] | None = None) -> int:

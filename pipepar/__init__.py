@@ -9,12 +9,12 @@ run micro-batches through them concurrently, and plan the split from a memory pr
 """
 
 from pipepar import io, timeline
-from pipepar.partition import partition
-from pipepar.pipe import Pipe, wrap
-from pipepar.plan import Plan, StagePlan, plan
-from pipepar.profile import LayerProfile, Profile, profile
-from pipepar.sequential import sequentialize
-from pipepar.trace import Timeline, tracing
+from pipepar.core.sequential import sequentialize
+from pipepar.local.pipe import Pipe, wrap
+from pipepar.planner.partition import partition
+from pipepar.planner.plan import Plan, StagePlan, plan
+from pipepar.planner.profile import LayerProfile, Profile, profile
+from pipepar.tracing.tracer import Timeline, tracing
 
 __version__ = "0.1.0"
 

@@ -2,7 +2,7 @@
 
 import sys
 
-from pipepar.cli import main
+from pipepar.cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import pipepar
-from pipepar.batchnorm import DeferredBatchNorm
+from pipepar.core.batchnorm import DeferredBatchNorm
 
 
 def _model() -> nn.Sequential:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import pipepar
-from pipepar.checkpoint import should_checkpoint
+from pipepar.core.recompute import should_checkpoint
 
 
 def test_should_checkpoint_modes() -> None:
@@ -64,7 +64,7 @@ def test_recompute_does_not_update_batch_norm_twice() -> None:
 
 
 def test_dropout_with_p_zero_is_not_random() -> None:
-    from pipepar.checkpoint import uses_randomness
+    from pipepar.core.recompute import uses_randomness
 
     assert uses_randomness([nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1))])
     assert not uses_randomness([nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0))])

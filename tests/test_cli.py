@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipepar.cli import main
-from pipepar.model_loader import load_model, resolve_builder
+from pipepar.cli.main import main
+from pipepar.cli.model_loader import load_model, resolve_builder
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -23,10 +23,10 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import pipepar.distributed as ppd
+from pipepar.core.schedule import parse
 from pipepar.distributed.mesh import check_grid
 from pipepar.distributed.stage import build_stage, load_local_state
 from pipepar.distributed.transport import TensorMeta, decode_meta, encode_meta
-from pipepar.schedule import parse
 
 WORLD = 4
 TOL = 1e-5

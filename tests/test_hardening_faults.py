@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import pipepar
-from pipepar.checkpoint import is_recomputing
+from pipepar.core.recompute import is_recomputing
 
 K, M, ROWS = 3, 4, 2  # stages, micro-batches, rows per micro-batch
 WIDTH = 6

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 import pipepar
-from pipepar.checkpoint import is_recomputing
-from pipepar.cli import main
+from pipepar.cli.main import main
+from pipepar.core.recompute import is_recomputing
 
 ROOT = Path(__file__).parents[1]
 MODES = ["always", "except_last", "never"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipepar.microbatch import check_value, gather, scatter
+from pipepar.core.microbatch import check_value, gather, scatter
 
 
 @pytest.mark.parametrize(

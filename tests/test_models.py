@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import models
-from pipepar.sequential import sequentialize
+from pipepar.core.sequential import sequentialize
 
 torchvision = pytest.importorskip("torchvision")
 

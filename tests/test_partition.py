@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pipepar
-from pipepar.partition import partition
+from pipepar.planner.partition import partition
 
 
 def _sums(costs: list[float], balance: list[int]) -> list[float]:

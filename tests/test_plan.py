@@ -15,11 +15,11 @@ from torch import nn
 
 import models
 import pipepar
-from pipepar.measure import measure_split, stage_order
-from pipepar.plan import Plan, StagePlan, plan
-from pipepar.plan_targets import resolve_targets
-from pipepar.profile import profile
-from pipepar.stage_memory import MemoryModel
+from pipepar.planner.measure import measure_split, stage_order
+from pipepar.planner.plan import Plan, StagePlan, plan
+from pipepar.planner.plan_targets import resolve_targets
+from pipepar.planner.profile import profile
+from pipepar.planner.stage_memory import MemoryModel
 
 CASES = {
     # name: (model, input shape, stages, chunks, checkpoint, schedule, optimizer)

@@ -8,9 +8,9 @@ import torchvision
 from torch import nn
 
 import pipepar
-from pipepar.allocator_log import AllocatorLog
-from pipepar.optimizer_state import optimizer_cost, resolve_optimizer
-from pipepar.profile import LayerProfile, Profile, profile
+from pipepar.planner.allocator_log import AllocatorLog
+from pipepar.planner.optimizer_state import optimizer_cost, resolve_optimizer
+from pipepar.planner.profile import LayerProfile, Profile, profile
 
 _SAME_ON_EVERY_DEVICE = (
     "params_bytes",

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import pipepar
-from pipepar.plan import Plan, plan
-from pipepar.profile import profile
-from pipepar.report import shape_text
-from pipepar.units import format_bytes
+from pipepar.core.units import format_bytes
+from pipepar.planner.plan import Plan, plan
+from pipepar.planner.profile import profile
+from pipepar.render.report import shape_text
 
 CHROMIUM = "/usr/bin/chromium"
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import pipepar
-from pipepar import io as ppio
+from pipepar.persist import files as ppio
 
 STEPS, CRASH_AT = 6, 4
 ROOT = Path(__file__).parents[1]
@@ -265,7 +265,7 @@ def test_disk_error_keeps_the_previous_file(
 
 _CHILD = """
 import resource, signal, sys, torch
-from pipepar import io
+from pipepar.persist import files as io
 path, limit, crash = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "crash"
 # Python ignores SIGXFSZ, so a write past the limit fails with EFBIG; restoring the default
 # action makes the kernel kill the process right there instead, mid-write.
@@ -319,7 +319,7 @@ def test_os_write_error_leaves_the_previous_file_and_no_debris(tmp_path: Path) -
 
 _WRITER = """
 import sys, torch
-from pipepar import io
+from pipepar.persist import files as io
 version = 0
 while True:
     version += 1

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipepar.schedule import Action, Schedule, gpipe, one_f_one_b, parse, simulate, validate
+from pipepar.core.schedule import Action, Schedule, gpipe, one_f_one_b, parse, simulate, validate
 
 sizes = st.tuples(st.integers(1, 6), st.integers(1, 12))
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipepar.sequential import FunctionLayer, sequentialize
+from pipepar.core.sequential import FunctionLayer, sequentialize
 
 torchvision = pytest.importorskip("torchvision")
 

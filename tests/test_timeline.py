@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import pipepar
-from pipepar import timeline as drawing
-from pipepar.schedule import gpipe
-from pipepar.trace import COMPUTE, Event, Timeline, tracing
+from pipepar.core.schedule import gpipe
+from pipepar.render import timeline as drawing
+from pipepar.tracing.tracer import COMPUTE, Event, Timeline, tracing
 
 MODES = ["always", "except_last", "never"]
 SVG = "{http://www.w3.org/2000/svg}"
@@ -142,7 +142,7 @@ def test_svg_is_valid_and_draws_each_event_once(recorded: Timeline, tmp_path: Pa
 
 
 def test_svg_string_embeds_in_html(recorded: Timeline) -> None:
-    svg = recorded.to_svg(title="a <title> & more")
+    svg = drawing.to_svg(recorded, title="a <title> & more")
     assert svg.startswith("<svg") and svg.endswith("</svg>")
     root = ET.fromstring(f"<html><body>{svg}</body></html>")
     assert root.find(f".//{SVG}svg") is not None
@@ -152,7 +152,7 @@ def test_svg_string_embeds_in_html(recorded: Timeline) -> None:
 def test_png_opens_and_shows_every_kind(recorded: Timeline, tmp_path: Path) -> None:
     from PIL import Image
 
-    path = recorded.save(tmp_path / "t.png", width=900)
+    path = drawing.save(recorded, tmp_path / "t.png", width=900)
     with Image.open(path) as image:
         assert image.format == "PNG"
         assert image.width == 900

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import pipepar
-from pipepar.schedule import gpipe, one_f_one_b, simulate
-from pipepar.trace import Event, Timeline, Tracer, tracing
+from pipepar.core.schedule import gpipe, one_f_one_b, simulate
+from pipepar.tracing.tracer import KINDS, Event, Timeline, Tracer, tracing
 
 
 def _pipe(*, trace: bool = False, chunks: int = 2) -> pipepar.Pipe:
@@ -163,5 +163,5 @@ def test_summary_names_every_stage() -> None:
 
 
 def test_event_labels() -> None:
-    labels = [Event(1, 3, kind, 0.0, 1.0).label for kind in pipepar.trace.KINDS]
+    labels = [Event(1, 3, kind, 0.0, 1.0).label for kind in KINDS]
     assert labels == ["W3", "T3", "F3", "B3", "R3"]

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipepar.units import format_bytes, parse_bytes
+from pipepar.core.units import format_bytes, parse_bytes
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from pipepar import validation
-from pipepar.schedule import Schedule, gpipe, one_f_one_b, validate
+from pipepar.core import validation
+from pipepar.core.schedule import Schedule, gpipe, one_f_one_b, validate
 
 __all__ = ["SCHEDULES", "check_model", "check_schedule", "check_timeout"]
 

@@ -27,8 +27,8 @@ from typing import Any
 import torch.distributed as dist
 from torch import nn
 
+from pipepar.core.schedule import Schedule
 from pipepar.distributed.failure import PipelineError
-from pipepar.schedule import Schedule
 
 __all__ = ["agree", "fingerprint", "refuse"]
 

@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from pipepar import validation
+from pipepar.core import validation
+from pipepar.core.schedule import Schedule
 from pipepar.distributed import handshake
 from pipepar.distributed.arguments import SCHEDULES, check_model, check_schedule, check_timeout
 from pipepar.distributed.failure import FailureBoard, PipelineError, comm, guarded, wait
@@ -39,7 +40,6 @@ from pipepar.distributed.replicas import (
 from pipepar.distributed.runtime import LossFn, Runtime
 from pipepar.distributed.stage import build_stage
 from pipepar.distributed.transport import Transport
-from pipepar.schedule import Schedule
 
 __all__ = ["SCHEDULES", "DistributedPipe", "wrap"]
 

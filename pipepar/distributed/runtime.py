@@ -25,10 +25,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from pipepar.checkpoint import recomputing, should_checkpoint
+from pipepar.core.recompute import recomputing, should_checkpoint
+from pipepar.core.schedule import Schedule
 from pipepar.distributed.mesh import Mesh
 from pipepar.distributed.transport import Incoming, TensorMeta, Transport
-from pipepar.schedule import Schedule
 
 __all__ = ["LossFn", "Runtime"]
 

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-import pipepar.io
+import pipepar.persist.files
 from pipepar.distributed.failure import comm
 from pipepar.distributed.mesh import Mesh
 from pipepar.distributed.pipe import DistributedPipe

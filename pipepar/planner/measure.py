@@ -24,8 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipepar.allocator_log import AllocatorLog
-from pipepar.optimizer_state import resolve_optimizer
+from pipepar.planner.allocator_log import AllocatorLog
+from pipepar.planner.optimizer_state import resolve_optimizer
 
 __all__ = ["measure_split", "measure_stage", "stage_order"]
 

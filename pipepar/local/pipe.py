@@ -8,16 +8,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from pipepar import cpu_malloc, validation
-from pipepar.batchnorm import commit_all, convert_deferred_batch_norm, reset_all
-from pipepar.checkpoint import should_checkpoint
-from pipepar.devices import DeviceSpec, resolve_devices
-from pipepar.engine import Run, backward_order, forward_order, wavefront
-from pipepar.microbatch import Value, check_value, gather, scatter, tensors
-from pipepar.stage import iter_layers, split_stages
-from pipepar.trace import Tracer
-from pipepar.transfer import move
-from pipepar.worker import WorkerPool, run_inline
+from pipepar.core import validation
+from pipepar.core.batchnorm import commit_all, convert_deferred_batch_norm, reset_all
+from pipepar.core.devices import DeviceSpec, resolve_devices
+from pipepar.core.microbatch import Value, check_value, gather, scatter, tensors
+from pipepar.core.recompute import should_checkpoint
+from pipepar.core.stage import iter_layers, split_stages
+from pipepar.local import cpu_malloc
+from pipepar.local.engine import Run, backward_order, forward_order, wavefront
+from pipepar.local.transfer import move
+from pipepar.local.worker import WorkerPool, run_inline
+from pipepar.tracing.tracer import Tracer
 
 __all__ = ["Pipe", "wrap"]
 
@@ -335,8 +336,8 @@ def _planned_balance(
     chunks: int,
     checkpoint: str,
 ) -> list[int]:
-    from pipepar.plan import plan
-    from pipepar.profile import profile
+    from pipepar.planner.plan import plan
+    from pipepar.planner.profile import profile
 
     module = validation.check_model(module)
     if sample is None:

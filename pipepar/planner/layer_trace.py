@@ -24,8 +24,8 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten
 
-from pipepar.allocator_log import AllocatorLog
-from pipepar.memory_tracker import MemoryTracker, storage_key
+from pipepar.planner.allocator_log import AllocatorLog
+from pipepar.planner.memory_tracker import MemoryTracker, storage_key
 
 __all__ = ["StorageRecord", "LayerTrace", "trace_layers", "time_layers", "stand_ins"]
 

@@ -21,11 +21,11 @@ from typing import Any, NoReturn, TypeVar
 
 import torch
 
-from pipepar.model_loader import load_model
-from pipepar.optimizer_state import resolve_optimizer
-from pipepar.plan_targets import resolve_targets
-from pipepar.profile import check_device
-from pipepar.units import parse_bytes
+from pipepar.cli.model_loader import load_model
+from pipepar.core.units import parse_bytes
+from pipepar.planner.optimizer_state import resolve_optimizer
+from pipepar.planner.plan_targets import resolve_targets
+from pipepar.planner.profile import check_device
 
 __all__ = ["main"]
 
@@ -256,7 +256,7 @@ def _guard(fn: Callable[[], _T]) -> _T:
 def _print_table(plan: object) -> None:
     import shutil
 
-    from pipepar.report import render_report
+    from pipepar.render.report import render_report
 
     width = max(shutil.get_terminal_size((160, 40)).columns, 100)
     sys.stdout.write(render_report(plan, width=width, color=sys.stdout.isatty()))  # type: ignore[arg-type]

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from pipepar.checkpoint import MODES
+from pipepar.core.recompute import MODES
 
 __all__ = [
     "check_balance",

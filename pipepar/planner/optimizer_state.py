@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from pipepar.memory_tracker import MemoryTracker
+from pipepar.planner.memory_tracker import MemoryTracker
 
 __all__ = ["OptimizerSpec", "OptimizerCost", "resolve_optimizer", "optimizer_cost"]
 

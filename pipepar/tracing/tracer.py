@@ -30,11 +30,10 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipepar.schedule import Schedule
+    from pipepar.core.schedule import Schedule
 
 __all__ = ["COMPUTE", "KINDS", "Event", "Timeline", "Tracer", "tracing"]
 
@@ -265,7 +264,7 @@ class Timeline:
         Compare it with the intended one, e.g. ``timeline.schedule().actions ==
         pipepar.schedule.gpipe(2, 4).actions``, or print it as a step x stage grid.
         """
-        from pipepar.schedule import parse
+        from pipepar.core.schedule import parse
 
         n_steps = len(self.steps())
         if n_steps > 1:
@@ -290,25 +289,6 @@ class Timeline:
             else:
                 anchors.append(e.start)
         return anchors
-
-    # -- output -------------------------------------------------------------------------------
-    def to_svg(self, **options: Any) -> str:
-        """The Gantt chart as an ``<svg>`` string (see :func:`pipepar.timeline.to_svg`)."""
-        from pipepar import timeline
-
-        return timeline.to_svg(self, **options)
-
-    def to_chrome_trace(self) -> dict[str, Any]:
-        """The events as Chrome trace JSON data (see :func:`pipepar.timeline.to_chrome_trace`)."""
-        from pipepar import timeline
-
-        return timeline.to_chrome_trace(self)
-
-    def save(self, path: str | Path, **options: Any) -> Path:
-        """Write ``.svg``, ``.png`` or ``.json`` (Chrome trace) by the file's suffix."""
-        from pipepar import timeline
-
-        return timeline.save(self, path, **options)
 
 
 def _is_first_action(event: Event) -> bool:

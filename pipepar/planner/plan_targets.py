@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipepar.units import format_bytes, parse_bytes
+from pipepar.core.units import format_bytes, parse_bytes
 
 __all__ = ["Target", "resolve_targets"]
 

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipepar import validation
-from pipepar.layer_trace import StorageRecord, stand_ins, time_layers, trace_layers
-from pipepar.memory_tracker import storage_key
-from pipepar.optimizer_state import OptimizerSpec, optimizer_cost, resolve_optimizer
+from pipepar.core import validation
+from pipepar.planner.layer_trace import StorageRecord, stand_ins, time_layers, trace_layers
+from pipepar.planner.memory_tracker import storage_key
+from pipepar.planner.optimizer_state import OptimizerSpec, optimizer_cost, resolve_optimizer
 
 __all__ = ["LayerProfile", "Profile", "check_device", "profile"]
 

@@ -18,8 +18,8 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pipepar.plan_targets import Target
-from pipepar.stage_memory import MemoryModel
+from pipepar.planner.plan_targets import Target
+from pipepar.planner.stage_memory import MemoryModel
 
 __all__ = ["Candidate", "search", "unconstrained"]
 

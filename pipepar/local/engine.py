@@ -20,12 +20,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipepar.checkpoint import RngState, private_stream, recomputing, should_checkpoint
-from pipepar.microbatch import Value, map_tensors, tensors
-from pipepar.stage import Stage
-from pipepar.trace import Tracer
-from pipepar.transfer import move
-from pipepar.worker import Slots
+from pipepar.core.microbatch import Value, map_tensors, tensors
+from pipepar.core.recompute import RngState, private_stream, recomputing, should_checkpoint
+from pipepar.core.stage import Stage
+from pipepar.local.transfer import move
+from pipepar.local.worker import Slots
+from pipepar.tracing.tracer import Tracer
 
 __all__ = ["Autocast", "Run"]
 

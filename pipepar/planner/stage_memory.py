@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 from itertools import accumulate
 
-from pipepar.profile import Profile
+from pipepar.planner.profile import Profile
 
 __all__ = ["StageMemory", "MemoryModel", "in_flight"]
 

@@ -15,10 +15,10 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from pipepar.units import format_bytes
+from pipepar.core.units import format_bytes
 
 if TYPE_CHECKING:
-    from pipepar.plan import Plan
+    from pipepar.planner.plan import Plan
 
 __all__ = ["plan_dict", "render_report", "shape_text"]
 

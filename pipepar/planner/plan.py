@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from pipepar.plan_search import Candidate, search, unconstrained
-from pipepar.plan_targets import Target, resolve_targets
-from pipepar.profile import LayerProfile, Profile, profile
-from pipepar.stage_memory import MemoryModel
-from pipepar.units import format_bytes
+from pipepar.core.units import format_bytes
+from pipepar.planner.plan_search import Candidate, search, unconstrained
+from pipepar.planner.plan_targets import Target, resolve_targets
+from pipepar.planner.profile import LayerProfile, Profile, profile
+from pipepar.planner.stage_memory import MemoryModel
 
 if TYPE_CHECKING:
-    from pipepar.trace import Timeline, Tracer
+    from pipepar.tracing.tracer import Timeline, Tracer
 
 __all__ = ["Plan", "StagePlan", "plan"]
 
@@ -154,7 +154,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """Everything in the report as plain data (bytes in B, times in ms)."""
-        from pipepar.report import plan_dict
+        from pipepar.render.report import plan_dict
 
         return plan_dict(self)
 
@@ -169,7 +169,7 @@ class Plan:
 
     def report(self, *, width: int = 200, color: bool = False) -> str:
         """A terminal table: one row per layer, one per stage, and totals."""
-        from pipepar.report import render_report
+        from pipepar.render.report import render_report
 
         return render_report(self, width=width, color=color)
 
@@ -182,7 +182,7 @@ class Plan:
                 :class:`~pipepar.trace.Timeline`); its last mini-batch is drawn after the
                 stage table, with the measured bubble beside the predicted one.
         """
-        from pipepar.report_html import write_html
+        from pipepar.render.report_html import write_html
 
         return write_html(self, Path(path), timeline=timeline)
 

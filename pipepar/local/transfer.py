@@ -14,7 +14,7 @@ import os
 import torch
 from torch import Tensor
 
-from pipepar.microbatch import Value, map_tensors
+from pipepar.core.microbatch import Value, map_tensors
 
 __all__ = ["move"]
 

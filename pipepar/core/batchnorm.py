@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipepar.checkpoint import is_recomputing
+from pipepar.core.recompute import is_recomputing
 
 __all__ = ["DeferredBatchNorm", "commit_all", "convert_deferred_batch_norm", "reset_all"]
 

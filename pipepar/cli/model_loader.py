@@ -122,7 +122,7 @@ def load_model(spec: str, *, device: str | torch.device = "meta", **kwargs: Any)
         raise ValueError(f"MODEL {spec!r} returned a {type(model).__name__}, not an nn.Module")
     if isinstance(model, nn.Sequential):
         return model
-    from pipepar.sequential import sequentialize
+    from pipepar.core.sequential import sequentialize
 
     return sequentialize(model)  # type: ignore[no-any-return]
 

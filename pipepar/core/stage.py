@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pipepar.checkpoint import RNG_LOCK, uses_randomness
-from pipepar.microbatch import Value, check_value, map_tensors
+from pipepar.core.microbatch import Value, check_value, map_tensors
+from pipepar.core.recompute import RNG_LOCK, uses_randomness
 
 __all__ = ["Stage", "split_stages"]
 

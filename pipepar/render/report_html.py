@@ -14,12 +14,12 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipepar.report import shape_text
-from pipepar.units import format_bytes
+from pipepar.core.units import format_bytes
+from pipepar.render.report import shape_text
 
 if TYPE_CHECKING:
-    from pipepar.plan import Plan
-    from pipepar.trace import Timeline, Tracer
+    from pipepar.planner.plan import Plan
+    from pipepar.tracing.tracer import Timeline, Tracer
 
 __all__ = ["render_html", "write_html"]
 
@@ -115,7 +115,7 @@ def _measured(timeline: Timeline | Tracer | None) -> list[str]:
     """The recorded run's section, after the predicted stage table; nothing without one."""
     if timeline is None:
         return []
-    from pipepar.timeline_html import section
+    from pipepar.render.timeline_html import section
 
     return [section(timeline, heading="Measured pipeline timeline (a real run)")]
 
