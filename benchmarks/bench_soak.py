@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))
 import pipepar  # noqa: E402
 from benchmarks._results import RESULTS, markdown_table, record  # noqa: E402
 from pipepar.core.units import format_bytes  # noqa: E402
-from pipepar.local.engine import Run  # noqa: E402
+from pipepar.local.executor import Run  # noqa: E402
 
 TITLE = "Soak: memory and threads over a long CPU run"
 BALANCE = [3, 3, 3, 3]

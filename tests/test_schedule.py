@@ -8,7 +8,20 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipepar.core.schedule import Action, Schedule, gpipe, one_f_one_b, parse, simulate, validate
+from pipepar.core.schedule import (
+    NAMES,
+    Action,
+    Schedule,
+    gpipe,
+    interleaved_1f1b,
+    make,
+    one_f_one_b,
+    parse,
+    simulate,
+    validate,
+    zb_h1,
+    zb_v,
+)
 
 sizes = st.tuples(st.integers(1, 6), st.integers(1, 12))
 
@@ -73,10 +86,10 @@ def test_simulate_respects_cross_stage_dependencies() -> None:
     assert len(finished) == 3 * 6 * 2
 
 
-def test_grid_prints_one_row_per_step_and_one_column_per_stage() -> None:
+def test_grid_prints_one_row_per_step_and_one_column_per_worker() -> None:
     s = gpipe(2, 2)
     lines = s.grid().splitlines()
-    assert lines[0].split() == ["step", "stage0", "stage1"]
+    assert lines[0].split() == ["step", "worker0", "worker1"]
     assert len(lines) == 1 + len(simulate(s))
     assert lines[1].split() == ["0", "F0", "."]
     assert lines[2].split() == ["1", "F1", "F0"]
@@ -110,7 +123,7 @@ def test_validator_rejects_broken_schedules(text: str, message: str) -> None:
 def test_validator_rejects_an_action_listed_on_the_wrong_stage() -> None:
     good = gpipe(2, 1)
     moved = (good.actions[0], (Action(0, "F", 0), Action(1, "B", 0)))
-    with pytest.raises(ValueError, match="belongs to stage 0"):
+    with pytest.raises(ValueError, match="stage 0 is not placed on worker 1"):
         validate(dataclasses.replace(good, actions=moved))
 
 
@@ -123,7 +136,7 @@ def test_validator_enforces_the_in_flight_bound() -> None:
 
 def test_validator_checks_the_number_of_stage_lists() -> None:
     s = Schedule("x", 3, 1, gpipe(2, 1).actions)
-    with pytest.raises(ValueError, match="2 action lists but n_stages=3"):
+    with pytest.raises(ValueError, match=r"stage\(s\) \[2\] are placed on workers"):
         validate(s)
 
 
@@ -135,3 +148,97 @@ def test_builders_reject_bad_sizes(bad: int) -> None:
         one_f_one_b(2, bad)
     with pytest.raises(TypeError, match="n_stages must be an int"):
         gpipe(2.0, 4)  # type: ignore[arg-type]
+
+
+# -- zero-bubble and virtual-stage schedules -------------------------------------------------------
+def _all(k: int, m: int) -> list[Schedule]:
+    return [
+        gpipe(k, m),
+        one_f_one_b(k, m),
+        zb_h1(k, m),
+        interleaved_1f1b(2 * k, m, n_workers=k),
+        zb_v(2 * k, m),
+    ]
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes)
+def test_every_builtin_schedule_validates_for_any_size(size: tuple[int, int]) -> None:
+    k, m = size
+    for s in _all(k, m):
+        validate(s)
+        assert sorted(a.microbatch for a in s.stage(0) if a.kind == "F") == list(range(m))
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes)
+def test_zero_bubble_splits_every_backward_and_keeps_1f1b_memory(size: tuple[int, int]) -> None:
+    k, m = size
+    zb, ref = zb_h1(k, m), one_f_one_b(k, m)
+    for j in range(k):
+        assert all(zb.splits_backward(j, i) for i in range(m))
+        assert zb.in_flight(j) <= ref.in_flight(j) == min(k - j, m)
+        kinds = [a.kind for a in zb.stage(j)]
+        assert kinds.count("W") == kinds.count("B") == kinds.count("F") == m
+
+
+@pytest.mark.parametrize(("k", "m"), [(2, 4), (2, 8), (4, 8), (4, 16)])
+def test_bubbles_shrink_from_1f1b_to_zb_h1_to_zb_v(k: int, m: int) -> None:
+    assert one_f_one_b(k, m).bubble() == pytest.approx((k - 1) / (m + k - 1))
+    assert zb_v(2 * k, m).bubble() < zb_h1(k, m).bubble() < one_f_one_b(k, m).bubble()
+
+
+def test_zb_v_places_a_v_and_holds_what_1f1b_stage_0_holds() -> None:
+    s = zb_v(6, 8)
+    assert s.n_workers == 3
+    assert [s.stages_of(w) for w in range(3)] == [[0, 5], [1, 4], [2, 3]]
+    for w in range(3):  # half-size stages: 2K of them are K full-stage micro-batches
+        assert s.worker_in_flight(w) <= 2 * 3
+
+
+def test_interleaved_loops_stages_over_workers() -> None:
+    s = interleaved_1f1b(6, 6, n_workers=3)
+    assert list(s.placement) == [0, 1, 2, 0, 1, 2]
+    assert s.virtual == 2
+    assert all(not s.splits_backward(st_, i) for st_ in range(6) for i in range(6))
+
+
+def test_make_builds_every_name_and_lists_them_for_a_typo() -> None:
+    for name in NAMES:
+        n = 4 if name in ("interleaved-1f1b", "zb-v") else 2
+        assert make(name, n, 4, n_workers=2).name == name
+    with pytest.raises(ValueError, match=r"one of \['gpipe', '1f1b', 'zb-h1'"):
+        make("zero-bubble", 2, 4, n_workers=2)
+
+
+def test_make_names_the_balance_a_virtual_schedule_needs() -> None:
+    with pytest.raises(ValueError, match="pass balance with 4 entries"):
+        make("zb-v", 2, 4, n_workers=2)
+    with pytest.raises(ValueError, match="multiple of 2 entries"):
+        make("zb-v", 3, 4, n_workers=1)
+
+
+def test_make_checks_a_given_schedule_against_the_pipe() -> None:
+    with pytest.raises(ValueError, match="for 2 stages x 4 micro-batches on 2 workers"):
+        make(gpipe(2, 4), 2, 8, n_workers=2)
+    assert make(gpipe(2, 4), 2, 4, n_workers=2).name == "gpipe"
+
+
+def test_validator_wants_w_after_its_b() -> None:
+    with pytest.raises(ValueError, match="runs W0 before B0"):
+        validate(parse("F0 W0 B0"))
+    validate(parse("F0 B0 W0"))
+
+
+def test_parse_reads_virtual_stages_and_weight_actions() -> None:
+    s = parse("0F0 3F0 3B0 0B0 3W0 0W0 | 1F0 2F0 2B0 1B0 2W0 1W0")
+    assert s.stages_of(0) == [0, 3] and s.stages_of(1) == [1, 2]
+    assert s.splits_backward(3, 0) and s.virtual == 2
+    validate(s)
+    with pytest.raises(ValueError, match="appears on workers 0 and 1"):
+        parse("0F0 0B0 | 0F0 0B0")
+
+
+def test_a_v_schedule_deadlocking_is_reported() -> None:
+    with pytest.raises(ValueError, match="deadlocks"):
+        validate(parse("0F0 3F0 3B0 0B0 | 2F0 1F0 2B0 1B0"))

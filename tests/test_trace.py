@@ -164,4 +164,4 @@ def test_summary_names_every_stage() -> None:
 
 def test_event_labels() -> None:
     labels = [Event(1, 3, kind, 0.0, 1.0).label for kind in KINDS]
-    assert labels == ["W3", "T3", "F3", "B3", "R3"]
+    assert labels == ["w3", "T3", "F3", "B3", "W3", "R3"]

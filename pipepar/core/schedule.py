@@ -1,11 +1,21 @@
-"""Schedules as data: which micro-batch each stage runs forward or backward, and in what order.
+"""Schedules as data: which stage runs which action on which micro-batch, on which worker, when.
 
-A schedule is a tuple of :class:`Action` per stage. ``F3`` on stage 1 means "stage 1 runs the
-forward of micro-batch 3", ``B3`` its backward. Keeping the schedule as plain data lets it be
-printed as a step x stage grid, checked by :func:`validate` without any process group, and
-executed by either engine (threads in one process or ranks under torch.distributed).
+A *worker* is what runs actions one after another: a thread bound to a device in one process, or
+a rank under torch.distributed. A schedule gives each worker an ordered list of :class:`Action`.
+``1F3`` means "stage 1 runs the forward of micro-batch 3"; ``1B3`` its backward and ``1W3`` its
+weight gradients. A stage whose list has no ``W`` for a micro-batch runs the whole backward in
+``B``; with a ``W``, ``B`` computes only the gradient of the stage input (what the previous stage
+waits for) and ``W`` the parameter gradients later, in time the stage would otherwise idle
+(zero-bubble schedules, Qi et al. 2024).
 
-Symbols follow the paper: ``n`` stages (K in DESIGN.md), ``m`` micro-batches (M).
+With *virtual stages* a worker holds several stages: looped (stage ``s`` on worker ``s % K``,
+interleaved 1F1B) or V-shaped (worker ``w`` holds stages ``w`` and ``2K-1-w``, ZB-V).
+
+Keeping schedules as data lets one definition drive every runtime: it prints as a step x worker
+grid, is checked by :func:`validate` without any process group, predicts its bubble and its
+memory (micro-batches in flight), and is executed unchanged by threads or by ranks.
+
+Symbols: ``K`` workers, ``M`` micro-batches, ``V`` stages per worker.
 
     >>> s = one_f_one_b(2, 4)
     >>> [str(a) for a in s.stage(0)]
@@ -15,23 +25,39 @@ Symbols follow the paper: ``n`` stages (K in DESIGN.md), ``m`` micro-batches (M)
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["Action", "Schedule", "gpipe", "one_f_one_b", "parse", "simulate", "validate"]
+from pipepar.core.schedule_greedy import greedy_orders
 
-Kind = Literal["F", "B"]
+__all__ = [
+    "NAMES",
+    "Action",
+    "Schedule",
+    "gpipe",
+    "interleaved_1f1b",
+    "make",
+    "one_f_one_b",
+    "parse",
+    "simulate",
+    "validate",
+    "zb_h1",
+    "zb_v",
+]
+
+Kind = Literal["F", "B", "W"]
 
 
 @dataclass(frozen=True, order=True)
 class Action:
-    """One unit of work: stage ``stage`` runs ``kind`` (F or B) on micro-batch ``microbatch``."""
+    """One unit of work: stage ``stage`` runs ``kind`` on micro-batch ``microbatch``."""
 
     stage: int
-    """Index of the stage that runs the action."""
+    """Index of the (virtual) stage that runs the action."""
     kind: Kind
-    """``"F"`` for forward, ``"B"`` for backward."""
+    """``"F"`` forward, ``"B"`` backward (input gradient; everything if no W follows), ``"W"``
+    parameter gradients."""
     microbatch: int
     """Index of the micro-batch, 0-based."""
 
@@ -44,85 +70,124 @@ class Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-stage action lists for ``n_stages`` stages and ``n_microbatches`` micro-batches.
+    """Per-worker action lists for ``n_stages`` stages and ``n_microbatches`` micro-batches.
 
     Example:
         >>> s = gpipe(2, 2)
         >>> print(s)  # doctest: +NORMALIZE_WHITESPACE
-        step  stage0  stage1
-           0  F0      .
-           1  F1      F0
-           2  .       F1
-           3  .       B1
-           4  B1      B0
-           5  B0      .
+        step  worker0  worker1
+           0  F0       .
+           1  F1       F0
+           2  .        F1
+           3  .        B1
+           4  B1       B0
+           5  B0       .
     """
 
     name: str
-    """Human-readable name, e.g. ``"gpipe"`` or ``"1f1b"``."""
+    """Human-readable name, e.g. ``"gpipe"`` or ``"zb-v"``."""
     n_stages: int
-    """Number of stages (K)."""
+    """Number of (virtual) stages."""
     n_microbatches: int
     """Number of micro-batches per mini-batch (M)."""
     actions: tuple[tuple[Action, ...], ...]
-    """``actions[j]`` is the ordered work list of stage ``j``."""
+    """``actions[w]`` is the ordered work list of worker ``w``."""
+    placement: tuple[int, ...] = ()
+    """``placement[s]`` is the worker of stage ``s``; empty means stage ``s`` on worker ``s``."""
     max_in_flight: tuple[int, ...] | None = None
-    """Per-stage bound on micro-batches held between their F and B; checked by validate()."""
+    """Per-worker bound on stage micro-batches held between F and their last backward action;
+    checked by :func:`validate`."""
+    _split: frozenset[tuple[int, int]] = field(init=False, repr=False, compare=False)
 
-    def stage(self, j: int) -> tuple[Action, ...]:
-        """The ordered actions of stage ``j``."""
-        return self.actions[j]
+    def __post_init__(self) -> None:
+        if not self.placement:
+            object.__setattr__(self, "placement", tuple(range(self.n_stages)))
+        split = {(a.stage, a.microbatch) for work in self.actions for a in work if a.kind == "W"}
+        object.__setattr__(self, "_split", frozenset(split))
 
-    def in_flight(self, j: int) -> int:
-        """Peak number of micro-batches whose forward ran on stage ``j`` but not yet backward."""
-        held, peak = 0, 0
-        for action in self.actions[j]:
-            held += 1 if action.kind == "F" else -1
-            peak = max(peak, held)
-        return peak
+    @property
+    def n_workers(self) -> int:
+        """Number of workers (devices or ranks) K."""
+        return len(self.actions)
+
+    @property
+    def virtual(self) -> int:
+        """Stages per worker V (1 for GPipe, 1F1B and ZB-H1)."""
+        return self.n_stages // max(1, self.n_workers)
+
+    def worker(self, w: int) -> tuple[Action, ...]:
+        """The ordered actions of worker ``w``."""
+        return self.actions[w]
+
+    def stages_of(self, w: int) -> list[int]:
+        """The stages worker ``w`` runs, in stage order."""
+        return [s for s, owner in enumerate(self.placement) if owner == w]
+
+    def stage(self, s: int) -> tuple[Action, ...]:
+        """The ordered actions of stage ``s`` (a sub-sequence of its worker's list)."""
+        return tuple(a for a in self.actions[self.placement[s]] if a.stage == s)
+
+    def splits_backward(self, s: int, i: int) -> bool:
+        """True if stage ``s`` runs micro-batch ``i``'s parameter gradients in a separate W."""
+        return (s, i) in self._split
+
+    def in_flight(self, s: int) -> int:
+        """Peak number of micro-batches stage ``s`` holds: forward run, last backward not yet."""
+        return _peak_held(self.stage(s), self)
+
+    def worker_in_flight(self, w: int) -> int:
+        """Peak number of stage micro-batches worker ``w`` holds at once, over its stages."""
+        return _peak_held(self.actions[w], self)
 
     def grid(self) -> str:
-        """The schedule as a step x stage table, each action taking one step (see simulate)."""
+        """The schedule as a step x worker table, each action taking one step (see simulate)."""
         steps = simulate(self)
-        width = max(6, len(str(self.n_microbatches)) + 2)
-        head = "step  " + "  ".join(f"stage{j}".ljust(width) for j in range(self.n_stages))
+        show = repr if self.virtual > 1 else str
+        width = max(7, len(str(self.n_microbatches)) + 3)
+        head = "step  " + "  ".join(f"worker{w}".ljust(width) for w in range(self.n_workers))
         rows = [head.rstrip()]
         for t, row in enumerate(steps):
-            cells = "  ".join((str(a) if a else ".").ljust(width) for a in row)
+            cells = "  ".join((show(a) if a else ".").ljust(width) for a in row)
             rows.append(f"{t:>4}  {cells}".rstrip())
         return "\n".join(rows)
 
-    def bubble(self) -> float:
-        """Idle fraction of the step x stage grid when every action takes one step."""
-        steps = simulate(self)
-        idle = sum(a is None for row in steps for a in row)
-        return idle / (len(steps) * self.n_stages)
+    def bubble(self, costs: Callable[[Action, bool], float] | None = None) -> float:
+        """Idle fraction of the workers' time when actions take ``costs(action, split)``.
+
+        The default costs are F = 1, B = W = 1 and a whole backward = 2, each divided by the
+        stages per worker (a virtual stage holds 1/V of a worker's layers).
+
+        Example:
+            >>> round(one_f_one_b(2, 8).bubble(), 3)  # (K-1)/(M+K-1)
+            0.111
+        """
+        cost = costs or _unit_costs(self.virtual)
+        finish = timed(self, cost)
+        span = max(finish.values(), default=0.0)
+        busy = sum(cost(a, self.splits_backward(a.stage, a.microbatch)) for a in finish)
+        return 1.0 - busy / (span * self.n_workers) if span else 0.0
 
     def __str__(self) -> str:
         return self.grid()
 
 
+# -- the schedules -----------------------------------------------------------------------------
 def gpipe(n_stages: int, n_microbatches: int) -> Schedule:
-    """Fill-drain schedule: every stage runs all forwards, then all backwards (last first).
+    """Fill-drain: every stage runs all forwards, then all backwards (last micro-batch first).
 
-    Backwards run in reverse micro-batch order, as autograd would for one big backward, so the
-    last forward's activations are consumed first.
-
-    Args:
-        n_stages: number of stages K.
-        n_microbatches: micro-batches per mini-batch M.
+    Holds all ``M`` micro-batches' activations on every stage.
 
     Example:
         >>> [str(a) for a in gpipe(2, 3).stage(1)]
         ['F0', 'F1', 'F2', 'B2', 'B1', 'B0']
     """
-    n, m = _check_sizes(n_stages, n_microbatches)
+    k, m = _check_sizes(n_stages, n_microbatches)
     actions = tuple(
         tuple(Action(j, "F", i) for i in range(m))
         + tuple(Action(j, "B", i) for i in reversed(range(m)))
-        for j in range(n)
+        for j in range(k)
     )
-    return Schedule("gpipe", n, m, actions, max_in_flight=(m,) * n)
+    return Schedule("gpipe", k, m, actions, max_in_flight=(m,) * k)
 
 
 def one_f_one_b(n_stages: int, n_microbatches: int) -> Schedule:
@@ -130,155 +195,400 @@ def one_f_one_b(n_stages: int, n_microbatches: int) -> Schedule:
 
     Stage ``j`` holds at most ``min(K - j, M)`` micro-batches of activations at once.
 
-    Args:
-        n_stages: number of stages K.
-        n_microbatches: micro-batches per mini-batch M.
-
     Example:
         >>> [str(a) for a in one_f_one_b(3, 4).stage(0)]
         ['F0', 'F1', 'F2', 'B0', 'F3', 'B1', 'B2', 'B3']
     """
-    n, m = _check_sizes(n_stages, n_microbatches)
+    k, m = _check_sizes(n_stages, n_microbatches)
     per_stage = []
-    for j in range(n):
-        warmup = min(n - 1 - j, m)
+    for j in range(k):
+        warmup = min(k - 1 - j, m)
         work = [Action(j, "F", i) for i in range(warmup)]  # warm-up
         for i in range(m - warmup):  # steady state: one forward, one backward
             work += [Action(j, "F", warmup + i), Action(j, "B", i)]
         work += [Action(j, "B", i) for i in range(m - warmup, m)]  # cool-down
         per_stage.append(tuple(work))
-    bound = tuple(min(n - j, m) for j in range(n))
-    return Schedule("1f1b", n, m, tuple(per_stage), max_in_flight=bound)
+    bound = tuple(min(k - j, m) for j in range(k))
+    return Schedule("1f1b", k, m, tuple(per_stage), max_in_flight=bound)
 
 
+def zb_h1(n_stages: int, n_microbatches: int) -> Schedule:
+    """ZB-H1: 1F1B's order and memory bound, backward split into B and W; each stage runs its
+    W's in the time it would idle, so about a third of 1F1B's bubble is left.
+
+    Example:
+        >>> s = zb_h1(2, 4)
+        >>> [str(a) for a in s.stage(1)][:6]
+        ['F0', 'B0', 'W0', 'F1', 'B1', 'W1']
+        >>> s.bubble() < one_f_one_b(2, 4).bubble()
+        True
+    """
+    k, m = _check_sizes(n_stages, n_microbatches)
+    bound = tuple(min(k - j, m) for j in range(k))
+    return _greedy("zb-h1", tuple(range(k)), k, m, bound, split=True)
+
+
+def zb_v(n_stages: int, n_microbatches: int) -> Schedule:
+    """ZB-V: ``n_stages = 2K`` stages in a V over K workers (worker ``w`` holds stages ``w`` and
+    ``2K-1-w``), backward split into B and W; 1F1B's activation memory and almost no bubble.
+
+    Example:
+        >>> s = zb_v(4, 8)
+        >>> s.n_workers, s.stages_of(0)
+        (2, [0, 3])
+        >>> s.bubble() < 0.1
+        True
+    """
+    n, m = _check_sizes(n_stages, n_microbatches)
+    k = _workers_for(n, 2, "zb-v", "a V of 2 stages per worker")
+    placement = tuple(s if s < k else 2 * k - 1 - s for s in range(n))
+    bound = (2 * k,) * k  # half-size stages: K full-stage micro-batches, as 1F1B's stage 0
+    return _greedy("zb-v", placement, k, m, bound, split=True)
+
+
+def interleaved_1f1b(n_stages: int, n_microbatches: int, *, n_workers: int) -> Schedule:
+    """Interleaved 1F1B: ``n_stages = V*K`` stages looped over K workers (stage ``s`` on worker
+    ``s % K``); the bubble shrinks by V at the cost of more activations in flight. With ``M`` not
+    a multiple of ``K`` the order comes from list scheduling (as zero-bubble's does).
+
+    Example:
+        >>> s = interleaved_1f1b(4, 4, n_workers=2)
+        >>> s.stages_of(1), s.bubble() < one_f_one_b(2, 4).bubble()
+        ([1, 3], True)
+    """
+    n, m = _check_sizes(n_stages, n_microbatches)
+    k, v = n_workers, n_stages // max(1, n_workers)
+    if k < 1 or n % k or v < 2:
+        raise ValueError(
+            f"interleaved-1f1b needs a multiple of the {k} workers, at least 2 stages each, but "
+            f"got {n} stages; pass balance with {2 * max(k, 1)} entries (2 stages per worker)"
+        )
+    placement = tuple(s % k for s in range(n))
+    if m % k:  # the looped order needs whole groups of K micro-batches; list-schedule instead
+        return _greedy("interleaved-1f1b", placement, k, m, (m * v,) * k, split=False)
+    actions = tuple(tuple(_looped_order(w, k, v, m)) for w in range(k))
+    return Schedule("interleaved-1f1b", n, m, actions, placement)
+
+
+def _looped_order(w: int, k: int, v: int, m: int) -> list[Action]:
+    """Worker ``w``'s interleaved 1F1B list (Narayanan et al. 2021): micro-batches go through
+    the worker's stages in groups of K; after a warm-up, one forward and one backward alternate."""
+    groups = [range(g, min(m, g + k)) for g in range(0, m, k)]
+    fwd = [Action(c * k + w, "F", i) for grp in groups for c in range(v) for i in grp]
+    bwd = [Action(c * k + w, "B", i) for grp in groups for c in reversed(range(v)) for i in grp]
+    warmup = min(len(fwd), (k - w - 1) * 2 + (v - 1) * k)
+    order = fwd[:warmup]  # warm-up
+    for f, b in zip(fwd[warmup:], bwd):  # steady state: one forward, one backward
+        order += [f, b]
+    return order + bwd[len(fwd) - warmup :]  # cool-down
+
+
+NAMES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
+"""Schedule names that :func:`make`, ``pipepar.wrap`` and ``pipepar.distributed.wrap`` accept."""
+
+VIRTUAL = ("interleaved-1f1b", "zb-v")
+"""Names whose balance lists several stages per worker."""
+
+
+def make(name: str | Schedule, n_stages: int, n_microbatches: int, *, n_workers: int) -> Schedule:
+    """The schedule called ``name`` for ``n_stages`` stages on ``n_workers`` workers.
+
+    A :class:`Schedule` is checked against the sizes and returned.
+
+    Raises:
+        ValueError: for an unknown name (listing the names), sizes that do not fit the schedule,
+            or a Schedule built for other sizes.
+
+    Example:
+        >>> make("zb-v", 4, 8, n_workers=2).n_workers
+        2
+    """
+    if isinstance(name, Schedule):
+        return _check_given(name, n_stages, n_microbatches, n_workers)
+    if name not in NAMES:
+        raise ValueError(
+            f"schedule must be one of {list(NAMES)} or a pipepar Schedule, but got {name!r}; "
+            "'1f1b' holds fewer activations than 'gpipe', 'zb-v' leaves the smallest bubble"
+        )
+    if name in VIRTUAL:
+        schedule = (
+            zb_v(n_stages, n_microbatches)
+            if name == "zb-v"
+            else interleaved_1f1b(n_stages, n_microbatches, n_workers=n_workers)
+        )
+    else:
+        builders = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}
+        schedule = builders[name](n_stages, n_microbatches)
+    if schedule.n_workers != n_workers:
+        raise ValueError(
+            f"schedule {name!r} with {n_stages} stages runs on {schedule.n_workers} workers but "
+            f"there are {n_workers} devices or ranks; "
+            + (
+                f"pass balance with {2 * n_workers} entries (2 stages per worker)"
+                if name in VIRTUAL
+                else f"pass one device per stage ({n_stages})"
+            )
+        )
+    return schedule
+
+
+def _check_given(schedule: Schedule, n: int, m: int, k: int) -> Schedule:
+    got = (schedule.n_stages, schedule.n_microbatches, schedule.n_workers)
+    if got != (n, m, k):
+        raise ValueError(
+            f"schedule is for {got[0]} stages x {got[1]} micro-batches on {got[2]} workers, but "
+            f"the pipe has {n} stages, chunks={m} and {k} devices or ranks; build it for those"
+        )
+    validate(schedule)
+    return schedule
+
+
+# -- reading and checking ----------------------------------------------------------------------
 def parse(text: str | Sequence[str], *, name: str = "custom") -> Schedule:
-    """Build a schedule from per-stage strings such as ``["F0 F1 B0 B1", "F0 B0 F1 B1"]``.
+    """Build a schedule from per-worker strings such as ``["F0 F1 B0 B1", "F0 B0 F1 B1"]``.
+
+    An action is ``F3``, ``B3`` or ``W3`` (stage = the worker) or ``2F3`` (stage 2).
 
     Args:
-        text: one string per stage (a sequence), or one string with stages separated by ``|``.
+        text: one string per worker (a sequence), or one string with workers separated by ``|``.
         name: name given to the schedule.
 
     Example:
         >>> s = parse("F0 F1 B1 B0 | F0 F1 B1 B0")
         >>> s.n_stages, s.n_microbatches
         (2, 2)
+        >>> parse("0F0 3F0 3B0 0B0 | 1F0 2F0 2B0 1B0").stages_of(0)
+        [0, 3]
     """
     lines = text.split("|") if isinstance(text, str) else list(text)
     actions = tuple(
-        tuple(_parse_action(j, tok) for tok in line.split()) for j, line in enumerate(lines)
+        tuple(_parse_action(w, tok) for tok in line.split()) for w, line in enumerate(lines)
     )
-    m = 1 + max((a.microbatch for stage in actions for a in stage), default=-1)
-    return Schedule(name, len(actions), m, actions)
+    owners: dict[int, int] = {}
+    for w, work in enumerate(actions):
+        for a in work:
+            if owners.setdefault(a.stage, w) != w:
+                raise ValueError(
+                    f"stage {a.stage} appears on workers {owners[a.stage]} and {w}; "
+                    "a stage runs on one worker"
+                )
+    n = 1 + max(owners, default=-1)
+    missing = [s for s in range(n) if s not in owners]
+    if missing:
+        raise ValueError(f"no worker runs stage(s) {missing}; give each stage its actions")
+    m = 1 + max((a.microbatch for work in actions for a in work), default=-1)
+    return Schedule(name, n, m, actions, tuple(owners[s] for s in range(n)))
+
+
+def _deps(action: Action, schedule: Schedule) -> tuple[tuple[int, str, int], ...]:
+    """The actions of other stages that ``action`` waits for (same-stage order is the list's)."""
+    s, i, last = action.stage, action.microbatch, schedule.n_stages - 1
+    if action.kind == "F":
+        return ((s - 1, "F", i),) if s > 0 else ()
+    if action.kind == "B":
+        return ((s + 1, "B", i),) if s < last else ((s, "F", i),)
+    return ((s, "B", i),)
 
 
 def simulate(schedule: Schedule) -> list[list[Action | None]]:
-    """Run the schedule on a unit-time clock and return, per step, what each stage runs.
+    """Run the schedule on a unit-time clock and return, per step, what each worker runs.
 
-    At each step every stage runs its next action if the actions it depends on finished in an
-    earlier step (F on the previous stage, B on the next stage); otherwise it idles.
+    At each step every worker runs its next action if what it waits for finished in an earlier
+    step (F on the previous stage, B on the next stage); otherwise it idles.
 
     Raises:
-        ValueError: if no stage can progress while work remains (the schedule deadlocks).
+        ValueError: if no worker can progress while work remains (the schedule deadlocks).
 
     Example:
         >>> [[str(a) if a else "." for a in row] for row in simulate(gpipe(1, 2))]
         [['F0'], ['F1'], ['B1'], ['B0']]
     """
-    n = schedule.n_stages
-    done: set[tuple[int, Kind, int]] = set()
-    cursor = [0] * n
+    k = schedule.n_workers
+    done: set[tuple[int, str, int]] = set()
+    cursor = [0] * k
     steps: list[list[Action | None]] = []
-    while any(cursor[j] < len(schedule.actions[j]) for j in range(n)):
-        row = [_runnable(schedule, j, cursor[j], done) for j in range(n)]
+    while any(cursor[w] < len(schedule.actions[w]) for w in range(k)):
+        row = [_runnable(schedule, w, cursor[w], done) for w in range(k)]
         if not any(row):
-            stuck = [
-                repr(schedule.actions[j][cursor[j]])
-                for j in range(n)
-                if row[j] is None and cursor[j] < len(schedule.actions[j])
-            ]
-            raise ValueError(
-                f"schedule {schedule.name!r} deadlocks at step {len(steps)}: {', '.join(stuck)} "
-                "wait on each other; order each stage's forwards like the previous stage's and "
-                "its backwards like the next stage's"
-            )
-        for j, action in enumerate(row):
+            raise _deadlock(schedule, cursor, len(steps))
+        for w, action in enumerate(row):
             if action is not None:
-                cursor[j] += 1
+                cursor[w] += 1
                 done.add((action.stage, action.kind, action.microbatch))
         steps.append(row)
     return steps
 
 
+def timed(schedule: Schedule, cost: Callable[[Action, bool], float]) -> dict[Action, float]:
+    """Finish time of every action when each takes ``cost(action, split)`` and workers start
+    an action as soon as it is next in their list and what it waits for has finished.
+
+    Example:
+        >>> max(timed(gpipe(2, 2), lambda a, split: 1.0).values())
+        6.0
+    """
+    finish: dict[Action, float] = {}
+    key: dict[tuple[int, str, int], Action] = {
+        (a.stage, a.kind, a.microbatch): a for work in schedule.actions for a in work
+    }
+    clock = [0.0] * schedule.n_workers
+    cursor = [0] * schedule.n_workers
+    progressed = True
+    while progressed:
+        progressed = False
+        for w, work in enumerate(schedule.actions):
+            while cursor[w] < len(work):
+                a = work[cursor[w]]
+                deps = [key.get(d) for d in _deps(a, schedule)]
+                if any(d is None or d not in finish for d in deps if d != a):
+                    break
+                start = max([clock[w], *(finish[d] for d in deps if d is not None)])
+                clock[w] = finish[a] = start + cost(
+                    a, schedule.splits_backward(a.stage, a.microbatch)
+                )
+                cursor[w] += 1
+                progressed = True
+    if any(cursor[w] < len(work) for w, work in enumerate(schedule.actions)):
+        raise _deadlock(schedule, cursor, 0)
+    return finish
+
+
 def validate(schedule: Schedule) -> None:
     """Check that a schedule is complete, consistent, runnable and within its memory bound.
 
-    Checks: every stage runs ``F(i)`` and ``B(i)`` exactly once for each micro-batch ``i``;
-    ``B(i)`` follows ``F(i)`` on a stage; ``F(i)`` on stage ``j`` can follow ``F(i)`` on
-    ``j-1`` and ``B(i)`` on ``j`` can follow ``B(i)`` on ``j+1`` without deadlock; and no stage
-    holds more than ``max_in_flight[j]`` micro-batches at once.
+    Checks: every stage runs ``F(i)`` and ``B(i)`` once for each micro-batch ``i`` and at most
+    one ``W(i)``, after ``B(i)``; ``B(i)`` follows ``F(i)``; each stage is on one worker; the
+    workers can run their lists without deadlock; no worker holds more than
+    ``max_in_flight[w]`` stage micro-batches at once.
 
     Raises:
         ValueError: naming the first violation and how to fix it.
 
     Example:
-        >>> validate(one_f_one_b(4, 8))
+        >>> validate(zb_v(4, 8))
     """
-    if len(schedule.actions) != schedule.n_stages:
+    if len(schedule.placement) != schedule.n_stages:
         raise ValueError(
-            f"schedule has {len(schedule.actions)} action lists but n_stages="
-            f"{schedule.n_stages}; give one list per stage"
+            f"placement names {len(schedule.placement)} stages but n_stages="
+            f"{schedule.n_stages}; give one worker per stage"
         )
-    for j, work in enumerate(schedule.actions):
-        _check_stage(schedule, j, work)
+    outside = [s for s, w in enumerate(schedule.placement) if not 0 <= w < schedule.n_workers]
+    if outside:
+        raise ValueError(
+            f"stage(s) {outside} are placed on workers the schedule has no action list for "
+            f"({schedule.n_workers} lists); give one list per worker"
+        )
+    for w, work in enumerate(schedule.actions):
+        for a in work:
+            if not 0 <= a.stage < schedule.n_stages or schedule.placement[a.stage] != w:
+                raise ValueError(
+                    f"worker {w} lists {a!r}, but stage {a.stage} is not placed on worker {w}; "
+                    "move the action to its stage's worker"
+                )
+    for s in range(schedule.n_stages):
+        _check_stage(schedule, s)
+    bound = schedule.max_in_flight
+    for w in range(schedule.n_workers):
+        if bound is not None and schedule.worker_in_flight(w) > bound[w]:
+            raise ValueError(
+                f"worker {w} holds {schedule.worker_in_flight(w)} micro-batches at once but the "
+                f"schedule allows {bound[w]}; run a backward sooner"
+            )
     simulate(schedule)
 
 
-def _check_stage(schedule: Schedule, j: int, work: Iterable[Action]) -> None:
+def _check_stage(schedule: Schedule, s: int) -> None:
     seen: set[tuple[str, int]] = set()
     m = schedule.n_microbatches
-    for action in work:
-        key = (action.kind, action.microbatch)
-        if action.stage != j:
-            raise ValueError(f"stage {j} lists {action!r}, which belongs to stage {action.stage}")
-        if action.kind not in ("F", "B") or not 0 <= action.microbatch < m:
-            raise ValueError(
-                f"stage {j} lists {action!r}; kinds are F/B and micro-batches 0..{m - 1}"
-            )
+    for a in schedule.stage(s):
+        key = (a.kind, a.microbatch)
+        if a.kind not in ("F", "B", "W") or not 0 <= a.microbatch < m:
+            raise ValueError(f"stage {s} lists {a!r}; kinds are F/B/W and micro-batches 0..{m - 1}")
         if key in seen:
-            raise ValueError(f"stage {j} runs {action} twice; each action must appear once")
-        if action.kind == "B" and ("F", action.microbatch) not in seen:
-            raise ValueError(f"stage {j} runs {action} before F{action.microbatch}; move it later")
+            raise ValueError(f"stage {s} runs {a} twice; each action must appear once")
+        before = {"B": "F", "W": "B"}.get(a.kind)
+        if before is not None and (before, a.microbatch) not in seen:
+            raise ValueError(f"stage {s} runs {a} before {before}{a.microbatch}; move it later")
         seen.add(key)
     missing = [f"{k}{i}" for k in ("F", "B") for i in range(m) if (k, i) not in seen]
     if missing:
-        raise ValueError(f"stage {j} never runs {', '.join(missing)}; add them to its list")
-    bound = schedule.max_in_flight
-    if bound is not None and schedule.in_flight(j) > bound[j]:
-        raise ValueError(
-            f"stage {j} holds {schedule.in_flight(j)} micro-batches at once but the schedule "
-            f"allows {bound[j]}; run a backward sooner"
+        raise ValueError(f"stage {s} never runs {', '.join(missing)}; add them to its list")
+
+
+def _peak_held(work: Sequence[Action], schedule: Schedule) -> int:
+    held, peak = 0, 0
+    for a in work:
+        last = a.kind == "W" or (
+            a.kind == "B" and not schedule.splits_backward(a.stage, a.microbatch)
         )
+        held += 1 if a.kind == "F" else -1 if last else 0
+        peak = max(peak, held)
+    return peak
 
 
-def _runnable(
-    schedule: Schedule, j: int, k: int, done: set[tuple[int, Kind, int]]
-) -> Action | None:
-    """The action at position ``k`` of stage ``j`` if its cross-stage dependency is met."""
-    if k >= len(schedule.actions[j]):
+def _runnable(schedule: Schedule, w: int, k: int, done: set[tuple[int, str, int]]) -> Action | None:
+    """The action at position ``k`` of worker ``w`` if what it waits for is done."""
+    if k >= len(schedule.actions[w]):
         return None
-    a = schedule.actions[j][k]
-    if a.kind == "F":
-        ready = j == 0 or (j - 1, "F", a.microbatch) in done
-    else:
-        ready = j == schedule.n_stages - 1 or (j + 1, "B", a.microbatch) in done
+    a = schedule.actions[w][k]
+    ready = all(d in done for d in _deps(a, schedule))
     return a if ready else None
 
 
-def _parse_action(j: int, token: str) -> Action:
-    kind, digits = token[:1].upper(), token[1:]
-    if kind not in ("F", "B") or not digits.isdigit():
-        raise ValueError(f"cannot read action {token!r} on stage {j}; write e.g. 'F0' or 'B3'")
-    return Action(j, "F" if kind == "F" else "B", int(digits))
+def _deadlock(schedule: Schedule, cursor: list[int], step: int) -> ValueError:
+    stuck = [
+        repr(schedule.actions[w][cursor[w]])
+        for w in range(schedule.n_workers)
+        if cursor[w] < len(schedule.actions[w])
+    ]
+    return ValueError(
+        f"schedule {schedule.name!r} deadlocks at step {step}: {', '.join(stuck)} wait on each "
+        "other; order each stage's forwards like the previous stage's and its backwards like "
+        "the next stage's"
+    )
+
+
+def _parse_action(w: int, token: str) -> Action:
+    digits = ""
+    while token[: len(digits) + 1].isdigit() and len(digits) < len(token):
+        digits = token[: len(digits) + 1]
+    kind, rest = token[len(digits) : len(digits) + 1].upper(), token[len(digits) + 1 :]
+    if kind not in ("F", "B", "W") or not rest.isdigit():
+        raise ValueError(
+            f"cannot read action {token!r} on worker {w}; write e.g. 'F0', 'B3', 'W3' or '2F0'"
+        )
+    stage = int(digits) if digits else w
+    return Action(stage, kind, int(rest))  # type: ignore[arg-type]
+
+
+def _unit_costs(v: int) -> Callable[[Action, bool], float]:
+    def cost(a: Action, split: bool) -> float:
+        return (2.0 if a.kind == "B" and not split else 1.0) / v
+
+    return cost
+
+
+def _greedy(
+    name: str,
+    placement: tuple[int, ...],
+    k: int,
+    m: int,
+    bound: tuple[int, ...],
+    *,
+    split: bool,
+) -> Schedule:
+    orders = greedy_orders(placement, k, m, bound, split=split)
+    actions = tuple(tuple(Action(s, kind, i) for s, kind, i in work) for work in orders)  # type: ignore[arg-type]
+    return Schedule(name, len(placement), m, actions, placement, max_in_flight=bound)
+
+
+def _workers_for(n: int, v: int, name: str, shape: str) -> int:
+    if n % v or n < v:
+        raise ValueError(
+            f"{name} runs {shape}, so balance needs a multiple of {v} entries, but got {n} "
+            f"stages; pass e.g. {v * max(1, n // v)} stages ({v} per device or rank)"
+        )
+    return n // v
 
 
 def _check_sizes(n_stages: int, n_microbatches: int) -> tuple[int, int]:

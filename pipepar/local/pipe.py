@@ -1,8 +1,9 @@
-"""Pipe: an ``nn.Sequential`` split into stages that run micro-batches concurrently (GPipe)."""
+"""Pipe: a model split into stages that run micro-batches concurrently, on any schedule."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -13,25 +14,30 @@ from pipepar.core.batchnorm import commit_all, convert_deferred_batch_norm, rese
 from pipepar.core.devices import DeviceSpec, resolve_devices
 from pipepar.core.microbatch import Value, check_value, gather, scatter, tensors
 from pipepar.core.recompute import should_checkpoint
+from pipepar.core.schedule import VIRTUAL, Schedule, make
 from pipepar.core.stage import iter_layers, split_stages
 from pipepar.local import cpu_malloc
-from pipepar.local.engine import Run, backward_order, forward_order, wavefront
+from pipepar.local.executor import BACKWARD, EVERY, FORWARD, Run
 from pipepar.local.transfer import move
-from pipepar.local.worker import WorkerPool, run_inline
+from pipepar.local.worker import WorkerPool
 from pipepar.tracing.tracer import Tracer
 
 __all__ = ["Pipe", "wrap"]
 
+LossFn = Callable[[Any, Any], Tensor]
+
 
 class Pipe(nn.Module):
-    """An ``nn.Sequential`` whose layers are split into stages on several devices.
+    """A model whose layers are split into stages on several devices.
 
     Use :func:`wrap` to build one. The pipe has the wrapped model's layers as its own children,
     under the same names, so ``parameters()``, ``state_dict()`` and ``load_state_dict()`` use
     exactly the keys of the plain model. Calling it splits the batch into ``chunks``
-    micro-batches, runs them through the stages concurrently (one worker thread per stage), and
-    returns the joined output on the last stage's device; ``backward()`` runs the stages'
-    backward passes concurrently too.
+    micro-batches, runs their forwards through the stages concurrently (one worker thread per
+    device), and returns the joined output on the last stage's device; ``backward()`` runs the
+    stages' backward actions concurrently too. :meth:`step` runs forward and backward together
+    in the schedule's own order, so 1F1B and zero-bubble schedules keep their memory bound and
+    fill their bubbles.
     """
 
     def __init__(
@@ -43,6 +49,7 @@ class Pipe(nn.Module):
         chunks: int = 1,
         checkpoint: str = "except_last",
         deferred_batch_norm: bool = False,
+        schedule: str | Schedule = "gpipe",
         threads: int | None = None,
         trace: bool = False,
     ) -> None:
@@ -53,13 +60,17 @@ class Pipe(nn.Module):
         balance = validation.check_balance(balance, len(module))
         validation.check_unique_layers(module)
         validation.check_shared_parameters(module, balance)
-        resolved = resolve_devices(devices, len(balance))
+        workers = resolve_devices(devices, _n_workers(schedule, balance, devices))
+        # Built for one micro-batch to check the layout now; the real one per batch size.
+        self._layout = _schedule_for(schedule, len(balance), self.chunks, len(workers))
         if deferred_batch_norm:
             module = convert_deferred_batch_norm(module)  # type: ignore[assignment]
         for name, layer in module.named_children():
             self.add_module(name, layer)
-        self._stages = split_stages(list(module), balance, resolved)
-        self.threads = _check_threads(threads, resolved, self.chunks)
+        placed = [workers[w] for w in self._layout.placement]
+        self._stages = split_stages(list(module), balance, placed)
+        self._workers_devices = workers
+        self.threads = _check_threads(threads, workers, self.chunks)
         self.tracer: Tracer | None = Tracer() if trace else None
         self._pool: WorkerPool | None = None
 
@@ -75,9 +86,10 @@ class Pipe(nn.Module):
         return [s.device for s in self._stages]
 
     @property
-    def partitions(self) -> list[nn.Sequential]:
-        """Each stage's layers as an ``nn.Sequential`` (the same module objects)."""
-        return [nn.Sequential(*s.layers) for s in self._stages]
+    def partitions(self) -> nn.ModuleList:
+        """The stage modules that run (hooks on them fire); not children of the pipe, so the
+        state_dict keys stay the plain model's."""
+        return nn.ModuleList([_stage_module(s) for s in self._stages])
 
     def __len__(self) -> int:
         return sum(len(s.layers) for s in self._stages)
@@ -89,8 +101,16 @@ class Pipe(nn.Module):
         layers = list(self)
         return nn.Sequential(*layers[index]) if isinstance(index, slice) else layers[index]
 
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule of a full mini-batch (``chunks`` micro-batches)."""
+        return self._schedule(self.chunks)
+
     def extra_repr(self) -> str:
-        return f"balance={self.balance}, chunks={self.chunks}, checkpoint={self.checkpoint!r}"
+        return (
+            f"balance={self.balance}, chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
+            f"schedule={self._layout.name!r}"
+        )
 
     # -- placement is the pipe's job --------------------------------------------------------
     def to(self, *args: Any, **kwargs: Any) -> Pipe:  # type: ignore[override]
@@ -105,9 +125,14 @@ class Pipe(nn.Module):
     def cpu(self) -> Pipe:  # type: ignore[override]
         raise _moving_denied("cpu()")
 
-    # -- running ------------------------------------------------------------------------------
+    # -- running: forward now, backward when autograd reaches the pipe ------------------------
     def forward(self, input: Value) -> Value:
-        """Run the batch through the pipeline; the output is on the last stage's device."""
+        """Run the batch through the pipeline; the output is on the last stage's device.
+
+        The forwards run first and the backwards when ``backward()`` reaches the pipe (each in
+        the schedule's order): the activations of every micro-batch are held in between, as
+        under GPipe. Use :meth:`step` for a schedule's own memory bound.
+        """
         try:
             return self._forward_batch(input)
         except BaseException:
@@ -124,22 +149,34 @@ class Pipe(nn.Module):
         needs_grad = torch.is_grad_enabled() and (
             any(t.requires_grad for t in tensors(input)) or bool(params)
         )
-        run = Run(
-            self._stages,
-            microbatches,
-            checkpoint=self.checkpoint,
-            grad=needs_grad,
-            input_requires_grad=any(t.requires_grad for t in tensors(input)),
-            blocking=self._concurrent(),
-            tracer=self.tracer,
-        )
+        run = self._run(microbatches, grad=needs_grad, input=input)
         if not needs_grad:
             return self._forward(run)
-        if any(d.type == "cpu" for d in self.devices):
-            cpu_malloc.tune()  # gradient buffers of every micro-batch: see pipepar.cpu_malloc
-        n_inputs = len(tensors(input))
-        out = _PipeFunction.apply(self, run, n_inputs, *tensors(input), *params)
-        return out
+        self._tune_heap()
+        return _PipeFunction.apply(self, run, len(tensors(input)), *tensors(input), *params)
+
+    def _run(self, microbatches: list[Value], *, grad: bool, input: Value, head: Any = None) -> Run:
+        return Run(
+            self._stages,
+            self._schedule(len(microbatches)),
+            microbatches,
+            checkpoint=self.checkpoint,
+            grad=grad,
+            input_requires_grad=any(t.requires_grad for t in tensors(input)),
+            head=head,
+            tracer=self.tracer,
+        )
+
+    def _schedule(self, m: int) -> Schedule:
+        layout = self._layout
+        if layout.name not in _BUILT_IN or layout.n_microbatches == m:
+            if layout.n_microbatches != m:
+                raise ValueError(
+                    f"the batch gives {m} micro-batches but the schedule was built for "
+                    f"{layout.n_microbatches}; pass at least chunks={self.chunks} rows"
+                )
+            return layout
+        return _cached(layout.name, layout.n_stages, m, layout.n_workers)
 
     def _direct(self, m: int) -> bool:
         """One stage and nothing to recompute: plain autograd does it all, with no overhead."""
@@ -156,36 +193,86 @@ class Pipe(nn.Module):
         return gather(outputs)
 
     def _forward(self, run: Run) -> Value:
-        k, m = len(self._stages), run.m
-        self._execute(run, forward_order(k, m), run.forward, forward=True)
+        run.execute(self._workers_pool(), FORWARD, inline=self._inline())
         if run.training:
             commit_all(list(self))
         return gather(run.outputs())
 
     def _backward(self, run: Run, grads: Sequence[Tensor | None]) -> None:
         run.seed_gradients(grads)
-        k, m = len(self._stages), run.m
-        self._execute(run, backward_order(k, m), run.backward, forward=False)
-
-    def _concurrent(self) -> bool:
-        return len(self._stages) > 1
-
-    def _execute(
-        self, run: Run, per_stage: list[list[tuple[int, int]]], action: Any, *, forward: bool
-    ) -> None:
         # CUDA backward runs on the caller's thread: the autograd engine's device threads would
         # otherwise wait on each other. Kernels are asynchronous, so devices still overlap.
-        cuda_backward = not forward and any(d.type == "cuda" for d in self.devices)
-        if not self._concurrent() or cuda_backward:
-            run.acts._blocking = run.grads._blocking = False
-            run_inline([_bind(action, j, i, run) for j, i in wavefront(per_stage, forward)])
-            return
-        jobs = [_stage_job(action, actions, run) for actions in per_stage]
-        self._workers().run(jobs, run.grads if not forward else run.acts)
+        cuda = any(d.type == "cuda" for d in self.devices)
+        run.execute(self._workers_pool(), BACKWARD, inline=self._inline() or cuda)
 
-    def _workers(self) -> WorkerPool:
+    # -- running: the whole schedule in one call ------------------------------------------------
+    def step(self, input: Value, target: Any, loss_fn: LossFn) -> Tensor:
+        """Forward and backward of one mini-batch in the schedule's order; returns the loss.
+
+        The last stage applies ``loss_fn(output, target)`` to each micro-batch as soon as its
+        forward is done, so its backward can start at once: under ``"1f1b"`` stage ``j`` holds
+        at most ``K - j`` micro-batches, and the zero-bubble schedules fill idle time with
+        deferred weight gradients. Gradients accumulate into ``.grad`` as with
+        ``loss_fn(model(input), target).backward()`` for a loss that averages over the batch
+        (each micro-batch's loss is weighted by its share of the rows).
+
+        Args:
+            input: the mini-batch (a tensor or a tuple of tensors, batch on dimension 0).
+            target: what ``loss_fn`` compares with; split like the input (tensors with the
+                batch on dimension 0) or passed whole to every micro-batch.
+            loss_fn: ``loss_fn(output, target) -> scalar tensor``, e.g. ``F.cross_entropy``.
+
+        Example:
+            >>> loss = pipe.step(x, y, nn.functional.mse_loss)
+            >>> opt.step(); opt.zero_grad()
+        """
+        try:
+            return self._step(input, target, loss_fn)
+        except BaseException:
+            reset_all(list(self))
+            raise
+
+    def _step(self, input: Value, target: Any, loss_fn: LossFn) -> Tensor:
+        if not callable(loss_fn):
+            raise TypeError(
+                f"loss_fn must be callable, but got {type(loss_fn).__name__}; pass e.g. "
+                "torch.nn.functional.cross_entropy"
+            )
+        input = check_value(input, what="input")
+        microbatches = scatter(input, self.chunks)
+        rows = [tensors(x)[0].shape[0] for x in microbatches]
+        targets = _split_target(target, rows, self.devices[-1])
+        head = _loss_head(loss_fn, targets)
+        params = [p for s in self._stages for p in s.trainable()]
+        run = self._run(microbatches, grad=True, input=input, head=head)
+        self._tune_heap()
+        weights = [r / sum(rows) for r in rows]
+        loss = _StepFunction.apply(
+            self, run, weights, len(tensors(input)), *tensors(input), *params
+        )
+        loss.backward()
+        return loss.detach()
+
+    def _step_all(self, run: Run, weights: list[float]) -> Tensor:
+        run.seed_losses(weights)
+        cuda = any(d.type == "cuda" for d in self.devices)
+        run.execute(self._workers_pool(), EVERY, inline=self._inline() or cuda)
+        if run.training:
+            commit_all(list(self))
+        losses = [torch.as_tensor(v).reshape(()) for v in run.outputs()]
+        return sum(w * v.float() for w, v in zip(weights, losses))  # type: ignore[return-value]
+
+    # -- workers ------------------------------------------------------------------------------
+    def _inline(self) -> bool:
+        return len(self._workers_devices) == 1
+
+    def _tune_heap(self) -> None:
+        if any(d.type == "cpu" for d in self.devices):
+            cpu_malloc.tune()  # gradient buffers of every micro-batch: see pipepar.local.cpu_malloc
+
+    def _workers_pool(self) -> WorkerPool:
         if self._pool is None:
-            self._pool = WorkerPool(self.devices, threads=self.threads)
+            self._pool = WorkerPool(self._workers_devices, threads=self.threads)
         return self._pool
 
     def close(self) -> None:
@@ -200,33 +287,68 @@ class Pipe(nn.Module):
         return state
 
 
-def _bind(action: Any, j: int, i: int, run: Run) -> Any:
-    def call() -> None:
-        _annotated(action, j, i, run)
-
-    return call
+_BUILT_IN = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
 
 
-def _stage_job(action: Any, actions: list[tuple[int, int]], run: Run) -> Any:
-    def job() -> None:
-        for j, i in actions:
-            (run.acts if action == run.forward else run.grads).check()
-            _annotated(action, j, i, run)
-
-    return job
+@lru_cache(maxsize=64)
+def _cached(name: str, n_stages: int, m: int, n_workers: int) -> Schedule:
+    return make(name, n_stages, m, n_workers=n_workers)
 
 
-def _annotated(action: Any, j: int, i: int, run: Run) -> None:
-    try:
-        action(j, i)
-    except Exception as error:
-        if not getattr(error, "_pipepar_noted", False) and type(error).__name__ != "Aborted":
-            phase = "forward" if action == run.forward else "backward"
-            error.add_note(
-                f"pipepar: raised in {run.stages[j].describe()}, micro-batch {i}, {phase}"
+def _schedule_for(schedule: object, n_stages: int, chunks: int, n_workers: int) -> Schedule:
+    if not isinstance(schedule, (str, Schedule)):
+        raise TypeError(
+            f"schedule must be a name or a pipepar Schedule, but got {type(schedule).__name__}; "
+            "pass e.g. schedule='1f1b'"
+        )
+    if isinstance(schedule, str) and schedule in _BUILT_IN:
+        return _cached(schedule, n_stages, 1, n_workers)
+    return make(schedule, n_stages, chunks, n_workers=n_workers)
+
+
+def _n_workers(schedule: object, balance: Sequence[int], devices: DeviceSpec) -> int:
+    """Devices the stages run on: one per stage, or for virtual-stage schedules the devices
+    given (default: two stages per device)."""
+    if isinstance(schedule, Schedule):
+        return schedule.n_workers
+    if schedule not in VIRTUAL:
+        return len(balance)
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        return devices
+    if isinstance(devices, Sequence) and not isinstance(devices, str):
+        return len(devices)
+    return max(1, len(balance) // 2)
+
+
+def _stage_module(stage: Any) -> nn.Module:
+    module = getattr(stage, "module", None)
+    return module if isinstance(module, nn.Module) else nn.Sequential(*stage.layers)
+
+
+def _split_target(target: Any, rows: list[int], device: torch.device) -> list[Any]:
+    total = sum(rows)
+    if isinstance(target, Tensor) and target.dim() > 0 and target.shape[0] == total:
+        return list(target.to(device, non_blocking=device.type == "cuda").split(rows))
+    if isinstance(target, Tensor) and target.dim() > 0:
+        raise ValueError(
+            f"target has {target.shape[0]} rows but the input has {total}; pass one target row "
+            "per input row"
+        )
+    return [target] * len(rows)
+
+
+def _loss_head(loss_fn: LossFn, targets: list[Any]) -> Callable[[Value, int], Tensor]:
+    def head(output: Value, i: int) -> Tensor:
+        loss = loss_fn(output, targets[i])
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError(
+                f"loss_fn must return a scalar tensor, but returned {type(loss).__name__}"
+                f"{'' if not isinstance(loss, Tensor) else ' of shape ' + str(tuple(loss.shape))}"
+                "; reduce it, e.g. with reduction='mean'"
             )
-            error._pipepar_noted = True  # type: ignore[attr-defined]
-        raise
+        return loss.reshape(())
+
+    return head
 
 
 class _PipeFunction(torch.autograd.Function):
@@ -247,7 +369,25 @@ class _PipeFunction(torch.autograd.Function):
         if run is None:
             raise RuntimeError("pipepar: backward through a pipe output twice is not supported")
         pipe._backward(run, grads)
-        return (None, None, None, *run.input_grads(), *run.all_param_grads())
+        return (None, None, None, *run.input_grads(), *run.param_grads())
+
+
+class _StepFunction(torch.autograd.Function):
+    """The autograd node of :meth:`Pipe.step`: forward runs the whole schedule (F, B and W);
+    backward hands the gradients it found to autograd, scaled by the loss's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, pipe: Pipe, run: Run, weights: list[float], n: int, *args: Tensor) -> Any:
+        loss = pipe._step_all(run, weights)
+        ctx.grads = [*run.input_grads(), *run.param_grads()]
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        grads, ctx.grads = ctx.grads, None
+        scale = None if bool((grad == 1).all()) else grad
+        scaled = [g if g is None or scale is None else g * scale.to(g.device) for g in grads]
+        return (None, None, None, None, *scaled)
 
 
 def _unalias(t: Tensor, inputs: Sequence[Tensor]) -> Tensor:
@@ -263,9 +403,9 @@ def _moving_denied(call: str) -> ValueError:
 
 
 def _check_threads(threads: int | None, devices: list[torch.device], chunks: int) -> list[int]:
-    """Math threads per stage: ``threads``, or the cores shared among the CPU stages that
-    compute at once on average, ``K * M / (M + K - 1)`` under GPipe, rounded (K CPU stages, M
-    micro-batches): with ``chunks=1`` the stages take turns and each gets every core."""
+    """Math threads per worker: ``threads``, or the cores shared among the CPU workers that
+    compute at once on average, ``K * M / (M + K - 1)`` under GPipe, rounded (K CPU workers, M
+    micro-batches): with ``chunks=1`` the workers take turns and each gets every core."""
     if threads is not None and (
         not isinstance(threads, int) or isinstance(threads, bool) or threads < 1
     ):
@@ -288,10 +428,11 @@ def wrap(
     deferred_batch_norm: bool = False,
     sample: Value | None = None,
     capacity: Any = None,
+    schedule: str | Schedule = "gpipe",
     threads: int | None = None,
     trace: bool = False,
 ) -> Pipe:
-    """Split ``module`` into pipeline stages (GPipe) and return the :class:`Pipe`.
+    """Split ``module`` into pipeline stages and return the :class:`Pipe`.
 
     Takes the same arguments as ``torchgpipe.GPipe``. With ``balance=None`` the model is
     profiled on ``sample`` and split by :func:`pipepar.plan` to fit ``capacity``.
@@ -307,6 +448,10 @@ def wrap(
         capacity: bytes per device for planning (int, ``"16GiB"``, or one per device).
         threads: math threads per CPU stage; default: ``torch.get_num_threads()`` shared among
             the CPU stages that compute at once on average (``round(K*M/(M+K-1))``).
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"zb-h1"``, ``"interleaved-1f1b"``, ``"zb-v"`` or a
+            :class:`~pipepar.core.schedule.Schedule`. The last two place several stages on
+            each device: ``balance`` then lists 2 (or more) stages per device. Their memory
+            bound and bubble apply to :meth:`Pipe.step`; ``pipe(x)`` runs all forwards first.
         trace: record a timeline of every action in ``pipe.tracer``.
 
     Example:
@@ -323,6 +468,7 @@ def wrap(
         chunks=chunks,
         checkpoint=checkpoint,
         deferred_batch_norm=deferred_batch_norm,
+        schedule=schedule,
         threads=threads,
         trace=trace,
     )

@@ -37,6 +37,7 @@ __all__ = [
 COLORS = {
     "forward": "#4C78A8",
     "backward": "#F58518",
+    "weight": "#54A24B",
     "recompute": "#B279A2",
     "wait": "#BDBDBD",
     "transfer": "#E4B200",
@@ -114,7 +115,7 @@ def _layout(timeline: Timeline, width: int, title: str | None) -> _Chart:
         when = f"{e.start * 1e3:.3f} ms + {e.duration * 1e3:.3f} ms"
         hover = f"stage {e.stage} {e.label} {e.kind}: {when}"
         x0, x1 = x(e.start), max(x(e.end), x(e.start) + 0.5)
-        text = e.label if e.kind in ("forward", "backward", "recompute") else ""
+        text = e.label if e.kind in ("forward", "backward", "weight", "recompute") else ""
         fits = (x1 - x0) >= _text_width(text) + 4
         boxes.append(
             _Box(
@@ -142,11 +143,12 @@ def _layout(timeline: Timeline, width: int, title: str | None) -> _Chart:
 _BANDS = {
     "forward": (0.0, 1.0),
     "backward": (0.0, 1.0),
+    "weight": (0.0, 1.0),
     "recompute": (0.55, 1.0),
     "wait": (0.42, 0.58),
     "transfer": (0.3, 0.7),
 }
-_DRAW_ORDER = {"wait": 0, "transfer": 1, "forward": 2, "backward": 2, "recompute": 3}
+_DRAW_ORDER = {"wait": 0, "transfer": 1, "forward": 2, "backward": 2, "weight": 2, "recompute": 3}
 
 
 def _title(timeline: Timeline) -> str:
@@ -170,7 +172,7 @@ def _ticks(span: float, target: int = 8) -> list[float]:
 
 
 def _legend() -> list[tuple[str, str]]:
-    names = ["forward", "backward", "recompute", "wait", "transfer", "idle"]
+    names = ["forward", "backward", "weight", "recompute", "wait", "transfer", "idle"]
     return [(COLORS[n], "idle (bubble)" if n == "idle" else n) for n in names]
 
 

@@ -6,6 +6,7 @@ tracer (``pipepar.wrap(..., trace=True)``, or for one block with :func:`tracing`
 - ``"wait"``: the stage is blocked until its neighbour hands over the input (or gradient);
 - ``"transfer"``: the input is being moved to the stage's device;
 - ``"forward"`` / ``"backward"``: the stage computes micro-batch ``i``;
+- ``"weight"``: the parameter gradients a zero-bubble schedule deferred from the backward;
 - ``"recompute"``: a checkpointed forward re-run inside the backward (nested in it).
 
 Without a tracer the engine only skips a ``None`` check per action, so recording costs nothing
@@ -37,10 +38,11 @@ if TYPE_CHECKING:
 
 __all__ = ["COMPUTE", "KINDS", "Event", "Timeline", "Tracer", "tracing"]
 
-KINDS = ("wait", "transfer", "forward", "backward", "recompute")
+KINDS = ("wait", "transfer", "forward", "backward", "weight", "recompute")
 """Every kind of event the engine records."""
-COMPUTE = ("forward", "backward")
-"""The kinds that are scheduled actions; ``"recompute"`` happens inside a ``"backward"``."""
+COMPUTE = ("forward", "backward", "weight")
+"""The kinds that are scheduled actions (``"weight"``: a W deferred by a zero-bubble
+schedule); ``"recompute"`` happens inside a ``"backward"``."""
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,14 @@ class Event:
         return f"{_LETTERS.get(self.kind, self.kind[:1].upper())}{self.microbatch}"
 
 
-_LETTERS = {"forward": "F", "backward": "B", "recompute": "R", "wait": "W", "transfer": "T"}
+_LETTERS = {
+    "forward": "F",
+    "backward": "B",
+    "weight": "W",
+    "recompute": "R",
+    "wait": "w",
+    "transfer": "T",
+}
 
 
 class Tracer:

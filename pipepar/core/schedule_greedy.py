@@ -1,0 +1,140 @@
+"""Derive per-worker action orders by list scheduling on a simulated clock.
+
+Zero-bubble and virtual-stage schedules have no short closed form that fits every K, M and
+placement; like the zero-bubble paper's own scheduler, we build them by simulation. Each
+action takes a unit cost (F = 1, B = 1, W = 1, or 2 for a whole backward); whenever a worker is
+free it starts, among the actions whose inputs have arrived:
+
+1. a backward B (it unblocks the previous stage: the critical path), earliest micro-batch first;
+2. else a forward F if the worker holds fewer micro-batches than its bound (memory), the
+   deepest stage first (it reaches the backward sooner);
+3. else a deferred weight-gradient W (filling time that would be idle).
+
+The result is a plain order per worker; :mod:`pipepar.core.schedule` wraps it as a Schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["greedy_orders"]
+
+Op = tuple[int, str, int]  # (stage, kind, micro-batch)
+
+
+@dataclass
+class _Worker:
+    stages: list[int]
+    bound: int
+    clock: int = 0
+    held: int = 0
+    order: list[Op] = field(default_factory=list)
+    weights: list[Op] = field(default_factory=list)  # W's not yet run, oldest first
+
+
+@dataclass
+class _State:
+    placement: tuple[int, ...]
+    m: int
+    split: bool
+    finish: dict[Op, int] = field(default_factory=dict)
+    next_f: dict[int, int] = field(default_factory=dict)  # stage -> next micro-batch forward
+    next_b: dict[int, int] = field(default_factory=dict)  # stage -> next micro-batch backward
+
+    def ready(self, op: Op, t: int) -> bool:
+        return op in self.finish and self.finish[op] <= t
+
+
+def greedy_orders(
+    placement: tuple[int, ...], k: int, m: int, bound: tuple[int, ...], *, split: bool
+) -> list[list[Op]]:
+    """Per-worker orders of ``(stage, kind, micro-batch)`` for stages placed by ``placement``.
+
+    Args:
+        placement: the worker of each stage.
+        k: number of workers.
+        m: micro-batches.
+        bound: per worker, the most stage micro-batches held between F and last backward.
+        split: split every backward into B (input gradient) and a deferred W.
+
+    Example:
+        >>> first, last = greedy_orders((0, 1), 2, 2, (2, 1), split=False)
+        >>> first
+        [(0, 'F', 0), (0, 'F', 1), (0, 'B', 0), (0, 'B', 1)]
+        >>> last
+        [(1, 'F', 0), (1, 'B', 0), (1, 'F', 1), (1, 'B', 1)]
+    """
+    state = _State(placement, m, split)
+    workers = [
+        _Worker([s for s, w in enumerate(placement) if w == j], max(1, bound[j])) for j in range(k)
+    ]
+    total = sum(len(wk.stages) for wk in workers) * m * (3 if split else 2)
+    while sum(len(wk.order) for wk in workers) < total:
+        busy = [wk for wk in workers if _left(wk, m, split)]
+        t = min(wk.clock for wk in busy)
+        now = [wk for wk in busy if wk.clock == t]
+        picks = [(wk, _pick(wk, state)) for wk in now]
+        runnable = [(wk, op) for wk, op in picks if op is not None]
+        if not runnable:
+            later = _next_event(t, state, busy)
+            for wk in now:
+                wk.clock = later
+            continue
+        _run(*runnable[0], state)
+    return [wk.order for wk in workers]
+
+
+def _left(worker: _Worker, m: int, split: bool) -> bool:
+    return len(worker.order) < len(worker.stages) * m * (3 if split else 2)
+
+
+def _pick(worker: _Worker, state: _State) -> Op | None:
+    t, n = worker.clock, len(state.placement)
+    backs = []
+    for s in worker.stages:
+        i = state.next_b.get(s, 0)
+        if i < state.m and state.ready((s, "F", i), t):
+            dep = (s, "F", i) if s == n - 1 else (s + 1, "B", i)
+            if state.ready(dep, t):
+                backs.append((i, -s, (s, "B", i)))
+    if backs:
+        return min(backs)[2]
+    if worker.held < worker.bound:
+        fwds = []
+        for s in worker.stages:
+            i = state.next_f.get(s, 0)
+            if i < state.m and (s == 0 or state.ready((s - 1, "F", i), t)):
+                fwds.append((-s, i, (s, "F", i)))
+        if fwds:
+            return min(fwds)[2]
+    return worker.weights[0] if worker.weights else None
+
+
+def _run(worker: _Worker, op: Op, state: _State) -> None:
+    s, kind, i = op
+    cost = 2 if kind == "B" and not state.split else 1
+    worker.clock += cost
+    state.finish[op] = worker.clock
+    worker.order.append(op)
+    if kind == "F":
+        worker.held += 1
+        state.next_f[s] = i + 1
+    elif kind == "B":
+        state.next_b[s] = i + 1
+        if state.split:
+            worker.weights.append((s, "W", i))
+        else:
+            worker.held -= 1
+    else:
+        worker.weights.remove(op)
+        worker.held -= 1
+
+
+def _next_event(t: int, state: _State, busy: list[_Worker]) -> int:
+    later = [f for f in state.finish.values() if f > t] + [wk.clock for wk in busy if wk.clock > t]
+    if not later:
+        raise ValueError(
+            "the schedule cannot progress under its memory bound; raise the bound (micro-batches "
+            "in flight per worker)"
+        )
+    return min(later)

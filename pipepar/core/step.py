@@ -1,0 +1,264 @@
+"""One stage's work on the micro-batches of one mini-batch: F, B and W, the one implementation.
+
+Every runtime calls these and nothing else to compute: the threaded executor of one process
+(:mod:`pipepar.local.executor`), the rank executor (:mod:`pipepar.distributed.runtime`) and the
+planner's measuring tool. Who calls them, when, and how values travel between stages is the
+caller's business; a :class:`StageStep` only computes:
+
+* :meth:`StageStep.forward` ``F(i)``: run the stage on micro-batch ``i`` from a fresh leaf, so
+  the stage owns a small autograd graph per micro-batch; keep the graph, or only the input when
+  the micro-batch is checkpointed (recomputed in backward). Random operators draw from the
+  (stage, micro-batch) stream of :mod:`pipepar.core.randomness`, so a recompute replays them.
+* :meth:`StageStep.backward` ``B(i)``: the gradient of the stage input; the parameter gradients
+  too, unless the schedule runs them later in ``W(i)`` (:mod:`pipepar.core.split_backward`).
+* :meth:`StageStep.weight` ``W(i)``: the deferred parameter gradients.
+
+Parameter gradients are summed over micro-batches in buffers of the step (in place from the
+first one on when that is safe), and handed over by :meth:`StageStep.param_grads`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipepar.core.microbatch import Value, map_tensors, tensors
+from pipepar.core.randomness import Randomness
+from pipepar.core.recompute import recomputing, should_checkpoint
+from pipepar.core.split_backward import WeightWork, backward_input
+from pipepar.core.stage import Stage
+
+__all__ = ["Autocast", "Grads", "Recorder", "StageStep"]
+
+Grads = tuple[Tensor | None, ...]
+Recorder = Callable[[int, int, str, float, float], None]
+"""``record(stage, microbatch, kind, start, end)``: told about each computation (tracing)."""
+Head = Callable[[Value, int], Value]
+"""Applied to the last stage's output of micro-batch ``i`` inside its graph (e.g. the loss)."""
+
+
+@dataclass(frozen=True)
+class Autocast:
+    """The caller's autocast settings, re-entered on worker threads (they are thread-local)."""
+
+    states: tuple[tuple[str, torch.dtype], ...]
+
+    @classmethod
+    def capture(cls) -> Autocast:
+        kinds = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+        return cls(
+            tuple((k, torch.get_autocast_dtype(k)) for k in kinds if torch.is_autocast_enabled(k))
+        )
+
+    def __call__(self) -> contextlib.AbstractContextManager[Any]:
+        if not self.states:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        for kind, dtype in self.states:
+            stack.enter_context(torch.autocast(kind, dtype=dtype))
+        return stack
+
+
+@dataclass
+class _Record:
+    """What a stage keeps of one micro-batch's forward until its backward."""
+
+    input: Value
+    output: Value | None  # None when checkpointed: recomputed in backward
+
+
+class StageStep:
+    """Stage ``stage``'s F, B and W for the ``m`` micro-batches of one mini-batch.
+
+    Args:
+        stage: the stage (its layers and device).
+        m: micro-batches in the mini-batch.
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` (recompute in backward).
+        grad: whether a backward will follow (else forwards keep nothing).
+        input_grad: whether the stage input needs a gradient (False on the first stage unless
+            the caller's input requires grad).
+        streams: how random operators draw (:mod:`pipepar.core.randomness`); ``None`` draws
+            from the global generators with no replay (no recompute, or nothing random).
+        split: ``split(i)`` is True if micro-batch ``i``'s parameter gradients wait for W.
+        head: applied to the output inside the graph (the loss, on a last stage that owns it).
+        record: told about each computation, for timelines.
+
+    Example:
+        >>> stage = Stage(0, 0, [torch.nn.Linear(2, 2)], torch.device("cpu"))
+        >>> step = StageStep(stage, 1, checkpoint="never", grad=True, input_grad=True)
+        >>> y = step.forward(0, torch.ones(1, 2))
+        >>> dx = step.backward(0, (torch.ones(1, 2),))
+        >>> [g.shape for g in step.param_grads()]
+        [torch.Size([2, 2]), torch.Size([2])]
+    """
+
+    def __init__(
+        self,
+        stage: Stage,
+        m: int,
+        *,
+        checkpoint: str,
+        grad: bool,
+        input_grad: bool,
+        streams: Randomness | None = None,
+        split: Callable[[int], bool] | None = None,
+        head: Head | None = None,
+        record: Recorder | None = None,
+    ) -> None:
+        self.stage, self.m, self.checkpoint = stage, m, checkpoint
+        self.grad, self.input_grad, self.streams = grad, input_grad, streams
+        self.training = any(layer.training for layer in stage.layers)
+        self.autocast = Autocast.capture()
+        self.split = split or (lambda i: False)
+        self.head, self.record = head, record
+        self.params = stage.trainable()
+        self._index = {id(p): k for k, p in enumerate(self.params)}
+        self._sums: list[Tensor | None] = [None] * len(self.params)
+        self._owned = [False] * len(self.params)
+        self._records: dict[int, _Record] = {}
+        self._weights: dict[int, WeightWork] = {}
+
+    # -- F ------------------------------------------------------------------------------------
+    def forward(self, i: int, x: Value) -> Value:
+        """Run micro-batch ``i`` (already on the stage's device); return the detached output."""
+        start = time.perf_counter()
+        leaf = _leaf(x, self.input_grad) if self.grad else x
+        ckpt = self.grad and self.training and should_checkpoint(self.checkpoint, i, self.m)
+        with self._context(i), torch.set_grad_enabled(self.grad and not ckpt):
+            y = self._run(leaf, i)
+        if self.grad:
+            self._records[i] = _Record(leaf, None if ckpt else y)
+            y = map_tensors(y, Tensor.detach)
+        self._tell(i, "forward", start)
+        return y
+
+    def _run(self, x: Value, i: int) -> Value:
+        y = self.stage.run(self.stage.protect(x) if self.grad else x)
+        return self.head(y, i) if self.head is not None else y
+
+    def _context(self, i: int) -> contextlib.ExitStack:
+        stack = contextlib.ExitStack()
+        if self.streams is not None:
+            stack.enter_context(self.streams.drawing(self.stage.index, i))
+        if self.stage.device.type == "cuda":
+            stack.enter_context(torch.cuda.device(self.stage.device))
+        stack.enter_context(self.autocast())
+        return stack
+
+    def held(self) -> int:
+        """Micro-batches whose forward ran and whose last backward action has not."""
+        return len(self._records) + len(self._weights)
+
+    # -- B ------------------------------------------------------------------------------------
+    def backward(self, i: int, grads: Grads) -> Grads:
+        """Back-propagate micro-batch ``i`` from the gradients of its outputs (on the stage's
+        device, ``None`` for outputs without one); return the input gradients, aligned with the
+        input tensors (``None`` where an input needs none)."""
+        start = time.perf_counter()
+        rec = self._records.pop(i)
+        y = rec.output if rec.output is not None else self._recompute(rec, i)
+        pairs = [(t, g) for t, g in zip(tensors(y), grads) if t.requires_grad and g is not None]
+        inputs = [t for t in tensors(rec.input) if t.requires_grad]
+        grads_in: Sequence[Tensor | None] = [None] * len(inputs)
+        if pairs:
+            grads_in = self._backward(i, pairs, inputs)
+        it = iter(grads_in)
+        aligned = tuple(next(it) if t.requires_grad else None for t in tensors(rec.input))
+        self._tell(i, "backward", start)
+        return aligned
+
+    def _backward(
+        self, i: int, pairs: list[tuple[Tensor, Tensor]], inputs: list[Tensor]
+    ) -> Sequence[Tensor | None]:
+        outs, gouts = [t for t, _ in pairs], [g for _, g in pairs]
+        with self._device():
+            if self.split(i) and all(t.grad_fn is not None for t in outs):
+                grads_in, work = backward_input(outs, gouts, inputs, self.params)
+                if work is not None:
+                    self._weights[i] = work
+                    return grads_in
+            result = torch.autograd.grad(outs, [*inputs, *self.params], gouts, allow_unused=True)
+        grads_in = list(result[: len(inputs)])
+        shared = [*gouts, *(g for g in grads_in if g is not None)]
+        self._accumulate(list(zip(self.params, result[len(inputs) :])), shared)
+        return grads_in
+
+    def _recompute(self, rec: _Record, i: int) -> Value:
+        start = time.perf_counter()
+        with self._context(i), recomputing(self.stage.layers), torch.enable_grad():
+            y = self._run(rec.input, i)
+        self._tell(i, "recompute", start)
+        return y
+
+    # -- W ------------------------------------------------------------------------------------
+    def weight(self, i: int) -> None:
+        """Compute micro-batch ``i``'s deferred parameter gradients (no-op if B did them)."""
+        work = self._weights.pop(i, None)
+        if work is None:
+            return
+        start = time.perf_counter()
+        shared = [g for gs in work.grads.values() for g in gs if g is not None]
+        shared += [g for _, g in work.roots]
+        with self._device():
+            found = work.run()
+        self._accumulate(found, shared)
+        self._tell(i, "weight", start)
+
+    # -- gradient sums ------------------------------------------------------------------------
+    def param_grads(self) -> list[Tensor | None]:
+        """Per-parameter gradient sums over the micro-batches, in ``stage.trainable()`` order."""
+        return list(self._sums)
+
+    def _accumulate(
+        self, found: Sequence[tuple[Tensor, Tensor | None]], shared: list[Tensor]
+    ) -> None:
+        present = [g for _, g in found if g is not None]
+        uses = Counter(t.untyped_storage().data_ptr() for t in [*shared, *present])
+        for p, g in found:
+            if g is None:
+                continue
+            k = self._index[id(p)]
+            total = self._sums[k]
+            if total is None:
+                # A fresh, dense gradient whose storage nothing else in this backward uses is
+                # summed into in place later on (no new buffer per micro-batch); one that
+                # shares its storage is replaced by a new sum, never written to.
+                self._sums[k] = g
+                self._owned[k] = uses[g.untyped_storage().data_ptr()] == 1 and _whole(g)
+            elif self._owned[k]:
+                total.add_(g)
+            else:
+                self._sums[k], self._owned[k] = total + g, True
+
+    def _device(self) -> contextlib.AbstractContextManager[Any]:
+        device = self.stage.device
+        return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+    def _tell(self, i: int, kind: str, start: float) -> None:
+        if self.record is not None:
+            self.record(self.stage.index, i, kind, start, time.perf_counter())
+
+
+def _leaf(value: Value, requires_grad: bool) -> Value:
+    def detach(t: Tensor) -> Tensor:
+        d = t.detach()
+        return d.requires_grad_() if requires_grad and d.is_floating_point() else d
+
+    return map_tensors(value, detach)
+
+
+def _whole(g: Tensor) -> bool:
+    """True if ``g`` is dense, contiguous and spans its whole storage (a weight gradient is
+    often a transposed view of a fresh product that covers all of it)."""
+    return (
+        g.layout == torch.strided
+        and g.is_contiguous()
+        and g.untyped_storage().nbytes() == g.numel() * g.element_size()
+    )

@@ -1,0 +1,207 @@
+"""Run a schedule in one process: a worker thread per device walks its action list.
+
+The schedule (:mod:`pipepar.core.schedule`) says what each worker does and in which order; the
+step (:mod:`pipepar.core.step`) computes each action; this module only moves values. A worker
+takes an action's input from a :class:`~pipepar.local.worker.Slots` hand-off point (waiting for
+the neighbouring stage if it is not there yet), brings it to its device, calls the step, and
+hands the result on under the next stage's key:
+
+* ``F(s, i)`` takes ``(F, s, i)`` and puts ``(F, s+1, i)``;
+* ``B(s, i)`` takes ``(B, s, i)`` and puts ``(B, s-1, i)``;
+* ``W(s, i)`` needs nothing from elsewhere.
+
+:class:`Run` holds one mini-batch: the inputs of stage 0 are put before the workers start; the
+last stage's outputs (``(F, n, i)``) and the first stage's input gradients (``(B, -1, i)``)
+are what the pipe gives back.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipepar.core.errors import add_note
+from pipepar.core.microbatch import Value, tensors
+from pipepar.core.randomness import Recorded, Streams
+from pipepar.core.schedule import Action, Schedule, simulate
+from pipepar.core.stage import Stage
+from pipepar.core.step import Grads, Head, StageStep
+from pipepar.local.transfer import move
+from pipepar.local.worker import Aborted, Slots, WorkerPool, run_inline
+from pipepar.tracing.tracer import Tracer
+
+__all__ = ["Run"]
+
+Phase = Callable[[Action], bool]
+EVERY: Phase = lambda a: True  # noqa: E731
+FORWARD: Phase = lambda a: a.kind == "F"  # noqa: E731
+BACKWARD: Phase = lambda a: a.kind != "F"  # noqa: E731
+
+
+class Run:
+    """One mini-batch of a pipe: the steps of its stages and the hand-offs between them.
+
+    Args:
+        stages: the pipe's stages (stage ``s`` runs on worker ``schedule.placement[s]``).
+        schedule: what each worker runs.
+        microbatches: stage 0's inputs.
+        checkpoint: recompute mode.
+        grad: whether a backward follows.
+        input_requires_grad: whether the caller wants gradients of the inputs.
+        head: applied to the last stage's outputs inside its graph (``Pipe.step``'s loss).
+        tracer: where to record a timeline, if any.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        schedule: Schedule,
+        microbatches: list[Value],
+        *,
+        checkpoint: str,
+        grad: bool,
+        input_requires_grad: bool,
+        head: Head | None = None,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self.stages, self.schedule, self.m = list(stages), schedule, len(microbatches)
+        self.tracer = tracer
+        training = any(layer.training for s in stages for layer in s.layers)
+        # One worker runs in order: draw as the plain model does. Several race for the
+        # generator: a stream per (stage, micro-batch) keeps runs repeatable.
+        streams = Streams() if schedule.n_workers > 1 else Recorded()
+        record = tracer.record if tracer is not None else None
+        n = len(self.stages)
+        self.steps = [
+            StageStep(
+                stage,
+                self.m,
+                checkpoint=checkpoint,
+                grad=grad,
+                input_grad=stage.index > 0 or input_requires_grad,
+                streams=streams,
+                split=functools.partial(schedule.splits_backward, stage.index),
+                head=head if stage.index == n - 1 else None,
+                record=record,
+            )
+            for stage in self.stages
+        ]
+        self.training = training
+        self.slots = Slots()
+        for i, x in enumerate(microbatches):
+            self.slots.put(("F", 0, i), x)
+        self.out_sizes: list[int] = []
+
+    # -- running ------------------------------------------------------------------------------
+    def execute(self, pool: WorkerPool | None, phase: Phase, *, inline: bool = False) -> None:
+        """Run the schedule's actions that ``phase`` selects: on the workers of ``pool``, or
+        on the calling thread in an order that never waits (``pool=None`` or ``inline``)."""
+        if pool is None or inline:
+            order = [a for row in simulate(self.schedule) for a in row if a is not None]
+            run_inline([self._bound(a) for a in order if phase(a)])
+            return
+        jobs = [self._job([a for a in work if phase(a)]) for work in self.schedule.actions]
+        pool.run(jobs, self.slots)
+
+    def _job(self, work: list[Action]) -> Callable[[], None]:
+        def job() -> None:
+            for action in work:
+                self.slots.check()
+                self.act(action)
+
+        return job
+
+    def _bound(self, action: Action) -> Callable[[], None]:
+        return lambda: self.act(action)
+
+    def act(self, action: Action) -> None:
+        """Run one action; a failure is annotated with the stage, micro-batch and phase."""
+        try:
+            self._dispatch(action)
+        except Exception as error:
+            if not isinstance(error, Aborted) and not getattr(error, "_pipepar_noted", False):
+                phase = {"F": "forward", "B": "backward", "W": "weight gradients"}[action.kind]
+                where = self.stages[action.stage].describe()
+                add_note(
+                    error, f"pipepar: raised in {where}, micro-batch {action.microbatch}, {phase}"
+                )
+                error._pipepar_noted = True  # type: ignore[attr-defined]
+            raise
+
+    def _dispatch(self, action: Action) -> None:
+        s, i = action.stage, action.microbatch
+        step = self.steps[s]
+        if action.kind == "F":
+            x = self._receive("F", s, i)
+            self.slots.put(("F", s + 1, i), step.forward(i, x))  # type: ignore[arg-type]
+        elif action.kind == "B":
+            g = self._receive("B", s, i)
+            self.slots.put(("B", s - 1, i), step.backward(i, g))  # type: ignore[arg-type]
+        else:
+            step.weight(i)
+
+    def _receive(self, kind: str, s: int, i: int) -> object:
+        """Wait for stage ``s``'s input of micro-batch ``i`` and bring it to its device."""
+        device = self.stages[s].device
+        start = time.perf_counter()
+        value = self.slots.take((kind, s, i))
+        got = time.perf_counter()
+        self._trace(s, i, "wait", start, got)
+        if _off_device(value, device):
+            value = _to(value, device)
+            self._trace(s, i, "transfer", got, time.perf_counter())
+        return value
+
+    def _trace(self, s: int, i: int, kind: str, start: float, end: float) -> None:
+        if self.tracer is not None:
+            self.tracer.record(s, i, kind, start, end)
+
+    # -- what goes in and out -----------------------------------------------------------------
+    def outputs(self) -> list[Value]:
+        """The last stage's outputs, in micro-batch order (after the forward actions ran)."""
+        n = len(self.stages)
+        outs: list[Value] = [self.slots.take(("F", n, i)) for i in range(self.m)]  # type: ignore[misc]
+        self.out_sizes = [tensors(v)[0].shape[0] if tensors(v)[0].dim() else 1 for v in outs]
+        return outs
+
+    def seed_gradients(self, grads: Sequence[Tensor | None]) -> None:
+        """Split the gradient of the joined output into per-micro-batch gradients."""
+        parts = [g.split(self.out_sizes) if g is not None else [None] * self.m for g in grads]
+        for i in range(self.m):
+            self.slots.put(("B", len(self.stages) - 1, i), tuple(p[i] for p in parts))
+
+    def seed_losses(self, weights: Sequence[float]) -> None:
+        """Start the backward of micro-batch ``i`` from ``weights[i]`` (a loss head's scale)."""
+        last = self.stages[-1].device
+        for i, w in enumerate(weights):
+            self.slots.put(("B", len(self.stages) - 1, i), (torch.tensor(w, device=last),))
+
+    def input_grads(self) -> list[Tensor | None]:
+        """Gradients of the pipeline's input tensors (after all backward actions ran)."""
+        per_mb: list[Grads] = [self.slots.take(("B", -1, i)) for i in range(self.m)]  # type: ignore[misc]
+        columns = list(zip(*per_mb))
+        return [None if any(g is None for g in col) else torch.cat(col) for col in columns]  # type: ignore[arg-type]
+
+    def param_grads(self) -> list[Tensor | None]:
+        """Per-parameter gradient sums, stage by stage, in ``stage.trainable()`` order."""
+        return [g for step in self.steps for g in step.param_grads()]
+
+
+def _items(value: object) -> tuple[Any, ...]:
+    return (value,) if isinstance(value, Tensor) else value  # type: ignore[return-value]
+
+
+def _off_device(value: object, device: torch.device) -> bool:
+    return any(t is not None and t.device != device for t in _items(value))
+
+
+def _to(value: object, device: torch.device) -> object:
+    """Move a value (or a tuple of gradients, some None) to ``device``."""
+    if isinstance(value, Tensor):
+        return move(value, device)
+    return tuple(None if t is None else move(t, device) for t in _items(value))

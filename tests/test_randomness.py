@@ -1,0 +1,151 @@
+"""Random numbers drawn any way inside a layer are replayed by recompute, in every schedule."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import pipepar
+from pipepar.core.randomness import Recorded, Streams
+
+WIDTH = 16
+
+
+class _FunctionalDropout(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(x, 0.3, training=self.training)
+
+
+class _RandLikeMask(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (torch.rand_like(x) > 0.4)
+
+
+class _Bernoulli(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.bernoulli(torch.full_like(x, 0.7))
+
+
+class _AttentionDropout(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = x.view(x.shape[0], 2, 4, WIDTH // 8)  # batch, heads, tokens, head size
+        out = F.scaled_dot_product_attention(q, q, q, dropout_p=0.3 if self.training else 0.0)
+        return out.reshape(x.shape)
+
+
+DRAWS = [_FunctionalDropout, _RandLikeMask, _Bernoulli, _AttentionDropout]
+
+
+def _model(draw: type[nn.Module]) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(WIDTH, WIDTH), draw(), nn.Tanh(), nn.Linear(WIDTH, WIDTH), draw(),
+        nn.Linear(WIDTH, WIDTH),
+    )  # fmt: skip
+
+
+def _run(model: nn.Sequential, checkpoint: str, balance: list[int], schedule: str) -> list:
+    workers = len(balance) // 2 if schedule == "zb-v" else len(balance)
+    pipe = pipepar.wrap(
+        model, balance, devices=["cpu"] * workers, chunks=4, checkpoint=checkpoint,
+        schedule=schedule,
+    )  # fmt: skip
+    torch.manual_seed(7)
+    x = torch.randn(8, WIDTH, requires_grad=True)
+    out = pipe(x)
+    out.pow(2).sum().backward()
+    torch.manual_seed(7)
+    loss = pipe.step(x.detach(), torch.zeros(8, WIDTH), F.mse_loss)
+    return [out.detach(), x.grad, loss, *[p.grad.clone() for p in model.parameters()]]
+
+
+@pytest.mark.parametrize("draw", DRAWS, ids=lambda d: d.__name__.strip("_"))
+@pytest.mark.parametrize(
+    ("balance", "schedule"), [([3, 3], "1f1b"), ([6], "gpipe"), ([2, 1, 1, 2], "zb-v")]
+)
+def test_recompute_replays_every_kind_of_draw(
+    draw: type[nn.Module], balance: list[int], schedule: str
+) -> None:
+    expected = _run(_model(draw), "never", balance, schedule)
+    for checkpoint in ("always", "except_last"):
+        got = _run(_model(draw), checkpoint, balance, schedule)
+        for a, b in zip(got, expected):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_the_issue_repro_input_gradient_is_zero_where_dropout_dropped() -> None:
+    model = nn.Sequential(_FunctionalDropout(), _FunctionalDropout())
+    pipe = pipepar.wrap(model, [1, 1], devices=["cpu", "cpu"], chunks=8, checkpoint="always")
+    x = torch.randn(64, WIDTH, requires_grad=True)
+    out = pipe(x)
+    out.sum().backward()
+    assert x.grad is not None
+    assert bool(((out == 0) == (x.grad == 0)).all())
+
+
+@pytest.mark.parametrize("draw", DRAWS, ids=lambda d: d.__name__.strip("_"))
+def test_the_same_seed_gives_the_same_run(draw: type[nn.Module]) -> None:
+    first = _run(_model(draw), "except_last", [2, 2, 2], "zb-h1")
+    again = _run(_model(draw), "except_last", [2, 2, 2], "zb-h1")
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+def test_one_worker_draws_like_the_plain_model() -> None:
+    model = _model(_RandLikeMask)
+    plain = copy.deepcopy(model)
+    pipe = pipepar.wrap(model, [6], devices=["cpu"], chunks=2, checkpoint="always")
+    x = torch.randn(4, WIDTH)
+    torch.manual_seed(3)
+    got = pipe(x)
+    torch.manual_seed(3)
+    expected = torch.cat([plain(part) for part in x.chunk(2)])
+    assert torch.equal(got, expected)
+
+
+def test_eval_mode_and_p_zero_do_not_touch_the_generator() -> None:
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Dropout(0.0), nn.Linear(WIDTH, WIDTH))
+    pipe = pipepar.wrap(model, [2, 1], devices=["cpu", "cpu"], chunks=2)
+    x = torch.randn(4, WIDTH)
+    before = torch.get_rng_state()
+    pipe(x).sum().backward()
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_streams_hold_the_generator_only_for_one_operator() -> None:
+    streams = Streams(seed=5)
+    entered, release = threading.Event(), threading.Event()
+
+    class _Slow(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+            entered.set()
+            release.wait(5)
+            return x
+
+    def other() -> None:
+        with streams.drawing(0, 0):
+            _Slow.apply(torch.rand(2))  # a slow non-random op after a random one
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    assert entered.wait(5)
+    with streams.drawing(1, 0):  # does not wait for the other stream's slow op
+        torch.rand(2)
+    release.set()
+    thread.join()
+
+
+def test_recorded_replay_refuses_a_forward_that_draws_differently() -> None:
+    r = Recorded()
+    with r.drawing(0, 0):
+        torch.rand(2)
+    match = "drew random numbers the first forward did not"
+    with pytest.raises(RuntimeError, match=match), r.drawing(0, 0):
+        torch.rand(2)
+        torch.rand(2)
