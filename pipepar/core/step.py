@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,10 +184,12 @@ class StageStep:
                 if work is not None:
                     self._weights[i] = work
                     return grads_in
-            result = torch.autograd.grad(outs, [*inputs, *self.params], gouts, allow_unused=True)
-        grads_in = list(result[: len(inputs)])
-        shared = [*gouts, *(g for g in grads_in if g is not None)]
-        self._accumulate(list(zip(self.params, result[len(inputs) :])), shared)
+            with self._summing(gouts) as fresh:
+                result = torch.autograd.grad(
+                    outs, [*inputs, *self.params], gouts, allow_unused=True
+                )
+            grads_in = list(result[: len(inputs)])
+            self._disown(fresh, [g for g in grads_in if g is not None])
         return grads_in
 
     def _recompute(self, rec: _Record, i: int) -> Value:
@@ -206,9 +208,9 @@ class StageStep:
         start = time.perf_counter()
         shared = [g for gs in work.grads.values() for g in gs if g is not None]
         shared += [g for _, g in work.roots]
-        with self._device():
-            found = work.run()
-        self._accumulate(found, shared)
+        with self._device(), self._summing(shared) as fresh:
+            work.run()
+        self._disown(fresh, [])
         self._tell(i, "weight", start)
 
     # -- gradient sums ------------------------------------------------------------------------
@@ -216,26 +218,52 @@ class StageStep:
         """Per-parameter gradient sums over the micro-batches, in ``stage.trainable()`` order."""
         return list(self._sums)
 
-    def _accumulate(
-        self, found: Sequence[tuple[Tensor, Tensor | None]], shared: list[Tensor]
-    ) -> None:
-        present = [g for _, g in found if g is not None]
-        uses = Counter(t.untyped_storage().data_ptr() for t in [*shared, *present])
-        for p, g in found:
-            if g is None:
-                continue
-            k = self._index[id(p)]
+    def release(self) -> None:
+        """Forget the sums and anything kept of the mini-batch (its owner holds them now; a
+        sum referenced once can become ``.grad`` without a copy)."""
+        self._sums = [None] * len(self.params)
+        self._records.clear()
+        self._weights.clear()
+
+    @contextlib.contextmanager
+    def _summing(self, shared: Sequence[Tensor]) -> Iterator[list[int]]:
+        """Add each parameter gradient into its sum as soon as autograd computes it, while it
+        is still in cache (hooks on the parameters, removed afterwards). Yields the indices of
+        the sums that took a gradient of this pass as their buffer."""
+        keep = {t.untyped_storage().data_ptr() for t in shared}
+        fresh: list[int] = []
+        handles = [p.register_hook(self._adder(k, keep, fresh)) for k, p in enumerate(self.params)]
+        try:
+            yield fresh
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _adder(self, k: int, keep: set[int], fresh: list[int]) -> Callable[[Tensor], None]:
+        def add(g: Tensor) -> None:
             total = self._sums[k]
             if total is None:
-                # A fresh, dense gradient whose storage nothing else in this backward uses is
-                # summed into in place later on (no new buffer per micro-batch); one that
-                # shares its storage is replaced by a new sum, never written to.
+                # A fresh, dense gradient that nothing else of this pass uses is summed into in
+                # place later on (no new buffer per micro-batch); one that shares its storage
+                # is replaced by a new sum, never written to.
                 self._sums[k] = g
-                self._owned[k] = uses[g.untyped_storage().data_ptr()] == 1 and _whole(g)
+                self._owned[k] = g.untyped_storage().data_ptr() not in keep and _whole(g)
+                fresh.append(k)
             elif self._owned[k]:
                 total.add_(g)
             else:
                 self._sums[k], self._owned[k] = total + g, True
+
+        return add
+
+    def _disown(self, fresh: list[int], others: Sequence[Tensor]) -> None:
+        """Never write into a new sum whose storage another gradient of the pass shares (two
+        parameters' gradients as views of one tensor, or a parameter's and an input's)."""
+        ptrs = Counter(self._sums[k].untyped_storage().data_ptr() for k in fresh)  # type: ignore[union-attr]
+        ptrs.update(t.untyped_storage().data_ptr() for t in others)
+        for k in fresh:
+            if ptrs[self._sums[k].untyped_storage().data_ptr()] > 1:  # type: ignore[union-attr]
+                self._owned[k] = False
 
     def _device(self) -> contextlib.AbstractContextManager[Any]:
         device = self.stage.device

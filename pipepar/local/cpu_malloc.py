@@ -9,7 +9,9 @@ in one process the stage threads also queue on the process's memory-map lock: on
 machine this cost ~10% of a K=2, M=8 step (``benchmarks/RESULTS.md``, "Analysis").
 
 :func:`tune` fixes glibc's thresholds at the ceiling its own adaptive rule would reach (blocks up
-to 32 MiB come from the arenas, an arena keeps up to 64 MiB free at its top), once per process.
+to 32 MiB come from the arenas, an arena keeps up to 64 MiB free at its top) and grows the heap
+64 MiB at a time (a pipeline's activations in flight otherwise grow and trim it every step),
+once per process.
 A pipe calls it before the first training step its engine runs with a CPU stage (a one-stage
 pipe that runs plain autograd, with nothing to recompute or trace, does not). It does nothing
 when:
@@ -30,13 +32,15 @@ import logging
 import os
 import threading
 
-__all__ = ["MMAP_THRESHOLD", "TRIM_THRESHOLD", "tune"]
+__all__ = ["MMAP_THRESHOLD", "TOP_PAD", "TRIM_THRESHOLD", "tune"]
 
 _log = logging.getLogger(__name__)
 
 MMAP_THRESHOLD = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 TRIM_THRESHOLD = 2 * MMAP_THRESHOLD  # what glibc sets when it raises the threshold itself
+TOP_PAD = 2 * MMAP_THRESHOLD  # extra heap taken on each growth, so it is not grown page by page
 _M_TRIM_THRESHOLD = -1  # from <malloc.h>
+_M_TOP_PAD = -2
 _M_MMAP_THRESHOLD = -3
 _USER_SETTINGS = (
     "MALLOC_MMAP_THRESHOLD_",
@@ -93,8 +97,10 @@ def _apply() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # mmap first: setting either value turns glibc's adaptive rule off.
-    applied = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    applied = (
+        bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD))
+        and bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+        and bool(mallopt(_M_TOP_PAD, TOP_PAD))
     )
     if applied:
         _log.info(

@@ -27,7 +27,7 @@ from torch import Tensor
 
 from pipepar.core.errors import add_note
 from pipepar.core.microbatch import Value, tensors
-from pipepar.core.randomness import Recorded, Streams
+from pipepar.core.randomness import Randomness, Recorded, Streams
 from pipepar.core.schedule import Action, Schedule, simulate
 from pipepar.core.stage import Stage
 from pipepar.core.step import Grads, Head, StageStep
@@ -72,9 +72,13 @@ class Run:
         self.stages, self.schedule, self.m = list(stages), schedule, len(microbatches)
         self.tracer = tracer
         training = any(layer.training for s in stages for layer in s.layers)
-        # One worker runs in order: draw as the plain model does. Several race for the
-        # generator: a stream per (stage, micro-batch) keeps runs repeatable.
-        streams = Streams() if schedule.n_workers > 1 else Recorded()
+        # Several workers race for the generator: a stream per (stage, micro-batch) keeps runs
+        # repeatable. One worker draws in order, as the plain model does; it only needs to
+        # remember its draws if it will recompute.
+        recompute = grad and training and checkpoint != "never"
+        streams: Randomness | None = (
+            Streams() if schedule.n_workers > 1 else Recorded() if recompute else None
+        )
         record = tracer.record if tracer is not None else None
         n = len(self.stages)
         self.steps = [
@@ -187,9 +191,13 @@ class Run:
         columns = list(zip(*per_mb))
         return [None if any(g is None for g in col) else torch.cat(col) for col in columns]  # type: ignore[arg-type]
 
-    def param_grads(self) -> list[Tensor | None]:
-        """Per-parameter gradient sums, stage by stage, in ``stage.trainable()`` order."""
-        return [g for step in self.steps for g in step.param_grads()]
+    def take_param_grads(self) -> list[Tensor | None]:
+        """Per-parameter gradient sums, stage by stage, in ``stage.trainable()`` order; the
+        steps forget them (so they can become ``.grad`` without a copy)."""
+        grads = [g for step in self.steps for g in step.param_grads()]
+        for step in self.steps:
+            step.release()
+        return grads
 
 
 def _items(value: object) -> tuple[Any, ...]:

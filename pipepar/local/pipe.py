@@ -369,7 +369,7 @@ class _PipeFunction(torch.autograd.Function):
         if run is None:
             raise RuntimeError("pipepar: backward through a pipe output twice is not supported")
         pipe._backward(run, grads)
-        return (None, None, None, *run.input_grads(), *run.param_grads())
+        return (None, None, None, *run.input_grads(), *run.take_param_grads())
 
 
 class _StepFunction(torch.autograd.Function):
@@ -379,7 +379,7 @@ class _StepFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, pipe: Pipe, run: Run, weights: list[float], n: int, *args: Tensor) -> Any:
         loss = pipe._step_all(run, weights)
-        ctx.grads = [*run.input_grads(), *run.param_grads()]
+        ctx.grads = [*run.input_grads(), *run.take_param_grads()]
         return loss.detach()
 
     @staticmethod
