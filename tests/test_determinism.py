@@ -14,16 +14,15 @@ What is bit-exact and what is not (measured on CPU, float32):
   after a few Adam steps). A layer's weight gradient is a sum over the batch rows; the plain
   model's matmul sums all rows at once, the pipe sums M partial sums of micro-batches. Float
   addition is not associative, so the last bits differ.
-* Dropout (any ``nn.Dropout*``/``RReLU``): when random layers sit in ONE stage, that stage
-  draws from the global generator in micro-batch order, exactly like the plain model run on
-  each micro-batch in turn (``tests/test_checkpoint.py``). When they sit in SEVERAL stages,
-  those would race for the generator on their worker threads, so each (stage, micro-batch)
-  forward draws from a stream of its own, seeded by one number drawn from the global
-  generator per training mini-batch. Runs with the same seed, balance and chunks are then
-  bit-identical; other balances or chunk counts draw other masks (a different, equally valid
-  random run), and so does the plain model. A layer drawing random numbers by other means (a
-  custom ``torch.rand`` call) is not recognized as random: its numbers depend on thread timing
-  and are not replayed by checkpointing.
+* Random layers (``nn.Dropout``, ``F.dropout``, ``torch.rand_like`` masks, anything that draws
+  from torch's generators): with ONE worker (one stage, or all stages on the caller's thread),
+  the stages draw from the global generator in micro-batch order, exactly like the plain model
+  run on each micro-batch in turn. With SEVERAL workers, they would race for the generator on
+  their threads, so each (stage, micro-batch) forward draws from a stream of its own, seeded by
+  one number drawn from the global generator per mini-batch that draws anything. Runs with
+  the same seed, balance and chunks are then bit-identical; other balances or chunk counts
+  draw other masks (a different, equally valid random run), and so does the plain model.
+  Recompute replays every draw (``tests/test_randomness.py``).
 """
 
 from __future__ import annotations

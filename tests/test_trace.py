@@ -165,3 +165,17 @@ def test_summary_names_every_stage() -> None:
 def test_event_labels() -> None:
     labels = [Event(1, 3, kind, 0.0, 1.0).label for kind in KINDS]
     assert labels == ["w3", "T3", "F3", "B3", "W3", "R3"]
+
+
+def test_by_worker_puts_virtual_stages_on_their_device_lane() -> None:
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    pipe = pipepar.wrap(model, [1, 1, 1, 1], devices=["cpu", "cpu"], chunks=2, schedule="zb-v")
+    with tracing(pipe) as tracer:
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4), nn.functional.mse_loss)
+    per_stage = tracer.timeline()
+    per_worker = per_stage.by_worker(pipe.schedule.placement)
+    assert per_stage.n_stages == 4 and per_worker.n_stages == 2
+    assert len(per_worker) == len(per_stage)
+    assert sorted(e.label for e in per_worker.of_stage(0)) == sorted(
+        e.label for s in (0, 3) for e in per_stage.of_stage(s)
+    )

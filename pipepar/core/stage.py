@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -10,7 +9,6 @@ import torch
 from torch import nn
 
 from pipepar.core.microbatch import Value, check_value, map_tensors
-from pipepar.core.recompute import RNG_LOCK, uses_randomness
 
 __all__ = ["Stage", "split_stages"]
 
@@ -24,18 +22,15 @@ class Stage:
         start: index in the model of the stage's first layer.
         layers: the stage's layers, the same module objects as in the model.
         device: where the layers' parameters live and where the stage computes.
-        stochastic: whether a layer draws random numbers (see :mod:`pipepar.checkpoint`).
     """
 
     index: int
     start: int
     layers: list[nn.Module]
     device: torch.device
-    stochastic: bool = field(init=False)
     in_place_first: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.stochastic = uses_randomness(self.layers)
         self.in_place_first = _starts_in_place(self.layers[0])
 
     @property
@@ -68,10 +63,6 @@ class Stage:
         such as ``nn.ReLU(inplace=True)`` would overwrite it; autograd refuses that on a leaf.
         """
         return map_tensors(value, torch.Tensor.clone) if self.in_place_first else value
-
-    def rng_guard(self) -> contextlib.AbstractContextManager[object]:
-        """Hold the process-wide RNG lock if this stage draws random numbers."""
-        return RNG_LOCK if self.stochastic else contextlib.nullcontext()
 
     def describe(self) -> str:
         """E.g. ``stage 1 (layers 3..5 on cpu)``."""

@@ -263,6 +263,19 @@ class Timeline:
             groups[max(0, bisect.bisect_right(firsts, anchor) - 1)].append(event)
         return [Timeline(_absolute(g, self.origin)) for g in groups if g]
 
+    def by_worker(self, placement: Sequence[int]) -> Timeline:
+        """The same events with one lane per worker (device or rank) instead of per stage:
+        ``placement[s]`` is the worker of stage ``s`` (``pipe.schedule.placement``). Useful for
+        virtual-stage schedules, where a worker runs several stages.
+
+        Example:
+            >>> tl = pipe.tracer.timeline().by_worker(pipe.schedule.placement)
+        """
+        moved = [
+            Event(placement[e.stage], e.microbatch, e.kind, e.start, e.end) for e in self.events
+        ]
+        return Timeline(moved, origin=0.0)
+
     def actions(self, stage: int) -> list[str]:
         """The scheduled actions of one stage in the order they ran, e.g. ``["F0", "F1", "B1"]``."""
         return [e.label for e in self.events if e.stage == stage and e.kind in COMPUTE]
