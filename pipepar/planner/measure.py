@@ -1,11 +1,11 @@
 """Measure a stage's real peak memory over one training step, to check a plan against reality.
 
-:func:`measure_stage` runs one stage's actions for one mini-batch the way the engine does
-(``pipepar.engine``): per micro-batch a forward that keeps the input and, unless checkpointed,
-the output; per micro-batch a backward (recomputing checkpointed ones) with
-``torch.autograd.grad`` whose parameter gradients are summed across micro-batches; then the
-gradients go to ``.grad`` and the optimizer steps. The order is GPipe's (all forwards, then the
-backwards last to first) or 1F1B's (warm-up forwards, alternating, cool-down backwards).
+:func:`measure_stage` runs one stage's actions for one mini-batch with the pipeline's own step
+(:class:`pipepar.core.step.StageStep`), in the order the schedule gives that stage
+(:func:`pipepar.core.schedule.make`): forwards that keep the input and, unless checkpointed, the
+graph; backwards (recomputing checkpointed micro-batches, or only the input gradient when the
+schedule defers W); weight gradients summed across micro-batches; then the gradients go to
+``.grad`` and the optimizer steps.
 
 The peak is read from the allocator, independently of the profiler's bookkeeping: on CUDA with
 ``torch.cuda.max_memory_allocated``, on CPU by replaying the allocation events that
@@ -18,12 +18,15 @@ The peak is read from the allocator, independently of the profiler's bookkeeping
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 from torch import nn
 
+from pipepar.core.schedule import VIRTUAL, Action, Schedule, make
+from pipepar.core.stage import Stage
+from pipepar.core.step import StageStep
 from pipepar.planner.allocator_log import AllocatorLog
 from pipepar.planner.optimizer_state import resolve_optimizer
 
@@ -37,13 +40,14 @@ def stage_order(schedule: str, chunks: int, stages: int, j: int) -> list[tuple[s
         >>> stage_order("1f1b", 3, 2, 0)
         [('F', 0), ('F', 1), ('B', 0), ('F', 2), ('B', 1), ('B', 2)]
     """
-    if schedule == "gpipe":
-        return [("F", i) for i in range(chunks)] + [("B", i) for i in reversed(range(chunks))]
-    warmup = min(stages - j - 1, chunks)
-    order = [("F", i) for i in range(warmup)]
-    for i in range(chunks - warmup):
-        order += [("F", warmup + i), ("B", i)]
-    return order + [("B", i) for i in range(chunks - warmup, chunks)]
+    return [(a.kind, a.microbatch) for a in _schedule(schedule, stages, chunks).stage(j)]
+
+
+def _schedule(schedule: str | Schedule, stages: int, chunks: int) -> Schedule:
+    if isinstance(schedule, Schedule):
+        return schedule
+    workers = stages // 2 if schedule in VIRTUAL else stages
+    return make(schedule, stages, chunks, n_workers=max(1, workers))
 
 
 def measure_stage(
@@ -53,7 +57,7 @@ def measure_stage(
     chunks: int = 1,
     optimizer: object = "adam",
     checkpoint: str = "never",
-    schedule: str = "gpipe",
+    schedule: str | Schedule = "gpipe",
     stage: int = 0,
     stages: int = 1,
 ) -> int:
@@ -66,7 +70,7 @@ def measure_stage(
         chunks: micro-batches M.
         optimizer: as for :func:`pipepar.profile`.
         checkpoint: "always", "except_last" or "never".
-        schedule: "gpipe" or "1f1b".
+        schedule: a schedule name (see :data:`pipepar.core.schedule.NAMES`) or a Schedule.
         stage: the stage's index j (the 1F1B warm-up depends on it).
         stages: the number of stages K.
 
@@ -85,16 +89,10 @@ def measure_stage(
     opt = spec.cls(params, **spec.kwargs) if spec.cls is not None and params else None
     batch = batch.to(device)
 
+    plan = _schedule(schedule, stages, chunks)
+
     def step() -> None:
-        _train_step(
-            layers,
-            batch,
-            opt,
-            chunks,
-            checkpoint,
-            stage_order(schedule, chunks, stages, stage),
-            stage,
-        )
+        _train_step(layers, batch, opt, checkpoint, plan, Stage(stage, 0, list(layers), device))
 
     step()  # warm-up: creates the optimizer state, as in any step after the first
     resident = _storage_bytes(list(layers.parameters()) + list(layers.buffers()))
@@ -115,7 +113,7 @@ def measure_split(
     chunks: int = 1,
     optimizer: object = "adam",
     checkpoint: str = "never",
-    schedule: str = "gpipe",
+    schedule: str | Schedule = "gpipe",
 ) -> list[int]:
     """:func:`measure_stage` for every stage of ``model`` split by ``balance``.
 
@@ -151,72 +149,52 @@ def _train_step(
     layers: nn.Sequential,
     batch: torch.Tensor,
     opt: torch.optim.Optimizer | None,
-    chunks: int,
     checkpoint: str,
-    order: list[tuple[str, int]],
-    stage: int,
+    schedule: Schedule,
+    stage: Stage,
 ) -> None:
-    params = [p for p in layers.parameters() if p.requires_grad]
-    sizes = [len(c) for c in batch.chunk(chunks)]
-    records: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-    sums: list[torch.Tensor | None] = [None] * len(params)
-    owned = [False] * len(params)
-    for action, i in order:
-        if action == "F":
-            records[i] = _forward(layers, batch, sizes, i, stage, checkpoint, chunks)
-        else:
-            x, y = records.pop(i)
-            if y is None:
-                with torch.enable_grad():
-                    y = layers(x)  # recompute the checkpointed micro-batch
-            grad_out = torch.ones_like(y)  # arrives from the next stage
-            inputs = [x] if x.requires_grad else []
-            grads = torch.autograd.grad([y], [*inputs, *params], [grad_out], allow_unused=True)
-            _accumulate(sums, owned, grads[len(inputs) :])
-            del x, y, grad_out, inputs, grads  # the engine drops them when backward returns
-    for p, g in zip(params, sums):
+    m = schedule.n_microbatches
+    step = StageStep(
+        stage,
+        m,
+        checkpoint=checkpoint,
+        grad=True,
+        input_grad=stage.index > 0,
+        split=functools.partial(schedule.splits_backward, stage.index),
+    )
+    sizes = [len(c) for c in batch.chunk(m)]
+    shapes: dict[int, torch.Size] = {}
+    for action in schedule.stage(stage.index):
+        _act(step, action, batch, sizes, shapes)
+    for p, g in zip(step.params, step.param_grads()):
         p.grad = g
-    del sums
+    step.release()
     if opt is not None:
         opt.step()
         opt.zero_grad(set_to_none=True)
-    for p in params:
+    for p in step.params:
         p.grad = None
 
 
-def _forward(
-    layers: nn.Sequential,
+def _act(
+    step: StageStep,
+    action: Action,
     batch: torch.Tensor,
     sizes: list[int],
-    i: int,
-    stage: int,
-    checkpoint: str,
-    chunks: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if stage == 0:
-        x = batch.narrow(0, sum(sizes[:i]), sizes[i])  # a view of the resident batch
+    shapes: dict[int, torch.Size],
+) -> None:
+    i = action.microbatch
+    if action.kind == "F":
+        if step.stage.index == 0:
+            x = batch.narrow(0, sum(sizes[:i]), sizes[i])  # a view of the resident batch
+        else:  # a fresh tensor, as received from the previous stage
+            x = torch.randn((sizes[i], *batch.shape[1:]), dtype=batch.dtype, device=batch.device)
+        shapes[i] = step.forward(i, x).shape  # type: ignore[union-attr]
+    elif action.kind == "B":
+        grad = torch.ones(shapes.pop(i), dtype=batch.dtype, device=batch.device)  # from j+1
+        step.backward(i, (grad,))
     else:
-        shape = (sizes[i], *batch.shape[1:])
-        x = torch.randn(shape, dtype=batch.dtype, device=batch.device, requires_grad=True)
-    skip = checkpoint == "always" or (checkpoint == "except_last" and i < chunks - 1)
-    with torch.set_grad_enabled(not skip):
-        y = layers(x)
-    return x, (None if skip else y)
-
-
-def _accumulate(sums: list[Any], owned: list[bool], grads: tuple[Any, ...]) -> None:
-    # The engine's sum at its most expensive: alias the first gradient, add out of place once,
-    # then in place (the engine adds in place from the start when a gradient owns its storage,
-    # so this and the planner's model, which follows it, are upper bounds).
-    for k, g in enumerate(grads):
-        if g is None:
-            continue
-        if sums[k] is None:
-            sums[k] = g
-        elif owned[k]:
-            sums[k].add_(g)
-        else:
-            sums[k], owned[k] = sums[k] + g, True
+        step.weight(i)
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:

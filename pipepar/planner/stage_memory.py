@@ -16,9 +16,8 @@ two layers counts once; one that crosses a stage boundary counts on both devices
   forwards follow backwards);
 - first backward: in-flight activations (one micro-batch recomputed, if checkpointed) + ``G``
   + the largest backward temporary;
-- second backward: as the first, plus the engine's gradient sum: each backward returns a new
-  ``G`` that is added to the running sum (at most once out of place, so one parameter's worth
-  more; the engine sums in place from the start when a gradient owns its storage);
+- second backward: as the first, plus the engine's gradient sum: each backward makes a new
+  ``G``, added in place to the running sum as it is made, alive until the backward returns;
 - optimizer step: ``G`` + the step's temporaries (per tensor on CPU, all at once with the
   ``foreach`` kernels torch picks on CUDA).
 
@@ -135,7 +134,6 @@ class MemoryModel:
         self._o = _prefix([x.optimizer_bytes for x in layers])
         self._step_multi = _prefix([x.optimizer_step_foreach_bytes for x in layers])
         self._step_loop = _RangeMax([x.optimizer_step_bytes for x in layers])
-        self._g_max = _RangeMax([x.grads_bytes for x in layers])
         self._fwd = _RangeMax([x.forward_peak_bytes for x in layers])
         self._out = [x.output_bytes for x in layers]
         self._build_storages(prof, n)
@@ -216,7 +214,7 @@ class MemoryModel:
         backward = backward_act + bwd
         if self.chunks > 1:
             summed = backward_act - full + ckpt + round(self._out[b] * self.scale)
-            backward = max(backward + grads, summed + 2 * grads + self._g_max(a, b))
+            backward = max(backward + grads, summed + 2 * grads)
         phases = {
             "forward": forward_act + fwd + steady,
             "backward": backward,
