@@ -128,11 +128,13 @@ def _subgroup(size: int) -> dist.ProcessGroup | None:
 
 
 # -- cases (run on every rank) ------------------------------------------------------------------
-def case_matches_plain(rank: int, pp: int, dp: int, schedule: str, checkpoint: str) -> dict:
+def case_matches_plain(
+    rank: int, pp: int, dp: int, schedule: str, checkpoint: str, balance: list[int] | None = None
+) -> dict:
     group = _subgroup(pp * dp)
     pipe = ppd.wrap(
         tiny_model(),
-        BALANCE[pp],
+        balance or BALANCE[pp],
         chunks=CHUNKS,
         schedule=schedule,
         dp=dp,
@@ -158,7 +160,13 @@ def case_matches_plain(rank: int, pp: int, dp: int, schedule: str, checkpoint: s
     keys = sorted(pipe.state_dict())
     overlap = (pipe._sync.posted_early, len(pipe._sync.buckets))
     pipe.close()
-    return {"errors": errors, "keys": keys, "stage": pipe.stage_index, "overlap": overlap}
+    return {
+        "errors": errors,
+        "keys": keys,
+        "stage": pipe.stage_index,
+        "stages": pipe.stages,
+        "overlap": overlap,
+    }
 
 
 def case_state_dict(rank: int) -> dict:
@@ -388,6 +396,42 @@ def test_training_matches_one_plain_process(
         start = sum(BALANCE[pp][:j])
         local = {k for k in plain if int(k.split(".")[0]) in range(start, start + BALANCE[pp][j])}
         assert all(set(r["keys"]) == local for r in results if r["stage"] == j)
+
+
+SCHEDULE_GRIDS = [  # (balance, dp, schedule, checkpoint): 2 ranks per pipeline
+    ([3, 5], 2, "zb-h1", "never"),
+    ([3, 5], 2, "zb-h1", "always"),
+    ([2, 2, 2, 2], 2, "zb-v", "never"),
+    ([2, 2, 2, 2], 1, "zb-v", "except_last"),
+    ([2, 2, 2, 2], 2, "interleaved-1f1b", "always"),
+    ([1, 3, 2, 2], 1, "interleaved-1f1b", "never"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("balance", "dp", "schedule", "checkpoint"), SCHEDULE_GRIDS)
+def test_every_schedule_across_ranks_matches_one_plain_process(
+    pool: Pool, balance: list[int], dp: int, schedule: str, checkpoint: str
+) -> None:
+    results = pool.run(case_matches_plain, 2, dp, schedule, checkpoint, balance)
+    plain = tiny_model().state_dict()
+    for r in results[: 2 * dp]:
+        assert r["errors"]["loss"] < TOL, r
+        assert r["errors"]["grad"] < TOL, r
+        assert r["errors"]["param"] < TOL, r
+        if dp > 1:
+            assert r["overlap"][0] > 0, r  # some buckets went out before the step ended
+    virtual = len(balance) > 2
+    for r in results[:2]:  # replica 0: each rank holds its stages' layers, nothing else
+        assert r["stages"] == (
+            [r["stage"], 3 - r["stage"]]
+            if schedule == "zb-v"
+            else [r["stage"], r["stage"] + 2]
+            if virtual
+            else [r["stage"]]
+        )
+        layers = {i for s in r["stages"] for i in range(sum(balance[:s]), sum(balance[: s + 1]))}
+        assert set(r["keys"]) == {k for k in plain if int(k.split(".")[0]) in layers}
 
 
 @pytest.mark.slow

@@ -8,12 +8,12 @@ from __future__ import annotations
 from torch import nn
 
 from pipepar.core import validation
-from pipepar.core.schedule import Schedule, gpipe, one_f_one_b, validate
+from pipepar.core.schedule import NAMES, VIRTUAL, Schedule, make
 
-__all__ = ["SCHEDULES", "check_model", "check_schedule", "check_timeout"]
+__all__ = ["SCHEDULES", "check_model", "check_schedule", "check_timeout", "n_workers"]
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b}
-"""The schedules ``wrap`` accepts by name."""
+SCHEDULES = NAMES
+"""The schedules ``wrap`` accepts by name (the same as ``pipepar.wrap``)."""
 
 
 def check_model(model: object, balance: object) -> tuple[nn.Sequential, list[int]]:
@@ -35,29 +35,35 @@ def check_model(model: object, balance: object) -> tuple[nn.Sequential, list[int
     return model, checked
 
 
+def n_workers(schedule: object, n_stages: int) -> int:
+    """Ranks per pipeline: one per stage, or one per 2 stages for the virtual-stage schedules.
+
+    Example:
+        >>> n_workers("zb-v", 4), n_workers("1f1b", 4)
+        (2, 4)
+    """
+    if isinstance(schedule, Schedule):
+        return schedule.n_workers
+    return max(1, n_stages // 2) if schedule in VIRTUAL else n_stages
+
+
 def check_schedule(schedule: str | Schedule, n_stages: int, chunks: int) -> Schedule:
     """The schedule named by ``schedule`` (or ``schedule`` itself, validated) for the grid.
 
     Example:
         >>> check_schedule("1f1b", 2, 4).name
         '1f1b'
+        >>> check_schedule("zb-v", 4, 4).n_workers
+        2
     """
-    if isinstance(schedule, Schedule):
-        if (schedule.n_stages, schedule.n_microbatches) != (n_stages, chunks):
-            raise ValueError(
-                f"schedule is for {schedule.n_stages} stages x {schedule.n_microbatches} "
-                f"micro-batches but balance has {n_stages} stages and chunks={chunks}; build it "
-                f"for ({n_stages}, {chunks})"
-            )
-        validate(schedule)
-        _check_orders(schedule)
-        return schedule
-    if schedule not in SCHEDULES:
-        raise ValueError(
-            f"schedule must be one of {sorted(SCHEDULES)} or a Schedule, but got {schedule!r}; "
-            "'1f1b' holds fewer activations"
+    if not isinstance(schedule, (str, Schedule)):
+        raise TypeError(
+            f"schedule must be a name or a pipepar Schedule, but got {type(schedule).__name__}; "
+            "pass e.g. schedule='1f1b'"
         )
-    return SCHEDULES[schedule](n_stages, chunks)
+    built = make(schedule, n_stages, chunks, n_workers=n_workers(schedule, n_stages))
+    _check_orders(built)
+    return built
 
 
 def _check_orders(schedule: Schedule) -> None:

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from pipepar.core import validation
 from pipepar.core.schedule import Schedule
+from pipepar.core.stage import Stage
 from pipepar.distributed import handshake
 from pipepar.distributed.arguments import SCHEDULES, check_model, check_schedule, check_timeout
 from pipepar.distributed.failure import FailureBoard, PipelineError, comm, guarded, wait
@@ -96,14 +97,16 @@ class DistributedPipe(nn.Module):
         )
         self.device = _resolve_device(device, group)
         self.mesh: Mesh = build_mesh(
-            len(self.balance), self.dp, group=group, timeout=timedelta(seconds=self.timeout)
+            self.schedule.n_workers, self.dp, group=group, timeout=timedelta(seconds=self.timeout)
         )
-        stage = build_stage(
-            model, self.balance, self.mesh.stage, device=self.device, state_dict=state_dict
-        )
-        for name, layer in stage.named_children():
-            self.add_module(name, layer)
-        self._assemble(stage)
+        stages = []
+        for s in self.stages:
+            part = build_stage(model, self.balance, s, device=self.device, state_dict=state_dict)
+            for name, layer in part.named_children():
+                self.add_module(name, layer)
+            start = sum(self.balance[:s])
+            stages.append(Stage(s, start, list(part.children()), self.device))
+        self._assemble(stages)
         if state_dict is None:  # replicas start from the same weights, like DDP
             self._guard(lambda: broadcast_from_first(self._tensors(), self.mesh))
 
@@ -125,30 +128,36 @@ class DistributedPipe(nn.Module):
         self.schedule = check_schedule(schedule, len(self.balance), self.chunks)
         self.timeout = check_timeout(timeout)
         _ensure_process_group()
-        self.dp = check_grid(dist.get_world_size(group), len(self.balance), dp)
+        self.dp = check_grid(dist.get_world_size(group), self.schedule.n_workers, dp)
         return model
 
-    def _assemble(self, stage: nn.Sequential) -> None:
-        """Wire the local stage to its transport, gradient sync, runtime and failure board."""
+    def _assemble(self, stages: list[Stage]) -> None:
+        """Wire the local stages to their transport, gradient sync, runtime and failure board."""
         self._failure = "closed by close()"
         self._board = FailureBoard(_default_store(), _board_prefix(self.mesh), self.mesh.where)
-        window = self.schedule.in_flight(self.mesh.stage)
+        window = self.schedule.worker_in_flight(self.mesh.stage)
         self._transport = Transport(self.mesh, self.device, send_window=window)
-        self._sync = GradientSync(stage, self.mesh)
+        self._sync = GradientSync(self, self.mesh)
         self._runtime = Runtime(
-            stage,
+            stages,
             self.mesh,
             self._transport,
             self.schedule,
             self.checkpoint,
-            before_last_backward=self._sync.arm,
+            on_final=self._sync.ready,
         )
 
     # -- grid position ------------------------------------------------------------------------
     @property
     def stage_index(self) -> int:
-        """Index of this rank's stage in the pipeline."""
+        """This rank's position in the pipeline (its stage, or its first stage for the
+        virtual-stage schedules, which give a rank several: see :attr:`stages`)."""
         return self.mesh.stage
+
+    @property
+    def stages(self) -> list[int]:
+        """The stages this rank runs (one, or several for virtual-stage schedules)."""
+        return self.schedule.stages_of(self.mesh.stage)
 
     @property
     def dp_rank(self) -> int:
@@ -157,7 +166,7 @@ class DistributedPipe(nn.Module):
 
     @property
     def pp(self) -> int:
-        """Number of stages."""
+        """Number of ranks per pipeline (stages, or stages / 2 for virtual-stage schedules)."""
         return self.mesh.pp
 
     # -- training -----------------------------------------------------------------------------
@@ -191,6 +200,7 @@ class DistributedPipe(nn.Module):
     def _step(self, x: Tensor | None, target: Tensor | None, loss_fn: LossFn) -> float:
         first = self.mesh.stage == 0
         same_inputs = check_replica_inputs(x, self.mesh, self.device) if first else None
+        self._sync.arm()
         loss_sum = self._runtime.run(x, target, loss_fn)
         if same_inputs is not None:  # before the averaged gradients are written back
             same_inputs()
@@ -297,10 +307,13 @@ def wrap(
 
     Args:
         model: an ``nn.Sequential``, real or on the meta device.
-        balance: layers per stage; its length is the number of stages (pp).
+        balance: layers per stage; its length is the number of stages.
         chunks: micro-batches per mini-batch (M).
-        schedule: ``"gpipe"``, ``"1f1b"`` or a :class:`~pipepar.schedule.Schedule`.
-        dp: data-parallel replicas; the group must have ``len(balance) * dp`` ranks.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"zb-h1"``, ``"interleaved-1f1b"``, ``"zb-v"`` or a
+            :class:`~pipepar.core.schedule.Schedule`; for the last two, ``balance`` lists two
+            stages per rank (``len(balance) // 2`` ranks per pipeline).
+        dp: data-parallel replicas; the group must have ``pp * dp`` ranks (pp: ranks per
+            pipeline).
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` (recompute, non-reentrant).
         device: this rank's device; default ``cuda:LOCAL_RANK`` on NCCL, else CPU.
         group: parent process group (default: the world); initialized from torchrun's

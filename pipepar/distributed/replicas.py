@@ -107,16 +107,20 @@ def _collective(
 
 
 class GradientSync:
-    """Average a stage's gradients over its dp replicas, overlapped with the last backward.
+    """Average a stage's gradients over its dp replicas, overlapped with the backward.
+
+    The runtime calls :meth:`ready` with a stage's parameters once their gradients of the
+    mini-batch are final; a bucket is all-reduced as soon as all its parameters are ready (in
+    bucket order, the same on every replica), while the rank's other actions still run.
 
     Args:
-        module: the local stage (its layers are bucketed last to first).
+        module: the rank's layers (bucketed last to first).
         mesh: this rank's grid position; nothing happens without a dp group.
         bucket_bytes: gradients per all-reduce, at least one layer's.
 
     Example:
         >>> sync = GradientSync(stage, mesh)  # doctest: +SKIP
-        >>> sync.arm(); last_backward(); sync.finish()  # doctest: +SKIP
+        >>> sync.arm(); sync.ready(params); sync.finish()  # doctest: +SKIP
     """
 
     def __init__(self, module: nn.Module, mesh: Mesh, *, bucket_bytes: int = 4 << 20) -> None:
@@ -127,17 +131,25 @@ class GradientSync:
         self._posted: list[tuple[dist.Work | None, Tensor, list[Tensor]]] = []
         self._armed = False
         self.posted_early = 0
-        """Buckets of the last mini-batch posted while its last backward was still running."""
-        for bucket in self.buckets:
-            for p in bucket:
-                p.register_post_accumulate_grad_hook(self._on_grad)
+        """Buckets of the last mini-batch posted before :meth:`finish` (while actions ran)."""
 
     def arm(self) -> None:
-        """The next backward is the stage's last of the mini-batch: post buckets as they fill."""
+        """A mini-batch starts: post each bucket once all its gradients are ready."""
         self._missing = [len(bucket) for bucket in self.buckets]
         self._posted = []
         self._armed = True
         self.posted_early = 0
+
+    def ready(self, params: Iterable[Tensor]) -> None:
+        """These parameters' gradients are final for the mini-batch."""
+        if not self._armed:
+            return
+        for p in params:
+            k = self._bucket_of.get(id(p))
+            if k is not None:
+                self._missing[k] -= 1
+        while len(self._posted) < len(self.buckets) and self._missing[len(self._posted)] == 0:
+            self._post(len(self._posted))
 
     def finish(self, extra: Tensor | None = None) -> None:
         """Post the buckets left, average ``extra`` too, wait and write the means back."""
@@ -162,13 +174,6 @@ class GradientSync:
         keep the dp group's connections open)."""
         self._armed = False
         self._posted = []
-
-    def _on_grad(self, p: Tensor) -> None:
-        if not self._armed:
-            return
-        self._missing[self._bucket_of[id(p)]] -= 1
-        while len(self._posted) < len(self.buckets) and self._missing[len(self._posted)] == 0:
-            self._post(len(self._posted))
 
     def _post(self, k: int) -> None:
         self._post_tensors([p.grad for p in self.buckets[k] if p.grad is not None])

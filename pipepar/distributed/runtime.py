@@ -1,14 +1,19 @@
-"""Execute this rank's list of schedule actions for one mini-batch.
+"""The rank executor: run this rank's list of schedule actions for one mini-batch.
 
-Scheduling (what to run) comes from :mod:`pipepar.schedule`, transport (how bytes move) from
-:mod:`pipepar.distributed.transport`; this module only walks the local actions in order:
+Scheduling (what to run) comes from :mod:`pipepar.core.schedule`, computing each action from
+:mod:`pipepar.core.step` (the same step the threads of one process use), transport (how bytes
+move) from :mod:`pipepar.distributed.transport`. This module only walks the rank's actions in
+order and moves values:
 
-* ``F(i)``: take micro-batch ``i``'s input (a chunk of ``x`` on stage 0, else the activation
-  received from stage j-1), run the stage, hand the output to stage j+1 (or compute the loss
-  on the last stage).
-* ``B(i)``: take the gradient of the output (from stage j+1, or the scaled loss on the last
-  stage), back-propagate through the stage on this thread, hand the input gradient to j-1.
+* ``F(s, i)``: take stage ``s``'s input of micro-batch ``i`` (a chunk of ``x`` on stage 0, the
+  output of stage ``s-1`` handed over on this rank, or received from its rank), run the step,
+  and hand the output to stage ``s+1`` (on the last stage, the step's head is the loss).
+* ``B(s, i)``: take the gradient of the output (``1/M`` for the loss on the last stage), run the
+  step, hand the input gradient to stage ``s-1``.
+* ``W(s, i)``: the deferred parameter gradients.
 
+Once a stage's last backward action of the mini-batch is done, its parameter gradients are
+final: they go to ``.grad`` and to the replicas' all-reduce while the other actions still run.
 Receives are posted one action ahead (while ``F(i)`` computes, ``F(i+1)``'s activation can
 arrive), once the shapes of the mini-batch are known from an earlier one with the same input
 signature.
@@ -16,209 +21,246 @@ signature.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
+from torch import Tensor
 
-from pipepar.core.recompute import recomputing, should_checkpoint
-from pipepar.core.schedule import Schedule
+from pipepar.core.microbatch import tensors
+from pipepar.core.randomness import Recorded
+from pipepar.core.schedule import Action, Schedule
+from pipepar.core.stage import Stage
+from pipepar.core.step import StageStep
 from pipepar.distributed.mesh import Mesh
 from pipepar.distributed.transport import Incoming, TensorMeta, Transport
 
 __all__ = ["LossFn", "Runtime"]
 
 LossFn = Callable[[Any, Tensor], Tensor]
+Metas = tuple[TensorMeta, ...]
 
 
 @dataclass
 class _Shapes:
-    """Per micro-batch metadata of the stage's inputs and outputs for one input signature."""
+    """Per (stage, micro-batch) metadata of received inputs and of outputs, for one signature."""
 
-    inputs: list[tuple[TensorMeta, ...]]
-    outputs: list[tuple[TensorMeta, ...]]
+    inputs: dict[tuple[int, int], Metas] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], Metas] = field(default_factory=dict)
 
 
 @dataclass
-class _Step:
+class _Batch:
     """Everything one mini-batch holds while it runs."""
 
-    m: int
     shapes: _Shapes | None  # None on the first mini-batch of a signature
+    seen: _Shapes
+    steps: dict[int, StageStep]
     chunks: Sequence[Tensor] = ()
-    targets: Sequence[Tensor] = ()
-    inputs: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
-    outputs: dict[int, tuple[Tensor, ...]] = field(default_factory=dict)
-    losses: dict[int, Tensor] = field(default_factory=dict)
-    in_metas: dict[int, tuple[TensorMeta, ...]] = field(default_factory=dict)
-    out_metas: dict[int, tuple[TensorMeta, ...]] = field(default_factory=dict)
-    posted_act: dict[int, Incoming] = field(default_factory=dict)
-    posted_grad: dict[int, Incoming] = field(default_factory=dict)
+    local: dict[tuple[str, int, int], Any] = field(default_factory=dict)
+    posted: dict[tuple[str, int, int], Incoming] = field(default_factory=dict)
     loss_sum: Tensor | None = None
 
 
 class Runtime:
-    """Runs the local stage's part of a :class:`~pipepar.schedule.Schedule`.
+    """Runs this rank's part of a :class:`~pipepar.core.schedule.Schedule`.
 
     Args:
-        module: the local stage.
+        stages: this rank's stages (``schedule.stages_of(mesh.stage)``), on its device.
         mesh: this rank's grid position.
         transport: its sends and receives.
-        schedule: the whole pipeline's schedule; this rank runs ``schedule.stage(mesh.stage)``.
+        schedule: the whole pipeline's schedule.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
-        before_last_backward: called right before the stage's last backward of a mini-batch
-            (after it, every gradient is final), e.g. to start averaging gradients.
+        on_final: called with a stage's parameters once their gradients for the mini-batch
+            are in ``.grad`` (e.g. to start averaging them over the replicas).
     """
 
     def __init__(
         self,
-        module: nn.Module,
+        stages: Sequence[Stage],
         mesh: Mesh,
         transport: Transport,
         schedule: Schedule,
         checkpoint: str,
         *,
-        before_last_backward: Callable[[], None] | None = None,
+        on_final: Callable[[list[torch.nn.Parameter]], None] | None = None,
     ) -> None:
-        self.module, self.mesh, self.transport = module, mesh, transport
-        self.before_last_backward = before_last_backward
-        self.m = schedule.n_microbatches
-        self.actions = schedule.stage(mesh.stage)
-        self.checkpoint = checkpoint
-        self.first, self.last = mesh.stage == 0, mesh.stage == mesh.pp - 1
-        self._fwd_order = [a.microbatch for a in self.actions if a.kind == "F"]
-        self._bwd_order = [a.microbatch for a in self.actions if a.kind == "B"]
-        self._fwd_pos = {i: k for k, i in enumerate(self._fwd_order)}
-        self._bwd_pos = {i: k for k, i in enumerate(self._bwd_order)}
+        self.stages = {s.index: s for s in stages}
+        self.mesh, self.transport, self.schedule = mesh, transport, schedule
+        self.checkpoint, self.on_final = checkpoint, on_final
+        self.m, self.last = schedule.n_microbatches, schedule.n_stages - 1
+        self.actions = schedule.worker(mesh.stage)
+        self._finals = _last_backward_positions(self.actions)
+        self._next = _next_of_kind(self.actions)
         self._shapes: dict[int, _Shapes] = {}
         self._signatures: dict[tuple[Any, ...], int] = {}
         self.doing: str | None = None
-        """What the stage runs now, e.g. ``"backward of micro-batch 2"``, for error reports."""
+        """What the rank runs now, e.g. ``"backward of micro-batch 2"``, for error reports."""
 
     def run(self, x: Tensor | None, target: Tensor | None, loss_fn: LossFn) -> Tensor | None:
         """Run one mini-batch; return the sum of the micro-batch losses on the last stage."""
         self.doing = None
-        signature = self.transport.exchange_header(self._signature(x) if self.first else None)
-        st = _Step(self.m, self._shapes.get(signature))
-        if self.first:
-            st.chunks = _split(x, self.m, "x")
-        if self.last:
-            st.targets = _split(target, self.m, "target")
-        self._prefetch(st, "F", 0)
-        self._prefetch(st, "B", 0)
-        last_b = self._bwd_order[-1]
-        for action in self.actions:
-            if action.kind == "F":
-                self.doing = f"forward of micro-batch {action.microbatch}"
-                self._forward(st, action.microbatch, loss_fn)
-                continue
-            if action.microbatch == last_b and self.before_last_backward is not None:
-                self.before_last_backward()
-            self.doing = f"backward of micro-batch {action.microbatch}"
-            self._backward(st, action.microbatch)
+        signature = self.transport.exchange_header(self._signature(x) if 0 in self.stages else None)
+        known = self._shapes.get(signature)
+        batch = _Batch(known, _Shapes(), self._steps(target, loss_fn))
+        if 0 in self.stages:
+            batch.chunks = _split(x, self.m, "x")
+        for k, action in enumerate(self.actions):
+            self.doing = _describe(action, several=len(self.stages) > 1)
+            self._act(batch, action)
+            if k in self._finals:
+                self._deliver(batch.steps[action.stage])
         self.doing = "last sends of the mini-batch"
         self.transport.flush()
         self.doing = None
-        if st.shapes is None:
-            self._remember(signature, st)
-        return st.loss_sum
+        if known is None:
+            self._shapes[signature] = batch.seen
+        return batch.loss_sum
 
-    # -- forward ------------------------------------------------------------------------------
-    def _forward(self, st: _Step, i: int, loss_fn: LossFn) -> None:
-        inputs = (st.chunks[i],) if self.first else self._receive_input(st, i)
-        output = self._run_stage(inputs, i)
-        outputs = (output,) if isinstance(output, Tensor) else tuple(output)
-        st.inputs[i], st.outputs[i] = inputs, outputs
-        st.out_metas[i] = tuple(TensorMeta.of(t) for t in outputs)
-        if self.last:
-            self.doing = f"loss_fn of micro-batch {i}"
-            loss = loss_fn(output, st.targets[i])
-            st.losses[i] = loss
-            detached = loss.detach()
-            st.loss_sum = detached if st.loss_sum is None else st.loss_sum + detached
+    def _steps(self, target: Tensor | None, loss_fn: LossFn) -> dict[int, StageStep]:
+        targets = _split(target, self.m, "target") if self.last in self.stages else []
+        randomness = Recorded()  # one thread runs this rank's stages, in schedule order
+
+        def loss(output: Any, i: int) -> Tensor:
+            doing, self.doing = self.doing, f"loss_fn of micro-batch {i}"
+            value = loss_fn(output, targets[i])
+            self.doing = doing
+            return value
+
+        return {
+            s: StageStep(
+                stage,
+                self.m,
+                checkpoint=self.checkpoint,
+                grad=True,
+                input_grad=s > 0,
+                streams=randomness,
+                split=functools.partial(self.schedule.splits_backward, s),
+                head=loss if s == self.last else None,
+            )
+            for s, stage in self.stages.items()
+        }
+
+    # -- one action -----------------------------------------------------------------------------
+    def _act(self, batch: _Batch, action: Action) -> None:
+        s, i = action.stage, action.microbatch
+        step = batch.steps[s]
+        if action.kind == "W":
+            step.weight(i)
+        elif action.kind == "F":
+            x = batch.chunks[i] if s == 0 else self._input(batch, s, i)
+            self._output(batch, s, i, step.forward(i, x))
         else:
-            if st.shapes is not None:
-                self._check_outputs(i, st.out_metas[i], st.shapes.outputs[i])
-            self.transport.send_activation(i, outputs, with_meta=st.shapes is None)
+            grads = self._grads(batch, s, i)
+            grads_in = step.backward(i, grads)
+            if s > 0:
+                self._send_back(batch, s, i, grads_in)
+            if s < self.last and self._rank_of(s + 1) != self.mesh.stage:
+                self.transport.release_activation(s + 1, i)
 
-    def _check_outputs(
-        self, i: int, metas: tuple[TensorMeta, ...], expected: tuple[TensorMeta, ...]
-    ) -> None:
-        """Refuse to send an output the next stage has no buffer for (gloo would abort on it)."""
-        if metas != expected:
-            raise ValueError(
-                f"stage {self.mesh.stage} output of micro-batch {i} is {_show(metas)} but was "
-                f"{_show(expected)} on an earlier mini-batch with the same input shape; the next "
-                "stage receives into buffers sized from that earlier mini-batch, so a stage's "
-                "output shapes and dtypes must depend only on its input's (pad variable-size "
-                "outputs to a fixed size)"
+    def _output(self, batch: _Batch, s: int, i: int, y: Any) -> None:
+        outputs = tensors(y)
+        batch.seen.outputs[(s, i)] = tuple(_meta(t) for t in outputs)
+        if s == self.last:
+            loss = outputs[0].detach()
+            batch.loss_sum = loss if batch.loss_sum is None else batch.loss_sum + loss
+        elif self._rank_of(s + 1) == self.mesh.stage:
+            batch.local[("F", s + 1, i)] = y
+        else:
+            if batch.shapes is not None:
+                self._check_outputs(s, i, batch.seen.outputs[(s, i)], batch.shapes.outputs[(s, i)])
+            metas = batch.seen.outputs[(s, i)] if batch.shapes is None else None
+            self.transport.send_activation(
+                i, outputs, dst=self._peer(s + 1), stage=s + 1, metas=metas
             )
 
-    def _receive_input(self, st: _Step, i: int) -> tuple[Tensor, ...]:
-        metas = st.shapes.inputs[i] if st.shapes else self.transport.recv_meta()
-        incoming = st.posted_act.pop(i, None) or self.transport.post_activation(i, metas)
-        self._prefetch(st, "F", self._fwd_pos[i] + 1)
-        buffers = self.transport.take(incoming)
-        st.in_metas[i] = metas
-        return tuple(b.requires_grad_(m.requires_grad) for b, m in zip(buffers, metas, strict=True))
-
-    def _run_stage(self, inputs: tuple[Tensor, ...], i: int) -> Any:
-        def run(*tensors: Tensor) -> Any:
-            return self.module(tensors[0] if len(tensors) == 1 else tensors)
-
-        if torch.is_grad_enabled() and should_checkpoint(self.checkpoint, i, self.m):
-            layers = list(self.module.children())
-            return checkpoint(
-                run,
-                *inputs,
-                use_reentrant=False,
-                context_fn=lambda: (contextlib.nullcontext(), recomputing(layers)),
-            )
-        return run(*inputs)
-
-    # -- backward -----------------------------------------------------------------------------
-    def _backward(self, st: _Step, i: int) -> None:
-        inputs, outputs = st.inputs.pop(i), st.outputs.pop(i)
-        if self.last:
-            (st.losses.pop(i) / self.m).backward()
+    def _input(self, batch: _Batch, s: int, i: int) -> Any:
+        if self._rank_of(s - 1) == self.mesh.stage:
+            return batch.local.pop(("F", s, i))
+        src = self._peer(s - 1)
+        if batch.shapes is not None:
+            metas = batch.shapes.inputs[(s, i)]
         else:
-            grads = self._receive_grad(st, i)
-            needing = [t for t in outputs if t.requires_grad]
-            if needing:
-                torch.autograd.backward(needing, list(grads))
-            self.transport.release_activation(i)
-        if not self.first:
-            grads_in = [_grad_or_zeros(t) for t in inputs if t.requires_grad]
-            self.transport.send_grad(i, grads_in)
+            metas = self.transport.recv_meta(src=src, stage=s)
+        incoming = batch.posted.pop(("F", s, i), None) or self.transport.post_activation(
+            i, metas, src=src, stage=s
+        )
+        self._prefetch(batch, "F", s, i)
+        batch.seen.inputs[(s, i)] = metas
+        received = self.transport.take(incoming)
+        return received[0] if len(received) == 1 else received
 
-    def _receive_grad(self, st: _Step, i: int) -> tuple[Tensor, ...]:
-        incoming = st.posted_grad.pop(i, None)
-        if incoming is None:
-            incoming = self.transport.post_grad(i, _grad_metas(st.out_metas[i]))
-        self._prefetch(st, "B", self._bwd_pos[i] + 1)
-        return self.transport.take(incoming)
+    def _grads(self, batch: _Batch, s: int, i: int) -> tuple[Tensor | None, ...]:
+        if s == self.last:
+            return (torch.tensor(1.0 / self.m, device=self.stages[s].device),)
+        if self._rank_of(s + 1) == self.mesh.stage:
+            return batch.local.pop(("B", s, i))
+        metas = batch.seen.outputs[(s, i)]
+        incoming = batch.posted.pop(("B", s, i), None) or self.transport.post_grad(
+            i, _grad_metas(metas), src=self._peer(s + 1), stage=s
+        )
+        self._prefetch(batch, "B", s, i)
+        it = iter(self.transport.take(incoming))
+        return tuple(next(it) if m.requires_grad else None for m in metas)
 
-    # -- early receives -----------------------------------------------------------------------
-    def _prefetch(self, st: _Step, kind: str, position: int) -> None:
-        """Post the receive of the ``position``-th F (or B) of this stage, if shapes are known."""
+    def _send_back(self, batch: _Batch, s: int, i: int, grads_in: Sequence[Tensor | None]) -> None:
+        if self._rank_of(s - 1) == self.mesh.stage:
+            batch.local[("B", s - 1, i)] = tuple(grads_in)
+            return
+        metas = batch.seen.inputs[(s, i)]
+        sent = [
+            g if g is not None else torch.zeros(m.shape, dtype=m.dtype, device=self._device(s))
+            for g, m in zip(grads_in, metas)
+            if m.requires_grad
+        ]
+        self.transport.send_grad(i, sent, dst=self._peer(s - 1), stage=s - 1)
+
+    def _deliver(self, step: StageStep) -> None:
+        """Add a stage's final gradient sums into ``.grad``; tell the replica sync."""
+        with torch.no_grad():
+            for p, g in zip(step.params, step.param_grads()):
+                if g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g if g.stride() == p.stride() else g.contiguous()
+                else:
+                    p.grad.add_(g)
+        step.release()
+        if self.on_final is not None:
+            self.on_final(step.params)
+
+    # -- early receives -------------------------------------------------------------------------
+    def _prefetch(self, batch: _Batch, kind: str, s: int, i: int) -> None:
+        """Post the receive of stage ``s``'s next ``kind`` action, if its shapes are known."""
+        nxt = self._next.get((kind, s, i))
+        if nxt is None or batch.shapes is None:
+            return
         if kind == "F":
-            if self.first or position >= len(self._fwd_order) or st.shapes is None:
-                return
-            i = self._fwd_order[position]
-            st.posted_act[i] = self.transport.post_activation(i, st.shapes.inputs[i])
+            metas = batch.shapes.inputs[(s, nxt)]
+            batch.posted[("F", s, nxt)] = self.transport.post_activation(
+                nxt, metas, src=self._peer(s - 1), stage=s
+            )
         else:
-            if self.last or position >= len(self._bwd_order):
-                return
-            i = self._bwd_order[position]
-            metas = st.out_metas.get(i) or (st.shapes.outputs[i] if st.shapes else None)
-            if metas is not None:
-                st.posted_grad[i] = self.transport.post_grad(i, _grad_metas(metas))
+            metas = batch.seen.outputs.get((s, nxt)) or batch.shapes.outputs[(s, nxt)]
+            batch.posted[("B", s, nxt)] = self.transport.post_grad(
+                nxt, _grad_metas(metas), src=self._peer(s + 1), stage=s
+            )
 
-    # -- signatures and shapes ----------------------------------------------------------------
+    # -- placement ------------------------------------------------------------------------------
+    def _rank_of(self, stage: int) -> int:
+        """Pipeline position (worker) of ``stage``."""
+        return self.schedule.placement[stage]
+
+    def _peer(self, stage: int) -> int:
+        """Global rank of the rank holding ``stage`` in this replica."""
+        return self.mesh.pipeline_ranks[self._rank_of(stage)]
+
+    def _device(self, stage: int) -> torch.device:
+        return self.stages[stage].device
+
+    # -- signatures and shapes ------------------------------------------------------------------
     def _signature(self, x: Tensor | None) -> int:
         if not isinstance(x, Tensor):
             raise TypeError(
@@ -228,9 +270,50 @@ class Runtime:
         key = (tuple(x.shape), x.dtype, x.device.type)
         return self._signatures.setdefault(key, len(self._signatures))
 
-    def _remember(self, signature: int, st: _Step) -> None:
-        inputs = [st.in_metas.get(i, ()) for i in range(self.m)]
-        self._shapes[signature] = _Shapes(inputs, [st.out_metas[i] for i in range(self.m)])
+    def _check_outputs(self, s: int, i: int, metas: Metas, expected: Metas) -> None:
+        """Refuse to send an output the next stage has no buffer for (gloo would abort on it)."""
+        if metas != expected:
+            raise ValueError(
+                f"stage {s} output of micro-batch {i} is {_show(metas)} but was "
+                f"{_show(expected)} on an earlier mini-batch with the same input shape; the next "
+                "stage receives into buffers sized from that earlier mini-batch, so a stage's "
+                "output shapes and dtypes must depend only on its input's (pad variable-size "
+                "outputs to a fixed size)"
+            )
+
+
+def _meta(t: Tensor) -> TensorMeta:
+    """What the receiver needs; floating-point outputs get a gradient back."""
+    return TensorMeta(tuple(t.shape), t.dtype, t.is_floating_point())
+
+
+def _describe(action: Action, *, several: bool) -> str:
+    phase = {"F": "forward", "B": "backward", "W": "weight gradients"}[action.kind]
+    where = f" of stage {action.stage}" if several else ""
+    return f"{phase} of micro-batch {action.microbatch}{where}"
+
+
+def _last_backward_positions(actions: Sequence[Action]) -> set[int]:
+    """Positions of each stage's last backward action (B or W) of the mini-batch."""
+    last: dict[int, int] = {}
+    for k, a in enumerate(actions):
+        if a.kind != "F":
+            last[a.stage] = k
+    return set(last.values())
+
+
+def _next_of_kind(actions: Sequence[Action]) -> dict[tuple[str, int, int], int]:
+    """For (kind, stage, micro-batch), the micro-batch of that stage's next action of the kind."""
+    following: dict[tuple[str, int, int], int] = {}
+    previous: dict[tuple[str, int], int] = {}
+    for a in actions:
+        if a.kind == "W":
+            continue
+        key = (a.kind, a.stage)
+        if key in previous:
+            following[(a.kind, a.stage, previous[key])] = a.microbatch
+        previous[key] = a.microbatch
+    return following
 
 
 def _show(metas: Sequence[TensorMeta]) -> str:
@@ -243,10 +326,6 @@ def _show(metas: Sequence[TensorMeta]) -> str:
 
 def _grad_metas(metas: Sequence[TensorMeta]) -> list[TensorMeta]:
     return [m for m in metas if m.requires_grad]
-
-
-def _grad_or_zeros(t: Tensor) -> Tensor:
-    return t.grad if t.grad is not None else torch.zeros_like(t)
 
 
 def _split(value: Tensor | None, m: int, name: str) -> list[Tensor]:

@@ -5,8 +5,11 @@ so when the shapes of a mini-batch are new, each activation is preceded by a sma
 message (dtype, requires_grad, shape of every tensor); the runtime caches the shapes and later
 mini-batches with the same input signature post their receives early, before the data is sent.
 
-Messages between two ranks keep their order within a group and tag, and both sides walk the
-micro-batches in schedule order, so receives match sends without per-message bookkeeping.
+Every stage boundary has its own channels: activations for stage ``s`` travel on the ``fwd``
+group with a tag of their own, the gradients of stage ``s``'s output on the ``bwd`` group with
+another, so boundaries that share a pair of ranks (virtual stages) never mix. Messages keep
+their order within a group and tag, and both sides walk each stage's micro-batches in the
+schedule's order, so receives match sends without per-message bookkeeping.
 With ``PIPEPAR_DEBUG=1`` every send and receive is logged at DEBUG level.
 """
 
@@ -29,7 +32,15 @@ __all__ = ["Incoming", "TensorMeta", "Transport", "debug_enabled", "decode_meta"
 
 logger = logging.getLogger(__name__)
 
-_HEADER, _META, _DATA = 1, 2, 3  # tags: one ordered channel per kind of message
+_HEADER = 1  # tag of the mini-batch header; then two channels (metadata, data) per stage:
+_META, _DATA = 0, 1
+
+
+def _tag(kind: int, stage: int) -> int:
+    """The tag of ``kind`` (metadata or data) messages into stage ``stage`` (or its grads)."""
+    return 8 + 2 * stage + kind
+
+
 _META_LEN = 64
 #: Fewest gradient sends kept in flight before the oldest is awaited.
 _MIN_SEND_WINDOW = 2
@@ -118,6 +129,7 @@ class Incoming:
     buffers: tuple[Tensor, ...]
     works: list[dist.Work | None]
     what: str
+    src: int
 
 
 class Transport:
@@ -136,8 +148,8 @@ class Transport:
         self.device = device
         self.send_window = max(_MIN_SEND_WINDOW, send_window)
         self.debug = debug_enabled()
-        self._fwd_sends: dict[int, list[dist.Work | None]] = {}
-        self._grad_sends: deque[tuple[int, list[dist.Work | None]]] = deque()
+        self._fwd_sends: dict[tuple[int, int], list[dist.Work | None]] = {}
+        self._grad_sends: deque[tuple[int, int, list[dist.Work | None]]] = deque()
 
     # -- mini-batch header: lets every stage know the input signature ------------------------
     def exchange_header(self, signature: int | None) -> int:
@@ -149,68 +161,79 @@ class Transport:
             self._wait(work, f"receiving the header from rank {m.prev_rank}")
             self._trace("recv header", int(header.item()), m.prev_rank, ())
         if m.next_rank is not None:
-            self._fwd_sends.setdefault(-1, []).append(
+            self._fwd_sends.setdefault((-1, -1), []).append(
                 self._isend(header, m.next_rank, m.fwd, _HEADER, "the header")
             )
             self._trace("send header", int(header.item()), m.next_rank, ())
         return int(header.item())
 
-    # -- activations, stage j -> j+1 ----------------------------------------------------------
-    def send_activation(self, i: int, tensors: Sequence[Tensor], *, with_meta: bool) -> None:
-        """Send micro-batch ``i``'s stage output to the next stage (metadata first if asked)."""
-        dst, group = self.mesh.next_rank, self.mesh.fwd
+    # -- activations, stage s -> s+1 ------------------------------------------------------------
+    def send_activation(
+        self,
+        i: int,
+        tensors: Sequence[Tensor],
+        *,
+        dst: int,
+        stage: int,
+        metas: Sequence[TensorMeta] | None,
+    ) -> None:
+        """Send micro-batch ``i``'s input of stage ``stage`` to rank ``dst``, after its
+        ``metas`` (shapes, dtypes, which get a gradient back) on a new signature."""
+        group = self.mesh.fwd
         works = []
-        if with_meta:
-            meta = encode_meta([TensorMeta.of(t) for t in tensors], self.device)
-            works.append(self._isend(meta, dst, group, _META, f"metadata {i}"))
+        if metas is not None:
+            meta = encode_meta(metas, self.device)
+            works.append(self._isend(meta, dst, group, _tag(_META, stage), f"metadata {i}"))
         works += [
-            self._isend(t.detach().contiguous(), dst, group, _DATA, f"activation {i}")
+            self._isend(t.detach().contiguous(), dst, group, _tag(_DATA, stage), f"activation {i}")
             for t in tensors
         ]
-        self._fwd_sends[i] = works
+        self._fwd_sends[(stage, i)] = works
         self._trace("send activation", i, dst, tensors)
 
-    def recv_meta(self) -> tuple[TensorMeta, ...]:
+    def recv_meta(self, *, src: int, stage: int) -> tuple[TensorMeta, ...]:
         """Receive the metadata message that precedes an activation on a new signature."""
-        src = self.mesh.prev_rank
         message = torch.empty(_META_LEN, dtype=torch.int64, device=self.device)
-        work = self._irecv(message, src, self.mesh.fwd, _META, "metadata")
+        work = self._irecv(message, src, self.mesh.fwd, _tag(_META, stage), "metadata")
         self._wait(work, f"receiving metadata from rank {src}")
         metas = decode_meta(message)
         self._trace("recv metadata", -1, src, ())
         return metas
 
-    def post_activation(self, i: int, metas: Sequence[TensorMeta]) -> Incoming:
-        """Post the receives of micro-batch ``i``'s input from the previous stage."""
-        return self._post(i, metas, self.mesh.prev_rank, self.mesh.fwd, "activation")
+    def post_activation(
+        self, i: int, metas: Sequence[TensorMeta], *, src: int, stage: int
+    ) -> Incoming:
+        """Post the receives of micro-batch ``i``'s input of stage ``stage`` from rank ``src``."""
+        return self._post(i, metas, src, self.mesh.fwd, _tag(_DATA, stage), "activation")
 
-    # -- gradients, stage j+1 -> j ------------------------------------------------------------
-    def send_grad(self, i: int, grads: Sequence[Tensor]) -> None:
-        """Send the gradients of micro-batch ``i``'s stage input to the previous stage."""
-        dst = self.mesh.prev_rank
+    # -- gradients, stage s+1 -> s ------------------------------------------------------------
+    def send_grad(self, i: int, grads: Sequence[Tensor], *, dst: int, stage: int) -> None:
+        """Send the gradients of stage ``stage``'s output of micro-batch ``i`` to rank ``dst``."""
         works = [
-            self._isend(g.contiguous(), dst, self.mesh.bwd, _DATA, f"gradient {i}") for g in grads
+            self._isend(g.contiguous(), dst, self.mesh.bwd, _tag(_DATA, stage), f"gradient {i}")
+            for g in grads
         ]
-        self._grad_sends.append((i, works))
+        self._grad_sends.append((dst, i, works))
         self._trace("send gradient", i, dst, grads)
         while len(self._grad_sends) > self.send_window:  # long received, normally
-            j, old = self._grad_sends.popleft()
-            self._wait_all(old, f"sending gradient {j} to rank {dst}")
+            to, j, old = self._grad_sends.popleft()
+            self._wait_all(old, f"sending gradient {j} to rank {to}")
 
-    def post_grad(self, i: int, metas: Sequence[TensorMeta]) -> Incoming:
-        """Post the receives of the gradients of micro-batch ``i``'s stage output."""
-        return self._post(i, metas, self.mesh.next_rank, self.mesh.bwd, "gradient")
+    def post_grad(self, i: int, metas: Sequence[TensorMeta], *, src: int, stage: int) -> Incoming:
+        """Post the receives of the gradients of stage ``stage``'s output of micro-batch ``i``."""
+        return self._post(i, metas, src, self.mesh.bwd, _tag(_DATA, stage), "gradient")
 
-    def release_activation(self, i: int) -> None:
-        """Forget the finished send of micro-batch ``i`` (its gradient came back, so it arrived)."""
-        works = self._fwd_sends.pop(i, None)
+    def release_activation(self, stage: int, i: int) -> None:
+        """Forget the finished send of micro-batch ``i`` into ``stage`` (its gradient came
+        back, so it arrived)."""
+        works = self._fwd_sends.pop((stage, i), None)
         if works:
-            self._wait_all(works, f"sending activation {i} to rank {self.mesh.next_rank}")
+            self._wait_all(works, f"sending activation {i} of stage {stage}")
 
     # -- completion ---------------------------------------------------------------------------
     def take(self, incoming: Incoming) -> tuple[Tensor, ...]:
         """Wait for a posted receive and return its buffers."""
-        src = self.mesh.prev_rank if incoming.what == "activation" else self.mesh.next_rank
+        src = incoming.src
         self._wait_all(
             incoming.works, f"receiving {incoming.what} {incoming.microbatch} from rank {src}"
         )
@@ -219,11 +242,11 @@ class Transport:
 
     def flush(self) -> None:
         """Wait for every send still in flight (end of a mini-batch)."""
-        for i in list(self._fwd_sends):
-            self.release_activation(i)
+        for stage, i in list(self._fwd_sends):
+            self.release_activation(stage, i)
         while self._grad_sends:
-            i, works = self._grad_sends.popleft()
-            self._wait_all(works, f"sending gradient {i} to rank {self.mesh.prev_rank}")
+            dst, i, works = self._grad_sends.popleft()
+            self._wait_all(works, f"sending gradient {i} to rank {dst}")
 
     def drop(self) -> None:
         """Forget every pending work without waiting (after a failure)."""
@@ -235,13 +258,14 @@ class Transport:
         self,
         i: int,
         metas: Sequence[TensorMeta],
-        src: int | None,
+        src: int,
         group: dist.ProcessGroup | None,
+        tag: int,
         what: str,
     ) -> Incoming:
         buffers = tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas)
-        works = [self._irecv(b, src, group, _DATA, f"{what} {i}") for b in buffers]
-        return Incoming(i, buffers, works, what)
+        works = [self._irecv(b, src, group, tag, f"{what} {i}") for b in buffers]
+        return Incoming(i, buffers, works, what, src)
 
     def _isend(
         self, t: Tensor, dst: int | None, group: dist.ProcessGroup | None, tag: int, what: str
