@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,7 @@ from benchmarks._results import RESULTS
 
 Loss = Callable[[Tensor, Tensor], Tensor]
 Step = Callable[[], None]
+T = TypeVar("T")
 WORKLOADS = ("mlp", "alexnet", "gpt")
 
 
@@ -47,9 +49,14 @@ class Workload:
         return int(self.x.shape[0])
 
 
-def accumulation_step(work: Workload, m: int, device: str = "cpu") -> Step:
+def accumulation_step(
+    work: Workload, m: int, device: str = "cpu", *, optimizer: bool = True
+) -> Step:
     """The one-device reference: the same m micro-batches one after another, then one
-    optimizer step (gradient accumulation), on a copy of the workload's model on ``device``."""
+    optimizer step (gradient accumulation), on a copy of the workload's model on ``device``.
+
+    ``optimizer=False``: no SGD step, only the gradients set to None after the backwards.
+    """
     model = copy.deepcopy(work.model).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     xs, ys = work.x.to(device).tensor_split(m), work.y.to(device).tensor_split(m)
@@ -57,7 +64,8 @@ def accumulation_step(work: Workload, m: int, device: str = "cpu") -> Step:
     def step() -> None:
         for x, y in zip(xs, ys):
             (work.loss(model(x), y) / m).backward()
-        opt.step()
+        if optimizer:
+            opt.step()
         opt.zero_grad(set_to_none=True)
         synchronize([device])
 
@@ -163,6 +171,36 @@ class Stats:
         return (self.high - self.low) / self.median if self.median else 0.0
 
 
+@dataclass(frozen=True)
+class Quantiles:
+    """10th, 50th and 90th percentile of many values (e.g. per-step rates)."""
+
+    p10: float
+    median: float
+    p90: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> Quantiles:
+        if len(values) < 2:
+            return cls(values[0], values[0], values[0])
+        cuts = statistics.quantiles(values, n=10, method="inclusive")
+        return cls(cuts[0], statistics.median(values), cuts[-1])
+
+    def spread(self) -> float:
+        """(p90 - p10) / median."""
+        return (self.p90 - self.p10) / self.median if self.median else 0.0
+
+
+def step_times(step: Step, steps: int) -> list[float]:
+    """Run ``step`` ``steps`` times; the seconds each call took."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def timer(step: Step, steps: int) -> Callable[[], float]:
     """A contender for :func:`alternate`: run ``step`` ``steps`` times, return seconds per step."""
 
@@ -175,10 +213,10 @@ def timer(step: Step, steps: int) -> Callable[[], float]:
     return timed
 
 
-def alternate(contenders: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+def alternate(contenders: dict[str, Callable[[], T]], rounds: int) -> dict[str, list[T]]:
     """Call every contender once per round, rotating the order; collect what each returns."""
     names = list(contenders)
-    out: dict[str, list[float]] = {n: [] for n in names}
+    out: dict[str, list[T]] = {n: [] for n in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             out[name].append(contenders[name]())

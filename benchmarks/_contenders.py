@@ -3,6 +3,10 @@
 Single-process contenders (pipepar.wrap, torchgpipe.GPipe) are built in the calling process;
 multi-process ones (pipepar.distributed, torch.distributed.pipelining) are built on every rank
 of a :class:`benchmarks._procs.ProcessGroup` by :func:`stage_builder`.
+
+For ``bench_schedules.py`` (every schedule of every library, forward + backward only, no
+optimizer): :func:`one_process` builds the in-process contenders, :func:`schedule_builder` the
+multi-process ones, and :func:`torch_schedule` any torch.distributed.pipelining schedule.
 """
 
 from __future__ import annotations
@@ -19,9 +23,30 @@ from torch import Tensor, nn
 import pipepar
 from benchmarks import _common as common
 
-__all__ = ["DEFAULT_THREADS", "stage_builder", "threaded", "torch_pipelining"]
+__all__ = [
+    "DEFAULT_THREADS",
+    "TORCH_SCHEDULES",
+    "even_balance",
+    "one_process",
+    "schedule_builder",
+    "stage_builder",
+    "threaded",
+    "torch_pipelining",
+    "torch_schedule",
+]
 
 DEFAULT_THREADS = os.cpu_count() or 1  # torch's default math threads: one per core
+#: torch.distributed.pipelining's schedules, by their class name without ``Schedule``.
+TORCH_SCHEDULES = (
+    "GPipe",
+    "1F1B",
+    "Interleaved1F1B",
+    "InterleavedZeroBubble",
+    "ZBVZeroBubble",
+    "DualPipeV",
+)
+#: The V-shaped ones: rank r holds stages r and 2K-1-r (rank 0 the first and the last).
+_V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
 Step = common.Step
 
 
@@ -134,7 +159,7 @@ def stage_builder(spec: dict[str, Any], rank: int, world: int) -> Callable[[str,
     return build
 
 
-def _optimized(module: nn.Module, backward: Callable[[], None]) -> Step:
+def _optimized(module: nn.Module, backward: Callable[[], Any]) -> Step:
     """``backward()`` then an SGD step on ``module``'s parameters, gradients set to None."""
     opt = torch.optim.SGD(module.parameters(), lr=1e-4)
 
@@ -142,5 +167,121 @@ def _optimized(module: nn.Module, backward: Callable[[], None]) -> Step:
         backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+# -- every schedule, forward + backward only (bench_schedules.py) ------------------------------
+def even_balance(n_layers: int, n_stages: int) -> list[int]:
+    """``n_stages`` equal stages of ``n_layers`` layers (the benchmark model is uniform)."""
+    if n_layers % n_stages:
+        raise ValueError(
+            f"{n_layers} layers do not split into {n_stages} equal stages; use a model with a "
+            f"multiple of {n_stages} layers"
+        )
+    return [n_layers // n_stages] * n_stages
+
+
+def pipepar_balance(schedule: str, n_layers: int, workers: int) -> list[int]:
+    """One stage per worker, or two for pipepar's virtual-stage schedules."""
+    from pipepar.core.schedule import VIRTUAL
+
+    return even_balance(n_layers, workers * (2 if schedule in VIRTUAL else 1))
+
+
+def one_process(
+    library: str, schedule: str, work: common.Workload, m: int, workers: int = 2
+) -> tuple[Step, nn.Module]:
+    """``(step, pipe)`` of ``"pipepar"`` (``pipe.step``), ``"pipepar-call"`` (``pipe(x)`` and
+    ``loss.backward()``) or ``"torchgpipe"`` (the same): one math thread per stage."""
+    model, n = copy.deepcopy(work.model), len(work.model)
+    if library in ("pipepar", "pipepar-call"):
+        pipe = pipepar.wrap(
+            model,
+            pipepar_balance(schedule, n, workers),
+            devices=["cpu"] * workers,
+            chunks=m,
+            schedule=schedule,
+            checkpoint="never",
+            threads=1,
+        )
+        if library == "pipepar":
+            return _zeroed(pipe, lambda: pipe.step(work.x, work.y, work.loss)), pipe
+        return _zeroed(pipe, lambda: work.loss(pipe(work.x), work.y).backward()), pipe
+    if library != "torchgpipe":
+        raise ValueError(f"library {library!r} is not pipepar, pipepar-call or torchgpipe")
+    from torchgpipe import GPipe
+
+    gpipe = GPipe(
+        model, even_balance(n, workers), devices=["cpu"] * workers, chunks=m, checkpoint="never"
+    )
+    return _zeroed(gpipe, lambda: work.loss(gpipe(work.x), work.y).backward()), gpipe
+
+
+def torch_schedule(
+    model: nn.Sequential, name: str, rank: int, world: int, m: int, loss: common.Loss
+) -> tuple[Callable[[Tensor, Tensor], None], nn.Module]:
+    """``(run(x, y), local layers)``: torch.distributed.pipelining's ``Schedule<name>`` on this
+    rank. Single-stage schedules get ``world`` equal stages, one per rank; the multi-stage ones
+    ``2 * world``, looped (rank r: r, r + world) or V-shaped (rank r: r, 2 * world - 1 - r)."""
+    import torch.distributed.pipelining as tp
+    from torch.distributed.pipelining._utils import generate_rank_to_stage_mapping
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    kind = getattr(tp, f"Schedule{name}", None)
+    if kind is None:
+        raise ValueError(f"torch has no Schedule{name}; pass one of {list(TORCH_SCHEDULES)}")
+    multi = issubclass(kind, PipelineScheduleMulti)
+    n = world * (2 if multi else 1)
+    bal, layers = even_balance(len(model), n), list(model)
+    style = "v" if name in _V_SHAPED else "loop"
+    mine = generate_rank_to_stage_mapping(world, n, style)[rank]
+    parts = [nn.Sequential(*layers[sum(bal[:i]) : sum(bal[: i + 1])]) for i in mine]
+    stages = [tp.PipelineStage(p, i, n, torch.device("cpu")) for p, i in zip(parts, mine)]
+    runner = kind(stages if multi else stages[0], n_microbatches=m, loss_fn=loss)
+    first, last = 0 in mine, n - 1 in mine  # who feeds the input, who gets the target
+
+    def run(x: Tensor, y: Tensor) -> None:
+        targets: dict[str, Any] = {"target": y, "losses": []} if last else {}
+        runner.step(*((x,) if first else ()), **targets)
+
+    return run, nn.ModuleList(parts)
+
+
+def schedule_builder(spec: dict[str, Any], rank: int, world: int) -> Callable[[str, int], Step]:
+    """Factory run on every rank of a ProcessGroup: ``build("library:schedule", m) -> step``
+    for ``"limit:"`` (this rank alone runs the one-core job), ``"pipepar.distributed:<name>"``
+    and ``"torch:<Schedule name without 'Schedule'>"``. Every rank gets pipepar's malloc
+    thresholds, as the benchmark's own process does, so all run on the same allocator."""
+    from pipepar.local import cpu_malloc
+
+    cpu_malloc.tune()
+    work = common.workload(spec["workload"], quick=spec["quick"])
+
+    def build(contender: str, m: int) -> Step:
+        library, _, schedule = contender.partition(":")
+        model = copy.deepcopy(work.model)
+        if library == "limit":
+            return common.accumulation_step(work, m, optimizer=False)
+        if library == "torch":
+            run, part = torch_schedule(model, schedule, rank, world, m, work.loss)
+            return _zeroed(part, lambda: run(work.x, work.y))
+        if library != "pipepar.distributed":
+            raise ValueError(f"library {library!r} is not limit, torch or pipepar.distributed")
+        import pipepar.distributed as ppd
+
+        bal = pipepar_balance(schedule, len(model), world)
+        pipe = ppd.wrap(model, bal, chunks=m, schedule=schedule, checkpoint="never")
+        return _zeroed(pipe, lambda: pipe.step(work.x, work.y, work.loss))
+
+    return build
+
+
+def _zeroed(module: nn.Module, backward: Callable[[], Any]) -> Step:
+    """``backward()``, then ``module``'s gradients set to None (no optimizer step)."""
+
+    def step() -> None:
+        backward()
+        module.zero_grad(set_to_none=True)
 
     return step

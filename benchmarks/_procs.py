@@ -7,8 +7,10 @@ localhost port, and builds its contenders lazily through a *factory*: a ``"modul
 name called as ``factory(spec, rank, world)`` that returns ``build(contender, m) -> step``.
 
 A rank times ``steps`` calls of ``step`` between two barriers; rank 0's seconds per step come
-back. An error while building or stepping comes back as its text instead of a time, and a
-group that stops answering is terminated.
+back. :meth:`ProcessGroup.step_times` instead starts every step together on all ranks (a
+barrier before each) and returns each step's seconds, the slowest rank's. An error while
+building or stepping comes back as its text instead of a time, and a group that stops
+answering is terminated.
 """
 
 from __future__ import annotations
@@ -73,13 +75,26 @@ class ProcessGroup:
         errors = [a for a in answers if isinstance(a, str)]
         return errors[0] if errors else float(answers[0])
 
+    def step_times(self, contender: str, m: int, steps: int, warmup: int = 0) -> list[float] | str:
+        """Seconds of each of ``steps`` steps (after ``warmup`` untimed ones), the slowest
+        rank's, every step started by a barrier on all ranks; or an error's text."""
+        if self.error is not None:
+            return self.error
+        if not self.alive:
+            return "error: the process group died earlier"
+        for box in self._inbox:
+            box.put((contender, m, steps, warmup))
+        answers = self._gather()
+        errors = [a for a in answers if isinstance(a, str)]
+        return errors[0] if errors else [max(ts) for ts in zip(*answers)]
+
     @property
     def alive(self) -> bool:
         """Whether every rank is still running."""
         return all(p.is_alive() for p in self._procs)
 
-    def _gather(self) -> list[float | str]:
-        answers: dict[int, float | str] = {}
+    def _gather(self) -> list[Any]:
+        answers: dict[int, Any] = {}
         deadline = time.monotonic() + self.timeout
         while len(answers) < self.world:
             try:
@@ -127,12 +142,13 @@ def _serve(
     outbox.put((rank, 0.0))
     steps: dict[tuple[str, int], Step] = {}
     while (request := inbox.get()) is not None:
-        contender, m, n = request
+        contender, m, n, *warmup = request  # a warm-up count asks for every step's time
         try:
             if (contender, m) not in steps:
                 steps[(contender, m)] = build(contender, m)
                 _timed(steps[(contender, m)], 1)  # warm-up
-            outbox.put((rank, _timed(steps[(contender, m)], n)))
+            step = steps[(contender, m)]
+            outbox.put((rank, _each(step, n, warmup[0]) if warmup else _timed(step, n)))
         except Exception as error:
             outbox.put((rank, f"error: {type(error).__name__}: {str(error)[:200]}"))
     dist.destroy_process_group()
@@ -145,3 +161,17 @@ def _timed(step: Step, n: int) -> float:
         step()
     dist.barrier()
     return (time.perf_counter() - start) / n
+
+
+def _each(step: Step, n: int, warmup: int) -> list[float]:
+    """``warmup`` untimed steps, then the seconds of each of ``n``, all ranks starting each
+    step together (so a step's time on the slowest rank is the pipeline's)."""
+    times = []
+    for i in range(warmup + n):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    dist.barrier()
+    return times

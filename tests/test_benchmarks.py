@@ -93,6 +93,25 @@ def test_efficiency_quick_with_every_contender(tmp_path: Path) -> None:
     assert "Targets (MLP, K=2, M=8): not measured" in text  # quick mode has no M=8
 
 
+def test_schedules_quick_table_shape(tmp_path: Path) -> None:
+    chosen = "pipepar:1f1b,pipepar:no-such,torch:1F1B,torch:NoSuch"
+    rows, text = _run("bench_schedules.py", tmp_path, "--write", "--contenders", chosen)
+    assert "## Schedules: pipepar vs torch.distributed.pipelining" in text
+    assert [r["key"] for r in rows] == ["one core:", "limit:", *chosen.split(",")]
+    by = {r["key"]: r for r in rows}
+    for key in ("pipepar:no-such", "torch:NoSuch"):  # reported, not fatal
+        assert by[key]["error"].startswith("n/a: ") and by[key]["steps"] == 0
+    measured = [r for r in rows if r["error"] is None]
+    assert len(measured) == 4 and [r["processes"] for r in measured] == [1, 2, 1, 2]
+    for row in measured:
+        assert row["steps"] == 3 and 0 < row["p10"] <= row["median"] <= row["p90"]
+        assert row["x_one_core"] > 0 and row["of_limit"] > 0
+    assert by["one core:"]["x_one_core"] == pytest.approx(1.0)
+    assert by["limit:"]["of_limit"] == pytest.approx(1.0)
+    table = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(table) == 1 + len(rows) and all(line.count("|") == 10 for line in table)
+
+
 def test_overhead_quick(tmp_path: Path) -> None:
     rows, text = _run("bench_overhead.py", tmp_path)
     assert "## Overhead on one device" in text and "Target: wrap([L], chunks=1)" in text

@@ -1,0 +1,277 @@
+"""Every pipeline schedule on one job: pipepar vs torch.distributed.pipelining vs torchgpipe.
+
+The job: 8 x (Linear(1024, 1024) + ReLU), batch 256, M = 8 micro-batches, forward + backward of
+an MSE loss against a fixed random target, gradients set to None between steps (no optimizer),
+no recompute, one math thread per stage or process. Two stages of 8 layers, one per core; the
+virtual-stage schedules take four stages of 4 layers, two per core.
+
+Two references, measured in the same run as everything else:
+
+- **one core**: the same 8 micro-batches one after another in this process, one thread (1.0x);
+- **limit**: that job in each of two processes at once, a barrier around each step; twice its
+  rate is what the two cores do together while they share caches and memory bandwidth, below
+  2x one core. Each contender is reported as a fraction of this limit.
+
+The machine is noisy, so contenders alternate: each runs a block of steps per round, the order
+rotating from round to round, so a slow drift on the host hits all alike. Every step is timed
+on its own (multi-process: all ranks start it after a barrier; its time is the slowest rank's)
+and turned into a rate in samples/s. The table gives the median and the 90th percentile (a
+fast but typical step) of those rates and their p10-p90 spread; the fractions compare p90 with
+p90 (median with median in brackets).
+
+    python benchmarks/bench_schedules.py --write       # every contender, 40 steps each
+    python benchmarks/bench_schedules.py --steps 15 --rounds 2 \\
+        --contenders pipepar:1f1b,pipepar:zb-v,torch:1F1B,torch:ZBVZeroBubble
+    python benchmarks/bench_schedules.py --quick       # seconds; CI smoke test
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # every thread (torchgpipe's too): one core
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import argparse
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import _common as common
+from benchmarks import _contenders as contenders
+from benchmarks._procs import ProcessGroup
+from benchmarks._results import markdown_table, record
+from pipepar.local import cpu_malloc
+
+TITLE = "Schedules: pipepar vs torch.distributed.pipelining vs torchgpipe (MLP, 2 cores, M=8)"
+UNIT, LIMIT = "one core:", "limit:"
+PIPEPAR = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
+LIBRARIES = {  # library: (label, processes, notes)
+    "one core": ("one core (reference)", 1, "the micro-batches one after another"),
+    "limit": ("limit: one-core job x 2 processes", 2, "physical limit of the 2 cores"),
+    "pipepar": ("pipepar.wrap, pipe.step", 1, "one thread per core"),
+    "pipepar-call": ("pipepar.wrap, pipe(x) + backward", 1, "all forwards, then backward"),
+    "torchgpipe": ("torchgpipe.GPipe", 1, "both 'cpu' stages on one thread (one per device)"),
+    "pipepar.distributed": ("pipepar.distributed", 2, "gloo"),
+    "torch": ("torch.distributed.pipelining", 2, "gloo"),
+}
+REMOTE = ("limit", "pipepar.distributed", "torch")
+CHOSEN_BY_USER = ("pipepar", "pipepar-call", "torchgpipe", "pipepar.distributed", "torch")
+CONTENDERS = (
+    *(f"pipepar:{s}" for s in PIPEPAR),
+    "pipepar-call:gpipe",
+    "torchgpipe:gpipe",
+    *(f"pipepar.distributed:{s}" for s in PIPEPAR),
+    *(f"torch:{s}" for s in contenders.TORCH_SCHEDULES),
+)
+QUICK = ("pipepar:1f1b", "pipepar.distributed:1f1b", "torch:1F1B")
+Block = Callable[[], list[float]]
+
+
+# -- contenders --------------------------------------------------------------------------------
+def _local(step: common.Step, block: int, warmup: int) -> Block:
+    def timed() -> list[float]:
+        for _ in range(warmup):
+            step()
+        return common.step_times(step, block)
+
+    return timed
+
+
+class _RemoteError(RuntimeError):
+    """An error text that came back from the ranks (its type is named in the text)."""
+
+
+def _remote(group: ProcessGroup, key: str, m: int, block: int, warmup: int) -> Block:
+    def timed() -> list[float]:
+        answer = group.step_times(key, m, block, warmup)
+        if isinstance(answer, str):
+            raise _RemoteError(answer)
+        return answer
+
+    return timed
+
+
+def _blocks(
+    work: common.Workload, groups: dict[str, ProcessGroup], args: argparse.Namespace
+) -> tuple[dict[str, Block], dict[str, str], list[Any]]:
+    """A block timer per contender (the references first), the contenders that could not be
+    built (with why), and the in-process pipes (to close)."""
+    block, m = math.ceil(args.steps / args.rounds), args.chunks
+    unit = common.accumulation_step(work, m, optimizer=False)
+    unit()  # warm-up
+    timers = {UNIT: _local(unit, block, args.warmup)}
+    skipped: dict[str, str] = {}
+    pipes = []
+    for key in (LIMIT, *args.contenders):
+        library, _, schedule = key.partition(":")
+        if library in REMOTE:
+            timers[key] = _remote(groups[library], key, m, block, args.warmup)
+            continue
+        try:
+            step, pipe = contenders.one_process(library, schedule, work, m)
+            pipes.append(pipe)
+            step()  # warm-up (and worker start)
+        except Exception as error:
+            skipped[key] = _why(error)
+            continue
+        timers[key] = _local(step, block, args.warmup)
+    return timers, skipped, pipes
+
+
+def _why(error: Exception) -> str:
+    """``n/a: <the error's last line naming an error>``, for the table."""
+    text = str(error) if isinstance(error, _RemoteError) else f"{type(error).__name__}: {error}"
+    lines = text.strip().splitlines()
+    line = next((t for t in reversed(lines) if "Error" in t), lines[-1])
+    return "n/a: " + line.removeprefix("error: ")[:160]
+
+
+def _guard(key: str, timer: Block, skipped: dict[str, str]) -> Block:
+    """``timer``, but an error drops the contender (noted in ``skipped``) and the rest go on."""
+
+    def call() -> list[float]:
+        if key in skipped:
+            return []
+        try:
+            return timer()
+        except Exception as error:
+            skipped[key] = _why(error)
+            return []
+
+    return call
+
+
+def measure(work: common.Workload, args: argparse.Namespace) -> dict[str, list[float] | str]:
+    """Per contender: the seconds of every timed step, or why it has none."""
+    spec = {"workload": "mlp", "quick": args.quick}
+    wanted = {LIMIT.rstrip(":")} | {k.partition(":")[0] for k in args.contenders}
+    groups = {
+        lib: ProcessGroup(2, "benchmarks._contenders:schedule_builder", spec)
+        for lib in REMOTE
+        if lib in wanted
+    }
+    try:
+        timers, skipped, pipes = _blocks(work, groups, args)
+        guarded = {k: _guard(k, t, skipped) for k, t in timers.items()}
+        runs = common.alternate(guarded, args.rounds)
+    finally:
+        for group in groups.values():
+            group.close()
+    for pipe in pipes:
+        getattr(pipe, "close", lambda: None)()
+    steps = {k: [t for r in v for t in r] for k, v in runs.items()}
+    return {k: skipped.get(k) or steps[k] for k in (UNIT, LIMIT, *args.contenders)}
+
+
+# -- report ------------------------------------------------------------------------------------
+def rows(times: dict[str, list[float] | str], batch: int) -> list[dict[str, Any]]:
+    """One row per contender: rate quantiles, x one core and fraction of the limit."""
+    rates = {
+        k: [batch * (2 if k == LIMIT else 1) / t for t in v]
+        for k, v in times.items()
+        if not isinstance(v, str)
+    }
+    unit, limit = (common.Quantiles.of(rates[k]) if rates.get(k) else None for k in (UNIT, LIMIT))
+    out = []
+    for key, value in times.items():
+        library, _, schedule = key.partition(":")
+        label, processes, _ = LIBRARIES[library]
+        row: dict[str, Any] = {"key": key, "contender": label, "schedule": schedule or "-"}
+        row |= {"processes": processes, "steps": 0, "error": None}
+        if isinstance(value, str) or not value:
+            out.append(row | {"error": value or "n/a: no steps"})
+            continue
+        q = common.Quantiles.of(rates[key])
+        row |= {"median": q.median, "p10": q.p10, "p90": q.p90, "spread": q.spread()}
+        row |= {"steps": len(value), "x_one_core": q.p90 / unit.p90 if unit else None}
+        row["of_limit"] = q.p90 / limit.p90 if limit else None
+        row["of_limit_median"] = q.median / limit.median if limit else None
+        out.append(row)
+    return out
+
+
+def table(result: list[dict[str, Any]]) -> str:
+    """The markdown table, one line per contender."""
+    lines = []
+    for r in result:
+        head = [r["contender"], r["schedule"], r["processes"]]
+        if r["error"]:
+            lines.append([*head, "-", "-", "-", "-", "-", r["error"]])
+            continue
+        x = "-" if r["x_one_core"] is None else f"{r['x_one_core']:.2f}x"
+        frac = "-" if r["of_limit"] is None else f"{r['of_limit']:.2f} ({r['of_limit_median']:.2f})"
+        note = LIBRARIES[r["key"].partition(":")[0]][2]
+        cells = [f"{r['median']:.0f}", f"{r['p90']:.0f}", f"{r['spread']:.0%}", x, frac, note]
+        lines.append([*head, *cells])
+    headers = ["contender", "schedule", "processes", "samples/s median", "samples/s p90"]
+    headers += ["spread p10-p90", "x one core (p90)", "of limit p90 (median)", "notes"]
+    return markdown_table(headers, lines)
+
+
+def notes(work: common.Workload, args: argparse.Namespace, before: str) -> str:
+    block = math.ceil(args.steps / args.rounds)
+    return (
+        f"Job: {work.description}, M={args.chunks}, mse loss, forward + backward, gradients set "
+        "to None each step, checkpoint='never', one math thread per stage or process. Balance "
+        f"{contenders.even_balance(len(work.model), 2)} layers; virtual-stage schedules "
+        f"{contenders.even_balance(len(work.model), 4)}, two stages per core (torch: looped, "
+        "rank r holds stages r and r+2; ZBVZeroBubble and DualPipeV V-shaped, rank 0 holds "
+        f"stages 0 and 3). {args.rounds} rounds x {block} timed steps per contender after "
+        f"{args.warmup} untimed step(s) per block, order rotating; a step's time on two "
+        "processes is the slower rank's, every step started after a barrier. Rate = samples "
+        "per step / step time (limit: 2 x batch). x one core and of limit compare p90 rates "
+        "(medians in brackets) with the same run's one core and limit. Every process runs "
+        "with pipepar's malloc thresholds (pipepar.local.cpu_malloc; PIPEPAR_TUNE_MALLOC=0 "
+        f"turns them off everywhere). Machine load before: {before}; after: {common.load()}."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure, print the table; write it to RESULTS.md with --write. 0 on success."""
+    args = _parse(argv)
+    cpu_malloc.tune()  # the same allocator settings in every process (the ranks do the same)
+    torch.set_num_threads(1)
+    before = common.load()
+    work = common.workload("mlp", quick=args.quick)
+    result = rows(measure(work, args), work.batch)
+    text, note = table(result), notes(work, args, before)
+    print(text, note, sep="\n\n")
+    if args.write:
+        record(TITLE, text, notes=note, path=common.results_path(args, "schedules"))
+    common.write_json(args.json, result)
+    return 0
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_options(parser, rounds=4)
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per contender")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per block")
+    parser.add_argument("--chunks", type=int, default=8, help="micro-batches (M)")
+    parser.add_argument("--write", action="store_true", help="write the section (--results)")
+    parser.add_argument(
+        "--contenders",
+        type=lambda text: [p.strip() for p in text.split(",") if p.strip()],
+        default=None,
+        help=f"library:schedule list (libraries: {', '.join(CHOSEN_BY_USER)}); unknown "
+        "schedules are reported n/a. Default: " + ",".join(CONTENDERS),
+    )
+    args = parser.parse_args(argv)
+    args.contenders = args.contenders or list(QUICK if args.quick else CONTENDERS)
+    bad = [c for c in args.contenders if c.partition(":")[0] not in CHOSEN_BY_USER]
+    if bad:
+        parser.error(f"unknown library in {bad}; use e.g. pipepar:1f1b or torch:ZBVZeroBubble")
+    if args.quick:
+        args.rounds, args.steps = 1, min(args.steps, 3)
+    return args
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
