@@ -225,6 +225,40 @@ class _Held:
         self.meter.now -= self.n
 
 
+class _Draws(nn.Module):
+    """Draws random numbers three ways: functional dropout, a rand_like mask, SDPA dropout."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.dropout(x, 0.3) * (torch.rand_like(x) > 0.2)
+        q = x.view(x.shape[0], 1, 2, WIDTH // 2)
+        att = nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.3)
+        return att.reshape(x.shape)
+
+
+def case_random_replay(rank: int, schedule: str) -> dict:
+    """Loss and gradients of checkpointed runs equal the run that keeps its activations."""
+    balance = [2, 2, 2, 2] if schedule == "zb-v" else [4, 4]
+    runs = {}
+    for checkpoint in ("never", "always", "except_last"):
+        torch.manual_seed(5)
+        model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(WIDTH, WIDTH), _Draws())])
+        pipe = ppd.wrap(
+            model, balance, chunks=CHUNKS, schedule=schedule, checkpoint=checkpoint,
+            group=_subgroup(2),
+        )  # fmt: skip
+        torch.manual_seed(6 + rank)  # each rank's own generator, the same in every run
+        x, y = batches(1, 1)[0]
+        loss = pipe.step(x[0], y[0], nn.functional.mse_loss)
+        runs[checkpoint] = (loss, [p.grad.clone() for p in pipe.parameters()])
+        pipe.close()
+    ref_loss, ref_grads = runs["never"]
+    same = all(
+        loss == ref_loss and all(torch.equal(a, b) for a, b in zip(grads, ref_grads))
+        for loss, grads in runs.values()
+    )
+    return {"same": same, "loss": ref_loss}
+
+
 def case_memory(rank: int, m: int) -> dict:
     """Peak saved-activation bytes of each stage for GPipe and 1F1B, pp=4, no checkpointing."""
     width = 64
@@ -432,6 +466,14 @@ def test_every_schedule_across_ranks_matches_one_plain_process(
         )
         layers = {i for s in r["stages"] for i in range(sum(balance[:s]), sum(balance[: s + 1]))}
         assert set(r["keys"]) == {k for k in plain if int(k.split(".")[0]) in layers}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_recompute_replays_every_random_draw_across_ranks(pool: Pool, schedule: str) -> None:
+    for r in pool.run(case_random_replay, schedule):
+        assert r["same"], r
+        assert r["loss"] > 0
 
 
 @pytest.mark.slow
