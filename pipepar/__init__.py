@@ -10,6 +10,7 @@ run micro-batches through them concurrently, and plan the split from a memory pr
 
 from pipepar import io, timeline
 from pipepar.core.sequential import sequentialize
+from pipepar.local.gpipe import GPipe
 from pipepar.local.pipe import Pipe, wrap
 from pipepar.planner.partition import partition
 from pipepar.planner.plan import Plan, StagePlan, plan
@@ -19,6 +20,7 @@ from pipepar.tracing.tracer import Timeline, tracing
 __version__ = "0.1.0"
 
 __all__ = [
+    "GPipe",
     "LayerProfile",
     "Pipe",
     "Plan",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -10,7 +11,33 @@ from torch import nn
 
 from pipepar.core.microbatch import Value, check_value, map_tensors
 
-__all__ = ["Stage", "split_stages"]
+__all__ = ["Stage", "StageModule", "iter_layers", "split_stages"]
+
+
+class StageModule(nn.Sequential):
+    """The layers of one stage as a module: what runs when the stage runs, so hooks on it fire.
+
+    It holds the same layer objects as the model, under their names in the model, and checks
+    that every layer returns a tensor or a tuple of tensors.
+
+    Example:
+        >>> m = StageModule(OrderedDict(fc=nn.Linear(2, 2), act=nn.ReLU()), start=3)
+        >>> m(torch.ones(1, 2)).shape
+        torch.Size([1, 2])
+    """
+
+    def __init__(self, layers: OrderedDict[str, nn.Module], *, start: int) -> None:
+        super().__init__(layers)
+        self.start = start
+
+    def forward(self, input: Value) -> Value:
+        value = input
+        for offset, layer in enumerate(self):
+            value = layer(value)
+            if not isinstance(value, torch.Tensor):
+                index = self.start + offset
+                value = check_value(value, what=f"output of layer {index} ({type(layer).__name__})")
+        return value
 
 
 @dataclass
@@ -22,16 +49,32 @@ class Stage:
         start: index in the model of the stage's first layer.
         layers: the stage's layers, the same module objects as in the model.
         device: where the layers' parameters live and where the stage computes.
+        names: the layers' names in the model; default their indices (``str(start)``, ...).
+        module: the layers as a :class:`StageModule`, the module that :meth:`run` calls.
     """
 
     index: int
     start: int
     layers: list[nn.Module]
     device: torch.device
+    names: list[str] | None = None
     in_place_first: bool = field(init=False)
+    module: StageModule = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.in_place_first = _starts_in_place(self.layers[0])
+        names = (
+            self.names
+            if self.names is not None
+            else [str(self.start + i) for i in range(len(self.layers))]
+        )
+        if len(names) != len(self.layers):
+            raise ValueError(
+                f"names has {len(names)} entries but the stage has {len(self.layers)} layers; "
+                "pass one name per layer, or names=None for their indices"
+            )
+        self.names = list(names)
+        self.module = StageModule(OrderedDict(zip(self.names, self.layers)), start=self.start)
 
     @property
     def stop(self) -> int:
@@ -48,13 +91,9 @@ class Stage:
         return list(seen.values())
 
     def run(self, value: Value) -> Value:
-        """Run the stage's layers on ``value``, checking every layer returns tensors."""
-        for offset, layer in enumerate(self.layers):
-            value = layer(value)
-            if not isinstance(value, torch.Tensor):
-                index = self.start + offset
-                value = check_value(value, what=f"output of layer {index} ({type(layer).__name__})")
-        return value
+        """Run the stage's layers on ``value`` through :attr:`module` (its hooks fire),
+        checking every layer returns tensors."""
+        return self.module(value)
 
     def protect(self, value: Value) -> Value:
         """A copy of ``value`` if the first layer would overwrite it in place.
@@ -77,15 +116,28 @@ def _starts_in_place(layer: nn.Module) -> bool:
 
 
 def split_stages(
-    layers: list[nn.Module], balance: list[int], devices: list[torch.device]
+    layers: list[nn.Module],
+    balance: list[int],
+    devices: list[torch.device],
+    names: list[str] | None = None,
 ) -> list[Stage]:
-    """Cut ``layers`` into stages of ``balance`` sizes on ``devices`` (moving the layers there)."""
+    """Cut ``layers`` into stages of ``balance`` sizes on ``devices`` (moving the layers there).
+
+    ``names`` are the layers' names in the model (``[n for n, _ in model.named_children()]``),
+    kept by each stage's :attr:`Stage.module`; default the layers' indices.
+    """
+    names = names if names is not None else [str(i) for i in range(len(layers))]
+    if len(names) != len(layers):
+        raise ValueError(
+            f"names has {len(names)} entries but there are {len(layers)} layers; pass one name "
+            "per layer, e.g. [n for n, _ in model.named_children()]"
+        )
     stages, start = [], 0
     for j, (size, device) in enumerate(zip(balance, devices)):
         chunk = layers[start : start + size]
         for layer in chunk:
             layer.to(device)
-        stages.append(Stage(j, start, chunk, device))
+        stages.append(Stage(j, start, chunk, device, names=names[start : start + size]))
         start += size
     return stages
 

@@ -15,7 +15,7 @@ from pipepar.core.devices import DeviceSpec, resolve_devices
 from pipepar.core.microbatch import Value, check_value, gather, scatter, tensors
 from pipepar.core.recompute import should_checkpoint
 from pipepar.core.schedule import VIRTUAL, Schedule, make
-from pipepar.core.stage import iter_layers, split_stages
+from pipepar.core.stage import Stage, iter_layers, split_stages
 from pipepar.local import cpu_malloc
 from pipepar.local.executor import BACKWARD, EVERY, FORWARD, Run
 from pipepar.local.transfer import move
@@ -68,7 +68,8 @@ class Pipe(nn.Module):
         for name, layer in module.named_children():
             self.add_module(name, layer)
         placed = [workers[w] for w in self._layout.placement]
-        self._stages = split_stages(list(module), balance, placed)
+        names = [name for name, _ in module.named_children()]
+        self._stages = split_stages(list(module), balance, placed, names)
         self._workers_devices = workers
         self.threads = _check_threads(threads, workers, self.chunks)
         self.tracer: Tracer | None = Tracer() if trace else None
@@ -320,9 +321,8 @@ def _n_workers(schedule: object, balance: Sequence[int], devices: DeviceSpec) ->
     return max(1, len(balance) // 2)
 
 
-def _stage_module(stage: Any) -> nn.Module:
-    module = getattr(stage, "module", None)
-    return module if isinstance(module, nn.Module) else nn.Sequential(*stage.layers)
+def _stage_module(stage: Stage) -> nn.Module:
+    return stage.module
 
 
 def _split_target(target: Any, rows: list[int], device: torch.device) -> list[Any]:

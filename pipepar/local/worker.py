@@ -3,7 +3,9 @@
 A worker runs its stage's actions in the schedule's order and blocks on :class:`Slots` until an
 input arrives from the neighbouring stage, so stages overlap as soon as data lets them. On the
 CPU each worker sets its own number of math threads (an OpenMP setting local to the thread), so
-two stages on two cores do not fight over both.
+two stages on two cores do not fight over both. ``torch.set_num_threads`` also records its value
+as the count every thread started later begins with; a worker puts that default back, so the
+caller's setting and that of its later threads stay what they were.
 
 If an action raises, the pipeline is aborted: every worker waiting on a slot wakes up and stops,
 all workers are joined, and the caller receives the first exception, annotated with the stage
@@ -78,10 +80,30 @@ class Slots:
             self._cond.notify_all()
 
 
+# Held while a worker sets its count and puts the default back, so no other worker reads the
+# default in between (it would take the first worker's count for the process default).
+_DEFAULT_LOCK = threading.Lock()
+
+
 def _init_thread(threads: int, device: torch.device) -> None:
-    torch.set_num_threads(threads)
+    with _DEFAULT_LOCK:
+        default = torch.get_num_threads()  # a new thread starts at the process default
+        torch.set_num_threads(threads)
+        _set_default_threads(default)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+def _set_default_threads(n: int) -> None:
+    """Make ``n`` the count of threads started from now on, leaving the calling thread's own.
+
+    ``torch.set_num_threads`` sets both the calling thread's count and this default, and torch
+    has no call for the default alone: a short-lived thread makes the call and takes the other
+    effect with it.
+    """
+    helper = threading.Thread(target=torch.set_num_threads, args=(n,), name="pipepar-threads")
+    helper.start()
+    helper.join()
 
 
 class WorkerPool:
