@@ -308,3 +308,24 @@ def test_stages_never_start_with_a_layer_that_writes_its_input() -> None:
         assert all(model[s.layers.start].__class__ is nn.Linear for s in p.stages)
     with pytest.raises(ValueError, match=r"only 4 layers can start one: layers \[1, 3, 5, 7\]"):
         plan(prof, devices=5)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_stages_hold_what_the_schedule_says(schedule: str) -> None:
+    from pipepar.core.schedule import make
+
+    model, x = models.mlp(8, 64), torch.randn(16, 64)
+    p = plan(profile(model, x, device="meta"), devices=4, chunks=8, schedule=schedule)
+    expected = make(schedule, 4, 8, n_workers=4)
+    assert [s.in_flight for s in p.stages] == [expected.in_flight(j) for j in range(4)]
+    if schedule != "gpipe":
+        assert [s.in_flight for s in p.stages] == [4, 3, 2, 1]
+
+
+def test_virtual_schedules_are_refused_with_a_way_out() -> None:
+    with pytest.raises(ValueError, match="plan schedule='1f1b' with devices=2\\*N"):
+        plan(profile(models.mlp(4, 16), torch.randn(4, 16), device="meta"), devices=2,
+             schedule="zb-v")  # fmt: skip
+    with pytest.raises(ValueError, match="is not one of \\['gpipe', '1f1b', 'zb-h1'\\]"):
+        plan(profile(models.mlp(4, 16), torch.randn(4, 16), device="meta"), devices=2,
+             schedule="pipedream")  # fmt: skip

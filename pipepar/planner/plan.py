@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from pipepar.core.schedule import NAMES, VIRTUAL
 from pipepar.core.units import format_bytes
 from pipepar.planner.plan_search import Candidate, search, unconstrained
 from pipepar.planner.plan_targets import Target, resolve_targets
@@ -40,7 +41,8 @@ __all__ = ["Plan", "StagePlan", "plan"]
 
 logger = logging.getLogger(__name__)
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = tuple(name for name in NAMES if name not in VIRTUAL)
+"""What the planner plans: one stage per device (virtual-stage schedules are not planned yet)."""
 CHECKPOINTS = ("always", "except_last", "never")
 
 
@@ -117,7 +119,7 @@ class Plan:
         stages: the per-stage predictions.
         profile: the profile it was planned from.
         chunks: micro-batches M.
-        schedule: "gpipe" or "1f1b".
+        schedule: "gpipe", "1f1b" or "zb-h1".
         checkpoint: "always", "except_last" or "never".
         objective: "time" (measured times, memory as a constraint) or "memory".
         micro_batch_rows: rows per micro-batch, ``ceil(batch / M)``.
@@ -219,7 +221,10 @@ def plan(
             device, or None (a CUDA device's total memory when it exists here, else unlimited).
         optimizer: whose state to count (see :func:`pipepar.profile`); None for none.
         chunks: micro-batches per mini-batch, M.
-        schedule: ``"gpipe"`` or ``"1f1b"``.
+        schedule: ``"gpipe"``, ``"1f1b"`` or ``"zb-h1"`` (the micro-batches each stage holds
+            come from the schedule itself). The virtual-stage schedules are not planned yet:
+            plan ``"1f1b"`` for twice the devices, at half the capacity, as a conservative
+            split.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         profile_device: where to profile a model (``"meta"``: no memory, no times; a real
             device also measures times, and the balance then minimizes time).
@@ -238,6 +243,12 @@ def plan(
         >>> p.balance
         [5, 5, 5, 5, 5, 5, 5, 5]
     """
+    if schedule in VIRTUAL:
+        raise ValueError(
+            f"schedule={schedule!r} places two stages per device, which the planner does not "
+            "plan yet; plan schedule='1f1b' with devices=2*N and half the capacity, and pass "
+            "that balance to pipepar.wrap(..., schedule=" + repr(schedule) + ")"
+        )
     _check_choice("schedule", schedule, SCHEDULES)
     _check_choice("checkpoint", checkpoint, CHECKPOINTS)
     chunks = _check_chunks(chunks)

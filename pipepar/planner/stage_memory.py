@@ -27,10 +27,12 @@ Activation figures of the profile are for its whole batch ``B``; they are scaled
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from itertools import accumulate
 
+from pipepar.core.schedule import Schedule, make
 from pipepar.planner.profile import Profile
 
 __all__ = ["StageMemory", "MemoryModel", "in_flight"]
@@ -63,13 +65,19 @@ class StageMemory:
 
 
 def in_flight(schedule: str, chunks: int, stages: int, j: int) -> int:
-    """Micro-batches stage ``j`` holds at once: M for GPipe, min(M, K - j) for 1F1B.
+    """Micro-batches stage ``j`` holds at once, read off the schedule itself
+    (:mod:`pipepar.core.schedule`): M for GPipe, min(M, K - j) for 1F1B and ZB-H1.
 
     Example:
         >>> in_flight("1f1b", 8, 4, 1)
         3
     """
-    return chunks if schedule == "gpipe" else min(chunks, stages - j)
+    return _schedule(schedule, chunks, stages).in_flight(j)
+
+
+@functools.lru_cache(maxsize=256)
+def _schedule(name: str, chunks: int, stages: int) -> Schedule:
+    return make(name, stages, chunks, n_workers=stages)
 
 
 class _RangeMax:
@@ -101,7 +109,7 @@ class MemoryModel:
         prof: the profile (whole-batch figures).
         chunks: micro-batches M.
         stages: number of stages K.
-        schedule: "gpipe" or "1f1b".
+        schedule: "gpipe", "1f1b" or "zb-h1" (one stage per device).
         checkpoint: "always", "except_last" or "never".
         foreach: per stage, whether the optimizer step runs its multi-tensor kernels.
 
@@ -205,11 +213,11 @@ class MemoryModel:
         forward_act = n_full * full + n_ckpt * ckpt + batch
         # Recomputing a checkpointed micro-batch brings back its full activations; under GPipe
         # the whole one (except_last) has already gone by then, under 1F1B it is still here.
-        recompute = n_ckpt > 0 and (n_full == 0 or self.schedule == "1f1b")
+        recompute = n_ckpt > 0 and (n_full == 0 or self.schedule != "gpipe")
         backward_act = forward_act - ckpt + full if recompute else forward_act
         fwd = round(self._fwd(a, b) * self.scale)
         bwd = self._backward_with_new_grads(a, b)
-        steady = grads if self.schedule == "1f1b" and self.chunks > m else 0
+        steady = grads if self.schedule != "gpipe" and self.chunks > m else 0
         # The first backward creates the gradients; later ones add new ones to the sums.
         backward = backward_act + bwd
         if self.chunks > 1:
