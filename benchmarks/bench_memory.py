@@ -35,7 +35,7 @@ from pipepar.core.units import format_bytes, parse_bytes
 from pipepar.planner.measure import measure_split
 from pipepar.planner.stage_memory import MemoryModel
 
-TITLE_MODES = "Memory per stage: GPipe vs 1F1B vs checkpointing"
+TITLE_MODES = "Memory per stage: GPipe vs 1F1B vs ZB-H1 vs checkpointing"
 TITLE_SCALE = "Memory scaling: largest GPT stack within a per-stage budget"
 MODES = [
     ("gpipe", "never"),
@@ -43,6 +43,8 @@ MODES = [
     ("gpipe", "always"),
     ("1f1b", "never"),
     ("1f1b", "except_last"),
+    ("zb-h1", "never"),
+    ("zb-h1", "always"),
 ]
 OPTIMIZER = "adam"
 
