@@ -259,6 +259,47 @@ def case_random_replay(rank: int, schedule: str) -> dict:
     return {"same": same, "loss": ref_loss}
 
 
+class _Fork(nn.Module):
+    """x -> (h, 2h, step count): a tuple with a non-float member crosses stage boundaries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, v: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        if isinstance(v, torch.Tensor):
+            h = self.linear(v)
+            return h, 2 * h, torch.ones(v.shape[0], dtype=torch.long)
+        a, b, n = v
+        return self.linear(a) + b, b, n + 1
+
+
+class _Join(nn.Module):
+    def forward(self, v: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        a, b, n = v
+        return a * b + n.unsqueeze(1)
+
+
+def _forked_model() -> nn.Sequential:
+    torch.manual_seed(3)
+    return nn.Sequential(_Fork(), _Fork(), _Fork(), _Join())
+
+
+def case_tuples(rank: int, schedule: str) -> dict:
+    """Tuples (float and integer tensors) between stages, local and remote hand-offs."""
+    balance = [1, 1, 1, 1] if schedule == "zb-v" else [2, 2]
+    pipe = ppd.wrap(_forked_model(), balance, chunks=CHUNKS, schedule=schedule, group=_subgroup(2))
+    plain = _forked_model()
+    x, y = batches(1, 1)[0]
+    loss = pipe.step(x[0], y[0], nn.functional.mse_loss)
+    ref = nn.functional.mse_loss(plain(x[0]), y[0])
+    ref.backward()
+    grads = dict(plain.named_parameters())
+    error = max((p.grad - grads[n].grad).abs().max().item() for n, p in pipe.named_parameters())
+    pipe.close()
+    return {"loss": abs(loss - ref.item()), "grad": error}
+
+
 def case_memory(rank: int, m: int) -> dict:
     """Peak saved-activation bytes of each stage for GPipe and 1F1B, pp=4, no checkpointing."""
     width = 64
@@ -435,10 +476,13 @@ def test_training_matches_one_plain_process(
 SCHEDULE_GRIDS = [  # (balance, dp, schedule, checkpoint): 2 ranks per pipeline
     ([3, 5], 2, "zb-h1", "never"),
     ([3, 5], 2, "zb-h1", "always"),
+    ([3, 5], 1, "zb-h1", "except_last"),
     ([2, 2, 2, 2], 2, "zb-v", "never"),
     ([2, 2, 2, 2], 1, "zb-v", "except_last"),
+    ([1, 2, 3, 2], 1, "zb-v", "always"),
     ([2, 2, 2, 2], 2, "interleaved-1f1b", "always"),
     ([1, 3, 2, 2], 1, "interleaved-1f1b", "never"),
+    ([2, 2, 2, 2], 1, "interleaved-1f1b", "except_last"),
 ]
 
 
@@ -466,6 +510,13 @@ def test_every_schedule_across_ranks_matches_one_plain_process(
         )
         layers = {i for s in r["stages"] for i in range(sum(balance[:s]), sum(balance[: s + 1]))}
         assert set(r["keys"]) == {k for k in plain if int(k.split(".")[0]) in layers}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_tuples_cross_ranks_and_local_hand_offs(pool: Pool, schedule: str) -> None:
+    for r in pool.run(case_tuples, schedule):
+        assert r["loss"] < TOL and r["grad"] < TOL, r
 
 
 @pytest.mark.slow

@@ -212,3 +212,51 @@ def test_virtual_stages_share_their_device_worker() -> None:
     assert pipe.schedule.n_workers == 2
     assert list(pipe.schedule.placement) == [0, 1, 1, 0]
     assert pipe.balance == [1, 1, 1, 1]
+
+
+class _Boom(nn.Module):
+    armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _Boom.armed:
+            raise ArithmeticError("boom")
+        return x
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_failing_layer_reaches_the_caller_and_the_pipe_runs_again(schedule: str) -> None:
+    layers = [nn.Linear(WIDTH, WIDTH), nn.Tanh(), _Boom(), nn.Linear(WIDTH, WIDTH)]
+    balance = [1, 1, 1, 1] if schedule in VIRTUAL else [2, 2]
+    pipe = pipepar.wrap(nn.Sequential(*layers), balance, devices=["cpu", "cpu"], chunks=4,
+                        schedule=schedule)  # fmt: skip
+    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+    _Boom.armed = True
+    try:
+        with pytest.raises(ArithmeticError, match="boom") as info:
+            pipe.step(x, y, nn.functional.mse_loss)
+    finally:
+        _Boom.armed = False
+    assert any("micro-batch 0, forward" in note for note in info.value.__notes__)
+    assert pipe.step(x, y, nn.functional.mse_loss) > 0  # nothing left waiting
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_deferred_batch_norm_under_step_tracks_the_whole_mini_batch(schedule: str) -> None:
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.Linear(WIDTH, WIDTH), nn.ReLU()
+        )
+
+    plain, model = build(), build()
+    balance = [1, 1, 1, 1] if schedule in VIRTUAL else [2, 2]
+    pipe = pipepar.wrap(model, balance, devices=["cpu", "cpu"], chunks=4, schedule=schedule,
+                        deferred_batch_norm=True, checkpoint="always")  # fmt: skip
+    x, y = torch.randn(16, WIDTH), torch.randn(16, WIDTH)
+    for _ in range(2):
+        pipe.step(x, y, nn.functional.mse_loss)
+        nn.functional.mse_loss(plain(x), y).backward()
+    bn, ref = pipe[1], plain[1]
+    torch.testing.assert_close(bn.running_mean, ref.running_mean)
+    torch.testing.assert_close(bn.running_var, ref.running_var)
+    assert int(bn.num_batches_tracked) == int(ref.num_batches_tracked) == 2
