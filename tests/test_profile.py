@@ -232,3 +232,14 @@ def test_cuda_profile_matches_meta() -> None:
         for field in _SAME_ON_EVERY_DEVICE:
             assert getattr(a, field) == getattr(b, field)
         assert b.forward_ms is not None
+
+
+def test_meta_profile_counts_attention_as_the_fused_kernel_keeps_it() -> None:
+    import models
+
+    model = models.gpt(2, 64, 4, 128, 64)
+    ids = torch.randint(128, (4, 64))
+    on_cpu = pipepar.profile(model, ids, device="cpu")
+    on_meta = pipepar.profile(model, ids, device="meta")
+    for cpu_layer, meta_layer in zip(on_cpu.layers, on_meta.layers):
+        assert meta_layer.activation_bytes == cpu_layer.activation_bytes, cpu_layer.name

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from pipepar.planner.allocator_log import AllocatorLog
 from pipepar.planner.memory_tracker import MemoryTracker, storage_key
+from pipepar.planner.meta_attention import FusedAttention
 
 __all__ = ["StorageRecord", "LayerTrace", "trace_layers", "time_layers", "stand_ins"]
 
@@ -186,7 +187,8 @@ def trace_layers(
     # The CPU allocator's events need torch.profiler; never take over the user's own session.
     own_profiler = torch._C._autograd._profiler_enabled()
     log = AllocatorLog() if device.type == "cpu" and not own_profiler else contextlib.nullcontext()
-    with log, tracker, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
+    fused = FusedAttention() if device.type == "meta" else contextlib.nullcontext()
+    with log, tracker, fused, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
         x = sample
         for i, layer in enumerate(layers):
             inputs.append(x)
