@@ -130,10 +130,10 @@ def test_overhead_quick(tmp_path: Path) -> None:
 
 def test_memory_quick(tmp_path: Path) -> None:
     rows, text = _run("bench_memory.py", tmp_path)
-    assert "## Memory per stage: GPipe vs 1F1B vs checkpointing" in text
+    assert "## Memory per stage: GPipe vs 1F1B vs ZB-H1 vs checkpointing" in text
     assert "## Memory scaling: largest GPT stack within a per-stage budget" in text
     modes = {(r["schedule"], r["checkpoint"]): r for r in rows if r["table"] == "modes"}
-    assert len(modes) == 5
+    assert len(modes) == 7
     for row in modes.values():
         assert len(row["measured"]) == len(row["predicted"]) == row["k"] == len(row["balance"])
         assert all(b > 0 for b in row["measured"] + row["predicted"])
@@ -211,3 +211,23 @@ def test_plan_quick_predicts_measured_peaks() -> None:
     worst = [line for line in done.stdout.splitlines() if line.startswith("worst |error|")]
     assert len(worst) == 1
     assert float(worst[0].split()[-1].rstrip("%")) <= 10  # the planner's accuracy target
+
+
+def test_dropout_quick_table_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import bench_dropout
+
+    assert bench_dropout.main(["--quick"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert len(lines) == 2 + len(bench_dropout.CASES)
+    for line in lines[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[0] in ("gpipe", "1f1b", "zb-v")
+        assert all(float(c) > 0 for c in cells[2:])
+
+
+def test_gap_analysis_splits_every_workers_step(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import gap_analysis
+
+    assert gap_analysis.main(["--schedule", "1f1b", "--steps", "1"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert len(rows) == 1 + 2  # header and one row per worker
