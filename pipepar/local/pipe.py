@@ -215,7 +215,10 @@ class Pipe(nn.Module):
         at most ``K - j`` micro-batches, and the zero-bubble schedules fill idle time with
         deferred weight gradients. Gradients accumulate into ``.grad`` as with
         ``loss_fn(model(input), target).backward()`` for a loss that averages over the batch
-        (each micro-batch's loss is weighted by its share of the rows).
+        (each micro-batch's loss is weighted by its share of the rows). ``step`` runs the
+        backward itself, so wrap the pipe in ``DistributedDataParallel`` only with
+        ``pipe(x)`` + ``backward()``; for pipeline x data parallel use
+        :mod:`pipepar.distributed` (``dp=``), which runs every schedule.
 
         Args:
             input: the mini-batch (a tensor or a tuple of tensors, batch on dimension 0).
