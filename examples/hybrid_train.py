@@ -2,7 +2,9 @@
 
     torchrun --nproc-per-node 4 examples/hybrid_train.py --pp 2 --dp 2 --schedule 1f1b
 
-Each rank builds the model on the meta device and materializes only its own stage. CPU ranks
+``--schedule`` takes every schedule name of pipepar; with ``interleaved-1f1b`` and ``zb-v`` each
+of the ``--pp`` ranks of a pipeline runs two stages (the balance lists ``2 * pp`` stages).
+Each rank builds the model on the meta device and materializes only its own stages. CPU ranks
 talk over gloo; with one GPU per rank (``LOCAL_RANK``) the ranks use NCCL. The data is
 synthetic: sequences that count up modulo the vocabulary, so the next token is predictable and
 the loss falls quickly. Rank 0 prints the loss and throughput and, at the end, saves the whole
@@ -28,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `models` lives a
 
 import models
 import pipepar.distributed as ppd
+from pipepar.core.schedule import VIRTUAL
 
 
 def even_balance(n_layers: int, n_stages: int) -> list[int]:
@@ -58,9 +61,10 @@ def main() -> None:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     torch.manual_seed(0)  # reset_parameters on replica 0, broadcast to the others
+    stages = 2 * args.pp if args.schedule in VIRTUAL else args.pp  # 2 per rank: virtual stages
     pipe = ppd.wrap(
         model,
-        even_balance(len(model), args.pp),
+        even_balance(len(model), stages),
         chunks=args.chunks,
         schedule=args.schedule,
         dp=args.dp,
@@ -71,7 +75,7 @@ def main() -> None:
     rank0 = dist.get_rank() == 0
     if rank0:
         print(
-            f"{args.pp} stages x {args.dp} replicas, balance {pipe.balance}, "
+            f"{args.pp} ranks ({stages} stages) x {args.dp} replicas, balance {pipe.balance}, "
             f"schedule {args.schedule}, {args.chunks} micro-batches, device {pipe.device}"
             + (f", resuming at step {first}" if first else "")
         )
@@ -93,9 +97,14 @@ def main() -> None:
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pp", type=int, default=2, help="pipeline stages")
+    p.add_argument("--pp", type=int, default=2, help="ranks per pipeline")
     p.add_argument("--dp", type=int, default=2, help="data-parallel replicas")
-    p.add_argument("--schedule", choices=sorted(ppd.SCHEDULES), default="1f1b")
+    p.add_argument(
+        "--schedule",
+        choices=list(ppd.SCHEDULES),
+        default="1f1b",
+        help="pipeline schedule; interleaved-1f1b and zb-v run 2 stages per rank",
+    )
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per mini-batch")
     p.add_argument("--checkpoint", default="never", choices=["always", "except_last", "never"])
     p.add_argument("--steps", type=int, default=30)

@@ -23,8 +23,11 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import pipepar.distributed as ppd
-from pipepar.core.schedule import parse
+from pipepar.core.schedule import NAMES, VIRTUAL, parse
+from pipepar.distributed import replicas
+from pipepar.distributed.arguments import check_schedule
 from pipepar.distributed.mesh import check_grid
+from pipepar.distributed.replicas import BUCKET_BYTES
 from pipepar.distributed.stage import build_stage, load_local_state
 from pipepar.distributed.transport import TensorMeta, decode_meta, encode_meta
 
@@ -128,45 +131,54 @@ def _subgroup(size: int) -> dist.ProcessGroup | None:
 
 
 # -- cases (run on every rank) ------------------------------------------------------------------
+def ranks_per_pipeline(schedule: str, balance: list[int]) -> int:
+    """pp: the number of stages, or half of it for the virtual-stage schedules."""
+    return len(balance) // 2 if schedule in VIRTUAL else len(balance)
+
+
 def case_matches_plain(
-    rank: int, pp: int, dp: int, schedule: str, checkpoint: str, balance: list[int] | None = None
+    rank: int, balance: list[int], dp: int, schedule: str, checkpoint: str
 ) -> dict:
-    group = _subgroup(pp * dp)
+    replicas.BUCKET_BYTES = 1  # a bucket per parameter: shows which ones went out early
+    pp = ranks_per_pipeline(schedule, balance)
     pipe = ppd.wrap(
         tiny_model(),
-        balance or BALANCE[pp],
+        balance,
         chunks=CHUNKS,
         schedule=schedule,
         dp=dp,
         checkpoint=checkpoint,
-        group=group,
+        group=_subgroup(pp * dp),
     )
     plain = tiny_model()
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1, momentum=0.9)
-    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    mine = list(pipe.parameters())  # none on a rank of Tanh stages only: it still takes part
+    opts = [torch.optim.SGD(ps, lr=0.1, momentum=0.9) for ps in (mine, plain.parameters()) if ps]
     errors = {"loss": 0.0, "grad": 0.0, "param": 0.0}
-    for x, y in batches(dp, steps=3):
-        mine = pipe.step(x[pipe.dp_rank], y[pipe.dp_rank], nn.functional.mse_loss)
+    for x, y in batches(dp, steps=2):
+        loss = pipe.step(x[pipe.dp_rank], y[pipe.dp_rank], nn.functional.mse_loss)
         ref = nn.functional.mse_loss(plain(x.reshape(-1, WIDTH)), y.reshape(-1, WIDTH))
         ref.backward()
         ref_grads = dict(plain.named_parameters())
-        errors["loss"] = max(errors["loss"], abs(mine - ref.item()))
+        errors["loss"] = max(errors["loss"], abs(loss - ref.item()))
         for name, p in pipe.named_parameters():
             errors["grad"] = max(errors["grad"], (p.grad - ref_grads[name].grad).abs().max().item())
-        opt.step(), plain_opt.step(), opt.zero_grad(), plain_opt.zero_grad()
+        for opt in opts:
+            opt.step(), opt.zero_grad()
     ref_state = plain.state_dict()
     for name, t in pipe.state_dict().items():
         errors["param"] = max(errors["param"], (t - ref_state[name]).abs().max().item())
-    keys = sorted(pipe.state_dict())
-    overlap = (pipe._sync.posted_early, len(pipe._sync.buckets))
-    pipe.close()
-    return {
+    sync = pipe._sync
+    result = {
         "errors": errors,
-        "keys": keys,
+        "keys": sorted(pipe.state_dict()),
+        "full_keys": list(pipe.full_state_dict()),
         "stage": pipe.stage_index,
         "stages": pipe.stages,
-        "overlap": overlap,
+        "overlap": (sync.posted_early, sync.posted_before_finish, len(sync.buckets)),
     }
+    pipe.close()
+    replicas.BUCKET_BYTES = BUCKET_BYTES
+    return result
 
 
 def case_state_dict(rank: int) -> dict:
@@ -217,7 +229,9 @@ class _SavedBytes:
 
 class _Held:
     def __init__(self, meter: _SavedBytes, t: torch.Tensor) -> None:
-        self.meter, self.t, self.n = meter, t, t.numel() * t.element_size()
+        # a detached alias: holding the saved tensor itself (an output refers to its grad_fn)
+        # would make a reference cycle through the graph that keeps it alive
+        self.meter, self.t, self.n = meter, t.detach(), t.numel() * t.element_size()
         meter.now += self.n
         meter.peak = max(meter.peak, meter.now)
 
@@ -301,13 +315,14 @@ def case_tuples(rank: int, schedule: str) -> dict:
 
 
 def case_memory(rank: int, m: int) -> dict:
-    """Peak saved-activation bytes of each stage for GPipe and 1F1B, pp=4, no checkpointing."""
+    """Peak saved-activation bytes of each stage for GPipe, 1F1B and ZB-H1, pp=4, no
+    checkpointing."""
     width = 64
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(4)])
     x, y = torch.randn(4 * m, width), torch.randn(4 * m, width)
     peaks = {}
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
         pipe = ppd.wrap(model, [1, 1, 1, 1], chunks=m, schedule=schedule, checkpoint="never")
         meter = _SavedBytes()
         with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
@@ -332,6 +347,8 @@ def case_bad_arguments(rank: int) -> dict:
             "chunks": 2,
             "schedule": parse("F0 F1 B1 B0 | F0 F1 B0 B1"),
         },
+        "virtual": {"balance": [2, 2, 2, 2], "dp": 1, "schedule": "zb-v"},
+        "odd virtual": {"balance": [3, 3, 2], "dp": 1, "schedule": "interleaved-1f1b"},
     }.items():
         try:
             ppd.wrap(tiny_model(), **kwargs)
@@ -444,36 +461,13 @@ def case_pipe_under_ddp(rank: int, checkpoint: str) -> dict:
 
 
 # -- tests: multi-process -----------------------------------------------------------------------
-GRIDS = [
-    (2, 2, "gpipe", "never"),
-    (2, 2, "1f1b", "except_last"),
-    (4, 1, "gpipe", "always"),
-    (4, 1, "1f1b", "never"),
-    (1, 2, "gpipe", "always"),
-    (1, 2, "1f1b", "except_last"),
-]
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(("pp", "dp", "schedule", "checkpoint"), GRIDS)
-def test_training_matches_one_plain_process(
-    pool: Pool, pp: int, dp: int, schedule: str, checkpoint: str
-) -> None:
-    results = pool.run(case_matches_plain, pp, dp, schedule, checkpoint)
-    plain = tiny_model().state_dict()
-    for r in results:
-        assert r["errors"]["loss"] < TOL, r
-        assert r["errors"]["grad"] < TOL, r
-        assert r["errors"]["param"] < TOL, r
-        if dp > 1:  # gradients were averaged while the last backward still ran
-            assert r["overlap"][0] == r["overlap"][1] > 0, r
-    for j in range(pp):  # every parameter of the model is trained by some rank
-        start = sum(BALANCE[pp][:j])
-        local = {k for k in plain if int(k.split(".")[0]) in range(start, start + BALANCE[pp][j])}
-        assert all(set(r["keys"]) == local for r in results if r["stage"] == j)
-
-
-SCHEDULE_GRIDS = [  # (balance, dp, schedule, checkpoint): 2 ranks per pipeline
+GRIDS = [  # (balance, dp, schedule, checkpoint); pp = len(balance), or half of it if virtual
+    # every schedule on 2 ranks per pipeline, recomputing never and always, with and without dp
+    ([3, 5], 2, "gpipe", "never"),
+    ([3, 5], 1, "gpipe", "always"),
+    ([3, 5], 2, "1f1b", "except_last"),
+    ([3, 5], 1, "1f1b", "never"),
+    ([3, 5], 1, "1f1b", "always"),
     ([3, 5], 2, "zb-h1", "never"),
     ([3, 5], 2, "zb-h1", "always"),
     ([3, 5], 1, "zb-h1", "except_last"),
@@ -483,33 +477,58 @@ SCHEDULE_GRIDS = [  # (balance, dp, schedule, checkpoint): 2 ranks per pipeline
     ([2, 2, 2, 2], 2, "interleaved-1f1b", "always"),
     ([1, 3, 2, 2], 1, "interleaved-1f1b", "never"),
     ([2, 2, 2, 2], 1, "interleaved-1f1b", "except_last"),
+    # 4 ranks per pipeline: the V and the loop reach every rank (rank 3 sends to rank 0)
+    ([2, 2, 2, 2], 1, "gpipe", "always"),
+    ([2, 2, 2, 2], 1, "1f1b", "never"),
+    ([1] * 8, 1, "zb-v", "never"),
+    ([1] * 8, 1, "interleaved-1f1b", "always"),
+    # 1 rank per pipeline, 2 replicas; with zb-v that rank runs both stages
+    ([8], 2, "gpipe", "always"),
+    ([8], 2, "1f1b", "except_last"),
+    ([4, 4], 2, "zb-v", "always"),
 ]
 
 
+def test_the_grid_runs_every_schedule_on_2_ranks_recomputing_never_and_always() -> None:
+    for name in NAMES:
+        modes = {c for b, _, s, c in GRIDS if s == name and ranks_per_pipeline(s, b) == 2}
+        assert {"never", "always"} <= modes, name
+    assert any(dp == 2 and ranks_per_pipeline(s, b) == 2 for b, dp, s, _ in GRIDS)
+
+
+def _expected_stages(schedule: str, pp: int, position: int) -> list[int]:
+    if schedule == "zb-v":
+        return [position, 2 * pp - 1 - position]
+    if schedule == "interleaved-1f1b":
+        return [position, position + pp]
+    return [position]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(("balance", "dp", "schedule", "checkpoint"), SCHEDULE_GRIDS)
-def test_every_schedule_across_ranks_matches_one_plain_process(
+@pytest.mark.parametrize(("balance", "dp", "schedule", "checkpoint"), GRIDS)
+def test_training_matches_one_plain_process(
     pool: Pool, balance: list[int], dp: int, schedule: str, checkpoint: str
 ) -> None:
-    results = pool.run(case_matches_plain, 2, dp, schedule, checkpoint, balance)
+    results = pool.run(case_matches_plain, balance, dp, schedule, checkpoint)
+    pp = ranks_per_pipeline(schedule, balance)
     plain = tiny_model().state_dict()
-    for r in results[: 2 * dp]:
+    for r in results:
         assert r["errors"]["loss"] < TOL, r
         assert r["errors"]["grad"] < TOL, r
         assert r["errors"]["param"] < TOL, r
-        if dp > 1:
-            assert r["overlap"][0] > 0, r  # some buckets went out before the step ended
-    virtual = len(balance) > 2
-    for r in results[:2]:  # replica 0: each rank holds its stages' layers, nothing else
-        assert r["stages"] == (
-            [r["stage"], 3 - r["stage"]]
-            if schedule == "zb-v"
-            else [r["stage"], r["stage"] + 2]
-            if virtual
-            else [r["stage"]]
-        )
+        assert r["full_keys"] == list(plain)  # gathered in the model's order
+        # each rank holds its stages' layers under their original names, nothing else
+        assert r["stages"] == _expected_stages(schedule, pp, r["stage"]), r
         layers = {i for s in r["stages"] for i in range(sum(balance[:s]), sum(balance[: s + 1]))}
         assert set(r["keys"]) == {k for k in plain if int(k.split(".")[0]) in layers}
+        early, before_finish, n_buckets = r["overlap"]
+        if dp > 1:  # every bucket was posted as soon as its stage's gradients were final
+            assert before_finish == n_buckets == len(r["keys"]), r
+            if len(r["stages"]) > 1:  # the later stage's went out while the earlier one ran
+                assert early > 0, r
+            else:  # one stage: final only once the rank's last action is done
+                assert early == 0, r
+    assert {r["stage"] for r in results} == set(range(pp))
 
 
 @pytest.mark.slow
@@ -552,16 +571,18 @@ def test_state_dicts_use_the_original_keys_and_gather_the_whole_model(pool: Pool
 
 
 @pytest.mark.slow
-def test_1f1b_holds_fewer_activations_than_gpipe(pool: Pool) -> None:
+def test_1f1b_holds_fewer_activations_than_gpipe_and_zb_h1_no_more_than_1f1b(pool: Pool) -> None:
     m = 8
     for r in pool.run(case_memory, m):
         j = r["stage"]
         gpipe_peak, gpipe_left = r["peaks"]["gpipe"]
         ofob_peak, ofob_left = r["peaks"]["1f1b"]
-        assert gpipe_left == ofob_left == 0  # everything saved was released after backward
+        zb_peak, zb_left = r["peaks"]["zb-h1"]
+        assert gpipe_left == ofob_left == zb_left == 0  # all saved was released after backward
         per_microbatch = gpipe_peak / m
         assert per_microbatch > 0
         assert ofob_peak == pytest.approx((4 - j) * per_microbatch), (j, r["peaks"])
+        assert 0 < zb_peak <= ofob_peak, (j, r["peaks"])
 
 
 @pytest.mark.slow
@@ -574,6 +595,11 @@ def test_bad_grids_fail_on_every_rank_before_any_group_is_created(pool: Pool) ->
         assert "sums to 7 but the model has 8 layers" in msg["balance"]
         assert "'zigzag'" in msg["schedule"]
         assert "same order" in msg["custom schedule"]
+        assert (
+            "balance has 4 stages on 2 ranks per pipeline and dp=1, so the grid needs 2 ranks, "
+            "but the process group has 4; pass dp=2"
+        ) in msg["virtual"]
+        assert "runs 2 stages per rank, but balance has 3 stages" in msg["odd virtual"]
 
 
 @pytest.mark.slow
@@ -659,6 +685,34 @@ def test_check_grid_names_both_sizes_and_a_fix() -> None:
         check_grid(5, 2, 2)
     with pytest.raises(TypeError, match="dp must be an int"):
         check_grid(4, 2, 2.0)
+    assert check_grid(4, 2, 2, n_stages=4) == 2  # virtual stages: 2 per rank
+    with pytest.raises(ValueError, match="2 stages per rank over a number of ranks that divides 6"):
+        check_grid(6, 4, 1, n_stages=8)
+
+
+def test_every_schedule_name_is_accepted_with_ranks_per_pipeline_from_the_balance() -> None:
+    assert list(ppd.SCHEDULES) == list(NAMES)
+    for name in NAMES:
+        balance = [2, 2, 2, 2] if name in VIRTUAL else [4, 4]
+        schedule = check_schedule(name, len(balance), CHUNKS)
+        assert schedule.n_workers == 2, name
+        assert schedule.n_stages == len(balance)
+
+
+def test_the_handshake_tells_apart_schedules_that_order_a_rank_differently() -> None:
+    from pipepar.distributed.handshake import fingerprint
+
+    def schedule_of(*workers: str) -> str:
+        return fingerprint(
+            tiny_model(), [2, 2, 2, 2], chunks=1, schedule=parse(workers, name="custom"),
+            dp=1, checkpoint="never", state_dict=None,
+        )["schedule"]  # fmt: skip
+
+    # the same order within every stage, but worker 0 runs its two stages' actions differently
+    one = schedule_of("0F0 3F0 3B0 0B0", "1F0 2F0 2B0 1B0")
+    other = schedule_of("0F0 3F0 0B0 3B0", "1F0 2F0 2B0 1B0")
+    assert one != other
+    assert one == schedule_of("0F0 3F0 3B0 0B0", "1F0 2F0 2B0 1B0")
 
 
 def test_build_stage_keeps_local_layers_under_original_names() -> None:

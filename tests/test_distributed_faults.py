@@ -35,8 +35,12 @@ from pipepar.distributed.snapshot import load_named_optimizer_state, named_optim
 GRID = {"balance": BALANCE[2], "dp": 2}  # 2 stages x 2 replicas on the 4 ranks
 
 
-def _where(rank: int) -> str:
-    return f"rank {rank} (stage {rank % 2}, replica {rank // 2})"
+def _where(rank: int, schedule: str = "1f1b") -> str:
+    """How reports name ``rank`` of the 2 x 2 grid (under zb-v a rank runs 2 of 4 stages)."""
+    position, replica = rank % 2, rank // 2
+    if schedule == "zb-v":
+        return f"rank {rank} (stages {position} and {3 - position}, replica {replica})"
+    return f"rank {rank} (stage {position}, replica {replica})"
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +94,8 @@ class _StrikeInBackward(Function):
 
 
 def fault_model() -> nn.Sequential:
-    """Like tiny_model's first half twice, with a _Fault on each stage of balance [4, 4]."""
+    """Like tiny_model's first half twice, with a _Fault on each stage of balance [4, 4] (and on
+    one stage of each rank with zb-v's [2, 2, 2, 2]: stages 1 and 3)."""
     torch.manual_seed(1)
     return nn.Sequential(*_fault_block(), *_fault_block())
 
@@ -217,8 +222,9 @@ def case_faults(rank: int, plans: list[tuple[int, str, int, str, str]], timeout:
     """For each (rank, phase, micro-batch, schedule, action): a good step, then a failing one."""
     outcomes = []
     for target, phase, i, schedule, action in plans:
+        balance = [2, 2, 2, 2] if schedule == "zb-v" else [4, 4]
         pipe = ppd.wrap(
-            fault_model(), [4, 4], chunks=3, dp=2, schedule=schedule, checkpoint="never",
+            fault_model(), balance, chunks=3, dp=2, schedule=schedule, checkpoint="never",
             timeout=timeout,
         )  # fmt: skip
         _failing_step(pipe, None)
@@ -387,7 +393,11 @@ FAULTS = [  # (rank, phase, micro-batch, schedule, action) on the 2 x 2 grid, ch
     # stage 0's last backward, after every other rank has sent all it had to send
     (0, "backward", 2, "1f1b", "raise late"),
     (3, "loss_fn", 1, "gpipe", "raise"),
+    # ranks of 2 stages: the report names the rank's stages and the one that failed
+    (2, "backward", 1, "zb-v", "raise"),
+    (1, "forward", 2, "zb-v", "raise"),
 ]
+FAULT_STAGE = {("zb-v", 0): 3, ("zb-v", 1): 1}  # the stage holding the _Fault of a position
 
 
 @pytest.mark.slow
@@ -395,8 +405,11 @@ def test_an_exception_anywhere_ends_every_rank_with_its_position(pool: Pool) -> 
     timeout = 20.0
     results = pool.run(case_faults, FAULTS, timeout)
     for rank, r in enumerate(results):
-        for (target, phase, i, _, _), out in zip(FAULTS, r["outcomes"], strict=True):
-            report = f"{_where(target)} failed in the {phase} of micro-batch {i}: "
+        for (target, phase, i, schedule, _), out in zip(FAULTS, r["outcomes"], strict=True):
+            stage = FAULT_STAGE.get((schedule, target % 2))
+            of_stage = "" if stage is None else f" of stage {stage}"
+            where = _where(target, schedule)
+            report = f"{where} failed in the {phase} of micro-batch {i}{of_stage}: "
             assert out["raised"] == "PipelineError", (rank, target, phase, out)
             assert report + "RuntimeError: boom" in out["message"], (rank, out)
             assert out["elapsed"] < 5.0 < timeout, (rank, out)  # not by a timeout

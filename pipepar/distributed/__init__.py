@@ -1,4 +1,5 @@
-"""Pipelines across processes: one stage per rank, ``dp`` replicas, launched by torchrun.
+"""Pipelines across processes: a stage per rank (two with the virtual-stage schedules), ``dp``
+replicas, launched by torchrun.
 
     >>> import pipepar.distributed as ppd
     >>> pipe = ppd.wrap(model, [4, 4], chunks=8, schedule="1f1b", dp=2)  # doctest: +SKIP

@@ -36,7 +36,11 @@ def check_model(model: object, balance: object) -> tuple[nn.Sequential, list[int
 
 
 def n_workers(schedule: object, n_stages: int) -> int:
-    """Ranks per pipeline: one per stage, or one per 2 stages for the virtual-stage schedules.
+    """Ranks per pipeline: one per stage, or one per 2 stages for the virtual-stage schedules
+    (a :class:`Schedule` says itself).
+
+    Raises:
+        ValueError: a virtual-stage schedule with an odd number of stages.
 
     Example:
         >>> n_workers("zb-v", 4), n_workers("1f1b", 4)
@@ -44,7 +48,16 @@ def n_workers(schedule: object, n_stages: int) -> int:
     """
     if isinstance(schedule, Schedule):
         return schedule.n_workers
-    return max(1, n_stages // 2) if schedule in VIRTUAL else n_stages
+    if schedule not in VIRTUAL:
+        return n_stages
+    if n_stages % 2:
+        sizes = " or ".join(str(n) for n in (n_stages - 1, n_stages + 1) if n > 0)
+        raise ValueError(
+            f"schedule {schedule!r} runs 2 stages per rank, but balance has {n_stages} stages; "
+            f"pass balance with {sizes} entries (ranks per pipeline = len(balance) // 2), or "
+            "a schedule with one stage per rank such as '1f1b'"
+        )
+    return n_stages // 2
 
 
 def check_schedule(schedule: str | Schedule, n_stages: int, chunks: int) -> Schedule:
@@ -67,7 +80,12 @@ def check_schedule(schedule: str | Schedule, n_stages: int, chunks: int) -> Sche
 
 
 def _check_orders(schedule: Schedule) -> None:
-    """Point-to-point messages match in order: all stages must walk micro-batches alike."""
+    """Point-to-point messages match in order: all stages must walk micro-batches alike.
+
+    Stage ``s`` sends its outputs in the order of its F actions and stage ``s+1`` receives them
+    in the order of its own, on one channel per receiving stage; gradients likewise in B order.
+    So neighbouring stages, hence all stages, must take the micro-batches in one order per kind.
+    """
     orders = {
         kind: [
             [a.microbatch for a in schedule.stage(j) if a.kind == kind]

@@ -1,11 +1,12 @@
 """Fault reporting: one rank's error ends every rank of the pipeline grid with that error.
 
 A rank that raises posts "rank r (stage j, replica d) failed in the backward of micro-batch i:
-Error: message" to the c10d store, then closes its pipeline process groups. Peers blocked on a
-receive or a collective with that rank see the connection close (or, at the latest, their group
-timeout expire), read the store and raise :class:`PipelineError` naming the failing rank, stage
-and micro-batch; they close their own groups in turn, so the failure spreads along the grid
-within a bounded time instead of hanging.
+Error: message" to the c10d store (a rank that runs several stages: "rank r (stages j and k,
+replica d) failed in the backward of micro-batch i of stage k: ..."), then closes its pipeline
+process groups. Peers blocked on a receive or a collective with that rank see the connection
+close (or, at the latest, their group timeout expire), read the store and raise
+:class:`PipelineError` naming the failing rank, stage and micro-batch; they close their own
+groups in turn, so the failure spreads along the grid within a bounded time instead of hanging.
 
 A ``KeyboardInterrupt`` or ``SystemExit`` (a SIGTERM handler's, say) is posted and spreads the
 same way, but the interrupted rank gets its own exception back, so Ctrl-C still stops it. A
@@ -56,11 +57,16 @@ class Where:
     rank: int
     """Global rank."""
     stage: int
-    """Stage index (position in the pipeline)."""
+    """Position of the rank in its pipeline (its stage, when it runs one)."""
     replica: int
     """Data-parallel replica index."""
+    stages: tuple[int, ...] = ()
+    """The stages the rank runs when there are several (virtual-stage schedules)."""
 
     def __str__(self) -> str:
+        if len(self.stages) > 1:
+            shown = ", ".join(map(str, self.stages[:-1])) + f" and {self.stages[-1]}"
+            return f"rank {self.rank} (stages {shown}, replica {self.replica})"
         return f"rank {self.rank} (stage {self.stage}, replica {self.replica})"
 
 

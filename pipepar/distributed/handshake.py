@@ -51,14 +51,19 @@ def fingerprint(
 ) -> dict[str, str]:
     """What every rank of a grid must agree on, as printable strings.
 
+    The schedule counts by its per-worker action lists (``repr`` names the stage of each
+    action) and its placement: what every rank executes, in order.
+
     Example:
-        >>> from pipepar.schedule import gpipe
+        >>> from pipepar.core.schedule import gpipe
         >>> f = fingerprint(nn.Sequential(nn.ReLU()), [1], chunks=2, schedule=gpipe(1, 2),
         ...                 dp=1, checkpoint="never", state_dict=None)
         >>> f["chunks"], f["schedule"].split()[0]
         ('2', 'gpipe')
     """
-    actions = "|".join(" ".join(map(str, schedule.stage(j))) for j in range(schedule.n_stages))
+    workers = range(schedule.n_workers)
+    actions = "|".join(" ".join(map(repr, schedule.worker(w))) for w in workers)
+    actions += f" placement {list(schedule.placement)}"
     return {
         "balance": str(list(balance)),
         "chunks": str(chunks),

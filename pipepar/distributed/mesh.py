@@ -1,21 +1,26 @@
 """The pp x dp grid of ranks: where this rank sits and the process groups it talks on.
 
 Ranks of the parent group (the world by default) are laid out replica by replica: group rank
-``g`` runs stage ``g % pp`` of replica ``g // pp``. A pipeline replica is thus a run of ``pp``
-consecutive ranks (neighbouring stages share a host under torchrun when ``pp`` divides the
-processes per node), and the ``dp`` copies of one stage are ``pp`` ranks apart.
+``g`` takes pipeline position ``g % pp`` of replica ``g // pp``. A pipeline replica is thus a
+run of ``pp`` consecutive ranks (neighbouring positions share a host under torchrun when ``pp``
+divides the processes per node), and the ``dp`` copies of one position are ``pp`` ranks apart.
+Position ``w`` is worker ``w`` of the schedule: it runs stage ``w``, or several stages under
+the virtual-stage schedules (``schedule.stages_of(w)``), so ``pp`` is the number of workers,
+not always the number of stages.
 
 Each rank joins four small groups, all created with local synchronization so only members take
-part: ``fwd`` (activations, stage j to j+1), ``bwd`` (gradients, j+1 to j), ``ctl`` (collectives
-along the pipeline: loss broadcast, state gathering) and ``dp`` (gradient all-reduce among the
-replicas of a stage). Forward and backward traffic get their own groups so that, on NCCL, a
-posted gradient receive never queues behind an activation send on the same communicator.
+part: ``fwd`` (activations into a stage from the rank of the stage before), ``bwd`` (gradients
+back), ``ctl`` (collectives along the pipeline: loss sharing, state gathering) and ``dp``
+(gradient all-reduce among the replicas of a position). Forward and backward traffic get their
+own groups so that, on NCCL, a posted gradient receive never queues behind an activation send
+on the same communicator.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -33,15 +38,16 @@ class Mesh:
     """This rank's place in the grid and its process groups (``None`` where not needed)."""
 
     pp: int
-    """Stages per pipeline."""
+    """Ranks per pipeline (the schedule's workers)."""
     dp: int
     """Data-parallel replicas."""
     where: Where
-    """Global rank, stage index and replica index of this rank."""
+    """Global rank, pipeline position (and stages) and replica index of this rank."""
     pipeline_ranks: list[int]
-    """Global ranks of this replica's stages, in stage order."""
+    """Global ranks of this replica, in pipeline-position order (``pipeline_ranks[w]`` runs
+    worker ``w``'s stages)."""
     replica_ranks: list[int]
-    """Global ranks holding this rank's stage, in replica order."""
+    """Global ranks at this rank's position (holding its stages), in replica order."""
     grid_ranks: list[int]
     """Global ranks of the whole grid, in group-rank order."""
     backend: str
@@ -54,23 +60,18 @@ class Mesh:
 
     @property
     def stage(self) -> int:
-        """Index of this rank's stage."""
+        """This rank's position in the pipeline (worker index of the schedule)."""
         return self.where.stage
 
     @property
     def prev_rank(self) -> int | None:
-        """Global rank of the previous stage of this replica, if any."""
+        """Global rank at the previous position of this replica, if any."""
         return self.pipeline_ranks[self.stage - 1] if self.stage > 0 else None
 
     @property
     def next_rank(self) -> int | None:
-        """Global rank of the next stage of this replica, if any."""
+        """Global rank at the next position of this replica, if any."""
         return self.pipeline_ranks[self.stage + 1] if self.stage < self.pp - 1 else None
-
-    @property
-    def last_rank(self) -> int:
-        """Global rank of this replica's last stage (it computes the loss)."""
-        return self.pipeline_ranks[-1]
 
     def close(self) -> None:
         """Destroy this pipeline's groups so that peers blocked on this rank see it leave."""
@@ -88,52 +89,74 @@ class Mesh:
         gc.collect()  # the backend closes its connections once the last reference is gone
 
 
-def check_grid(world_size: int, n_stages: int, dp: object) -> int:
-    """Check that ``world_size == n_stages * dp`` before any communication; return ``dp``.
+def check_grid(world_size: int, pp: int, dp: object, *, n_stages: int | None = None) -> int:
+    """Check that ``world_size == pp * dp`` before any communication; return ``dp``.
+
+    Args:
+        world_size: ranks of the parent group.
+        pp: ranks per pipeline (the schedule's workers).
+        dp: replicas asked for.
+        n_stages: stages of the balance when it differs from ``pp`` (virtual stages), to
+            name both in the error.
 
     Example:
         >>> check_grid(4, 2, 2)
+        2
+        >>> check_grid(2, 1, 2, n_stages=2)  # 2 virtual stages on 1 rank, 2 replicas
         2
     """
     if isinstance(dp, bool) or not isinstance(dp, int):
         raise TypeError(f"dp must be an int (replicas), but got {dp!r}; e.g. dp=2")
     if dp < 1:
         raise ValueError(f"dp must be at least 1, but got {dp}; use dp=1 for one pipeline")
-    if n_stages * dp != world_size:
-        if world_size % n_stages == 0:
-            hint = f"pass dp={world_size // n_stages}"
+    if pp * dp != world_size:
+        shape, split = f"balance has {pp} stages", "a number of stages"
+        if n_stages is not None and n_stages != pp:  # several stages per rank
+            shape = f"balance has {n_stages} stages on {pp} ranks per pipeline"
+            split = f"{n_stages // pp} stages per rank over a number of ranks"
+        if world_size % pp == 0:
+            hint = f"pass dp={world_size // pp}"
         else:
-            hint = f"split the model into a number of stages that divides {world_size}"
+            hint = f"split the model into {split} that divides {world_size}"
         raise ValueError(
-            f"balance has {n_stages} stages and dp={dp}, so the grid needs {n_stages * dp} ranks, "
-            f"but the process group has {world_size}; {hint}, or launch "
-            f"torchrun --nproc-per-node {n_stages * dp}"
+            f"{shape} and dp={dp}, so the grid needs {pp * dp} ranks, but the process group "
+            f"has {world_size}; {hint}, or launch torchrun --nproc-per-node {pp * dp}"
         )
     return dp
 
 
-def build_mesh(pp: int, dp: int, *, group: dist.ProcessGroup | None, timeout: timedelta) -> Mesh:
+def build_mesh(
+    pp: int,
+    dp: int,
+    *,
+    group: dist.ProcessGroup | None,
+    timeout: timedelta,
+    placement: Sequence[int] = (),
+) -> Mesh:
     """Place this rank in the pp x dp grid of ``group`` and create its process groups.
 
     Every rank of ``group`` must call this in the same order with the same ``pp`` and ``dp``.
 
     Args:
-        pp: stages per pipeline.
+        pp: ranks per pipeline (the schedule's workers).
         dp: replicas.
         group: the parent group (``None`` for the world).
         timeout: how long a blocked receive or collective waits before it fails.
+        placement: the schedule's ``placement`` (position of each stage), so that error
+            reports name every stage of a rank that runs several.
     """
     parent = group if group is not None else dist.group.WORLD
     ranks = dist.get_process_group_ranks(parent)
     g = dist.get_rank(parent)
-    stage, replica = g % pp, g // pp
+    position, replica = g % pp, g // pp
+    stages = tuple(s for s, w in enumerate(placement) if w == position)
     backend = str(dist.get_backend(parent))
     mesh = Mesh(
         pp=pp,
         dp=dp,
-        where=Where(rank=ranks[g], stage=stage, replica=replica),
+        where=Where(rank=ranks[g], stage=position, replica=replica, stages=stages),
         pipeline_ranks=ranks[replica * pp : (replica + 1) * pp],
-        replica_ranks=ranks[stage::pp],
+        replica_ranks=ranks[position::pp],
         grid_ranks=list(ranks),
         backend=backend,
     )

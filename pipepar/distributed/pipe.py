@@ -1,13 +1,15 @@
-"""DistributedPipe: one stage of a pipeline per rank, replicated ``dp`` times (pp x dp).
+"""DistributedPipe: this rank's stages of a pipeline over ranks, replicated ``dp`` times (pp x dp).
 
-Launched with ``torchrun --nproc-per-node 4 train.py``, where train.py does::
+A rank runs one stage, or several with the virtual-stage schedules (``"interleaved-1f1b"``,
+``"zb-v"``: balance lists two stages per rank). Launched with
+``torchrun --nproc-per-node 4 train.py``, where train.py does::
 
     import pipepar.distributed as ppd
 
     with torch.device("meta"):
         model = make_model()  # never allocated whole
     pipe = ppd.wrap(model, [3, 3], chunks=8, schedule="1f1b", dp=2)
-    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)  # the local stage's parameters
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)  # the local stages' parameters
     loss = pipe.step(x, y, nn.functional.cross_entropy)
     opt.step()
     opt.zero_grad()
@@ -39,7 +41,7 @@ from pipepar.distributed.replicas import (
     check_replica_inputs,
 )
 from pipepar.distributed.runtime import LossFn, Runtime
-from pipepar.distributed.stage import build_stage
+from pipepar.distributed.stage import build_stage, in_model_order
 from pipepar.distributed.transport import Transport
 
 __all__ = ["SCHEDULES", "DistributedPipe", "wrap"]
@@ -51,11 +53,11 @@ _built: Counter[tuple[int, ...]] = Counter()  # pipes built per grid, to keep st
 
 
 class DistributedPipe(nn.Module):
-    """This rank's stage of a pipeline that spans ranks, with ``dp`` synchronized replicas.
+    """This rank's stages of a pipeline that spans ranks, with ``dp`` synchronized replicas.
 
-    Build it with :func:`wrap`. Its children are the local layers under their names in the
-    original model, so ``parameters()`` and ``state_dict()`` cover the local stage with the
-    original keys; :meth:`full_state_dict` gathers the whole model.
+    Build it with :func:`wrap`. Its children are the layers of all its stages under their
+    names in the original model, so ``parameters()`` and ``state_dict()`` cover the local
+    stages with the original keys; :meth:`full_state_dict` gathers the whole model.
     """
 
     def __init__(
@@ -97,7 +99,11 @@ class DistributedPipe(nn.Module):
         )
         self.device = _resolve_device(device, group)
         self.mesh: Mesh = build_mesh(
-            self.schedule.n_workers, self.dp, group=group, timeout=timedelta(seconds=self.timeout)
+            self.schedule.n_workers,
+            self.dp,
+            group=group,
+            timeout=timedelta(seconds=self.timeout),
+            placement=self.schedule.placement,
         )
         stages = []
         for s in self.stages:
@@ -123,12 +129,16 @@ class DistributedPipe(nn.Module):
     ) -> nn.Sequential:
         """Check this rank's arguments on their own (no communication) and keep them."""
         model, self.balance = check_model(model, balance)
+        self.layer_names: list[str] = list(model._modules)
+        """Names of the whole model's layers, in order (the first part of every key)."""
         self.chunks = validation.check_chunks(chunks)
         self.checkpoint = validation.check_checkpoint(checkpoint)
         self.schedule = check_schedule(schedule, len(self.balance), self.chunks)
         self.timeout = check_timeout(timeout)
         _ensure_process_group()
-        self.dp = check_grid(dist.get_world_size(group), self.schedule.n_workers, dp)
+        self.dp = check_grid(
+            dist.get_world_size(group), self.schedule.n_workers, dp, n_stages=len(self.balance)
+        )
         return model
 
     def _assemble(self, stages: list[Stage]) -> None:
@@ -150,13 +160,18 @@ class DistributedPipe(nn.Module):
     # -- grid position ------------------------------------------------------------------------
     @property
     def stage_index(self) -> int:
-        """This rank's position in the pipeline (its stage, or its first stage for the
-        virtual-stage schedules, which give a rank several: see :attr:`stages`)."""
+        """This rank's position in the pipeline, 0 to ``pp - 1`` (the schedule's worker index).
+
+        It is the rank's stage when ranks run one stage each; under the virtual-stage
+        schedules a rank runs several stages, listed by :attr:`stages` (position ``w`` runs
+        stages ``w`` and ``w + pp`` with ``"interleaved-1f1b"``, ``w`` and ``2 * pp - 1 - w``
+        with ``"zb-v"``)."""
         return self.mesh.stage
 
     @property
     def stages(self) -> list[int]:
-        """The stages this rank runs (one, or several for virtual-stage schedules)."""
+        """Indices of the stages this rank runs, in stage order (one, or several for the
+        virtual-stage schedules)."""
         return self.schedule.stages_of(self.mesh.stage)
 
     @property
@@ -166,7 +181,8 @@ class DistributedPipe(nn.Module):
 
     @property
     def pp(self) -> int:
-        """Number of ranks per pipeline (stages, or stages / 2 for virtual-stage schedules)."""
+        """Ranks per pipeline: the number of stages, or half of it for the virtual-stage
+        schedules."""
         return self.mesh.pp
 
     # -- training -----------------------------------------------------------------------------
@@ -205,7 +221,7 @@ class DistributedPipe(nn.Module):
         if same_inputs is not None:  # before the averaged gradients are written back
             same_inputs()
         loss = None if loss_sum is None else (loss_sum / self.chunks).float().reshape(1)
-        self._sync.finish(extra=loss)  # gradient buckets were posted during the last backward
+        self._sync.finish(extra=loss)  # buckets were posted as their stages finished
         return self._share_loss(loss)
 
     def _share_loss(self, loss: Tensor | None) -> float:
@@ -227,10 +243,10 @@ class DistributedPipe(nn.Module):
         return float(value.item())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Not supported: a stage cannot run the whole model; use :meth:`step`."""
+        """Not supported: a rank cannot run the whole model; use :meth:`step`."""
         raise TypeError(
-            "a DistributedPipe holds one stage, so pipe(x) cannot run the model; call "
-            "pipe.step(x, target, loss_fn) for a training step"
+            "a DistributedPipe holds only this rank's stages, so pipe(x) cannot run the model; "
+            "call pipe.step(x, target, loss_fn) for a training step"
         )
 
     # -- state --------------------------------------------------------------------------------
@@ -245,7 +261,7 @@ class DistributedPipe(nn.Module):
             return local
         parts: list[Any] = [None] * self.pp
         self._guard(lambda: self._gather(parts, local))
-        return {k: v for part in parts for k, v in part.items()}
+        return in_model_order({k: v for part in parts for k, v in part.items()}, self.layer_names)
 
     def _gather(self, parts: list[Any], local: dict[str, Tensor]) -> None:
         with comm(f"gathering the state_dict over ranks {self.mesh.pipeline_ranks}"):
@@ -254,7 +270,7 @@ class DistributedPipe(nn.Module):
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load the local stage's entries of a whole-model (or local) state_dict."""
+        """Load the local stages' entries of a whole-model (or local) state_dict."""
         local = {k: v for k, v in state_dict.items() if k.split(".", 1)[0] in self._modules}
         return super().load_state_dict(local, strict=strict, assign=assign)
 
@@ -279,7 +295,8 @@ class DistributedPipe(nn.Module):
 
     def extra_repr(self) -> str:
         return (
-            f"stage={self.stage_index}/{self.pp}, replica={self.dp_rank}/{self.dp}, "
+            f"stages={self.stages}, position={self.stage_index}/{self.pp}, "
+            f"replica={self.dp_rank}/{self.dp}, "
             f"chunks={self.chunks}, schedule={self.schedule.name!r}, checkpoint={self.checkpoint!r}"
         )
 
@@ -299,8 +316,10 @@ def wrap(
 ) -> DistributedPipe:
     """Split ``model`` over the ranks of ``group``: ``len(balance)`` stages x ``dp`` replicas.
 
-    Call it on every rank (under torchrun) with the same arguments. Group rank ``g`` runs stage
-    ``g % pp`` of replica ``g // pp``. Each rank keeps and materializes only its own layers:
+    Call it on every rank (under torchrun) with the same arguments. Group rank ``g`` takes
+    position ``g % pp`` of replica ``g // pp`` (``pp``: ranks per pipeline, ``len(balance)``,
+    or ``len(balance) // 2`` for the virtual-stage schedules) and runs the stages the schedule
+    places there. Each rank keeps and materializes only its own layers:
     build the model on the meta device so it never exists whole, and either let each layer's
     ``reset_parameters()`` initialise it (replica 0's weights are broadcast to the others) or
     pass ``state_dict`` (the whole model's, same keys as the plain model).

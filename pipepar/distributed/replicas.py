@@ -1,10 +1,13 @@
 """Keep the dp replicas of a stage identical: same initial weights, averaged gradients.
 
-Gradients are averaged while the stage's last backward of a mini-batch still runs: as soon as
-a bucket of gradients (a few layers' worth, last layers first, the order autograd produces
-them) is final, its all-reduce is posted, so communication overlaps the rest of that backward
-and the drain of the stages upstream. Buckets are posted strictly in order, so every replica
-issues the same collectives in the same order.
+Gradients are averaged while the rank still runs: the runtime calls :meth:`GradientSync.ready`
+with a stage's parameters as soon as that stage's last backward action of the mini-batch is
+done (their gradients are final then), and each bucket of gradients (a few layers' worth, last
+layers first) is all-reduced once all its parameters are ready. A rank that runs several
+stages (virtual stages) thus averages its later stage's gradients while its earlier stage still
+computes; with one stage per rank the buckets go out when its last action ends, overlapping the
+end of the mini-batch (last sends, the loss) only. Buckets are posted strictly in order, so
+every replica issues the same collectives in the same order.
 
 Replicas must train on mini-batches of the same shape (the average of their gradients is the
 whole batch's gradient only then): stage 0 of every replica all-gathers its input's shape and
@@ -24,7 +27,11 @@ from pipepar.distributed.failure import comm, wait
 from pipepar.distributed.mesh import Mesh
 from pipepar.distributed.transport import TensorMeta, decode_meta, encode_meta
 
-__all__ = ["GradientSync", "broadcast_from_first", "check_replica_inputs"]
+__all__ = ["BUCKET_BYTES", "GradientSync", "broadcast_from_first", "check_replica_inputs"]
+
+BUCKET_BYTES = 4 << 20
+"""Gradient bytes per all-reduce when a pipe builds its :class:`GradientSync` (read then; every
+rank of the grid must see the same value, or the replicas' collectives would not match)."""
 
 
 def check_replica_inputs(x: object, mesh: Mesh, device: torch.device) -> Callable[[], None]:
@@ -116,22 +123,27 @@ class GradientSync:
     Args:
         module: the rank's layers (bucketed last to first).
         mesh: this rank's grid position; nothing happens without a dp group.
-        bucket_bytes: gradients per all-reduce, at least one layer's.
+        bucket_bytes: gradients per all-reduce, at least one parameter's (default
+            :data:`BUCKET_BYTES`).
 
     Example:
         >>> sync = GradientSync(stage, mesh)  # doctest: +SKIP
         >>> sync.arm(); sync.ready(params); sync.finish()  # doctest: +SKIP
     """
 
-    def __init__(self, module: nn.Module, mesh: Mesh, *, bucket_bytes: int = 4 << 20) -> None:
+    def __init__(self, module: nn.Module, mesh: Mesh, *, bucket_bytes: int | None = None) -> None:
         self.mesh = mesh
-        self.buckets = _buckets(module, bucket_bytes) if mesh.dp_group is not None else []
+        size = BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        self.buckets = _buckets(module, size) if mesh.dp_group is not None else []
         self._bucket_of = {id(p): k for k, bucket in enumerate(self.buckets) for p in bucket}
         self._missing: list[int] = []
         self._posted: list[tuple[dist.Work | None, Tensor, list[Tensor]]] = []
         self._armed = False
         self.posted_early = 0
-        """Buckets of the last mini-batch posted before :meth:`finish` (while actions ran)."""
+        """Buckets of the last mini-batch posted while the rank still had actions to run (their
+        all-reduce overlapped computation)."""
+        self.posted_before_finish = 0
+        """Buckets of the last mini-batch posted by :meth:`ready`, before :meth:`finish`."""
 
     def arm(self) -> None:
         """A mini-batch starts: post each bucket once all its gradients are ready."""
@@ -139,9 +151,16 @@ class GradientSync:
         self._posted = []
         self._armed = True
         self.posted_early = 0
+        self.posted_before_finish = 0
 
-    def ready(self, params: Iterable[Tensor]) -> None:
-        """These parameters' gradients are final for the mini-batch."""
+    def ready(self, params: Iterable[Tensor], overlapped: bool = True) -> None:
+        """These parameters' gradients are final for the mini-batch (in ``.grad``).
+
+        Args:
+            params: parameters of one stage.
+            overlapped: whether the rank still has actions to run, so the all-reduces posted
+                now overlap them (counted in :attr:`posted_early`).
+        """
         if not self._armed:
             return
         for p in params:
@@ -150,13 +169,14 @@ class GradientSync:
                 self._missing[k] -= 1
         while len(self._posted) < len(self.buckets) and self._missing[len(self._posted)] == 0:
             self._post(len(self._posted))
+            self.posted_early += int(overlapped)
 
     def finish(self, extra: Tensor | None = None) -> None:
         """Post the buckets left, average ``extra`` too, wait and write the means back."""
         self._armed = False
         if self.mesh.dp_group is None:
             return
-        self.posted_early = len(self._posted)
+        self.posted_before_finish = len(self._posted)
         while len(self._posted) < len(self.buckets):
             self._post(len(self._posted))
         if extra is not None:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipepar.core.microbatch import tensors
+from pipepar.core.microbatch import Value, scatter, tensors
 from pipepar.core.randomness import Recorded
 from pipepar.core.schedule import Action, Schedule
 from pipepar.core.stage import Stage
@@ -41,6 +41,9 @@ __all__ = ["LossFn", "Runtime"]
 
 LossFn = Callable[[Any, Tensor], Tensor]
 Metas = tuple[TensorMeta, ...]
+OnFinal = Callable[[list[torch.nn.Parameter], bool], None]
+"""``on_final(params, overlapped)``: a stage's gradients are final (``overlapped``: the rank has
+actions left to run)."""
 
 
 @dataclass
@@ -58,7 +61,7 @@ class _Batch:
     shapes: _Shapes | None  # None on the first mini-batch of a signature
     seen: _Shapes
     steps: dict[int, StageStep]
-    chunks: Sequence[Tensor] = ()
+    chunks: Sequence[Value] = ()
     local: dict[tuple[str, int, int], Any] = field(default_factory=dict)
     posted: dict[tuple[str, int, int], Incoming] = field(default_factory=dict)
     loss_sum: Tensor | None = None
@@ -74,7 +77,8 @@ class Runtime:
         schedule: the whole pipeline's schedule.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         on_final: called with a stage's parameters once their gradients for the mini-batch
-            are in ``.grad`` (e.g. to start averaging them over the replicas).
+            are in ``.grad`` (e.g. to start averaging them over the replicas), and whether the
+            rank has actions left to run meanwhile.
     """
 
     def __init__(
@@ -85,7 +89,7 @@ class Runtime:
         schedule: Schedule,
         checkpoint: str,
         *,
-        on_final: Callable[[list[torch.nn.Parameter]], None] | None = None,
+        on_final: OnFinal | None = None,
     ) -> None:
         self.stages = {s.index: s for s in stages}
         self.mesh, self.transport, self.schedule = mesh, transport, schedule
@@ -111,7 +115,7 @@ class Runtime:
             self.doing = _describe(action, several=len(self.stages) > 1)
             self._act(batch, action)
             if k in self._finals:
-                self._deliver(batch.steps[action.stage])
+                self._deliver(batch.steps[action.stage], k < len(self.actions) - 1)
         self.doing = "last sends of the mini-batch"
         self.transport.flush()
         self.doing = None
@@ -120,7 +124,7 @@ class Runtime:
         return batch.loss_sum
 
     def _steps(self, target: Tensor | None, loss_fn: LossFn) -> dict[int, StageStep]:
-        targets = _split(target, self.m, "target") if self.last in self.stages else []
+        targets: list[Any] = _split(target, self.m, "target") if self.last in self.stages else []
         randomness = Recorded()  # one thread runs this rank's stages, in schedule order
 
         def loss(output: Any, i: int) -> Tensor:
@@ -217,7 +221,7 @@ class Runtime:
         ]
         self.transport.send_grad(i, sent, dst=self._peer(s - 1), stage=s - 1)
 
-    def _deliver(self, step: StageStep) -> None:
+    def _deliver(self, step: StageStep, overlapped: bool) -> None:
         """Add a stage's final gradient sums into ``.grad``; tell the replica sync."""
         with torch.no_grad():
             for p, g in zip(step.params, step.param_grads()):
@@ -229,7 +233,7 @@ class Runtime:
                     p.grad.add_(g)
         step.release()
         if self.on_final is not None:
-            self.on_final(step.params)
+            self.on_final(step.params, overlapped)
 
     # -- early receives -------------------------------------------------------------------------
     def _prefetch(self, batch: _Batch, kind: str, s: int, i: int) -> None:
@@ -328,7 +332,7 @@ def _grad_metas(metas: Sequence[TensorMeta]) -> list[TensorMeta]:
     return [m for m in metas if m.requires_grad]
 
 
-def _split(value: Tensor | None, m: int, name: str) -> list[Tensor]:
+def _split(value: Tensor | None, m: int, name: str) -> list[Value]:
     if not isinstance(value, Tensor):
         raise TypeError(
             f"{name} must be a Tensor on this stage, but got {type(value).__name__}; stage 0 needs "
@@ -339,4 +343,4 @@ def _split(value: Tensor | None, m: int, name: str) -> list[Tensor]:
         raise ValueError(
             f"{name} has {rows} rows but chunks={m}; pass at least {m} rows or lower chunks"
         )
-    return list(value.tensor_split(m))
+    return scatter(value, m)  # as the one-process pipe splits: the schedule needs all m

@@ -33,6 +33,7 @@ import pipepar.persist.files
 from pipepar.distributed.failure import comm
 from pipepar.distributed.mesh import Mesh
 from pipepar.distributed.pipe import DistributedPipe
+from pipepar.distributed.stage import in_model_order
 
 __all__ = [
     "load_checkpoint",
@@ -103,6 +104,7 @@ def _save(
         parts = _gather_on_first(local, mesh)
         if mesh.stage == 0:
             payload = _merge(parts, balance=pipe.balance, dp=pipe.dp, extra=extra)
+            payload["model"] = in_model_order(payload["model"], pipe.layer_names)
             try:
                 pipepar.io.save(payload, path)
             except Exception as error:  # reported to every rank; the pipe stays usable

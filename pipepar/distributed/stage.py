@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["build_stage", "layer_range", "load_local_state", "materialize"]
+__all__ = ["build_stage", "in_model_order", "layer_range", "load_local_state", "materialize"]
+
+T = TypeVar("T")
 
 
 def layer_range(balance: Sequence[int], stage: int) -> range:
@@ -113,6 +116,19 @@ def load_local_state(part: nn.Sequential, state_dict: Mapping[str, Tensor]) -> N
             "whole model's state_dict (keys like model.state_dict()) or this stage's"
         )
     part.load_state_dict(local, strict=True)
+
+
+def in_model_order(state: Mapping[str, T], layer_names: Sequence[str]) -> dict[str, T]:
+    """``state`` (keys like ``"3.weight"``) ordered by layer as in the model, each layer's keys
+    in their own order: parts gathered rank by rank are not in layer order when ranks hold
+    several stages.
+
+    Example:
+        >>> list(in_model_order({"2.w": 0, "0.w": 1, "0.b": 2}, ["0", "1", "2"]))
+        ['0.w', '0.b', '2.w']
+    """
+    position = {name: k for k, name in enumerate(layer_names)}
+    return dict(sorted(state.items(), key=lambda item: position[item[0].split(".", 1)[0]]))
 
 
 def _tensors(layer: nn.Module) -> list[Tensor]:

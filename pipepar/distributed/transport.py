@@ -1,15 +1,21 @@
-"""Point-to-point hand-off of activations (stage j to j+1) and gradients (j+1 to j).
+"""Point-to-point hand-off of activations (stage s to s+1) and gradients (s+1 to s) between ranks.
 
+The peer of a message is the rank that holds the other stage: for stage ``s``, the one at
+position ``placement[s + 1]`` (or ``[s - 1]``) of ``pipeline_ranks``. That is the next position,
+or any position with virtual stages (looped placement sends from the last rank back to rank 0).
+Neighbouring stages on one rank never come here; the runtime hands their values over in memory.
 Only ``torch.distributed`` isend/irecv move bytes. A receive needs a buffer of the right shape,
 so when the shapes of a mini-batch are new, each activation is preceded by a small metadata
 message (dtype, requires_grad, shape of every tensor); the runtime caches the shapes and later
 mini-batches with the same input signature post their receives early, before the data is sent.
 
-Every stage boundary has its own channels: activations for stage ``s`` travel on the ``fwd``
-group with a tag of their own, the gradients of stage ``s``'s output on the ``bwd`` group with
-another, so boundaries that share a pair of ranks (virtual stages) never mix. Messages keep
-their order within a group and tag, and both sides walk each stage's micro-batches in the
-schedule's order, so receives match sends without per-message bookkeeping.
+Every stage boundary has its own channels, one per (direction, receiving stage): activations
+into stage ``s`` travel on the ``fwd`` group, the gradients of stage ``s``'s output back into
+``s`` on the ``bwd`` group, each with the tag of ``s`` (metadata and data on two tags of their
+own), so boundaries that share a pair of ranks (virtual stages) never mix. Messages keep their
+order within a group, pair of ranks and tag, and both sides walk each stage's micro-batches in
+the same order (checked when the schedule is), so receives match sends without per-message
+bookkeeping.
 With ``PIPEPAR_DEBUG=1`` every send and receive is logged at DEBUG level.
 """
 
@@ -130,6 +136,8 @@ class Incoming:
     works: list[dist.Work | None]
     what: str
     src: int
+    stage: int
+    """The receiving stage (named in traces and errors)."""
 
 
 class Transport:
@@ -149,11 +157,12 @@ class Transport:
         self.send_window = max(_MIN_SEND_WINDOW, send_window)
         self.debug = debug_enabled()
         self._fwd_sends: dict[tuple[int, int], list[dist.Work | None]] = {}
-        self._grad_sends: deque[tuple[int, int, list[dist.Work | None]]] = deque()
+        self._grad_sends: deque[tuple[list[dist.Work | None], str]] = deque()
 
     # -- mini-batch header: lets every stage know the input signature ------------------------
     def exchange_header(self, signature: int | None) -> int:
-        """Stage 0 passes ``signature``; every stage gets it and hands it to the next."""
+        """Position 0 (which holds stage 0) passes ``signature``; every rank gets it from the
+        previous position and hands it to the next."""
         m = self.mesh
         header = torch.tensor([-1 if signature is None else signature], device=self.device)
         if m.prev_rank is not None:
@@ -167,7 +176,7 @@ class Transport:
             self._trace("send header", int(header.item()), m.next_rank, ())
         return int(header.item())
 
-    # -- activations, stage s -> s+1 ------------------------------------------------------------
+    # -- activations, stage s-1 -> s (stage: the receiving one) ------------------------------
     def send_activation(
         self,
         i: int,
@@ -179,65 +188,65 @@ class Transport:
     ) -> None:
         """Send micro-batch ``i``'s input of stage ``stage`` to rank ``dst``, after its
         ``metas`` (shapes, dtypes, which get a gradient back) on a new signature."""
-        group = self.mesh.fwd
+        group, what = self.mesh.fwd, f"activation {i}{_for(stage)}"
         works = []
         if metas is not None:
             meta = encode_meta(metas, self.device)
-            works.append(self._isend(meta, dst, group, _tag(_META, stage), f"metadata {i}"))
+            works.append(self._isend(meta, dst, group, _tag(_META, stage), f"metadata of {what}"))
         works += [
-            self._isend(t.detach().contiguous(), dst, group, _tag(_DATA, stage), f"activation {i}")
+            self._isend(t.detach().contiguous(), dst, group, _tag(_DATA, stage), what)
             for t in tensors
         ]
         self._fwd_sends[(stage, i)] = works
-        self._trace("send activation", i, dst, tensors)
+        self._trace("send activation", i, dst, tensors, stage)
 
     def recv_meta(self, *, src: int, stage: int) -> tuple[TensorMeta, ...]:
         """Receive the metadata message that precedes an activation on a new signature."""
         message = torch.empty(_META_LEN, dtype=torch.int64, device=self.device)
-        work = self._irecv(message, src, self.mesh.fwd, _tag(_META, stage), "metadata")
-        self._wait(work, f"receiving metadata from rank {src}")
+        what = f"metadata{_for(stage)}"
+        work = self._irecv(message, src, self.mesh.fwd, _tag(_META, stage), what)
+        self._wait(work, f"receiving {what} from rank {src}")
         metas = decode_meta(message)
-        self._trace("recv metadata", -1, src, ())
+        self._trace("recv metadata", -1, src, (), stage)
         return metas
 
     def post_activation(
         self, i: int, metas: Sequence[TensorMeta], *, src: int, stage: int
     ) -> Incoming:
         """Post the receives of micro-batch ``i``'s input of stage ``stage`` from rank ``src``."""
-        return self._post(i, metas, src, self.mesh.fwd, _tag(_DATA, stage), "activation")
+        return self._post(i, metas, src, self.mesh.fwd, stage, "activation")
 
-    # -- gradients, stage s+1 -> s ------------------------------------------------------------
+    # -- gradients, stage s+1 -> s (stage: the receiving one) --------------------------------
     def send_grad(self, i: int, grads: Sequence[Tensor], *, dst: int, stage: int) -> None:
         """Send the gradients of stage ``stage``'s output of micro-batch ``i`` to rank ``dst``."""
+        what = f"gradient {i}{_for(stage)}"
         works = [
-            self._isend(g.contiguous(), dst, self.mesh.bwd, _tag(_DATA, stage), f"gradient {i}")
-            for g in grads
+            self._isend(g.contiguous(), dst, self.mesh.bwd, _tag(_DATA, stage), what) for g in grads
         ]
-        self._grad_sends.append((dst, i, works))
-        self._trace("send gradient", i, dst, grads)
+        self._grad_sends.append((works, f"sending {what} to rank {dst}"))
+        self._trace("send gradient", i, dst, grads, stage)
         while len(self._grad_sends) > self.send_window:  # long received, normally
-            to, j, old = self._grad_sends.popleft()
-            self._wait_all(old, f"sending gradient {j} to rank {to}")
+            self._wait_all(*self._grad_sends.popleft())
 
     def post_grad(self, i: int, metas: Sequence[TensorMeta], *, src: int, stage: int) -> Incoming:
         """Post the receives of the gradients of stage ``stage``'s output of micro-batch ``i``."""
-        return self._post(i, metas, src, self.mesh.bwd, _tag(_DATA, stage), "gradient")
+        return self._post(i, metas, src, self.mesh.bwd, stage, "gradient")
 
     def release_activation(self, stage: int, i: int) -> None:
         """Forget the finished send of micro-batch ``i`` into ``stage`` (its gradient came
         back, so it arrived)."""
         works = self._fwd_sends.pop((stage, i), None)
         if works:
-            self._wait_all(works, f"sending activation {i} of stage {stage}")
+            self._wait_all(works, f"sending activation {i}{_for(stage)}")
 
     # -- completion ---------------------------------------------------------------------------
     def take(self, incoming: Incoming) -> tuple[Tensor, ...]:
         """Wait for a posted receive and return its buffers."""
-        src = incoming.src
+        src, i, stage = incoming.src, incoming.microbatch, incoming.stage
         self._wait_all(
-            incoming.works, f"receiving {incoming.what} {incoming.microbatch} from rank {src}"
+            incoming.works, f"receiving {incoming.what} {i}{_for(stage)} from rank {src}"
         )
-        self._trace(f"recv {incoming.what}", incoming.microbatch, src, incoming.buffers)
+        self._trace(f"recv {incoming.what}", i, src, incoming.buffers, stage)
         return incoming.buffers
 
     def flush(self) -> None:
@@ -245,8 +254,7 @@ class Transport:
         for stage, i in list(self._fwd_sends):
             self.release_activation(stage, i)
         while self._grad_sends:
-            dst, i, works = self._grad_sends.popleft()
-            self._wait_all(works, f"sending gradient {i} to rank {dst}")
+            self._wait_all(*self._grad_sends.popleft())
 
     def drop(self) -> None:
         """Forget every pending work without waiting (after a failure)."""
@@ -260,12 +268,13 @@ class Transport:
         metas: Sequence[TensorMeta],
         src: int,
         group: dist.ProcessGroup | None,
-        tag: int,
+        stage: int,
         what: str,
     ) -> Incoming:
         buffers = tuple(torch.empty(m.shape, dtype=m.dtype, device=self.device) for m in metas)
-        works = [self._irecv(b, src, group, tag, f"{what} {i}") for b in buffers]
-        return Incoming(i, buffers, works, what, src)
+        tag, shown = _tag(_DATA, stage), f"{what} {i}{_for(stage)}"
+        works = [self._irecv(b, src, group, tag, shown) for b in buffers]
+        return Incoming(i, buffers, works, what, src, stage)
 
     def _isend(
         self, t: Tensor, dst: int | None, group: dist.ProcessGroup | None, tag: int, what: str
@@ -286,7 +295,22 @@ class Transport:
         for work in works:
             self._wait(work, what)
 
-    def _trace(self, verb: str, i: int, peer: int | None, tensors: Sequence[Tensor]) -> None:
+    def _trace(
+        self,
+        verb: str,
+        i: int,
+        peer: int | None,
+        tensors: Sequence[Tensor],
+        stage: int | None = None,
+    ) -> None:
         if self.debug:
             shapes = [tuple(t.shape) for t in tensors]
-            logger.debug("%s: %s %d with rank %s %s", self.mesh.where, verb, i, peer, shapes)
+            where = "" if stage is None else _for(stage)
+            logger.debug(
+                "%s: %s %d%s with rank %s %s", self.mesh.where, verb, i, where, peer, shapes
+            )
+
+
+def _for(stage: int) -> str:
+    """How messages name the stage whose channel they use (the receiving stage)."""
+    return f" for stage {stage}"
