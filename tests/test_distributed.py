@@ -524,10 +524,9 @@ def test_training_matches_one_plain_process(
         early, before_finish, n_buckets = r["overlap"]
         if dp > 1:  # every bucket was posted as soon as its stage's gradients were final
             assert before_finish == n_buckets == len(r["keys"]), r
-            if len(r["stages"]) > 1:  # the later stage's went out while the earlier one ran
-                assert early > 0, r
-            else:  # one stage: final only once the rank's last action is done
-                assert early == 0, r
+            # Posted while the rank still computed: parameters' sums go out as the last backward
+            # makes them, and a rank's later stage's while its earlier stage runs.
+            assert early > 0, r
     assert {r["stage"] for r in results} == set(range(pp))
 
 

@@ -89,6 +89,10 @@ class StageStep:
         split: ``split(i)`` is True if micro-batch ``i``'s parameter gradients wait for W.
         head: applied to the output inside the graph (the loss, on a last stage that owns it).
         record: told about each computation, for timelines.
+        on_final: ``on_final(k, grad)`` hands over parameter ``k``'s final sum the moment the
+            last backward action of the mini-batch makes it (while the rest of that backward
+            still runs, e.g. to start averaging it over replicas); it is then no longer in
+            :meth:`param_grads`.
 
     Example:
         >>> stage = Stage(0, 0, [torch.nn.Linear(2, 2)], torch.device("cpu"))
@@ -111,13 +115,15 @@ class StageStep:
         split: Callable[[int], bool] | None = None,
         head: Head | None = None,
         record: Recorder | None = None,
+        on_final: Callable[[int, Tensor], None] | None = None,
     ) -> None:
         self.stage, self.m, self.checkpoint = stage, m, checkpoint
         self.grad, self.input_grad, self.streams = grad, input_grad, streams
         self.training = any(layer.training for layer in stage.layers)
         self.autocast = Autocast.capture()
         self.split = split or (lambda i: False)
-        self.head, self.record = head, record
+        self.head, self.record, self.on_final = head, record, on_final
+        self._closed = 0  # micro-batches whose last backward action ran
         self.params = stage.trainable()
         self._index = {id(p): k for k, p in enumerate(self.params)}
         self._sums: list[Tensor | None] = [None] * len(self.params)
@@ -184,13 +190,18 @@ class StageStep:
                 if work is not None:
                     self._weights[i] = work
                     return grads_in
-            with self._summing(gouts) as fresh:
+            with self._summing(gouts, last=self._closing()) as fresh:
                 result = torch.autograd.grad(
                     outs, [*inputs, *self.params], gouts, allow_unused=True
                 )
             grads_in = list(result[: len(inputs)])
             self._disown(fresh, [g for g in grads_in if g is not None])
         return grads_in
+
+    def _closing(self) -> bool:
+        """Count a micro-batch's last backward action; True if it is the mini-batch's last."""
+        self._closed += 1
+        return self._closed == self.m
 
     def _recompute(self, rec: _Record, i: int) -> Value:
         start = time.perf_counter()
@@ -203,12 +214,12 @@ class StageStep:
     def weight(self, i: int) -> None:
         """Compute micro-batch ``i``'s deferred parameter gradients (no-op if B did them)."""
         work = self._weights.pop(i, None)
-        if work is None:
+        if work is None:  # B did it all, and counted it
             return
         start = time.perf_counter()
         shared = [g for gs in work.grads.values() for g in gs if g is not None]
         shared += [g for _, g in work.roots]
-        with self._device(), self._summing(shared) as fresh:
+        with self._device(), self._summing(shared, last=self._closing()) as fresh:
             work.run()
         self._disown(fresh, [])
         self._tell(i, "weight", start)
@@ -224,22 +235,33 @@ class StageStep:
         self._sums = [None] * len(self.params)
         self._records.clear()
         self._weights.clear()
+        self._closed = 0
 
     @contextlib.contextmanager
-    def _summing(self, shared: Sequence[Tensor]) -> Iterator[list[int]]:
+    def _summing(self, shared: Sequence[Tensor], *, last: bool) -> Iterator[list[int]]:
         """Add each parameter gradient into its sum as soon as autograd computes it, while it
-        is still in cache (hooks on the parameters, removed afterwards). Yields the indices of
-        the sums that took a gradient of this pass as their buffer."""
+        is still in cache (hooks on the parameters, removed afterwards), and on the ``last``
+        pass hand each final sum to :attr:`on_final`. Yields the indices of the sums that took
+        a gradient of this pass as their buffer."""
         keep = {t.untyped_storage().data_ptr() for t in shared}
         fresh: list[int] = []
-        handles = [p.register_hook(self._adder(k, keep, fresh)) for k, p in enumerate(self.params)]
+        final = self.on_final if last else None
+        handles = [
+            p.register_hook(self._adder(k, keep, fresh, final)) for k, p in enumerate(self.params)
+        ]
         try:
             yield fresh
         finally:
             for handle in handles:
                 handle.remove()
 
-    def _adder(self, k: int, keep: set[int], fresh: list[int]) -> Callable[[Tensor], None]:
+    def _adder(
+        self,
+        k: int,
+        keep: set[int],
+        fresh: list[int],
+        final: Callable[[int, Tensor], None] | None,
+    ) -> Callable[[Tensor], None]:
         def add(g: Tensor) -> None:
             total = self._sums[k]
             if total is None:
@@ -253,15 +275,21 @@ class StageStep:
                 total.add_(g)
             else:
                 self._sums[k], self._owned[k] = total + g, True
+            if final is not None:
+                done = self._sums[k]
+                # A buffer taken in this very pass may alias another gradient of it: copy.
+                final(k, done.clone() if k in fresh else done)  # type: ignore[union-attr, arg-type]
+                self._sums[k] = None
 
         return add
 
     def _disown(self, fresh: list[int], others: Sequence[Tensor]) -> None:
         """Never write into a new sum whose storage another gradient of the pass shares (two
         parameters' gradients as views of one tensor, or a parameter's and an input's)."""
-        ptrs = Counter(self._sums[k].untyped_storage().data_ptr() for k in fresh)  # type: ignore[union-attr]
+        kept = [k for k in fresh if self._sums[k] is not None]
+        ptrs = Counter(self._sums[k].untyped_storage().data_ptr() for k in kept)  # type: ignore[union-attr]
         ptrs.update(t.untyped_storage().data_ptr() for t in others)
-        for k in fresh:
+        for k in kept:
             if ptrs[self._sums[k].untyped_storage().data_ptr()] > 1:  # type: ignore[union-attr]
                 self._owned[k] = False
 

@@ -106,6 +106,7 @@ class Runtime:
     def run(self, x: Tensor | None, target: Tensor | None, loss_fn: LossFn) -> Tensor | None:
         """Run one mini-batch; return the sum of the micro-batch losses on the last stage."""
         self.doing = None
+        self._reported: set[int] = set()  # parameters whose final gradient went out
         signature = self.transport.exchange_header(self._signature(x) if 0 in self.stages else None)
         known = self._shapes.get(signature)
         batch = _Batch(known, _Shapes(), self._steps(target, loss_fn))
@@ -143,9 +144,19 @@ class Runtime:
                 streams=randomness,
                 split=functools.partial(self.schedule.splits_backward, s),
                 head=loss if s == self.last else None,
+                on_final=functools.partial(self._param_final, stage),
             )
             for s, stage in self.stages.items()
         }
+
+    def _param_final(self, stage: Stage, k: int, grad: Tensor) -> None:
+        """One parameter's gradient is final while its stage's last backward still runs:
+        into ``.grad``, and to the replica sync (its bucket may go out now)."""
+        p = stage.trainable()[k]
+        _add_grad(p, grad)
+        self._reported.add(id(p))
+        if self.on_final is not None:
+            self.on_final([p], True)
 
     # -- one action -----------------------------------------------------------------------------
     def _act(self, batch: _Batch, action: Action) -> None:
@@ -223,17 +234,14 @@ class Runtime:
 
     def _deliver(self, step: StageStep, overlapped: bool) -> None:
         """Add a stage's final gradient sums into ``.grad``; tell the replica sync."""
-        with torch.no_grad():
-            for p, g in zip(step.params, step.param_grads()):
-                if g is None:
-                    continue
-                if p.grad is None:
-                    p.grad = g if g.stride() == p.stride() else g.contiguous()
-                else:
-                    p.grad.add_(g)
+        for p, g in zip(step.params, step.param_grads()):
+            if g is not None:
+                _add_grad(p, g)
         step.release()
+        left = [p for p in step.params if id(p) not in self._reported]
+        self._reported.update(id(p) for p in left)
         if self.on_final is not None:
-            self.on_final(step.params, overlapped)
+            self.on_final(left, overlapped)
 
     # -- early receives -------------------------------------------------------------------------
     def _prefetch(self, batch: _Batch, kind: str, s: int, i: int) -> None:
@@ -284,6 +292,14 @@ class Runtime:
                 "output shapes and dtypes must depend only on its input's (pad variable-size "
                 "outputs to a fixed size)"
             )
+
+
+def _add_grad(p: Tensor, g: Tensor) -> None:
+    with torch.no_grad():
+        if p.grad is None:
+            p.grad = g if g.stride() == p.stride() else g.contiguous()
+        else:
+            p.grad.add_(g)
 
 
 def _meta(t: Tensor) -> TensorMeta:
