@@ -1,6 +1,10 @@
 """Peak memory per stage: GPipe vs 1F1B vs checkpointing, measured beside the planner's prediction,
 and the largest GPT-style stack that trains within a fixed per-stage budget for K = 1, 2, 4.
 
+The virtual-stage schedules (interleaved 1F1B, ZB-V) put two stages on each device; their
+per-device peaks are predicted only: the measuring tool runs one stage's actions at a time, and
+a device's peak needs both stages' actions interleaved in the worker's order.
+
 Measured: each stage's layers run one training step (after a warm-up step) in the schedule's
 order for that stage, with Adam, by :func:`pipepar.measure.measure_stage`; its peak is read from
 the CPU allocator's events that ``torch.profiler`` records (``profile_memory=True``), plus the
@@ -31,12 +35,22 @@ import models
 import pipepar
 from benchmarks import _common as common
 from benchmarks._results import markdown_table, record
+from pipepar.core.schedule import VIRTUAL, make
 from pipepar.core.units import format_bytes, parse_bytes
 from pipepar.planner.measure import measure_split
 from pipepar.planner.stage_memory import MemoryModel
 
 TITLE_MODES = "Memory per stage: GPipe vs 1F1B vs ZB-H1 vs checkpointing"
 TITLE_SCALE = "Memory scaling: largest GPT stack within a per-stage budget"
+TITLE_VIRTUAL = "Memory per device: virtual-stage schedules (predicted, not measured)"
+VIRTUAL_MODES = [
+    ("1f1b", "never"),
+    ("interleaved-1f1b", "never"),
+    ("zb-v", "never"),
+    ("1f1b", "except_last"),
+    ("interleaved-1f1b", "except_last"),
+    ("zb-v", "except_last"),
+]
 MODES = [
     ("gpipe", "never"),
     ("gpipe", "except_last"),
@@ -70,10 +84,12 @@ def _ranges(balance: list[int]) -> list[tuple[int, int]]:
 def predicted(
     prof: pipepar.Profile, balance: list[int], m: int, schedule: str, checkpoint: str
 ) -> list[int]:
-    """The planner's predicted peak of every stage for this balance."""
+    """The planner's predicted peak of every stage for this balance, each stage alone (the
+    device's peak with one stage per device, as measured)."""
     k = len(balance)
+    workers = k // 2 if schedule in VIRTUAL else k
     mm = MemoryModel(
-        prof, chunks=m, stages=k, schedule=schedule, checkpoint=checkpoint, foreach=[False] * k
+        prof, make(schedule, k, m, n_workers=workers), checkpoint=checkpoint, foreach=[False] * k
     )
     return [mm.stage(j, a, b).peak_bytes for j, (a, b) in enumerate(_ranges(balance))]
 
@@ -91,19 +107,64 @@ def mode_rows(quick: bool) -> list[dict[str, Any]]:
         got = measure_split(
             model, x, bal, chunks=m, optimizer=OPTIMIZER, checkpoint=checkpoint, schedule=schedule
         )
-        rows.append(
-            {
-                "depth": depth,
-                "k": k,
-                "m": m,
-                "balance": bal,
-                "schedule": schedule,
-                "checkpoint": checkpoint,
-                "measured": got,
-                "predicted": want,
-            }
-        )
+        rows.append(_row(depth, k, m, bal, schedule, checkpoint, measured=got, predicted=want))
     return rows
+
+
+def _row(
+    depth: int, k: int, m: int, bal: list[int], schedule: str, checkpoint: str, **figures: Any
+) -> dict[str, Any]:
+    """One result row: the case and its figures."""
+    case = {"depth": depth, "k": k, "m": m, "balance": bal, "schedule": schedule}
+    return {**case, "checkpoint": checkpoint, **figures}
+
+
+def virtual_rows(quick: bool) -> list[dict[str, Any]]:
+    """Per-device predicted peaks of the same GPT stack on K devices: 1F1B (one stage each) next
+    to the two-stages-per-device schedules, each balanced by forward FLOPs."""
+    k, m, depth = (2, 4, 2) if quick else (4, 8, 8)
+    model, x = _gpt(depth, quick)
+    work = common.Workload("gpt", model, x, x, nn.functional.cross_entropy, "")
+    prof = pipepar.profile(model, x, device="meta", optimizer=OPTIMIZER)
+    rows = []
+    for schedule, checkpoint in VIRTUAL_MODES:
+        n = 2 * k if schedule in VIRTUAL else k
+        bal, order = common.balance(work, n), make(schedule, n, m, n_workers=k)
+        mm = MemoryModel(prof, order, checkpoint=checkpoint, foreach=[False] * k)
+        ranges = _ranges(bal)
+        peaks = [
+            sum(p.peak_bytes for p in mm.device(w, [ranges[s] for s in order.stages_of(w)]))
+            for w in range(k)
+        ]
+        held = [order.worker_in_flight(w) for w in range(k)]
+        row = _row(depth, k, m, bal, schedule, checkpoint, predicted=peaks, held=held)
+        rows.append({**row, "bubble": order.bubble()})
+    return rows
+
+
+def virtual_table(rows: list[dict[str, Any]]) -> str:
+    """One line per schedule: each device's predicted peak (micro-batch-stages it holds)."""
+    k = rows[0]["k"]
+    lines = [
+        [
+            r["schedule"],
+            r["checkpoint"],
+            str(r["balance"]),
+            *(f"{format_bytes(p)} (x{h})" for p, h in zip(r["predicted"], r["held"])),
+            format_bytes(max(r["predicted"])),
+            f"{r['bubble']:.1%}",
+        ]
+        for r in rows
+    ]
+    headers = [
+        "schedule",
+        "checkpoint",
+        "balance",
+        *(f"device {w} predicted (held)" for w in range(k)),
+        "max predicted",
+        "bubble (unit costs)",
+    ]
+    return markdown_table(headers, lines)
 
 
 def largest(k: int, budget: int, m: int, quick: bool, limit: int) -> dict[str, Any]:
@@ -208,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     before = common.load()
     modes = mode_rows(args.quick)
+    virtual = virtual_rows(args.quick)
     ks, m = ([1, 2], 2) if args.quick else ([1, 2, 4], 4)
     budget = parse_bytes(args.budget or ("1MiB" if args.quick else "64MiB"))
     scale = [largest(k, budget, m, args.quick, limit=12 if args.quick else 96) for k in ks]
@@ -229,15 +291,25 @@ def main(argv: list[str] | None = None) -> int:
         f"{format_bytes(budget)} per stage. Depth: the deepest the planner fits "
         f"(binary search); then every stage measured as above. {how}"
     )
+    notes_virtual = (
+        f"{size}, {r['depth']} blocks on K={r['k']} devices, M={r['m']}, Adam; balance by "
+        "forward FLOPs over one stage per device (1F1B) or two (interleaved 1F1B: stages w and "
+        "w+K; ZB-V: stages w and 2K-1-w). Predicted by pipepar's MemoryModel walking each "
+        "device's own action list; held: the most micro-batch-stages the device holds at once. "
+        "Not measured: pipepar.planner.measure runs one stage's actions at a time."
+    )
     for title, text, notes in (
         (TITLE_MODES, mode_table(modes), notes_modes),
+        (TITLE_VIRTUAL, virtual_table(virtual), notes_virtual),
         (TITLE_SCALE, scale_table(scale), notes_scale),
     ):
         print(f"## {title}\n\n{text}\n\n{notes}\n")
         record(title, text, notes=notes, path=path)
     common.write_json(
         args.json,
-        [{"table": "modes", **x} for x in modes] + [{"table": "scaling", **x} for x in scale],
+        [{"table": "modes", **x} for x in modes]
+        + [{"table": "virtual", **x} for x in virtual]
+        + [{"table": "scaling", **x} for x in scale],
     )
     return 0
 

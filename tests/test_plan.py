@@ -15,6 +15,7 @@ from torch import nn
 
 import models
 import pipepar
+from pipepar.core.schedule import NAMES, VIRTUAL, make
 from pipepar.planner.measure import measure_split, stage_order
 from pipepar.planner.plan import Plan, StagePlan, plan
 from pipepar.planner.plan_targets import resolve_targets
@@ -62,11 +63,29 @@ CASES = {
     ),
     "conv": (lambda: models.convnet(16), (16, 3, 32, 32), 2, 4, "never", "gpipe", "sgd-momentum"),
     "conv-1f1b": (lambda: models.convnet(16), (16, 3, 32, 32), 3, 4, "except_last", "1f1b", "adam"),
+    "zb-h1": (
+        lambda: models.mlp(4, 128, activation=nn.GELU),
+        (2048, 128),
+        2,
+        4,
+        "never",
+        "zb-h1",
+        "adam",
+    ),
+    "zb-h1-recompute": (
+        lambda: models.mlp(4, 128, activation=nn.GELU),
+        (2048, 128),
+        3,
+        4,
+        "always",
+        "zb-h1",
+        "adam",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_predicted_peaks_within_10_percent_of_measured(case: str) -> None:
+def test_predicted_peaks_within_5_percent_of_measured(case: str) -> None:
     build, shape, k, m, ckpt, schedule, optimizer = CASES[case]
     model, x = build(), torch.randn(*shape)
     prof = profile(model, x, device="cpu", optimizer=optimizer)
@@ -82,7 +101,7 @@ def test_predicted_peaks_within_10_percent_of_measured(case: str) -> None:
     )
     for stage, measured in zip(p.stages, peaks, strict=True):
         error = (stage.peak_bytes - measured) / measured
-        assert abs(error) < 0.10, (
+        assert abs(error) < 0.05, (
             f"stage {stage.index}: predicted {stage.peak_bytes}, measured {measured}"
         )
 
@@ -145,8 +164,16 @@ def test_checkpointing_keeps_only_stage_inputs() -> None:
     prof = profile(models.mlp(8, 256, activation=nn.GELU), torch.randn(512, 256))
     never = plan(prof, devices=2, chunks=4, checkpoint="never")
     always = plan(prof, devices=2, chunks=4, checkpoint="always")
-    # 4 micro-batches x 9 stored tensors vs 4 inputs + one micro-batch recomputed (8 more).
-    assert always.stages[1].activation_bytes * 3 == never.stages[1].activation_bytes
+    assert never.balance == always.balance == [8, 8]
+    order = make("gpipe", 2, 4, n_workers=2)
+    figures = MemoryModel(prof, order, checkpoint="never", foreach=[False] * 2).figures(8, 15)
+    # A micro-batch kept whole is 9 stored tensors; checkpointed, its input only.
+    assert figures.whole == 9 * figures.inputs
+    # GPipe peaks in its first backward: 4 micro-batches whole (less what that backward has
+    # freed), or 3 inputs and the one recomputed.
+    assert 3 * figures.whole < never.stages[1].activation_bytes <= 4 * figures.whole
+    recomputed = 3 * figures.inputs + figures.whole
+    assert recomputed - figures.whole < always.stages[1].activation_bytes <= recomputed
 
 
 def _brute_force(model: MemoryModel, targets: list, n: int) -> float:
@@ -180,7 +207,7 @@ def test_balance_by_memory_is_optimal(schedule: str) -> None:
     )
     targets = resolve_targets(["cuda:0", "cuda:1", "cuda:2"], caps, layers=len(model))
     oracle = MemoryModel(
-        prof, chunks=4, stages=3, schedule=schedule, checkpoint="except_last", foreach=[True] * 3
+        prof, make(schedule, 3, 4, n_workers=3), checkpoint="except_last", foreach=[True] * 3
     )
     got = max(s.peak_bytes / s.capacity_bytes for s in p.stages)  # type: ignore[operator]
     assert got == pytest.approx(_brute_force(oracle, targets, len(model)))
@@ -269,7 +296,12 @@ def test_wrap_without_balance_uses_the_planner() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"schedule": "zigzag"}, ValueError, "schedule='zigzag' is not one of"),
+        (
+            {"schedule": "zigzag"},
+            ValueError,
+            r"schedule must be one of \['gpipe', '1f1b', 'zb-h1', 'interleaved-1f1b', 'zb-v'\]",
+        ),
+        ({"schedule": "zb-v", "devices": 3}, ValueError, "runs 6 stages on 3 devices but"),
         ({"checkpoint": "sometimes"}, ValueError, "checkpoint='sometimes'"),
         ({"chunks": 0}, ValueError, "chunks=0 must be >= 1"),
         ({"chunks": 2.5}, TypeError, "chunks must be an int"),
@@ -310,22 +342,63 @@ def test_stages_never_start_with_a_layer_that_writes_its_input() -> None:
         plan(prof, devices=5)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("schedule", NAMES)
 def test_stages_hold_what_the_schedule_says(schedule: str) -> None:
-    from pipepar.core.schedule import make
-
     model, x = models.mlp(8, 64), torch.randn(16, 64)
     p = plan(profile(model, x, device="meta"), devices=4, chunks=8, schedule=schedule)
-    expected = make(schedule, 4, 8, n_workers=4)
-    assert [s.in_flight for s in p.stages] == [expected.in_flight(j) for j in range(4)]
-    if schedule != "gpipe":
-        assert [s.in_flight for s in p.stages] == [4, 3, 2, 1]
+    n = 8 if schedule in VIRTUAL else 4
+    expected = make(schedule, n, 8, n_workers=4)
+    assert len(p.balance) == n and p.schedule == schedule
+    assert [s.in_flight for s in p.stages] == [expected.in_flight(j) for j in range(n)]
+    assert [s.worker for s in p.stages] == list(expected.placement)
+    assert p.bubble == pytest.approx(expected.bubble())
+    if schedule in ("1f1b", "zb-h1"):
+        assert [s.in_flight for s in p.stages] == [4, 3, 2, 1]  # K - j
+    if schedule == "gpipe":
+        assert [s.in_flight for s in p.stages] == [8] * 4  # M
 
 
-def test_virtual_schedules_are_refused_with_a_way_out() -> None:
-    with pytest.raises(ValueError, match="plan schedule='1f1b' with devices=2\\*N"):
-        plan(profile(models.mlp(4, 16), torch.randn(4, 16), device="meta"), devices=2,
-             schedule="zb-v")  # fmt: skip
-    with pytest.raises(ValueError, match="is not one of \\['gpipe', '1f1b', 'zb-h1'\\]"):
-        plan(profile(models.mlp(4, 16), torch.randn(4, 16), device="meta"), devices=2,
-             schedule="pipedream")  # fmt: skip
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_activations_at_the_peak_are_the_schedules_micro_batches(schedule: str) -> None:
+    # Activations dominate (a wide batch, narrow layers): each stage peaks in a backward.
+    prof = profile(models.mlp(4, 32, activation=nn.GELU), torch.randn(4096, 32))
+    p = plan(prof, devices=4, chunks=8, schedule=schedule, checkpoint="never")
+    order = make(schedule, 4, 8, n_workers=4)
+    model = MemoryModel(prof, order, checkpoint="never", foreach=[False] * 4)
+    for s in p.stages:
+        f = model.figures(s.layers.start, s.layers.stop - 1)
+        held = s.in_flight * f.whole + f.batch
+        if schedule == "1f1b":  # steady state: K - j micro-batches, gradient sums made
+            assert s.in_flight == 4 - s.index and s.activation_bytes == held
+        else:  # the first backward: all M, less what it has freed while making gradients
+            assert s.in_flight == 8 and held - f.whole < s.activation_bytes <= held
+
+
+def test_virtual_schedules_plan_two_stages_per_device() -> None:
+    prof = profile(models.mlp(8, 64), torch.randn(64, 64), device="meta")
+    p = plan(prof, devices=2, chunks=8, schedule="zb-v", capacity="8MiB", checkpoint="never")
+    order = make("zb-v", 4, 8, n_workers=2)
+    assert len(p.balance) == 4 and sum(p.balance) == 16
+    assert [s.worker for s in p.stages] == [0, 1, 1, 0]  # the V: stages w and 2K-1-w
+    model = MemoryModel(prof, order, checkpoint="never", foreach=[True, True])
+    for w in range(2):
+        mine = [s for s in p.stages if s.worker == w]
+        ranges = [(s.layers.start, s.layers.stop - 1) for s in mine]
+        exact = sum(m.peak_bytes for m in model.device(w, ranges))
+        alone = sum(model.stage(s.index, *r).peak_bytes for s, r in zip(mine, ranges))
+        # The device's peak is its stages' parts at one moment of its one list: at most the
+        # sum of each stage's own peak (their peaks need not coincide), which the search bounds.
+        assert all(s.device_peak_bytes == exact for s in mine)
+        assert sum(s.peak_bytes for s in mine) == exact <= alone <= 8 * 2**20
+        assert all(s.fits and s.capacity_bytes == 8 * 2**20 for s in mine)
+    assert p.peak_bytes == max(s.device_peak_bytes for s in p.stages)
+
+
+def test_a_schedule_object_is_planned_as_given() -> None:
+    prof = profile(models.mlp(4, 64), torch.randn(16, 64), device="meta")
+    order = make("interleaved-1f1b", 4, 4, n_workers=2)
+    p = plan(prof, devices=2, chunks=4, schedule=order)
+    assert p.schedule == "interleaved-1f1b" and len(p.balance) == 4
+    assert [s.in_flight for s in p.stages] == [order.in_flight(j) for j in range(4)]
+    with pytest.raises(ValueError, match="schedule is for 4 stages x 4 micro-batches"):
+        plan(prof, devices=2, chunks=8, schedule=order)

@@ -21,6 +21,9 @@ _SAME_ON_EVERY_DEVICE = (
     "output_shape",
     "type_name",
     "name",
+    "deferred_grad_bytes",
+    "keeps_incoming_grad",
+    "splits_backward",
 )
 
 
@@ -243,3 +246,14 @@ def test_meta_profile_counts_attention_as_the_fused_kernel_keeps_it() -> None:
     on_meta = pipepar.profile(model, ids, device="meta")
     for cpu_layer, meta_layer in zip(on_cpu.layers, on_meta.layers):
         assert meta_layer.activation_bytes == cpu_layer.activation_bytes, cpu_layer.name
+
+
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_backward_points_reach_the_backward_peak(device: str) -> None:
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64), nn.ReLU(inplace=True))
+    for layer in profile(model, torch.randn(128, 64), device=device).layers:
+        top = max(a + g for a, g in layer.backward_points)
+        assert top == layer.backward_peak_bytes + layer.grads_bytes, layer.index
+        assert max(g for _, g in layer.backward_points) == layer.grads_bytes
+        # Keeping the graph frees nothing: never less alive than the ordinary backward.
+        assert max(a for a, _ in layer.retained_points) >= max(a for a, _ in layer.backward_points)

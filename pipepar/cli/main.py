@@ -22,9 +22,9 @@ from typing import Any, NoReturn, TypeVar
 import torch
 
 from pipepar.cli.model_loader import load_model
+from pipepar.core.schedule import NAMES
 from pipepar.core.units import parse_bytes
 from pipepar.planner.optimizer_state import resolve_optimizer
-from pipepar.planner.plan import SCHEDULES
 from pipepar.planner.plan_targets import resolve_targets
 from pipepar.planner.profile import check_device
 
@@ -67,7 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--optimizer", default="adam", help="adam, adamw, sgd, sgd-momentum, rmsprop or none"
     )
-    p.add_argument("--schedule", default="gpipe", choices=list(SCHEDULES))
+    p.add_argument("--schedule", default="gpipe", choices=list(NAMES))
     p.add_argument(
         "--checkpoint", default="except_last", choices=["always", "except_last", "never"]
     )

@@ -463,7 +463,7 @@ def wrap(
         >>> pipe(torch.randn(32, 16)).sum().backward()
     """
     if balance is None:
-        balance = _planned_balance(module, sample, devices, capacity, chunks, checkpoint)
+        balance = _planned_balance(module, sample, devices, capacity, chunks, checkpoint, schedule)
     return Pipe(
         module,
         balance,
@@ -484,6 +484,7 @@ def _planned_balance(
     capacity: Any,
     chunks: int,
     checkpoint: str,
+    schedule: str | Schedule,
 ) -> list[int]:
     from pipepar.planner.plan import plan
     from pipepar.planner.profile import profile
@@ -505,6 +506,7 @@ def _planned_balance(
             capacity=capacity,
             chunks=chunks,
             checkpoint=checkpoint,
+            schedule=schedule,
             optimizer=None,
         ).balance
     )

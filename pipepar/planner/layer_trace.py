@@ -25,6 +25,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten
 
 from pipepar.planner.allocator_log import AllocatorLog
+from pipepar.planner.backward_clock import BackwardClock, Points, lift
 from pipepar.planner.memory_tracker import MemoryTracker, storage_key
 from pipepar.planner.meta_attention import FusedAttention
 
@@ -65,6 +66,8 @@ class LayerTrace:
     incoming_grad_bytes: int = 0
     modifies_input: bool = False
     reuses_grad: bool = False
+    backward_points: Points = ()
+    retained_points: Points = ()
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
@@ -232,6 +235,11 @@ def _use_allocator_peaks(log: AllocatorLog, traces: list[LayerTrace]) -> None:
         if bwd.rise:
             extra = bwd.rise + trace.incoming_grad_bytes - trace.grads_bytes
             trace.backward_peak = max(trace.backward_peak, extra)
+            trace.backward_points, trace.retained_points = lift(
+                trace.backward_points,
+                trace.retained_points,
+                trace.backward_peak + trace.grads_bytes,
+            )
 
 
 def _traced_forward(
@@ -285,11 +293,15 @@ def _traced_backward(
         # The incoming gradient is live during this backward: count it as the layer's.
         traces[i].incoming_grad_bytes = sum(_nbytes(g) for g in out_grads)
         before = probe.start() - traces[i].incoming_grad_bytes
-        with torch.profiler.record_function(f"pipepar:B{i}"):
+        clock = BackwardClock(probe.tracker, weights, before)
+        with torch.profiler.record_function(f"pipepar:B{i}"), clock:
             result = torch.autograd.grad(outs, ins + weights, out_grads, allow_unused=True)
         param_grads = sum(_nbytes(g) for g in result[len(ins) :] if g is not None)
         traces[i].grads_bytes = param_grads
         traces[i].backward_peak = max(0, probe.peak() - before - param_grads)
+        traces[i].backward_points, traces[i].retained_points = lift(
+            clock.points(), clock.retained_points(), traces[i].backward_peak + param_grads
+        )
         traces[i].reuses_grad = _reuses(result[: len(ins)], out_grads)
         del outs, out_grads
         grads = {id(t): g for t, g in zip(ins, result) if g is not None}

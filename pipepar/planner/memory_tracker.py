@@ -52,6 +52,9 @@ class MemoryTracker(TorchDispatchMode):
         peak_bytes: the highest ``live_bytes`` since creation or the last :meth:`reset_peak`.
         on_new: optional callback ``(key, nbytes)`` run for every new storage (the profiler
             uses it to remember which layer created which storage).
+        on_change: optional callback ``(key, delta)`` run after every change of ``live_bytes``
+            (the profiler uses it to follow a backward as it frees activations and makes
+            gradients).
     """
 
     def __init__(self, on_new: Callable[[int, int], None] | None = None) -> None:
@@ -59,11 +62,16 @@ class MemoryTracker(TorchDispatchMode):
         self.live_bytes = 0
         self.peak_bytes = 0
         self.on_new = on_new
+        self.on_change: Callable[[int, int], None] | None = None
         self._sizes: dict[int, int] = {}
 
     def reset_peak(self) -> None:
         """Start a new peak measurement from the current live total."""
         self.peak_bytes = self.live_bytes
+
+    def live_keys(self) -> set[int]:
+        """The :func:`storage_key` of every tracked storage alive now."""
+        return set(self._sizes)
 
     def is_tracked(self, key: int) -> bool:
         """Whether the storage with this :func:`storage_key` was created under this tracker."""
@@ -97,10 +105,14 @@ class MemoryTracker(TorchDispatchMode):
         weakref.finalize(storage, self._free, key)
         if self.on_new is not None:
             self.on_new(key, nbytes)
+        if self.on_change is not None:
+            self.on_change(key, nbytes)
 
     def _free(self, key: int) -> None:
         nbytes = self._sizes.pop(key, 0)
         self.live_bytes -= nbytes
+        if nbytes and self.on_change is not None:
+            self.on_change(key, -nbytes)
 
 
 def _has_storage(tensor: torch.Tensor) -> bool:

@@ -20,19 +20,20 @@ import json
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from pipepar.core.schedule import NAMES, VIRTUAL
+from pipepar.core.schedule import Schedule
 from pipepar.core.units import format_bytes
+from pipepar.planner.peak_moments import schedule_for
 from pipepar.planner.plan_search import Candidate, search, unconstrained
 from pipepar.planner.plan_targets import Target, resolve_targets
 from pipepar.planner.profile import LayerProfile, Profile, profile
-from pipepar.planner.stage_memory import MemoryModel
+from pipepar.planner.stage_memory import MemoryModel, StageMemory
 
 if TYPE_CHECKING:
     from pipepar.tracing.tracer import Timeline, Tracer
@@ -41,8 +42,6 @@ __all__ = ["Plan", "StagePlan", "plan"]
 
 logger = logging.getLogger(__name__)
 
-SCHEDULES = tuple(name for name in NAMES if name not in VIRTUAL)
-"""What the planner plans: one stage per device (virtual-stage schedules are not planned yet)."""
 CHECKPOINTS = ("always", "except_last", "never")
 
 
@@ -55,13 +54,18 @@ class StagePlan:
         device: the device's name (``"cuda:1"``, ``"cpu"``, ``"device 3"``).
         layers: the layer indices of the stage.
         params_bytes / grads_bytes / optimizer_bytes: resident parameter memory.
-        activation_bytes: activations of the micro-batches in flight at the peak.
-        transient_bytes: temporaries at the peak (layer work space, gradient sums, optimizer).
-        peak_bytes: the predicted peak; the sum of the five parts above.
+        activation_bytes: activations the stage holds at its device's peak.
+        transient_bytes: temporaries at the peak (layer work space, gradients being made or
+            recorded for W, the optimizer step).
+        peak_bytes: the stage's part of its device's peak; the sum of the five parts above.
         capacity_bytes: the device's capacity, or None for unlimited.
-        in_flight: micro-batches whose activations the stage holds at once.
-        phase: when the peak happens: "forward", "backward" or "optimizer".
+        in_flight: micro-batches whose activations the stage holds at once (the schedule's).
+        phase: when the device's peak happens: "forward", "backward", "backward_end",
+            "input_grad" (B of a split backward), "weight" (W) or "optimizer".
         time_ms: measured forward + backward time of the stage's layers (whole batch), or None.
+        worker: index of the device running the stage; a virtual-stage schedule puts several
+            stages on one device, which share its capacity.
+        device_peak_bytes: the device's predicted peak: the sum of its stages' ``peak_bytes``.
     """
 
     index: int
@@ -77,16 +81,20 @@ class StagePlan:
     in_flight: int
     phase: str
     time_ms: float | None
+    worker: int
+    device_peak_bytes: int
 
     @property
     def headroom_bytes(self) -> int | None:
-        """Capacity minus peak (negative when it does not fit), or None for unlimited."""
-        return None if self.capacity_bytes is None else self.capacity_bytes - self.peak_bytes
+        """Capacity minus the device's peak (negative when it does not fit), or None."""
+        if self.capacity_bytes is None:
+            return None
+        return self.capacity_bytes - self.device_peak_bytes
 
     @property
     def fits(self) -> bool:
-        """Whether the predicted peak fits the capacity."""
-        return self.capacity_bytes is None or self.peak_bytes <= self.capacity_bytes
+        """Whether the device's predicted peak fits its capacity."""
+        return self.capacity_bytes is None or self.device_peak_bytes <= self.capacity_bytes
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON."""
@@ -107,6 +115,8 @@ class StagePlan:
             "in_flight": self.in_flight,
             "peak_phase": self.phase,
             "time_ms": self.time_ms,
+            "worker": self.worker,
+            "device_peak_bytes": self.device_peak_bytes,
         }
 
 
@@ -119,10 +129,13 @@ class Plan:
         stages: the per-stage predictions.
         profile: the profile it was planned from.
         chunks: micro-batches M.
-        schedule: "gpipe", "1f1b" or "zb-h1".
+        schedule: the schedule's name, e.g. "1f1b" or "zb-v".
         checkpoint: "always", "except_last" or "never".
         objective: "time" (measured times, memory as a constraint) or "memory".
         micro_batch_rows: rows per micro-batch, ``ceil(batch / M)``.
+        bubble: predicted idle fraction of the pipeline, from the schedule's own timing with
+            unit costs (:meth:`pipepar.core.schedule.Schedule.bubble`); (K-1)/(M+K-1) for
+            GPipe and 1F1B.
     """
 
     balance: list[int]
@@ -133,6 +146,7 @@ class Plan:
     checkpoint: str
     objective: str
     micro_batch_rows: int
+    bubble: float
 
     @property
     def layers(self) -> list[LayerProfile]:
@@ -140,15 +154,9 @@ class Plan:
         return self.profile.layers
 
     @property
-    def bubble(self) -> float:
-        """Predicted idle fraction of the pipeline, (K - 1) / (M + K - 1)."""
-        k = len(self.stages)
-        return (k - 1) / (self.chunks + k - 1)
-
-    @property
     def peak_bytes(self) -> int:
-        """The largest predicted stage peak."""
-        return max(s.peak_bytes for s in self.stages)
+        """The largest predicted device peak."""
+        return max(s.device_peak_bytes for s in self.stages)
 
     def stage_of(self, layer: int) -> int:
         """The stage holding layer ``layer``."""
@@ -201,15 +209,16 @@ def plan(
     capacity: int | str | Sequence[int | str | None] | None = None,
     optimizer: object = "adam",
     chunks: int = 8,
-    schedule: str = "gpipe",
+    schedule: str | Schedule = "gpipe",
     checkpoint: str = "except_last",
     profile_device: str | torch.device = "meta",
 ) -> Plan:
     """Choose how many layers each stage gets so every stage fits and the slowest is fastest.
 
-    Memory per stage is parameters + gradients + optimizer state + the activations of the
-    micro-batches in flight (M under GPipe, K - j under 1F1B, stage inputs only when
-    checkpointed) + the largest temporary; see :mod:`pipepar.stage_memory`.
+    Memory per device is parameters + gradients + optimizer state + the activations of the
+    micro-batches in flight + temporaries, at the moment of the schedule when their sum peaks
+    (:mod:`pipepar.planner.stage_memory`): the schedule object says which micro-batches each
+    stage holds then (M under GPipe, K - j under 1F1B, stage inputs only when checkpointed).
 
     Args:
         model_or_profile: a :class:`~pipepar.profile.Profile`, or an ``nn.Sequential`` to
@@ -221,10 +230,11 @@ def plan(
             device, or None (a CUDA device's total memory when it exists here, else unlimited).
         optimizer: whose state to count (see :func:`pipepar.profile`); None for none.
         chunks: micro-batches per mini-batch, M.
-        schedule: ``"gpipe"``, ``"1f1b"`` or ``"zb-h1"`` (the micro-batches each stage holds
-            come from the schedule itself). The virtual-stage schedules are not planned yet:
-            plan ``"1f1b"`` for twice the devices, at half the capacity, as a conservative
-            split.
+        schedule: a name of :data:`pipepar.core.schedule.NAMES` or a
+            :class:`~pipepar.core.schedule.Schedule` for ``len(devices)`` workers and ``chunks``
+            micro-batches. The virtual-stage names (``"interleaved-1f1b"``, ``"zb-v"``) plan two
+            stages per device (a balance twice as long); each stage is planned within half its
+            device's capacity, a safe bound, and the device's exact peak is reported.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         profile_device: where to profile a model (``"meta"``: no memory, no times; a real
             device also measures times, and the balance then minimizes time).
@@ -243,13 +253,6 @@ def plan(
         >>> p.balance
         [5, 5, 5, 5, 5, 5, 5, 5]
     """
-    if schedule in VIRTUAL:
-        raise ValueError(
-            f"schedule={schedule!r} places two stages per device, which the planner does not "
-            "plan yet; plan schedule='1f1b' with devices=2*N and half the capacity, and pass "
-            "that balance to pipepar.wrap(..., schedule=" + repr(schedule) + ")"
-        )
-    _check_choice("schedule", schedule, SCHEDULES)
     _check_choice("checkpoint", checkpoint, CHECKPOINTS)
     chunks = _check_chunks(chunks)
     prof = _as_profile(model_or_profile, sample, optimizer, profile_device)
@@ -258,30 +261,47 @@ def plan(
     m = min(chunks, max(prof.batch_size, 1))
     if m < chunks:
         logger.info("chunks=%d > batch of %d rows: planning %d micro-batches", chunks, m, m)
-    model = MemoryModel(
-        prof,
-        chunks=m,
-        stages=len(targets),
-        schedule=schedule,
-        checkpoint=checkpoint,
-        foreach=[t.foreach for t in targets],
-    )
-    _check_cut_points(model.startable, len(targets), prof)
+    order = schedule_for(schedule, len(targets), m)  # an unknown name raises, listing NAMES
+    if order.n_stages > len(prof):
+        most = len(prof) * len(targets) // order.n_stages
+        raise ValueError(
+            f"schedule {order.name!r} runs {order.n_stages} stages on {len(targets)} devices but "
+            f"the model has {len(prof)} layers; use at most {most} devices or a schedule with "
+            "one stage per device"
+        )
+    model = MemoryModel(prof, order, checkpoint=checkpoint, foreach=[t.foreach for t in targets])
+    shares = _stage_targets(order, targets)
+    _check_cut_points(model.startable, len(shares), prof)
     times = [layer.time_ms or 0.0 for layer in prof.layers] if prof.timed else None
-    best = search(model, targets, times)
+    best = search(model, shares, times)
     if best is None:
-        raise ValueError(_explain(model, targets, prof))
-    stages = [_stage_plan(model, targets[j], j, c, prof) for j, c in enumerate(best)]
+        raise ValueError(_explain(model, shares, prof, order.n_workers))
     return Plan(
         balance=[len(c.layers) for c in best],
-        stages=stages,
+        stages=_stage_plans(model, order, targets, best, prof),
         profile=prof,
         chunks=m,
-        schedule=schedule,
+        schedule=order.name,
         checkpoint=checkpoint,
         objective="time" if times is not None else "memory",
         micro_batch_rows=math.ceil(max(prof.batch_size, 1) / m),
+        bubble=order.bubble(),
     )
+
+
+def _stage_targets(order: Schedule, targets: list[Target]) -> list[Target]:
+    """One target per stage: a device running V stages gives each 1/V of its capacity.
+
+    The search then bounds each stage alone (its own part of every moment of its device);
+    the device's peak is at most the sum of those, so a split found this way fits. It is
+    exact with one stage per device, and conservative with several.
+    """
+    out = []
+    for s in range(order.n_stages):
+        t = targets[order.placement[s]]
+        v = len(order.stages_of(order.placement[s]))
+        out.append(t if t.capacity is None or v == 1 else replace(t, capacity=t.capacity // v))
+    return out
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
@@ -298,6 +318,7 @@ def _check_chunks(chunks: object) -> int:
 
 
 _BYTE_FIELDS = (
+    "deferred_grad_bytes",
     "params_bytes",
     "grads_bytes",
     "optimizer_bytes",
@@ -358,31 +379,52 @@ def _as_profile(
     )
 
 
-def _stage_plan(
-    model: MemoryModel, target: Target, j: int, c: Candidate, prof: Profile
-) -> StagePlan:
-    mem = model.stage(j, c.layers.start, c.layers.stop - 1)
-    times = [prof.layers[i].time_ms for i in c.layers]
-    return StagePlan(
-        index=j,
-        device=target.name,
-        layers=c.layers,
-        params_bytes=mem.params_bytes,
-        grads_bytes=mem.grads_bytes,
-        optimizer_bytes=mem.optimizer_bytes,
-        activation_bytes=mem.activation_bytes,
-        transient_bytes=mem.transient_bytes,
-        peak_bytes=mem.peak_bytes,
-        capacity_bytes=target.capacity,
-        in_flight=mem.in_flight,
-        phase=mem.phase,
-        time_ms=None if any(t is None for t in times) else float(sum(times)),  # type: ignore[arg-type]
-    )
+def _stage_plans(
+    model: MemoryModel,
+    order: Schedule,
+    targets: list[Target],
+    best: list[Candidate],
+    prof: Profile,
+) -> list[StagePlan]:
+    """Every stage's part of its device's exact peak (all the device's stages together)."""
+    parts: dict[int, StageMemory] = {}
+    for w in range(order.n_workers):
+        mine = order.stages_of(w)
+        ranges = [(best[s].layers.start, best[s].layers.stop - 1) for s in mine]
+        parts.update(zip(mine, model.device(w, ranges)))
+    plans = []
+    for j, c in enumerate(best):
+        w = order.placement[j]
+        mem, times = parts[j], [prof.layers[i].time_ms for i in c.layers]
+        plans.append(
+            StagePlan(
+                index=j,
+                device=targets[w].name,
+                layers=c.layers,
+                params_bytes=mem.params_bytes,
+                grads_bytes=mem.grads_bytes,
+                optimizer_bytes=mem.optimizer_bytes,
+                activation_bytes=mem.activation_bytes,
+                transient_bytes=mem.transient_bytes,
+                peak_bytes=mem.peak_bytes,
+                capacity_bytes=targets[w].capacity,
+                in_flight=mem.in_flight,
+                phase=mem.phase,
+                time_ms=None if any(t is None for t in times) else float(sum(times)),  # type: ignore[arg-type]
+                worker=w,
+                device_peak_bytes=sum(parts[s].peak_bytes for s in order.stages_of(w)),
+            )
+        )
+    return plans
 
 
-def _explain(model: MemoryModel, targets: list[Target], prof: Profile) -> str:
-    """Why nothing fits: a layer too big for any device alone, or the tightest stage."""
+def _explain(model: MemoryModel, targets: list[Target], prof: Profile, devices: int) -> str:
+    """Why nothing fits: a layer too big for any device alone, or the tightest stage.
+
+    ``targets`` are per stage: with several stages per device, each has its share."""
     k = len(targets)
+    share = "" if k == devices else f" (its share of the device: {k // devices} stages each)"
+    where = f"{k} devices" if k == devices else f"{k} stages on {devices} devices"
     for i, layer in enumerate(prof.layers):
         alone = min(model.stage(j, i, i).peak_bytes for j in range(k))
         room = max(t.capacity if t.capacity is not None else math.inf for t in targets)
@@ -396,9 +438,9 @@ def _explain(model: MemoryModel, targets: list[Target], prof: Profile) -> str:
     worst = max(layers, key=lambda c: c.overflow)
     first, last = worst.layers.start, worst.layers.stop - 1
     return (
-        f"no balance of {len(prof)} layers over {k} devices fits: at best stage {worst.stage} "
-        f"(layers {first}..{last} on {targets[worst.stage].name}) needs "
-        f"{format_bytes(worst.peak)} but has {format_bytes(targets[worst.stage].capacity)} "
+        f"no balance of {len(prof)} layers over {where} fits: at best stage {worst.stage}"
+        f" (layers {first}..{last} on {targets[worst.stage].name}) needs "
+        f"{format_bytes(worst.peak)} but has {format_bytes(targets[worst.stage].capacity)}{share} "
         f"(short by {format_bytes(worst.overflow)}); balance {[len(c.layers) for c in layers]}; "
         f"{_remedies(prof)}"
     )

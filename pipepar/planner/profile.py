@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from pipepar.core import validation
+from pipepar.planner.deferred_grads import deferred_grads
 from pipepar.planner.layer_trace import StorageRecord, stand_ins, time_layers, trace_layers
 from pipepar.planner.memory_tracker import storage_key
 from pipepar.planner.optimizer_state import OptimizerSpec, optimizer_cost, resolve_optimizer
@@ -65,6 +66,19 @@ class LayerProfile:
             stage cannot start with such a layer, since its input is a leaf that needs grad.
         reuses_grad: whether its backward hands on the incoming gradient's memory (views,
             in-place layers) rather than a new gradient.
+        backward_points: the backward's peak (incoming gradient and parameter gradients
+            included) as pairs (other bytes, gradient bytes) seen as it ran: at ``r`` times the
+            batch it peaks at ``max(r * other + gradients)``. A backward frees the layer's
+            activations while it makes the gradients, and only the former shrink with the
+            micro-batch, so ``r * (backward_peak_bytes + grads_bytes)`` is wrong both ways.
+        retained_points: the same for a backward that keeps the graph (nothing the forward
+            saved is freed), as W runs the first stage's whole backward under zero-bubble
+            schedules.
+        deferred_grad_bytes: gradients a split backward (zero-bubble B) keeps until W, on top
+            of the graph (see :mod:`pipepar.planner.deferred_grads`).
+        keeps_incoming_grad: whether those include the gradient that came into the layer.
+        splits_backward: False when the backward cannot be split (a parameter reached along
+            two paths); a stage with such a layer runs its whole backward in B.
     """
 
     index: int
@@ -85,6 +99,11 @@ class LayerProfile:
     backward_ms: float | None = None
     modifies_input: bool = False
     reuses_grad: bool = False
+    backward_points: tuple[tuple[int, int], ...] = ()
+    retained_points: tuple[tuple[int, int], ...] = ()
+    deferred_grad_bytes: int = 0
+    keeps_incoming_grad: bool = False
+    splits_backward: bool = True
 
     @property
     def peak_bytes(self) -> int:
@@ -214,6 +233,7 @@ def profile(
     x = _on_device(_check_sample(sample), target)
     params = [stand_ins(layer, target) for layer in layers]
     traces, records = trace_layers(layers, x, params, target)
+    deferred = deferred_grads(layers, x)
     times = time_layers(layers, x, params, target) if target.type != "meta" else None
     costs = _parameter_costs(layers, spec)
     profiles = []
@@ -236,6 +256,11 @@ def profile(
                 backward_ms=bwd,
                 modifies_input=t.modifies_input,
                 reuses_grad=t.reuses_grad,
+                backward_points=t.backward_points,
+                retained_points=t.retained_points,
+                deferred_grad_bytes=deferred[i].nbytes,
+                keeps_incoming_grad=deferred[i].keeps_incoming,
+                splits_backward=deferred[i].splits,
                 **costs[i],
             )
         )

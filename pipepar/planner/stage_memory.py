@@ -1,25 +1,31 @@
-"""How much memory one pipeline stage needs at its peak, from a :class:`~pipepar.profile.Profile`.
+"""How much memory a device needs at its peak, from a :class:`~pipepar.profile.Profile` and the
+schedule it runs.
 
-A stage ``j`` holding layers ``a..b`` on its device keeps, across one training step:
+Two halves. *Figures*: what one micro-batch of a stage holding layers ``a..b`` costs, read in
+O(1) from prefix sums and range maxima over the profile, each storage counted once (a storage
+shared by two layers counts once; one that crosses a stage boundary counts on both devices):
 
 - always: parameters ``P`` and optimizer state ``O``;
-- from its first backward to the optimizer step: gradients ``G``;
-- per micro-batch in flight (``m`` = M under GPipe, ``min(M, K - j)`` under 1F1B):
-  its input, plus without checkpointing everything autograd saved inside the stage and its
-  output (the engine keeps both until the micro-batch's backward). Under checkpointing only the
-  input is kept, and one micro-batch at a time is recomputed to full activations in backward.
+- ``whole``: a micro-batch held with its graph: its input, everything autograd saved inside the
+  stage and its output (the engine keeps both until the micro-batch's backward);
+  ``inputs``: a checkpointed one, its input only (stage 0's inputs are views of the batch,
+  resident for the whole step: counted once, ``batch``);
+- ``kept``: what a split backward (zero-bubble B) keeps for W on top of the graph: the gradients
+  at the weight operations (:mod:`pipepar.planner.deferred_grads`); on stage 0, whose input
+  needs no gradient, B does nothing and W keeps only the incoming gradient;
+- transients: a forward's work space; a whole backward's peak with the parameter gradients it
+  makes (``G``, unscaled); the end of a whole backward (its input gradient, the incoming
+  gradient and the new ``G`` alive, its activations freed); B of a split backward (the gradients
+  it records and the input gradient); W (the ``G`` it makes); the optimizer step (per tensor on
+  CPU, all at once with the ``foreach`` kernels torch picks on CUDA).
 
-The peak is the largest of four moments, each counted per byte of storage (a storage shared by
-two layers counts once; one that crosses a stage boundary counts on both devices):
-
-- forward: in-flight activations + the largest forward temporary (+ ``G`` under 1F1B, where
-  forwards follow backwards);
-- first backward: in-flight activations (one micro-batch recomputed, if checkpointed) + ``G``
-  + the largest backward temporary;
-- second backward: as the first, plus the engine's gradient sum: each backward makes a new
-  ``G``, added in place to the running sum as it is made, alive until the backward returns;
-- optimizer step: ``G`` + the step's temporaries (per tensor on CPU, all at once with the
-  ``foreach`` kernels torch picks on CUDA).
+*Moments* (:mod:`pipepar.planner.peak_moments`): the schedule's own action list says, at each
+action, how many micro-batches each stage holds whole, as inputs or waiting for W, and whether
+its gradient sums exist. The peak is the largest moment, figures weighed by those counts. So
+GPipe's first backward holds all ``M`` micro-batches but no gradient sums yet, and the second
+one ``M - 1`` micro-batches plus the sums; 1F1B's stage ``j`` holds ``min(M, K - j)``; ZB-H1 the
+same, a micro-batch waiting for W with its recorded gradients; a device with two stages (ZB-V,
+interleaved 1F1B) both stages' micro-batches at each moment of its one list.
 
 Activation figures of the profile are for its whole batch ``B``; they are scaled by
 ``ceil(B / M) / B`` to one micro-batch. The loss and its gradient are not counted.
@@ -27,31 +33,35 @@ Activation figures of the profile are for its whole batch ``B``; they are scaled
 
 from __future__ import annotations
 
-import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
-from pipepar.core.schedule import Schedule, make
-from pipepar.planner.profile import Profile
+from pipepar.core.schedule import Schedule
+from pipepar.planner.peak_moments import Moment, moments
+from pipepar.planner.profile import LayerProfile, Profile
 
-__all__ = ["StageMemory", "MemoryModel", "in_flight"]
+__all__ = ["Figures", "MemoryModel", "StageMemory"]
 
 
 @dataclass(frozen=True)
 class StageMemory:
-    """Predicted memory of one stage; ``peak_bytes`` is the sum of the five parts.
+    """Predicted memory of one stage at its device's peak; ``peak_bytes`` is the sum of the
+    five parts, and a device's peak the sum of its stages' ``peak_bytes``.
 
     Attributes:
         params_bytes: parameters.
         grads_bytes: parameter gradients.
         optimizer_bytes: optimizer state.
-        activation_bytes: activations of the micro-batches in flight at the peak.
-        transient_bytes: temporaries at the peak (layer work space, gradient sums, optimizer
-            step), beyond the four parts above.
-        peak_bytes: the predicted peak of the stage's device.
-        in_flight: micro-batches whose activations the stage holds at once.
-        phase: the moment of the peak: "forward", "backward" or "optimizer".
+        activation_bytes: activations the stage holds at the peak (net of what the backward
+            running then has already freed, when the peak comes before all gradients exist).
+        transient_bytes: the rest of the peak: work space, gradients being made, gradients
+            recorded for W, the optimizer step.
+        peak_bytes: the stage's part of its device's peak.
+        in_flight: micro-batches whose activations the stage holds at once (the schedule's).
+        phase: the moment of the peak: "forward", "backward", "backward_end", "input_grad",
+            "weight" or "optimizer".
     """
 
     params_bytes: int
@@ -64,20 +74,26 @@ class StageMemory:
     phase: str
 
 
-def in_flight(schedule: str, chunks: int, stages: int, j: int) -> int:
-    """Micro-batches stage ``j`` holds at once, read off the schedule itself
-    (:mod:`pipepar.core.schedule`): M for GPipe, min(M, K - j) for 1F1B and ZB-H1.
+@dataclass(frozen=True)
+class Figures:
+    """What stage ``a..b`` costs: static bytes, and per micro-batch (gradients unscaled)."""
 
-    Example:
-        >>> in_flight("1f1b", 8, 4, 1)
-        3
-    """
-    return _schedule(schedule, chunks, stages).in_flight(j)
+    params: int
+    grads: int
+    optimizer: int
+    batch: int
+    whole: int
+    inputs: int
+    kept: int
+    splits: bool
+    transient: dict[str, int]
+    step_loop: int
+    step_multi: int
 
-
-@functools.lru_cache(maxsize=256)
-def _schedule(name: str, chunks: int, stages: int) -> Schedule:
-    return make(name, stages, chunks, n_workers=stages)
+    def held(self, m: Moment, at: int) -> int:
+        """Activation bytes held at moment ``m`` by the stage at position ``at`` of its worker."""
+        waiting = m.waiting[at] * (self.whole + self.kept)
+        return m.whole[at] * self.whole + m.inputs[at] * self.inputs + waiting + self.batch
 
 
 class _RangeMax:
@@ -102,65 +118,87 @@ def _prefix(values: list[int]) -> list[int]:
     return [0, *accumulate(values)]
 
 
+def _input_grad_peak(layer: LayerProfile, r: float) -> int:
+    """The most bytes other than parameter gradients a layer's backward holds when it keeps
+    the graph, at ``r`` times the profiled batch (B of a split backward makes no parameter
+    gradients)."""
+    if not layer.retained_points:
+        return round(r * layer.backward_peak_bytes)
+    return round(r * max(other for other, _ in layer.retained_points))
+
+
+def _backward_peak(layer: LayerProfile, r: float, *, retained: bool = False) -> int:
+    """A layer's backward peak, its gradients included, at ``r`` times the profiled batch;
+    ``retained``: when the backward keeps the graph (frees nothing the forward saved)."""
+    points = layer.retained_points if retained else layer.backward_points
+    if not points:  # a profile from before the points, or built by hand
+        return round(r * layer.backward_peak_bytes) + layer.grads_bytes
+    return max(round(r * other) + grads for other, grads in points)
+
+
 class MemoryModel:
     """Answers "what does stage j over layers a..b peak at?" in O(1) per question.
 
     Args:
         prof: the profile (whole-batch figures).
-        chunks: micro-batches M.
-        stages: number of stages K.
-        schedule: "gpipe", "1f1b" or "zb-h1" (one stage per device).
+        schedule: the schedule (:func:`pipepar.core.schedule.make`); its micro-batches are M.
         checkpoint: "always", "except_last" or "never".
-        foreach: per stage, whether the optimizer step runs its multi-tensor kernels.
+        foreach: per worker, whether the optimizer step runs its multi-tensor kernels.
 
     Example:
-        >>> model = MemoryModel(prof, chunks=4, stages=2, schedule="gpipe",
-        ...                     checkpoint="never", foreach=[False, False])
+        >>> model = MemoryModel(prof, make("gpipe", 2, 4, n_workers=2), checkpoint="never",
+        ...                     foreach=[False, False])
         >>> model.stage(0, 0, 1).peak_bytes > 0
         True
     """
 
     def __init__(
-        self,
-        prof: Profile,
-        *,
-        chunks: int,
-        stages: int,
-        schedule: str,
-        checkpoint: str,
-        foreach: list[bool],
+        self, prof: Profile, schedule: Schedule, *, checkpoint: str, foreach: Sequence[bool]
     ) -> None:
-        self.chunks, self.stages = chunks, stages
-        self.schedule, self.checkpoint, self.foreach = schedule, checkpoint, foreach
+        self.schedule, self.checkpoint, self.foreach = schedule, checkpoint, list(foreach)
+        self.chunks, self.stages = schedule.n_microbatches, schedule.n_stages
+        self._in_flight = [schedule.in_flight(s) for s in range(schedule.n_stages)]
+        self._walked: dict[tuple[int, tuple[bool, ...]], list[Moment]] = {}
         rows = max(prof.batch_size, 1)
-        self.scale = math.ceil(rows / chunks) / rows
+        self.scale = math.ceil(rows / self.chunks) / rows
         layers = prof.layers
         n = self.n_layers = len(layers)
         self.startable = [i == 0 or not x.modifies_input for i, x in enumerate(layers)]
         self._p = _prefix([x.params_bytes for x in layers])
         self._g = _prefix([x.grads_bytes for x in layers])
         self._o = _prefix([x.optimizer_bytes for x in layers])
+        self._kept = _prefix([x.deferred_grad_bytes for x in layers])
+        self._unsplit = _prefix([0 if x.splits_backward else 1 for x in layers])
         self._step_multi = _prefix([x.optimizer_step_foreach_bytes for x in layers])
         self._step_loop = _RangeMax([x.optimizer_step_bytes for x in layers])
         self._fwd = _RangeMax([x.forward_peak_bytes for x in layers])
         self._out = [x.output_bytes for x in layers]
+        self._keeps_incoming = [x.keeps_incoming_grad for x in layers]
         self._build_storages(prof, n)
         # Backward of layer i inside a stage ending at b: what layers i+1..b saved is freed,
         # and the gradients of layers i..b exist. Range maxima of the i-dependent parts.
         # Activations scale with the micro-batch, gradients do not; the scale is fixed here.
         r = self.scale
-        self._bwd_last = [x.backward_peak_bytes for x in layers]
+        self._bwd_last = [_backward_peak(x, r) for x in layers]
         self._bwd_freed = _RangeMax(
-            [
-                round(r * (x.backward_peak_bytes + self._freed[i + 1])) - self._g[i]
-                for i, x in enumerate(layers)
-            ]
+            [self._bwd_last[i] + round(r * self._freed[i + 1]) - self._g[i + 1] for i in range(n)]
         )
         self._bwd_inner_freed = _RangeMax(
             [
-                round(r * (x.backward_inner_bytes + self._freed[i + 1])) - self._g[i]
+                self._bwd_last[i]
+                - round(r * (x.backward_peak_bytes - x.backward_inner_bytes))
+                + round(r * self._freed[i + 1])
+                - self._g[i + 1]
                 for i, x in enumerate(layers)
             ]
+        )
+        self._retained = [_backward_peak(x, r, retained=True) for x in layers]
+        self._retained_tail = _RangeMax([self._retained[i] - self._g[i + 1] for i in range(n)])
+        # B of a split backward: layer i's gradients other than parameter ones (graph kept),
+        # with what layers i+1..b recorded for W still alive.
+        self._input_only = [_input_grad_peak(x, r) for x in layers]
+        self._input_only_tail = _RangeMax(
+            [self._input_only[i] - round(r * self._kept[i + 1]) for i in range(n)]
         )
         # new_grad_upto[b]: the last layer <= b whose backward makes a new input gradient.
         last = -1
@@ -192,47 +230,49 @@ class MemoryModel:
         self._freed = _prefix(freed)
         self._input = list(accumulate(entering))[: n + 1]
 
+    # -- figures ------------------------------------------------------------------------------
     def held(self, a: int, b: int) -> tuple[int, int]:
-        """(full, checkpointed) bytes one whole-batch "micro-batch" keeps on stage a..b."""
+        """(whole, checkpointed) bytes one whole-batch "micro-batch" keeps on stage a..b."""
         stage_input = self._input[a]
         inside = self._saved[b + 1] - self._saved[a]
         output = sum(nbytes for creator, nbytes in self._unsaved_out[b] if creator >= a)
         return stage_input + inside + output, stage_input
 
-    def stage(self, j: int, a: int, b: int) -> StageMemory:
-        """Predicted peak of stage ``j`` holding layers ``a..b`` (inclusive)."""
-        m = in_flight(self.schedule, self.chunks, self.stages, j)
-        full, ckpt = (round(x * self.scale) for x in self.held(a, b))
-        # Stage 0's micro-batches are views of the whole batch, resident for the whole step:
-        # count the batch once instead of one micro-batch input per micro-batch in flight.
-        batch = self._input[0] - m * ckpt if a == 0 else 0
-        params, grads = self._p[b + 1] - self._p[a], self._g[b + 1] - self._g[a]
-        opt = self._o[b + 1] - self._o[a]
-        n_full, n_ckpt = self._split(m)
-        # In flight at the end of the forward, and while the first backward runs.
-        forward_act = n_full * full + n_ckpt * ckpt + batch
-        # Recomputing a checkpointed micro-batch brings back its full activations; under GPipe
-        # the whole one (except_last) has already gone by then, under 1F1B it is still here.
-        recompute = n_ckpt > 0 and (n_full == 0 or self.schedule != "gpipe")
-        backward_act = forward_act - ckpt + full if recompute else forward_act
-        fwd = round(self._fwd(a, b) * self.scale)
-        bwd = self._backward_with_new_grads(a, b)
-        steady = grads if self.schedule != "gpipe" and self.chunks > m else 0
-        # The first backward creates the gradients; later ones add new ones to the sums.
-        backward = backward_act + bwd
-        if self.chunks > 1:
-            summed = backward_act - full + ckpt + round(self._out[b] * self.scale)
-            backward = max(backward + grads, summed + 2 * grads)
-        phases = {
-            "forward": forward_act + fwd + steady,
-            "backward": backward,
-            "optimizer": grads + self._step(j, a, b),
+    def figures(self, a: int, b: int) -> Figures:
+        """The figures of a stage holding layers ``a..b`` (inclusive), per micro-batch."""
+        r = self.scale
+        whole, inputs = (round(x * r) for x in self.held(a, b))
+        grads = self._g[b + 1] - self._g[a]
+        incoming = round(r * self._out[b])
+        batch = 0
+        if a == 0:  # views of the resident batch; the input needs no gradient
+            batch, whole, inputs = self._input[0], whole - inputs, 0
+        in_grad = inputs if a > 0 else 0
+        if a == 0:
+            kept, split_b = incoming, 0  # B does nothing; W is the whole backward
+        else:
+            kept = round(r * (self._kept[b + 1] - self._kept[a]))
+            split_b = self._input_grad(a, b, kept + in_grad, incoming)
+        transient = {
+            "forward": round(self._fwd(a, b) * r),
+            "backward": self._backward_with_new_grads(a, b),
+            "backward_end": in_grad + incoming + grads,
+            "input_grad": split_b,
+            "weight": grads if a > 0 else self._kept_graph_backward(b, incoming),
         }
-        phase = max(phases, key=phases.__getitem__)
-        act = max(forward_act, backward_act)
-        base = params + opt + grads + act
-        peak = max(params + opt + phases[phase], base)
-        return StageMemory(params, grads, opt, act, peak - base, peak, m, phase)
+        return Figures(
+            params=self._p[b + 1] - self._p[a],
+            grads=grads,
+            optimizer=self._o[b + 1] - self._o[a],
+            batch=batch,
+            whole=whole,
+            inputs=inputs,
+            kept=kept,
+            splits=self._unsplit[b + 1] == self._unsplit[a],
+            transient=transient,
+            step_loop=self._step_loop(a, b),
+            step_multi=self._step_multi[b + 1] - self._step_multi[a],
+        )
 
     def _backward_with_new_grads(self, a: int, b: int) -> int:
         """Peak of one micro-batch's backward beyond what the stage holds for it, including
@@ -241,10 +281,10 @@ class MemoryModel:
         The last layer's backward starts with everything held. When layer i < b runs, the
         gradient that arrived for the stage's output is still alive (the engine holds it),
         what layers i+1..b were the first to save is already freed (unless it is the stage's
-        output, which the engine also holds), and layers i..b have made their gradients.
+        output, which the engine also holds), layers i+1..b have made their gradients and
+        layer i makes its own while it frees what it saved (its profiled points).
         """
-        grads_b = self._g[b + 1] - self._g[b]
-        last = round(self._bwd_last[b] * self.scale) + grads_b
+        last = self._bwd_last[b]
         if a == b:
             return last
         tail = self._freed[b + 1] - self._kept_out[b]
@@ -262,21 +302,106 @@ class MemoryModel:
                 )
         return best
 
-    def _split(self, m: int) -> tuple[int, int]:
-        """(micro-batches kept whole, micro-batches kept as inputs only) among ``m``."""
-        if self.checkpoint == "never":
-            return m, 0
-        if self.checkpoint == "always":
-            return 0, m
-        return 1, m - 1  # except_last: only the last micro-batch keeps its activations
+    def _input_grad(self, a: int, b: int, end: int, incoming: int) -> int:
+        """Peak of B of a split backward beyond the micro-batch's activations: when layer i
+        runs, its own gradients (incoming, intermediate, its input's), what layers i+1..b
+        recorded for W, and the stage's incoming gradient (alive throughout; in the figure
+        of layer b, or kept for W). At the end: all recorded, and the input gradient."""
+        unkept = 0 if self._keeps_incoming[b] else incoming
+        best = max(end + unkept, self._input_only[b])
+        if a < b:
+            tail = self._input_only_tail(a, b - 1) + round(self.scale * self._kept[b + 1])
+            best = max(best, tail + unkept)
+        return best
 
-    def _step(self, j: int, a: int, b: int) -> int:
-        if self.foreach[j]:
-            return self._step_multi[b + 1] - self._step_multi[a]
-        return self._step_loop(a, b)
+    def _kept_graph_backward(self, b: int, incoming: int) -> int:
+        """The first stage's W: its whole backward, keeping the graph (``retain_graph``), so
+        nothing saved is freed; the stage's incoming gradient is already held for W. When
+        layer i < b runs, layers i+1..b have made their gradients."""
+        last = self._retained[b] - incoming
+        if b == 0:
+            return last
+        return max(last, self._retained_tail(0, b - 1) + self._g[b + 1])
 
     def static_bytes(self, a: int, b: int) -> int:
         """Parameters + gradients + optimizer state of layers a..b (a lower bound of the peak)."""
         return (
             self._p[b + 1] - self._p[a] + self._g[b + 1] - self._g[a] + self._o[b + 1] - self._o[a]
         )
+
+    # -- peaks --------------------------------------------------------------------------------
+    def stage(self, j: int, a: int, b: int) -> StageMemory:
+        """Predicted peak of stage ``j`` holding layers ``a..b`` (inclusive), counting only
+        stage ``j``'s own part of every moment of its worker.
+
+        With one stage per device that is the device's peak. With several, it bounds the
+        stage's part from above: the device's peak is at most the sum of its stages' (the
+        planner's feasibility test) and exactly :meth:`device`.
+        """
+        w = self.schedule.placement[j]
+        own = [s if s == j else None for s in self.schedule.stages_of(w)]
+        return self._peak(w, [(a, b) if s is not None else None for s in own])[own.index(j)]
+
+    def device(self, w: int, ranges: Sequence[tuple[int, int]]) -> list[StageMemory]:
+        """The exact peak of worker ``w`` whose stages (``stages_of(w)`` order) hold layers
+        ``ranges``; one :class:`StageMemory` per stage, summing to the device's peak."""
+        return self._peak(w, list(ranges))
+
+    def _peak(self, w: int, ranges: list[tuple[int, int] | None]) -> list[StageMemory]:
+        figs = [self.figures(*r) if r is not None else None for r in ranges]
+        splits = tuple(f.splits if f is not None else True for f in figs)
+        best, top = None, -1
+        for m in self._moments(w, splits):
+            total = self._total(m, figs, w)
+            if total > top:
+                best, top = m, total
+        assert best is not None  # the optimizer moment is always there
+        return self._attribute(best, figs, top, w)
+
+    def _moments(self, w: int, splits: tuple[bool, ...]) -> list[Moment]:
+        key = (w, splits)
+        if key not in self._walked:  # a few per worker: the walk is O(M) and queries O(1)
+            self._walked[key] = moments(self.schedule, w, self.checkpoint, splits=splits)
+        return self._walked[key]
+
+    def _total(self, m: Moment, figs: list[Figures | None], w: int) -> int:
+        total = 0
+        for at, f in enumerate(figs):
+            if f is not None:
+                total += f.params + f.optimizer + f.held(m, at) + (f.grads if m.sums[at] else 0)
+        return total + self._transient(m, figs, w)
+
+    def _transient(self, m: Moment, figs: list[Figures | None], w: int) -> int:
+        present = [f for f in figs if f is not None]
+        if m.kind == "optimizer":
+            if self.foreach[w]:
+                return sum(f.step_multi for f in present)
+            return max((f.step_loop for f in present), default=0)
+        f = figs[m.acting]
+        return f.transient[m.kind] if f is not None else 0
+
+    def _attribute(
+        self, m: Moment, figs: list[Figures | None], peak: int, w: int
+    ) -> list[StageMemory]:
+        """Split the device's peak into per-stage parts: each stage's static bytes and what it
+        holds; the rest is transient (the acting stage's). Before a stage's gradients all
+        exist (a first backward), the peak can be less than the static bytes plus what was
+        held when the backward began: what it had freed comes off the activations."""
+        stages = self.schedule.stages_of(w)
+        present = [(at, f) for at, f in enumerate(figs) if f is not None]
+        act = {at: f.held(m, at) for at, f in present}
+        static = sum(f.params + f.grads + f.optimizer for _, f in present)
+        rest = peak - static - sum(act.values())
+        order = sorted(act, key=lambda at: at != m.acting)  # take from the acting stage first
+        for at in order:
+            cut = min(act[at], max(0, -rest))
+            act[at], rest = act[at] - cut, rest + cut
+        out = []
+        for at, f in enumerate(figs):
+            if f is None:
+                out.append(StageMemory(0, 0, 0, 0, 0, 0, 0, m.kind))
+                continue
+            share = rest if at == (m.acting if m.acting >= 0 else present[0][0]) else 0
+            parts = (f.params, f.grads, f.optimizer, act[at], share)
+            out.append(StageMemory(*parts, sum(parts), self._in_flight[stages[at]], m.kind))
+        return out

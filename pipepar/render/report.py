@@ -147,12 +147,10 @@ def render_report(plan: Plan, *, width: int = 200, color: bool = False) -> str:
 
 
 def _summary(plan: Plan) -> str:
-    k = len(plan.stages)
     verdict = "fits" if all(s.fits for s in plan.stages) else "DOES NOT FIT"
     return (
         f"balance {plan.balance}: {verdict}; peak {format_bytes(plan.peak_bytes)}; "
-        "predicted bubble "
-        f"(K-1)/(M+K-1) = {k - 1}/{plan.chunks + k - 1} = {plan.bubble:.1%}; "
+        f"predicted bubble of {plan.schedule} (from its schedule, F = B = W) {plan.bubble:.1%}; "
         f"balanced by {plan.objective}"
     )
 
@@ -174,7 +172,7 @@ def _totals(plan: Plan) -> dict[str, Any]:
 _UNITS = {
     "*_bytes": "B",
     "*_ms": "ms",
-    "bubble": "fraction of the step the pipeline idles, (K-1)/(M+K-1)",
+    "bubble": "fraction of the step the pipeline idles, from the schedule with F = B = W",
     "in_flight": "micro-batches",
     "micro_batch_rows": "rows",
     "peak_bytes": "B",

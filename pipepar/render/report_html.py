@@ -81,7 +81,7 @@ def render_html(plan: Plan, *, timeline: Timeline | Tracer | None = None) -> str
         f'<div class="meta">balance <b>{plan.balance}</b> &middot; {verdict} &middot; peak '
         f"{format_bytes(plan.peak_bytes)} &middot; {k} stages, {plan.schedule}, {plan.chunks} "
         f"micro-batches of {plan.micro_batch_rows} rows, checkpoint={plan.checkpoint}, "
-        f"optimizer={_e(plan.profile.optimizer)} &middot; predicted bubble (K-1)/(M+K-1) = "
+        f"optimizer={_e(plan.profile.optimizer)} &middot; predicted bubble of the schedule "
         f"{plan.bubble:.1%} &middot; profiled on {_e(plan.profile.device)}, balanced by "
         f"{plan.objective}</div>",
         "<h2>Memory per stage</h2>",

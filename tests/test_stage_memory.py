@@ -1,0 +1,140 @@
+"""The memory model: what a device holds at each moment comes from the schedule object; its
+figures from the profile (gradients kept for W, backward peaks as activations are freed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import models
+from pipepar.core.schedule import NAMES, VIRTUAL, make, parse
+from pipepar.planner.deferred_grads import deferred_grads
+from pipepar.planner.measure import measure_split
+from pipepar.planner.peak_moments import moments, schedule_for
+from pipepar.planner.profile import profile
+from pipepar.planner.stage_memory import MemoryModel
+
+SIZES = [(2, 1), (2, 4), (3, 8), (4, 8), (4, 5)]  # (devices K, micro-batches M)
+
+
+def _held(m: object) -> list[int]:
+    return [w + i + t for w, i, t in zip(m.whole, m.inputs, m.waiting)]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize(("k", "m"), SIZES)
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_micro_batches_held_come_from_the_schedule(
+    name: str, k: int, m: int, checkpoint: str
+) -> None:
+    order = schedule_for(name, k, m)
+    assert order.n_workers == k and order.n_stages == (2 * k if name in VIRTUAL else k)
+    for w in range(k):
+        found = moments(order, w, checkpoint, splits=(True,) * len(order.stages_of(w)))
+        # The most stage micro-batches the worker holds at once: the schedule's own count.
+        assert max(sum(_held(x)) for x in found) == order.worker_in_flight(w)
+        for at, s in enumerate(order.stages_of(w)):
+            assert max(_held(x)[at] for x in found) == order.in_flight(s)
+        assert found[-1].kind == "optimizer" and sum(_held(found[-1])) == 0
+
+
+def test_in_flight_per_schedule() -> None:
+    # 1F1B and ZB-H1: stage j holds K - j; GPipe: M; ZB-V: the device holds K at most (2K
+    # half-size stages), fewer than its two stages' own peaks added up.
+    for name in ("1f1b", "zb-h1"):
+        assert [make(name, 4, 8, n_workers=4).in_flight(j) for j in range(4)] == [4, 3, 2, 1]
+    assert [make("gpipe", 4, 8, n_workers=4).in_flight(j) for j in range(4)] == [8] * 4
+    zbv = make("zb-v", 8, 8, n_workers=4)
+    for w in range(4):
+        first, second = zbv.stages_of(w)
+        assert zbv.worker_in_flight(w) <= 2 * 4
+        assert zbv.worker_in_flight(w) <= zbv.in_flight(first) + zbv.in_flight(second)
+    assert zbv.worker_in_flight(0) < zbv.in_flight(0) + zbv.in_flight(7)
+
+
+def test_checkpointed_micro_batches_are_held_as_inputs() -> None:
+    order = make("gpipe", 2, 4, n_workers=2)
+    never = moments(order, 1, "never", splits=(True,))
+    last = moments(order, 1, "except_last", splits=(True,))
+    assert max(x.whole[0] for x in never) == 4
+    # except_last: micro-batches 0..2 as inputs, 3 whole; each backward recomputes one.
+    assert max(x.inputs[0] for x in last) == 3 and max(x.whole[0] for x in last) == 1
+
+
+def test_first_backward_has_no_gradient_sums_and_later_ones_hold_one_less() -> None:
+    order = make("gpipe", 1, 3, n_workers=1)
+    backward = [x for x in moments(order, 0, "never", splits=(True,)) if x.kind == "backward"]
+    assert [(x.whole[0], x.sums[0]) for x in backward] == [(3, False), (2, True)]
+
+
+def test_a_stage_that_cannot_split_runs_its_backward_in_b() -> None:
+    order = make("zb-h1", 2, 4, n_workers=2)
+    split = {x.kind for x in moments(order, 1, "never", splits=(True,))}
+    whole = {x.kind for x in moments(order, 1, "never", splits=(False,))}
+    assert {"input_grad", "weight"} <= split and "backward" not in split
+    assert "backward" in whole and not {"input_grad", "weight"} & whole
+
+
+def test_unknown_schedule_names_the_choices() -> None:
+    with pytest.raises(ValueError, match=r"one of \['gpipe', '1f1b', 'zb-h1', 'interleaved-1f1b'"):
+        schedule_for("pipedream", 2, 4)
+
+
+def test_custom_schedule_objects_are_walked() -> None:
+    order = parse("F0 F1 B0 B1 | F0 B0 F1 B1")  # 1F1B for two stages, written by hand
+    assert max(sum(_held(x)) for x in moments(order, 0, "never", splits=(True,))) == 2
+
+
+def test_deferred_grads_are_what_w_starts_from() -> None:
+    linear = deferred_grads([nn.Linear(8, 4)], torch.ones(2, 8))[0]
+    assert (linear.nbytes, linear.keeps_incoming, linear.splits) == (2 * 4 * 4, True, True)
+    gpt = models.gpt(1, 32, 2, 64, 16)
+    embed, block, norm, head = deferred_grads(gpt, torch.zeros(2, 16, dtype=torch.long))
+    x = 2 * 16 * 32 * 4  # one hidden-sized tensor
+    # qkv (3x), proj, fc (4x), fc_out, two LayerNorms: 11 hidden-sized gradients.
+    assert block.nbytes == 11 * x and norm.nbytes == x and head.nbytes == 2 * 16 * 64 * 4
+    assert embed.nbytes == x  # token ids need no gradient: W is the whole backward
+
+
+def test_a_weight_used_twice_cannot_split() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(torch.relu(self.lin(x)))
+
+    assert not deferred_grads([Twice()], torch.ones(2, 8))[0].splits
+
+
+def test_backward_peak_shrinks_activations_not_gradients() -> None:
+    # Linear(512, 512) on 4096 rows: its backward frees the saved input while it makes a
+    # 1 MiB weight gradient; a quarter of the batch must not scale the gradient too.
+    layer, x = nn.Linear(512, 512), torch.randn(4096, 512)
+    prof = profile(nn.Sequential(layer, nn.GELU()), x, device="meta")
+    lin = prof.layers[0]
+    assert lin.backward_points and max(g for _, g in lin.backward_points) == lin.grads_bytes
+    top = max(a + g for a, g in lin.backward_points)
+    assert top == lin.backward_peak_bytes + lin.grads_bytes
+    model = MemoryModel(prof, make("gpipe", 1, 4, n_workers=1), checkpoint="never", foreach=[False])
+    quarter = model.figures(0, 0).transient["backward"]
+    assert quarter >= lin.grads_bytes and quarter <= round(top / 4) + lin.grads_bytes
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_gpt_stages_within_5_percent_of_measured(schedule: str, checkpoint: str) -> None:
+    model = models.gpt(2, 32, 2, 64, 16)
+    ids = torch.randint(64, (8, 16))
+    prof = profile(model, ids, device="meta", optimizer="adam")
+    balance, k, m = [2, 3], 2, 4
+    order = make(schedule, k, m, n_workers=k)
+    mm = MemoryModel(prof, order, checkpoint=checkpoint, foreach=[False] * k)
+    predicted = [mm.stage(0, 0, 1).peak_bytes, mm.stage(1, 2, 4).peak_bytes]
+    measured = measure_split(
+        model, ids, balance, chunks=m, optimizer="adam", checkpoint=checkpoint, schedule=schedule
+    )
+    for j, (want, got) in enumerate(zip(predicted, measured)):
+        assert abs(want - got) / got < 0.05, (j, want, got)
