@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import models
 import pipepar
-from benchmarks._common import alternate, load, timer
+from benchmarks._common import Workload, accumulation_step, alternate, load, timer
 from benchmarks._results import markdown_table, record
 
 CASES = (("gpipe", "never"), ("1f1b", "except_last"), ("zb-v", "never"))
@@ -44,15 +44,7 @@ def _one_core(dropout: float, quick: bool, steps: int):  # type: ignore[no-untyp
     torch.manual_seed(0)
     model = models.gpt(depth, width, heads, vocab, seq, dropout=dropout)
     x, y = torch.randint(vocab, (batch, seq)), torch.randint(vocab, (batch, seq))
-
-    def step() -> None:
-        before = torch.get_num_threads()
-        torch.set_num_threads(1)
-        for xi, yi in zip(x.chunk(8), y.chunk(8)):
-            (_loss(model(xi), yi) / 8).backward()
-        torch.set_num_threads(before)
-        model.zero_grad(set_to_none=True)
-
+    step = accumulation_step(Workload("gpt", model, x, y, _loss, ""), 8, optimizer=False)
     step()
     return timer(step, steps)
 
@@ -86,6 +78,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="steps timed per round")
     parser.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
     args = parser.parse_args(argv)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # the one-core reference runs here; each pipe worker sets its own
+    try:
+        return _run(args)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(args: argparse.Namespace) -> int:
     rounds = 2 if args.quick else args.rounds
     steps = 1 if args.quick else args.steps
     rows = []

@@ -23,7 +23,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pipepar
-from benchmarks._common import load, workload
+from benchmarks._common import accumulation_step, load, step_times, workload
 from benchmarks._results import markdown_table, record
 from pipepar.core.schedule import VIRTUAL
 
@@ -31,16 +31,12 @@ KINDS = ("forward", "backward", "weight", "recompute", "wait", "transfer")
 
 
 def _one_core(steps: int) -> float:
-    work = workload("mlp")
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
-    xs, ys = work.x.chunk(8), work.y.chunk(8)
-    times = []
-    for _ in range(steps + 1):
-        start = time.perf_counter()
-        for x, y in zip(xs, ys):
-            (nn.functional.mse_loss(work.model(x), y) / 8).backward()
-        work.model.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - start)
+    try:
+        times = step_times(accumulation_step(workload("mlp"), 8, optimizer=False), steps + 1)
+    finally:
+        torch.set_num_threads(before)
     return statistics.median(times[1:])
 
 

@@ -38,6 +38,7 @@ __all__ = [
     "gpipe",
     "interleaved_1f1b",
     "make",
+    "n_workers",
     "one_f_one_b",
     "parse",
     "simulate",
@@ -288,6 +289,36 @@ NAMES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
 
 VIRTUAL = ("interleaved-1f1b", "zb-v")
 """Names whose balance lists several stages per worker."""
+
+
+def n_workers(schedule: object, n_stages: int, *, per: str = "worker") -> int:
+    """Workers (devices or ranks) for ``n_stages`` stages: one per stage, or one per 2 stages
+    for the virtual-stage schedules (a :class:`Schedule` says itself).
+
+    Args:
+        schedule: a name or a Schedule.
+        n_stages: entries of the balance.
+        per: what a worker is called in the error, e.g. ``"rank"``.
+
+    Raises:
+        ValueError: a virtual-stage schedule with an odd number of stages.
+
+    Example:
+        >>> n_workers("zb-v", 4), n_workers("1f1b", 4)
+        (2, 4)
+    """
+    if isinstance(schedule, Schedule):
+        return schedule.n_workers
+    if schedule not in VIRTUAL:
+        return n_stages
+    if n_stages % 2:
+        sizes = " or ".join(str(n) for n in (n_stages - 1, n_stages + 1) if n > 0)
+        raise ValueError(
+            f"schedule {schedule!r} runs 2 stages per {per}, but balance has {n_stages} stages; "
+            f"pass balance with {sizes} entries ({per}s per pipeline = len(balance) // 2), or "
+            f"a schedule with one stage per {per} such as '1f1b'"
+        )
+    return n_stages // 2
 
 
 def make(name: str | Schedule, n_stages: int, n_microbatches: int, *, n_workers: int) -> Schedule:

@@ -158,10 +158,6 @@ class StageStep:
         stack.enter_context(self.autocast())
         return stack
 
-    def held(self) -> int:
-        """Micro-batches whose forward ran and whose last backward action has not."""
-        return len(self._records) + len(self._weights)
-
     # -- B ------------------------------------------------------------------------------------
     def backward(self, i: int, grads: Grads) -> Grads:
         """Back-propagate micro-batch ``i`` from the gradients of its outputs (on the stage's

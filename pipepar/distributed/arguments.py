@@ -8,9 +8,9 @@ from __future__ import annotations
 from torch import nn
 
 from pipepar.core import validation
-from pipepar.core.schedule import NAMES, VIRTUAL, Schedule, make
+from pipepar.core.schedule import NAMES, Schedule, make, n_workers
 
-__all__ = ["SCHEDULES", "check_model", "check_schedule", "check_timeout", "n_workers"]
+__all__ = ["SCHEDULES", "check_model", "check_schedule", "check_timeout"]
 
 SCHEDULES = NAMES
 """The schedules ``wrap`` accepts by name (the same as ``pipepar.wrap``)."""
@@ -35,31 +35,6 @@ def check_model(model: object, balance: object) -> tuple[nn.Sequential, list[int
     return model, checked
 
 
-def n_workers(schedule: object, n_stages: int) -> int:
-    """Ranks per pipeline: one per stage, or one per 2 stages for the virtual-stage schedules
-    (a :class:`Schedule` says itself).
-
-    Raises:
-        ValueError: a virtual-stage schedule with an odd number of stages.
-
-    Example:
-        >>> n_workers("zb-v", 4), n_workers("1f1b", 4)
-        (2, 4)
-    """
-    if isinstance(schedule, Schedule):
-        return schedule.n_workers
-    if schedule not in VIRTUAL:
-        return n_stages
-    if n_stages % 2:
-        sizes = " or ".join(str(n) for n in (n_stages - 1, n_stages + 1) if n > 0)
-        raise ValueError(
-            f"schedule {schedule!r} runs 2 stages per rank, but balance has {n_stages} stages; "
-            f"pass balance with {sizes} entries (ranks per pipeline = len(balance) // 2), or "
-            "a schedule with one stage per rank such as '1f1b'"
-        )
-    return n_stages // 2
-
-
 def check_schedule(schedule: str | Schedule, n_stages: int, chunks: int) -> Schedule:
     """The schedule named by ``schedule`` (or ``schedule`` itself, validated) for the grid.
 
@@ -74,7 +49,8 @@ def check_schedule(schedule: str | Schedule, n_stages: int, chunks: int) -> Sche
             f"schedule must be a name or a pipepar Schedule, but got {type(schedule).__name__}; "
             "pass e.g. schedule='1f1b'"
         )
-    built = make(schedule, n_stages, chunks, n_workers=n_workers(schedule, n_stages))
+    workers = n_workers(schedule, n_stages, per="rank")
+    built = make(schedule, n_stages, chunks, n_workers=workers)
     _check_orders(built)
     return built
 

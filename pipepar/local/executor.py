@@ -102,10 +102,10 @@ class Run:
         self.out_sizes: list[int] = []
 
     # -- running ------------------------------------------------------------------------------
-    def execute(self, pool: WorkerPool | None, phase: Phase, *, inline: bool = False) -> None:
+    def execute(self, pool: WorkerPool | None, phase: Phase) -> None:
         """Run the schedule's actions that ``phase`` selects: on the workers of ``pool``, or
-        on the calling thread in an order that never waits (``pool=None`` or ``inline``)."""
-        if pool is None or inline:
+        with ``pool=None`` on the calling thread, in an order that never waits."""
+        if pool is None:
             order = [a for row in simulate(self.schedule) for a in row if a is not None]
             run_inline([self._bound(a) for a in order if phase(a)])
             return

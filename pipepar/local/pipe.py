@@ -14,7 +14,7 @@ from pipepar.core.batchnorm import commit_all, convert_deferred_batch_norm, rese
 from pipepar.core.devices import DeviceSpec, resolve_devices
 from pipepar.core.microbatch import Value, check_value, gather, scatter, tensors
 from pipepar.core.recompute import should_checkpoint
-from pipepar.core.schedule import VIRTUAL, Schedule, make
+from pipepar.core.schedule import NAMES, VIRTUAL, Schedule, make, n_workers
 from pipepar.core.stage import Stage, iter_layers, split_stages
 from pipepar.local import cpu_malloc
 from pipepar.local.executor import BACKWARD, EVERY, FORWARD, Run
@@ -170,7 +170,7 @@ class Pipe(nn.Module):
 
     def _schedule(self, m: int) -> Schedule:
         layout = self._layout
-        if layout.name not in _BUILT_IN or layout.n_microbatches == m:
+        if layout.name not in NAMES or layout.n_microbatches == m:
             if layout.n_microbatches != m:
                 raise ValueError(
                     f"the batch gives {m} micro-batches but the schedule was built for "
@@ -194,17 +194,14 @@ class Pipe(nn.Module):
         return gather(outputs)
 
     def _forward(self, run: Run) -> Value:
-        run.execute(self._workers_pool(), FORWARD, inline=self._inline())
+        run.execute(self._workers(backward=False), FORWARD)
         if run.training:
             commit_all(list(self))
         return gather(run.outputs())
 
     def _backward(self, run: Run, grads: Sequence[Tensor | None]) -> None:
         run.seed_gradients(grads)
-        # CUDA backward runs on the caller's thread: the autograd engine's device threads would
-        # otherwise wait on each other. Kernels are asynchronous, so devices still overlap.
-        cuda = any(d.type == "cuda" for d in self.devices)
-        run.execute(self._workers_pool(), BACKWARD, inline=self._inline() or cuda)
+        run.execute(self._workers(backward=True), BACKWARD)
 
     # -- running: the whole schedule in one call ------------------------------------------------
     def step(self, input: Value, target: Any, loss_fn: LossFn) -> Tensor:
@@ -259,25 +256,27 @@ class Pipe(nn.Module):
 
     def _step_all(self, run: Run, weights: list[float]) -> Tensor:
         run.seed_losses(weights)
-        cuda = any(d.type == "cuda" for d in self.devices)
-        run.execute(self._workers_pool(), EVERY, inline=self._inline() or cuda)
+        run.execute(self._workers(backward=True), EVERY)
         if run.training:
             commit_all(list(self))
         losses = [torch.as_tensor(v).reshape(()) for v in run.outputs()]
         return sum(w * v.float() for w, v in zip(weights, losses))  # type: ignore[return-value]
 
     # -- workers ------------------------------------------------------------------------------
-    def _inline(self) -> bool:
-        return len(self._workers_devices) == 1
+    def _workers(self, *, backward: bool) -> WorkerPool | None:
+        """The worker threads, or None to run on the caller's thread: with one worker, and for
+        backward work on CUDA (the autograd engine's device threads would otherwise wait on
+        each other; kernels are asynchronous, so devices still overlap)."""
+        cuda = backward and any(d.type == "cuda" for d in self.devices)
+        if len(self._workers_devices) == 1 or cuda:
+            return None
+        if self._pool is None:
+            self._pool = WorkerPool(self._workers_devices, threads=self.threads)
+        return self._pool
 
     def _tune_heap(self) -> None:
         if any(d.type == "cpu" for d in self.devices):
             cpu_malloc.tune()  # gradient buffers of every micro-batch: see pipepar.local.cpu_malloc
-
-    def _workers_pool(self) -> WorkerPool:
-        if self._pool is None:
-            self._pool = WorkerPool(self._workers_devices, threads=self.threads)
-        return self._pool
 
     def close(self) -> None:
         """Stop the worker threads now (they also stop when the pipe is garbage-collected)."""
@@ -291,9 +290,6 @@ class Pipe(nn.Module):
         return state
 
 
-_BUILT_IN = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
-
-
 @lru_cache(maxsize=64)
 def _cached(name: str, n_stages: int, m: int, n_workers: int) -> Schedule:
     return make(name, n_stages, m, n_workers=n_workers)
@@ -305,23 +301,20 @@ def _schedule_for(schedule: object, n_stages: int, chunks: int, n_workers: int) 
             f"schedule must be a name or a pipepar Schedule, but got {type(schedule).__name__}; "
             "pass e.g. schedule='1f1b'"
         )
-    if isinstance(schedule, str) and schedule in _BUILT_IN:
+    if isinstance(schedule, str) and schedule in NAMES:
         return _cached(schedule, n_stages, 1, n_workers)
     return make(schedule, n_stages, chunks, n_workers=n_workers)
 
 
 def _n_workers(schedule: object, balance: Sequence[int], devices: DeviceSpec) -> int:
-    """Devices the stages run on: one per stage, or for virtual-stage schedules the devices
-    given (default: two stages per device)."""
-    if isinstance(schedule, Schedule):
-        return schedule.n_workers
-    if schedule not in VIRTUAL:
-        return len(balance)
-    if isinstance(devices, int) and not isinstance(devices, bool):
-        return devices
-    if isinstance(devices, Sequence) and not isinstance(devices, str):
-        return len(devices)
-    return max(1, len(balance) // 2)
+    """Devices the stages run on: the schedule's count (one per stage, or one per two stages
+    for the virtual-stage schedules), or for those the devices given."""
+    if isinstance(schedule, str) and schedule in VIRTUAL:
+        if isinstance(devices, int) and not isinstance(devices, bool):
+            return devices
+        if isinstance(devices, Sequence) and not isinstance(devices, str):
+            return len(devices)
+    return n_workers(schedule, len(balance))
 
 
 def _stage_module(stage: Stage) -> nn.Module:
