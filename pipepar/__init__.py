@@ -15,6 +15,8 @@ from pipepar.local.pipe import Pipe, wrap
 from pipepar.planner.partition import partition
 from pipepar.planner.plan import Plan, StagePlan, plan
 from pipepar.planner.profile import LayerProfile, Profile, profile
+from pipepar.program.pipe import ModelPipe
+from pipepar.program.units import Unit, units
 from pipepar.tracing.tracer import Timeline, tracing
 
 __version__ = "0.1.0"
@@ -22,6 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "GPipe",
     "LayerProfile",
+    "ModelPipe",
     "Pipe",
     "Plan",
     "Profile",
@@ -34,5 +37,7 @@ __all__ = [
     "sequentialize",
     "timeline",
     "tracing",
+    "Unit",
+    "units",
     "wrap",
 ]

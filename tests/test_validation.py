@@ -53,9 +53,9 @@ def test_cuda_device_without_cuda() -> None:
         pipepar.wrap(_model(), [2, 2], devices=["cpu", "cuda:1"])
 
 
-def test_not_a_sequential() -> None:
-    with pytest.raises(TypeError, match=r"must be an nn.Sequential, but got Linear.*sequentialize"):
-        pipepar.wrap(nn.Linear(2, 2), [1])  # type: ignore[arg-type]
+def test_not_a_module() -> None:
+    with pytest.raises(TypeError, match=r"module must be an nn.Module, but got int"):
+        pipepar.wrap(3, [1])  # type: ignore[arg-type]
 
 
 def test_empty_model() -> None:

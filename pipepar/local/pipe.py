@@ -415,32 +415,41 @@ def _check_threads(threads: int | None, devices: list[torch.device], chunks: int
 
 
 def wrap(
-    module: nn.Sequential,
+    module: nn.Module,
     balance: Sequence[int] | None = None,
     *,
     devices: DeviceSpec = None,
     chunks: int = 1,
-    checkpoint: str = "except_last",
+    checkpoint: str | None = None,
     deferred_batch_norm: bool = False,
-    sample: Value | None = None,
+    sample: Any = None,
+    split: Sequence[str] | None = None,
     capacity: Any = None,
     schedule: str | Schedule = "gpipe",
     threads: int | None = None,
     trace: bool = False,
-) -> Pipe:
-    """Split ``module`` into pipeline stages and return the :class:`Pipe`.
+) -> Any:
+    """Split ``module`` into pipeline stages and return the pipe.
 
-    Takes the same arguments as ``torchgpipe.GPipe``. With ``balance=None`` the model is
-    profiled on ``sample`` and split by :func:`pipepar.plan` to fit ``capacity``.
+    An ``nn.Sequential`` becomes a :class:`Pipe` (the same arguments as ``torchgpipe.GPipe``);
+    any other model a :class:`~pipepar.program.pipe.ModelPipe`, called with the model's own
+    arguments and returning what the model returns, its forward code cut into stages as it
+    runs. With ``balance=None`` and ``split=None`` the model is profiled on ``sample`` and
+    split by :func:`pipepar.plan` to fit ``capacity``.
 
     Args:
-        module: the ``nn.Sequential`` to split; its layers are moved to their stage's device.
-        balance: layers per stage, e.g. ``[3, 3, 2]``; ``None`` to plan it from ``sample``.
+        module: the model to split; its layers are moved to their stage's device.
+        balance: layers (units, for other models: see :func:`pipepar.units`) per stage, e.g.
+            ``[3, 3, 2]``; ``None`` to use ``split`` or to plan it from ``sample``.
+        split: module paths where a new stage begins, e.g. ``["transformer.h.6"]``.
         devices: one device per stage; ``None`` = all CUDA devices, or the CPU for every stage.
         chunks: micro-batches per mini-batch (M).
-        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` recompute in backward.
+        checkpoint: ``"always"``, ``"except_last"`` (the default for ``nn.Sequential``) or
+            ``"never"`` (the only mode for other models: use the model's own activation
+            checkpointing there) recompute in backward.
         deferred_batch_norm: track batch-norm statistics over the whole mini-batch.
-        sample: an input batch to profile when ``balance`` is None.
+        sample: an input batch to profile when ``balance`` is None: a tensor, a tuple of
+            positional arguments, or a dict of keyword arguments (``dict(input_ids=...)``).
         capacity: bytes per device for planning (int, ``"16GiB"``, or one per device).
         threads: math threads per CPU stage; default: ``torch.get_num_threads()`` shared among
             the CPU stages that compute at once on average (``round(K*M/(M+K-1))``).
@@ -455,6 +464,15 @@ def wrap(
         >>> pipe = pipepar.wrap(model, [4, 4], devices=["cpu", "cpu"], chunks=4)
         >>> pipe(torch.randn(32, 16)).sum().backward()
     """
+    if not isinstance(module, nn.Sequential) or split is not None or isinstance(sample, dict):
+        from pipepar.program.pipe import wrap_model
+
+        return wrap_model(
+            module, balance, devices=devices, chunks=chunks, checkpoint=checkpoint,
+            deferred_batch_norm=deferred_batch_norm, sample=sample, split=split,
+            capacity=capacity, schedule=schedule, threads=threads, trace=trace,
+        )
+    checkpoint = "except_last" if checkpoint is None else checkpoint
     if balance is None:
         balance = _planned_balance(module, sample, devices, capacity, chunks, checkpoint, schedule)
     return Pipe(

@@ -1,0 +1,139 @@
+"""Split a model call into micro-batch calls, and join what they return.
+
+A call is the positional and keyword arguments a model takes (``input_ids=..., labels=...``).
+Every tensor argument whose dimension 0 has the batch size is split into ``m`` row views; every
+other argument (a flag, a config, a tensor without the batch) goes unchanged to each
+micro-batch. The batch size is dimension 0 of the first tensor argument.
+
+Outputs are joined leaf by leaf (tensors, tuples, dicts and transformers' ``ModelOutput``):
+tensors with the micro-batch's rows are concatenated; a one-element tensor (a loss averaged
+over the micro-batch) becomes the average weighted by rows; ``None`` and equal plain values stay;
+anything else cannot be joined and raises.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+__all__ = ["Call", "as_call", "join", "split_call"]
+
+
+@dataclass
+class Call:
+    """One micro-batch's arguments."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    rows: int
+
+    def tensors(self) -> list[Tensor]:
+        leaves = pytree.tree_leaves((self.args, self.kwargs))
+        return [t for t in leaves if isinstance(t, Tensor)]
+
+
+def as_call(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A sample as a call: a dict is keyword arguments, a tuple positional ones, anything
+    else the one positional argument."""
+    if isinstance(sample, dict):
+        return (), dict(sample)
+    if isinstance(sample, tuple):
+        return sample, {}
+    return (sample,), {}
+
+
+def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    for leaf in pytree.tree_leaves((args, kwargs)):
+        if isinstance(leaf, Tensor) and leaf.dim() > 0:
+            return leaf.shape[0]
+    raise ValueError(
+        "the call has no tensor argument with a batch dimension to split into micro-batches; "
+        "pass the batch as a tensor (e.g. input_ids=...) with the samples on dimension 0"
+    )
+
+
+def split_call(args: tuple[Any, ...], kwargs: dict[str, Any], chunks: int) -> list[Call]:
+    """The calls of at most ``chunks`` micro-batches (fewer if the batch has fewer rows).
+
+    Example:
+        >>> calls = split_call((torch.zeros(5, 2),), {"flag": True}, 2)
+        >>> [(c.args[0].shape[0], c.kwargs["flag"]) for c in calls]
+        [(3, True), (2, True)]
+    """
+    n = batch_size(args, kwargs)
+    m = max(1, min(chunks, n))
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    columns = [leaf.tensor_split(m) if _batched(leaf, n) else [leaf] * m for leaf in leaves]
+    rows = [len(r) for r in torch.arange(n).tensor_split(m)]
+    calls = []
+    for i in range(m):
+        a, k = pytree.tree_unflatten([col[i] for col in columns], spec)
+        calls.append(Call(tuple(a), dict(k), rows[i]))
+    return calls
+
+
+def _batched(leaf: Any, n: int) -> bool:
+    return isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == n
+
+
+def join(outputs: Sequence[Any], rows: Sequence[int]) -> Any:
+    """Join the micro-batch outputs into the output of the whole batch."""
+    if len(outputs) == 1:
+        return outputs[0]
+    flat = [pytree.tree_flatten(out) for out in outputs]
+    spec = flat[0][1]
+    for k, (_, other) in enumerate(flat[1:], 1):
+        if other != spec:
+            raise ValueError(
+                f"micro-batch {k} returned a differently shaped output than micro-batch 0 "
+                f"({other} vs {spec}); the model must return the same structure for every batch"
+            )
+    columns = list(zip(*(leaves for leaves, _ in flat)))
+    joined = [_join_leaf(col, rows, path) for path, col in zip(_paths(spec, len(columns)), columns)]
+    return pytree.tree_unflatten(joined, spec)
+
+
+def _join_leaf(col: Sequence[Any], rows: Sequence[int], where: str) -> Any:
+    first = col[0]
+    if isinstance(first, Tensor):
+        if all(
+            isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == r for t, r in zip(col, rows)
+        ):
+            return torch.cat(list(col))
+        if all(isinstance(t, Tensor) and t.numel() == 1 for t in col):
+            total = sum(rows)
+            return sum(t * (r / total) for t, r in zip(col, rows))
+        shapes = [tuple(t.shape) for t in col]
+        raise ValueError(
+            f"output {where} cannot be joined over micro-batches: shapes {shapes} neither carry "
+            f"the micro-batch rows {list(rows)} on dimension 0 nor hold one value; return it "
+            "with the batch on dimension 0, or use chunks=1"
+        )
+    if all(v is None for v in col) or all(_same(v, first) for v in col):
+        return first
+    raise ValueError(
+        f"output {where} differs between micro-batches ({type(first).__name__}) and cannot be "
+        "joined; leave it out of the output (for transformers models pass use_cache=False)"
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:
+        return False
+
+
+def _paths(spec: pytree.TreeSpec, n: int) -> list[str]:
+    """A readable name per leaf (its key path), for errors."""
+    try:
+        dummy = pytree.tree_unflatten(list(range(n)), spec)
+        paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(dummy)[0]]
+        return paths if len(paths) == n else [f"#{k}" for k in range(n)]
+    except Exception:
+        return [f"#{k}" for k in range(n)]

@@ -1,0 +1,199 @@
+"""Cut a model's own forward code into stages while it runs, one micro-batch at a time.
+
+The model's ``forward`` runs unchanged. Every torch operation it makes passes through
+:class:`Cut` (a torch-function mode) which knows the stage currently computing. Each tensor an
+operation returns is tagged with that stage. When an operation of stage ``c`` is given a tensor
+of an earlier stage ``p`` (the hidden state, but also a residual stream, an attention mask, a
+rotary table, a class token or a U-Net skip: whatever the code passes along), the cut gives it a
+detached copy instead: a leaf of stage ``c``'s own autograd graph, on stage ``c``'s device. So
+each stage owns a small autograd graph per micro-batch, exactly as a stage of an
+``nn.Sequential`` does, and the values that cross a boundary are found without the user naming
+them.
+
+A parameter used by a stage other than the one holding it (tied weights: an embedding reused by
+the output head) is cut the same way: the user stage computes with a leaf alias and hands the
+gradient to the holder, which adds it to the parameter's own.
+
+The :class:`Ledger` of a micro-batch remembers each crossing (the original tensor, the leaf) so
+the backward of a stage knows which of its tensors receive gradients and from where.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["CALLER", "Crossing", "Cut", "Ledger"]
+
+CALLER = -1
+"""The producer of the pipe's own tensor arguments (their gradients go back to the caller)."""
+
+_TAG = "_pipepar_stage"
+
+
+@dataclass
+class Crossing:
+    """One value entering stage ``consumer`` from ``producer``: the original and its leaf."""
+
+    producer: int
+    consumer: int
+    original: Tensor
+    leaf: Tensor
+    is_param: bool = False
+
+
+@dataclass
+class Ledger:
+    """What crossed stage boundaries in one micro-batch, and the gradients found for it."""
+
+    token: object = field(default_factory=object)
+    crossings: list[Crossing] = field(default_factory=list)
+    _leaves: dict[tuple[int, int], Tensor] = field(default_factory=dict)
+    # Gradients of originals, summed over their consumers (keyed by id; originals are held
+    # by their crossing, so ids stay valid).
+    grads: dict[int, Tensor] = field(default_factory=dict)
+    outputs: list[tuple[int, Tensor]] = field(default_factory=list)
+
+    def leaf(
+        self, t: Tensor, producer: int, consumer: int, device: torch.device, is_param: bool
+    ) -> Tensor:
+        """The leaf standing for ``t`` in stage ``consumer`` (one per value and stage)."""
+        key = (id(t), consumer)
+        found = self._leaves.get(key)
+        if found is None:
+            found = t.detach()
+            if found.device != device:
+                found = found.to(device)
+            if t.requires_grad:
+                found.requires_grad_()
+            setattr(found, _TAG, (self.token, consumer))
+            self._leaves[key] = found
+            self.crossings.append(Crossing(producer, consumer, t, found, is_param))
+        return found
+
+    def add_grad(self, original: Tensor, grad: Tensor) -> None:
+        key = id(original)
+        if grad.device != original.device:
+            grad = grad.to(original.device)
+        total = self.grads.get(key)
+        self.grads[key] = grad if total is None else total + grad
+
+    def entering(self, consumer: int) -> list[Crossing]:
+        """The crossings into ``consumer`` whose leaf needs a gradient."""
+        return [c for c in self.crossings if c.consumer == consumer and c.leaf.requires_grad]
+
+    def leaving(self, producer: int) -> list[tuple[Tensor, Tensor]]:
+        """``(original, gradient)`` for the values ``producer`` made that got a gradient."""
+        pairs, seen = [], set()
+        sources = [c.original for c in self.crossings if c.producer == producer]
+        sources += [t for p, t in self.outputs if p == producer]
+        for t in sources:
+            g = self.grads.get(id(t))
+            if g is not None and id(t) not in seen and t.requires_grad and not _is_leaf_param(t):
+                seen.add(id(t))
+                pairs.append((t, g))
+        return pairs
+
+    def stage_of(self, t: Tensor) -> int | None:
+        """The stage that made ``t`` in this micro-batch, or None."""
+        tag = getattr(t, _TAG, None)
+        return tag[1] if tag is not None and tag[0] is self.token else None
+
+    def forget(self) -> None:
+        self.crossings.clear()
+        self._leaves.clear()
+        self.grads.clear()
+        self.outputs.clear()
+
+
+def _is_leaf_param(t: Tensor) -> bool:
+    return isinstance(t, torch.nn.Parameter)
+
+
+class Cut(TorchFunctionMode):
+    """The torch-function mode of one micro-batch's forward: tags what each stage makes and
+    hands each stage leaves for what earlier stages (or other stages' parameters) give it.
+
+    Args:
+        ledger: the micro-batch's crossings.
+        owner: the stage holding each parameter, by ``id``.
+        devices: each stage's device.
+        inputs: the pipe's own tensor arguments for this micro-batch, by ``id`` (they cross
+            from :data:`CALLER` when they need a gradient).
+    """
+
+    def __init__(
+        self,
+        ledger: Ledger,
+        owner: dict[int, int],
+        devices: list[torch.device],
+        inputs: dict[int, Tensor],
+    ) -> None:
+        super().__init__()
+        self.ledger, self.owner, self.devices, self.inputs = ledger, owner, devices, inputs
+        self.stage = 0
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        args = tuple(self._sub(a) for a in args)
+        if kwargs:
+            kwargs = {k: self._sub(v) for k, v in kwargs.items()}
+        out = func(*args, **(kwargs or {}))
+        self._tag(out)
+        return out
+
+    def _sub(self, value: Any) -> Any:
+        if isinstance(value, Tensor):
+            return self._cross(value)
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], Tensor):
+            items = [self._cross(v) if isinstance(v, Tensor) else v for v in value]
+            return type(value)(items) if isinstance(value, list) else tuple(items)
+        return value
+
+    def _cross(self, t: Tensor) -> Tensor:
+        s = self.stage
+        device = self.devices[s]
+        if isinstance(t, torch.nn.Parameter):
+            holder = self.owner.get(id(t), s)
+            if holder == s:
+                return t
+            return self.ledger.leaf(t, holder, s, device, is_param=True)
+        made = self.ledger.stage_of(t)
+        if made is None:
+            if t.requires_grad and id(t) in self.inputs:
+                return self.ledger.leaf(t, CALLER, s, device, is_param=False)
+            return (
+                t
+                if t.device == device or (t.dim() == 0 and t.device.type == "cpu")
+                else t.to(device)
+            )
+        if made == s:
+            return t
+        return self.ledger.leaf(t, made, s, device, is_param=False)
+
+    def _tag(self, out: Any) -> None:
+        tag = (self.ledger.token, self.stage)
+        if isinstance(out, Tensor):
+            _set_tag(out, tag)
+        elif isinstance(out, (list, tuple)):
+            for t in out:
+                if isinstance(t, Tensor):
+                    _set_tag(t, tag)
+
+
+def _set_tag(t: Tensor, tag: tuple[object, int]) -> None:
+    if isinstance(t, torch.nn.Parameter):
+        return
+    with contextlib.suppress(AttributeError, RuntimeError):  # a subclass with __slots__
+        setattr(t, _TAG, tag)

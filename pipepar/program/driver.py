@@ -1,0 +1,142 @@
+"""Run one micro-batch's forward code a stage at a time, when the schedule says so.
+
+A model's ``forward`` is one Python call; a pipeline needs stage ``s`` of micro-batch ``i`` to
+run as an action of its own, between other actions of stage ``s``'s worker. A :class:`Driver`
+runs the call on a thread of its own and stops it at each stage boundary: a pre-forward hook on
+every unit with parameters pauses the driver when the unit belongs to a later stage than the
+one computing. The worker of stage ``s`` runs ``F(s, i)`` by calling :meth:`Driver.advance`,
+which lets the driver go on through stage ``s`` and waits until it stops at the next boundary
+(or the forward returns). So the code runs in the schedule's order, one stage of one
+micro-batch at a time per worker, and the thread-local settings (grad mode, autocast, random
+streams, the cut) are entered by the driver for each stage it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from pipepar.local.worker import Aborted
+
+__all__ = ["Driver", "active"]
+
+_local = threading.local()
+
+Context = Callable[[int], contextlib.AbstractContextManager[Any]]
+"""``context(stage)``: what the driver enters while it computes stage ``stage``."""
+
+
+def active() -> Driver | None:
+    """The driver running on this thread, if any."""
+    return getattr(_local, "driver", None)
+
+
+class Driver:
+    """The forward of one micro-batch: ``call()`` run on its own thread, stage by stage.
+
+    Args:
+        call: runs the model's forward for the micro-batch and returns its output.
+        context: what to enter while computing a stage (entered again at each resumption).
+    """
+
+    def __init__(self, call: Callable[[], Any], context: Context) -> None:
+        self._call, self._context = call, context
+        self._cond = threading.Condition()
+        self._allowed = -1  # the highest stage the driver may compute
+        self._next = 0  # the stage the driver waits to compute (or computes)
+        self._running = False
+        self._done = False
+        self._aborted = False
+        self._error: BaseException | None = None
+        self.result: Any = None
+        self.stage = 0
+        self._stack: contextlib.ExitStack | None = None
+
+    # -- the worker's side --------------------------------------------------------------------
+    def advance(self, stage: int) -> None:
+        """Let the forward compute ``stage`` and wait until it leaves it; re-raise its error."""
+        with self._cond:
+            if self._done or self._next > stage:
+                self._raise()
+                return  # no unit of ``stage`` runs in this micro-batch
+            self._allowed = stage
+            self._running = True
+            self._cond.notify_all()
+            while self._running:
+                self._cond.wait()
+            self._raise()
+
+    def abort(self) -> None:
+        """Stop a driver waiting at a boundary (its forward raises :class:`Aborted`)."""
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    # -- the driver thread --------------------------------------------------------------------
+    def run(self) -> None:
+        """The driver thread's body."""
+        _local.driver = self
+        try:
+            self._wait_for(0)
+            self._enter(0)
+            out = self._call()
+            self.result = out
+            self._leave()
+        except BaseException as error:  # handed to the worker that waits, re-raised there
+            self._close()
+            with self._cond:
+                if not isinstance(error, Aborted):
+                    self._error = error
+            self._finish()
+            return
+        finally:
+            _local.driver = None
+        self._finish()
+
+    def boundary(self, stage: int) -> None:
+        """Called (on the driver thread) before a unit of ``stage`` runs."""
+        if stage <= self.stage:
+            return
+        self._leave()
+        with self._cond:
+            self._next = stage
+            self._running = False
+            self._cond.notify_all()
+        self._wait_for(stage)
+        self._enter(stage)
+
+    def _wait_for(self, stage: int) -> None:
+        with self._cond:
+            while self._allowed < stage and not self._aborted:
+                self._cond.wait()
+            if self._aborted:
+                raise Aborted
+
+    def _enter(self, stage: int) -> None:
+        self.stage = stage
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(self._context(stage))
+
+    def _leave(self) -> None:
+        """Close the last stage's context (a failure there is the forward's failure)."""
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+
+    def _close(self) -> None:
+        with contextlib.suppress(BaseException):  # already failing: report the first error
+            self._leave()
+
+    def _finish(self) -> None:
+        with self._cond:
+            self._done = True
+            self._running = False
+            self._next = 1 << 30
+            self._cond.notify_all()

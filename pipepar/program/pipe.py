@@ -1,0 +1,551 @@
+"""ModelPipe: any ``nn.Module`` split into stages as it is, and called like the model.
+
+The model keeps its own code, submodules and names: its units (:mod:`pipepar.program.units`)
+are placed on their stage's device, and each micro-batch's forward runs the model's own
+``forward``, cut into stages while it runs (:mod:`pipepar.program.cut`), in the schedule's
+order (:mod:`pipepar.program.driver`). Values crossing a boundary travel by themselves;
+a weight used by two stages (tied embedding and head) is held by the first and its gradients
+from both are summed there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+
+from pipepar.core import validation
+from pipepar.core.devices import DeviceSpec, resolve_devices
+from pipepar.core.schedule import NAMES, Schedule
+from pipepar.core.stage import Stage
+from pipepar.local import cpu_malloc
+from pipepar.local.executor import BACKWARD, EVERY, FORWARD
+from pipepar.local.pipe import (
+    _cached,
+    _check_threads,
+    _moving_denied,
+    _n_workers,
+    _schedule_for,
+    _StepFunction,
+    _unalias,
+)
+from pipepar.local.worker import WorkerPool, _init_thread
+from pipepar.program import units as units_
+from pipepar.program.calls import Call, join, split_call
+from pipepar.program.driver import active
+from pipepar.program.run import ProgramRun
+from pipepar.program.step import Batch
+from pipepar.tracing.tracer import Tracer
+
+__all__ = ["ModelPipe"]
+
+LossFn = Callable[[Any, Any], Tensor]
+
+
+class ProgramStage(Stage):
+    """A stage of a model cut while it runs: its units, named by their module paths."""
+
+    def describe(self) -> str:
+        names = self.paths
+        span = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+        return f"stage {self.index} ({span} on {self.device})"
+
+    @property
+    def paths(self) -> list[str]:
+        return [n.replace("/", ".") for n in self.names or []]
+
+
+class ModelPipe(nn.Module):
+    """Any model split into pipeline stages, called with the model's own arguments.
+
+    Build one with :func:`pipepar.wrap`. The pipe's children are the model's, so
+    ``named_parameters()`` and ``state_dict()`` use the model's own names (a checkpoint of the
+    plain model loads into the pipe and back), and a tied weight is listed once.
+
+    Args:
+        model: the module to split (any ``nn.Module``).
+        balance: units per stage (:func:`pipepar.units` lists the units); or
+        split: module paths where a new stage begins, e.g. ``["transformer.h.6"]``.
+        devices: one device per stage (per device for the virtual-stage schedules).
+        chunks: micro-batches per mini-batch.
+        sample: an example call (a tensor, a tuple of positional arguments, or a dict of
+            keyword arguments): units are then ordered as the model calls them.
+        schedule: a schedule name or object (:mod:`pipepar.core.schedule`).
+        threads: math threads per CPU stage.
+        trace: record a timeline in ``pipe.tracer``.
+    """
+
+    _model: nn.Module  # not a child: its children are the pipe's
+
+    def __init__(
+        self,
+        model: nn.Module,
+        balance: Sequence[int] | None = None,
+        *,
+        split: Sequence[str] | None = None,
+        devices: DeviceSpec = None,
+        chunks: int = 1,
+        sample: Any = None,
+        schedule: str | Schedule = "gpipe",
+        threads: int | None = None,
+        trace: bool = False,
+    ) -> None:
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"module must be an nn.Module, but got {type(model).__name__}; "
+                "pass the model to split"
+            )
+        self.chunks = validation.check_chunks(chunks)
+        order = _call_order(model, sample) if sample is not None else None
+        lay = units_.layout(model, order)
+        sizes = _sizes(lay, balance, split)
+        stage_of_unit = [s for s, n in enumerate(sizes) for _ in range(n)]
+        workers = resolve_devices(devices, _n_workers(schedule, sizes, devices))
+        self._layout = _schedule_for(schedule, len(sizes), self.chunks, len(workers))
+        placed = [workers[w] for w in self._layout.placement]
+        self._owner = units_.owners(lay, stage_of_unit)
+        _place(model, lay, stage_of_unit, self._owner, placed)
+        object.__setattr__(self, "_model", model)
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        for name, p in model.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in model.named_buffers(recurse=False):
+            self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
+        self._stages = _stages(lay, stage_of_unit, placed)
+        self._params = _held(model, self._owner, len(sizes))
+        self._units = lay
+        self._hooks = [
+            u.module.register_forward_pre_hook(_boundary(s))
+            for u, s in zip(lay.units, stage_of_unit)
+            if u.has_parameters
+        ]
+        self._devices_of_workers = workers
+        self.threads = _check_threads(threads, workers, self.chunks)
+        self.tracer: Tracer | None = Tracer() if trace else None
+        self._pool: WorkerPool | None = None
+        self._drivers: ThreadPoolExecutor | None = None
+
+    # -- what the pipe is ---------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped model (its forward is what runs)."""
+        return self._model
+
+    @property
+    def balance(self) -> list[int]:
+        """Units per stage."""
+        return [len(s.layers) for s in self._stages]
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """Each stage's device."""
+        return [s.device for s in self._stages]
+
+    @property
+    def stage_paths(self) -> list[list[str]]:
+        """The module paths of each stage's units."""
+        return [s.paths for s in self._stages]  # type: ignore[attr-defined]
+
+    @property
+    def schedule(self) -> Schedule:
+        return self._schedule(self.chunks)
+
+    def extra_repr(self) -> str:
+        starts = [paths[0] for paths in self.stage_paths]
+        return f"stages start at {starts}, chunks={self.chunks}, schedule={self._layout.name!r}"
+
+    def train(self, mode: bool = True) -> ModelPipe:
+        super().train(mode)
+        self._model.train(mode)  # the model's own flag, read by its forward
+        return self
+
+    def to(self, *args: Any, **kwargs: Any) -> ModelPipe:  # type: ignore[override]
+        if torch._C._nn._parse_to(*args, **kwargs)[0] is not None:
+            raise _moving_denied("to(device)")
+        return super().to(*args, **kwargs)
+
+    def cuda(self, device: Any = None) -> ModelPipe:  # type: ignore[override]
+        raise _moving_denied("cuda()")
+
+    def cpu(self) -> ModelPipe:  # type: ignore[override]
+        raise _moving_denied("cpu()")
+
+    # -- running ------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model on the batch, micro-batch by micro-batch through the stages, and
+        return what the model returns (joined over the micro-batches)."""
+        calls = split_call(args, kwargs, self.chunks)
+        params = [p for held in self._params for p in held]
+        inputs = [c.tensors() for c in calls]
+        needs_grad = torch.is_grad_enabled() and (
+            bool(params) or any(t.requires_grad for xs in inputs for t in xs)
+        )
+        run = self._run(calls, grad=needs_grad)
+        if not needs_grad:
+            run.execute(self._workers(), FORWARD)
+            return join(run.results(), [c.rows for c in calls])
+        flat_in = [t for xs in inputs for t in xs]
+        holder: dict[str, Any] = {}
+        outs = _ProgramFunction.apply(self, run, holder, len(flat_in), *flat_in, *params)
+        leaves = list(holder["leaves"])
+        for k, t in zip(holder["positions"], _as_tuple(outs)):
+            leaves[k] = t
+        return pytree.tree_unflatten(leaves, holder["spec"])
+
+    def step(
+        self, *args: Any, loss_fn: LossFn | None = None, target: Any = None, **kwargs: Any
+    ) -> Tensor:
+        """Forward and backward of one mini-batch in the schedule's order; returns the loss.
+
+        The loss is what ``loss_fn(output, target)`` returns for each micro-batch or, without
+        ``loss_fn``, the model's own (``output.loss``, or the first element of a tuple, as
+        transformers models return when given ``labels=``); micro-batch losses are weighted by
+        their share of the rows, as a loss averaged over the batch. Gradients accumulate into
+        ``.grad``.
+
+        Example:
+            >>> loss = pipe.step(input_ids=ids, labels=ids)
+            >>> opt.step(); opt.zero_grad()
+        """
+        calls = split_call(args, kwargs, self.chunks)
+        rows = [c.rows for c in calls]
+        targets = _split_target(target, rows)
+        weights = [r / sum(rows) for r in rows]
+        run = self._run(calls, grad=True, head=_loss_head(loss_fn, targets), weights=weights)
+        params = [p for held in self._params for p in held]
+        flat_in = [t for c in calls for t in c.tensors()]
+        loss = _StepFunction.apply(self, run, weights, len(flat_in), *flat_in, *params)
+        loss.backward()
+        return loss.detach()
+
+    def _step_all(self, run: ProgramRun, weights: list[float]) -> Tensor:
+        run.open_backward()
+        run.execute(self._workers(), EVERY)
+        losses = [torch.as_tensor(v).reshape(()).detach() for v in run.results()]
+        return sum(w * v.float() for w, v in zip(weights, losses))  # type: ignore[return-value]
+
+    def _run(
+        self,
+        calls: list[Call],
+        *,
+        grad: bool,
+        head: Any = None,
+        weights: list[float] | None = None,
+    ) -> ProgramRun:
+        model = self._model
+
+        def caller(c: Call) -> Callable[[], Any]:
+            return lambda: model(*c.args, **c.kwargs)
+
+        batch = Batch(
+            [caller(c) for c in calls],
+            [c.tensors() for c in calls],
+            self._owner,
+            self.devices,
+            head=head,
+            weights=weights,
+        )
+        if any(d.type == "cpu" for d in self.devices) and grad:
+            cpu_malloc.tune()
+        run = ProgramRun(
+            self._stages,
+            self._params,
+            self._schedule(len(calls)),
+            batch,
+            self._driver_threads(len(calls)),
+            [c.tensors() for c in calls],
+            grad=grad,
+            tracer=self.tracer,
+        )
+        run.rows = [c.rows for c in calls]
+        return run
+
+    def _schedule(self, m: int) -> Schedule:
+        layout = self._layout
+        if layout.name not in NAMES or layout.n_microbatches == m:
+            return layout
+        return _cached(layout.name, layout.n_stages, m, layout.n_workers)
+
+    def _workers(self) -> WorkerPool | None:
+        if len(self._devices_of_workers) == 1:
+            return None
+        if self._pool is None:
+            self._pool = WorkerPool(self._devices_of_workers, threads=self.threads)
+        return self._pool
+
+    def _driver_threads(self, m: int) -> ThreadPoolExecutor:
+        if self._drivers is None or self._drivers._max_workers < m:  # type: ignore[attr-defined]
+            if self._drivers is not None:
+                self._drivers.shutdown(wait=False)
+            share = min(self.threads)
+            self._drivers = ThreadPoolExecutor(
+                m, "pipepar-microbatch", _init_thread, (share, self.devices[0])
+            )
+        return self._drivers
+
+    def close(self) -> None:
+        """Stop the worker and driver threads."""
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        if self._drivers is not None:
+            self._drivers.shutdown(wait=False)
+            self._drivers = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_pool"] = state["_drivers"] = None
+        return state
+
+
+# -- building -------------------------------------------------------------------------------
+def _call_order(model: nn.Module, sample: Any) -> list[str]:
+    return [u.path for u in units_.units(model, sample)]
+
+
+def _sizes(
+    lay: units_.Layout, balance: Sequence[int] | None, split: Sequence[str] | None
+) -> list[int]:
+    paths = lay.paths()
+    if split is not None and balance is not None:
+        raise ValueError(
+            f"pass balance or split, not both (got balance={list(balance)}, split={list(split)})"
+        )
+    if split is not None:
+        return units_.stages_from_split(paths, split)
+    if balance is None:
+        raise ValueError("balance, split or sample is needed to split the model into stages")
+    return validation.check_balance(balance, len(paths))
+
+
+def _place(
+    model: nn.Module,
+    lay: units_.Layout,
+    stage_of_unit: Sequence[int],
+    owner: dict[int, int],
+    devices: Sequence[torch.device],
+) -> None:
+    """Move each parameter to its holder's device, and each unit's buffers to its stage's."""
+    for p in model.parameters():
+        device = devices[owner.get(id(p), 0)]
+        if p.device != device:
+            p.data = p.data.to(device)
+    for unit, s in zip(lay.units, stage_of_unit):
+        for module in unit.module.modules():
+            for name, b in module.named_buffers(recurse=False):
+                if b is not None and b.device != devices[s]:
+                    module._buffers[name] = b.to(devices[s])
+
+
+def _stages(
+    lay: units_.Layout, stage_of_unit: Sequence[int], devices: Sequence[torch.device]
+) -> list[Stage]:
+    stages: list[Stage] = []
+    start = 0
+    for s, device in enumerate(devices):
+        mine = list(units_.iter_stage_units(lay, stage_of_unit, s))
+        names = [u.path.replace(".", "/") or "model" for u in mine]
+        stages.append(ProgramStage(s, start, [u.module for u in mine], device, names=names))
+        start += len(mine)
+    return stages
+
+
+def _held(model: nn.Module, owner: dict[int, int], n: int) -> list[list[nn.Parameter]]:
+    held: list[list[nn.Parameter]] = [[] for _ in range(n)]
+    for p in model.parameters():  # each once, tied ones included once
+        if p.requires_grad:
+            held[owner.get(id(p), 0)].append(p)
+    return held
+
+
+def _boundary(stage: int) -> Callable[[nn.Module, Any], None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        driver = active()
+        if driver is not None:
+            driver.boundary(stage)
+
+    return hook
+
+
+# -- losses ---------------------------------------------------------------------------------
+def _split_target(target: Any, rows: list[int]) -> list[Any]:
+    total = sum(rows)
+    if isinstance(target, Tensor) and target.dim() > 0 and target.shape[0] == total:
+        return list(target.split(rows))
+    return [target] * len(rows)
+
+
+def _loss_head(loss_fn: LossFn | None, targets: list[Any]) -> Callable[[Any, int], Tensor]:
+    def head(output: Any, i: int) -> Tensor:
+        loss = loss_fn(output, targets[i]) if loss_fn is not None else _own_loss(output)
+        if not isinstance(loss, Tensor) or loss.numel() != 1:
+            raise TypeError(
+                f"the loss must be a scalar tensor, but got {type(loss).__name__}"
+                f"{' of shape ' + str(tuple(loss.shape)) if isinstance(loss, Tensor) else ''}; "
+                "reduce it (e.g. reduction='mean')"
+            )
+        return loss.reshape(())
+
+    return head
+
+
+def _own_loss(output: Any) -> Any:
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None and isinstance(output, (tuple, list)) and output:
+        loss = output[0]
+    if loss is None and isinstance(output, Tensor):
+        loss = output
+    if loss is None:
+        raise TypeError(
+            f"the model returned {type(output).__name__} with no loss; pass the labels the "
+            "model takes (e.g. labels=input_ids) or step(..., loss_fn=fn, target=y)"
+        )
+    return loss
+
+
+# -- autograd -------------------------------------------------------------------------------
+class _ProgramFunction(torch.autograd.Function):
+    """The autograd node standing for the whole pipe: inputs are the call's tensors and the
+    parameters, outputs the tensors of the model's output."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, pipe: ModelPipe, run: ProgramRun, holder: dict[str, Any], n: int, *args: Tensor
+    ) -> Any:
+        run.execute(pipe._workers(), FORWARD)
+        rows = run.rows
+        results = run.results()
+        joined = join(results, rows)
+        leaves, spec = pytree.tree_flatten(joined)
+        holder["spec"], holder["leaves"] = spec, leaves
+        tensors = [t for t in leaves if isinstance(t, Tensor)]
+        ctx.pipe, ctx.run, ctx.n, ctx.rows = pipe, run, n, rows
+        ctx.results = [pytree.tree_leaves(r) for r in results]
+        outs = tuple(_unalias(t.detach(), args) for t in tensors)
+        ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
+        holder["n"] = len(leaves)
+        holder["positions"] = [k for k, t in enumerate(leaves) if isinstance(t, Tensor)]
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> Any:
+        run: ProgramRun | None = ctx.run
+        ctx.run = None
+        if run is None:
+            raise RuntimeError("pipepar: backward through a pipe output twice is not supported")
+        _seed(run, ctx.results, grads, ctx.rows)
+        run.open_backward()
+        run.execute(ctx.pipe._workers(), BACKWARD)
+        return (None, None, None, None, *run.input_grads(), *run.take_param_grads())
+
+
+def _seed(
+    run: ProgramRun, results: list[list[Any]], grads: Sequence[Tensor | None], rows: list[int]
+) -> None:
+    """Hand each micro-batch the part of the output gradient that is its own."""
+    total = sum(rows)
+    per_mb_tensors = [[t for t in leaves if isinstance(t, Tensor)] for leaves in results]
+    for k, g in enumerate(grads):
+        if g is None:
+            continue
+        for i, ts in enumerate(per_mb_tensors):
+            t = ts[k]
+            if t.dim() > 0 and g.dim() > 0 and len(per_mb_tensors) > 1:
+                part = g.split(rows)[i]
+            elif len(per_mb_tensors) > 1:
+                part = (g * (rows[i] / total)).reshape(t.shape)
+            else:
+                part = g
+            run.seed(i, t, part)
+
+
+def _as_tuple(outs: Any) -> tuple[Any, ...]:
+    return outs if isinstance(outs, tuple) else (outs,)
+
+
+# -- the entry point ------------------------------------------------------------------------
+def wrap_model(
+    model: nn.Module,
+    balance: Sequence[int] | None = None,
+    *,
+    devices: DeviceSpec = None,
+    chunks: int = 1,
+    checkpoint: str | None = None,
+    deferred_batch_norm: bool = False,
+    sample: Any = None,
+    split: Sequence[str] | None = None,
+    capacity: Any = None,
+    schedule: str | Schedule = "gpipe",
+    threads: int | None = None,
+    trace: bool = False,
+) -> ModelPipe:
+    """:func:`pipepar.wrap` for any model that is not an ``nn.Sequential`` (or is split by
+    module paths): see there."""
+    if checkpoint not in (None, "never"):
+        raise ValueError(
+            f"checkpoint={checkpoint!r} recomputes whole stages, which pipepar does only for "
+            f"nn.Sequential models, and {type(model).__name__} is not one; pass "
+            "checkpoint='never' and use the model's own activation checkpointing (for "
+            "transformers models: model.gradient_checkpointing_enable())"
+        )
+    if deferred_batch_norm:
+        raise ValueError(
+            f"deferred_batch_norm=True works on nn.Sequential models, and "
+            f"{type(model).__name__} is not one; pass deferred_batch_norm=False (batch norm "
+            "then tracks statistics per micro-batch), or lay the model out with "
+            "pipepar.sequentialize first"
+        )
+    if balance is None and split is None:
+        balance = _planned_units(model, sample, devices, capacity, chunks, schedule)
+    return ModelPipe(
+        model,
+        balance,
+        split=split,
+        devices=devices,
+        chunks=chunks,
+        sample=sample,
+        schedule=schedule,
+        threads=threads,
+        trace=trace,
+    )
+
+
+def _planned_units(
+    model: nn.Module,
+    sample: Any,
+    devices: DeviceSpec,
+    capacity: Any,
+    chunks: int,
+    schedule: str | Schedule,
+) -> list[int]:
+    if sample is None:
+        raise ValueError(
+            "balance and split are None and no sample was given; pass split=[module paths "
+            "where stages begin], balance=[units per stage] (pipepar.units(model) lists the "
+            "units), or sample=<an input batch> so pipepar can profile the model and plan"
+        )
+    from pipepar.planner.plan import plan
+    from pipepar.program.profile import profile_model
+
+    param = next(model.parameters(), None)
+    where = param.device if param is not None else torch.device("cpu")
+    n_devices = devices if devices is not None else (torch.cuda.device_count() or 1)
+    prof = profile_model(model, sample, device=str(where))
+    chosen = plan(
+        prof,
+        devices=n_devices,
+        capacity=capacity,
+        chunks=chunks,
+        checkpoint="never",
+        schedule=schedule,
+        optimizer=None,
+    )
+    return list(chosen.balance)

@@ -1,0 +1,146 @@
+"""One mini-batch of a model cut while it runs: the executor of :mod:`pipepar.local.executor`
+with :class:`~pipepar.program.step.SegmentStep` stages.
+
+The workers walk the same schedules; what travels between stages is found by the cut, so the
+hand-off points carry only the order (an empty value), and the outputs are whatever the model's
+forward returned for each micro-batch.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from torch import Tensor, nn
+
+from pipepar.core.randomness import Randomness, Recorded, Streams
+from pipepar.core.schedule import Schedule
+from pipepar.core.stage import Stage
+from pipepar.local.executor import Phase, Run
+from pipepar.local.worker import Slots, WorkerPool
+from pipepar.program.step import Batch, SegmentStep
+from pipepar.tracing.tracer import Tracer
+
+__all__ = ["ProgramRun"]
+
+
+class ProgramRun(Run):
+    """The steps of one mini-batch whose forward code runs on the drivers of ``batch``.
+
+    Args:
+        stages: the pipe's stages.
+        params: per stage, the parameters it holds.
+        schedule: what each worker runs.
+        batch: the micro-batches' drivers and ledgers.
+        drivers: the threads the drivers run on (one per micro-batch).
+        inputs: per micro-batch, the pipe's tensor arguments (in the caller's flat order).
+        grad: whether a backward follows.
+        tracer: where to record a timeline, if any.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        params: Sequence[list[nn.Parameter]],
+        schedule: Schedule,
+        batch: Batch,
+        drivers: ThreadPoolExecutor,
+        inputs: Sequence[Sequence[Tensor]],
+        *,
+        grad: bool,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self.stages, self.schedule, self.m = list(stages), schedule, len(batch.drivers)
+        self.tracer, self.batch, self.inputs = tracer, batch, inputs
+        self.training = any(u.training for s in stages for u in s.layers)
+        streams: Randomness | None = Streams() if schedule.n_workers > 1 else Recorded()
+        record = tracer.record if tracer is not None else None
+        self.steps = [  # type: ignore[assignment]
+            SegmentStep(
+                stage,
+                self.m,
+                batch=batch,
+                params=params[stage.index],
+                checkpoint="never",
+                grad=grad,
+                input_grad=True,
+                streams=streams,
+                split=functools.partial(schedule.splits_backward, stage.index),
+                record=record,
+            )
+            for stage in self.stages
+        ]
+        batch.contexts = [step.segment_context for step in self.steps]  # type: ignore[attr-defined]
+        self.slots = Slots()
+        for i in range(self.m):
+            self.slots.put(("F", 0, i), ())
+        self._pool = drivers
+        self._started = False
+        self._lock = threading.Lock()
+        self.out_sizes: list[int] = []
+        self.rows: list[int] = []  # each micro-batch's rows
+
+    def execute(self, pool: WorkerPool | None, phase: Phase) -> None:
+        self._start()
+        try:
+            super().execute(pool, phase)
+        except BaseException:
+            self.batch.abort()
+            raise
+
+    def _start(self) -> None:
+        with self._lock:
+            if not self._started:
+                self._started = True
+                for driver in self.batch.drivers:
+                    self._pool.submit(driver.run)
+
+    # -- what goes in and out -----------------------------------------------------------------
+    def results(self) -> list[Any]:
+        """What the model's forward (or the head) returned for each micro-batch."""
+        return [d.result for d in self.batch.drivers]
+
+    def outputs(self) -> list[Any]:
+        return self.results()
+
+    def seed(self, i: int, tensor: Tensor, grad: Tensor) -> None:
+        """Start backward from ``tensor`` (part of micro-batch ``i``'s output) with ``grad``."""
+        ledger = self.batch.ledgers[i]
+        stage = ledger.stage_of(tensor)
+        if stage is None or not tensor.requires_grad:
+            return
+        ledger.outputs.append((stage, tensor))
+        ledger.add_grad(tensor, grad)
+
+    def open_backward(self) -> None:
+        """Let the last stage's backward actions start (the gradients are in the ledgers)."""
+        for i in range(self.m):
+            self.slots.put(("B", len(self.stages) - 1, i), ())
+
+    def input_grads(self) -> list[Tensor | None]:
+        """Gradients of the pipe's tensor arguments, micro-batch by micro-batch, in the order
+        of :attr:`inputs` (``None`` where none reached them)."""
+        return [
+            self.batch.ledgers[i].grads.get(id(t)) if t.requires_grad else None
+            for i, xs in enumerate(self.inputs)
+            for t in xs
+        ]
+
+    def take_param_grads(self) -> list[Tensor | None]:
+        """Per-parameter sums, stage by stage, the tied uses added to their holder's."""
+        steps: list[SegmentStep] = self.steps  # type: ignore[assignment]
+        where = {id(p): (j, k) for j, s in enumerate(steps) for k, p in enumerate(s.params)}
+        sums = [list(s.param_grads()) for s in steps]
+        for step in steps:
+            for param, g in step.tied:
+                j, k = where[id(param)]
+                g = g.to(param.device)
+                sums[j][k] = g if sums[j][k] is None else sums[j][k] + g  # type: ignore[operator]
+        for step in steps:
+            step.release()
+        for ledger in self.batch.ledgers:
+            ledger.forget()
+        return [g for row in sums for g in row]

@@ -1,0 +1,154 @@
+"""F, B and W of one stage of a model cut while it runs (:mod:`pipepar.program.cut`).
+
+:class:`SegmentStep` is a :class:`~pipepar.core.step.StageStep` whose forward is a stretch of
+the model's own forward code (run by the micro-batch's :class:`~pipepar.program.driver.Driver`)
+rather than a call of its layers, and whose inputs and outputs are the values the cut found
+crossing into and out of the stage. Backward and the deferred weight gradients are the step's
+own: the same gradient sums, B/W split and hand-off of final sums as for ``nn.Sequential``
+stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from pipepar.core.step import Grads, StageStep
+from pipepar.program.cut import Crossing, Cut, Ledger
+from pipepar.program.driver import Driver
+
+__all__ = ["Batch", "SegmentStep"]
+
+
+class Batch:
+    """The micro-batches of one mini-batch in flight: their drivers and ledgers.
+
+    Args:
+        calls: ``calls[i]()`` runs the model's forward on micro-batch ``i``.
+        inputs: per micro-batch, the pipe's tensor arguments (those needing a gradient cross
+            from the caller).
+        owner: the stage holding each parameter, by ``id``.
+        devices: each stage's device.
+        head: applied to micro-batch ``i``'s output on the stage that finishes it (a loss);
+            backward then starts from it, with gradient ``weights[i]``.
+        weights: the micro-batches' shares of the loss.
+    """
+
+    def __init__(
+        self,
+        calls: Sequence[Callable[[], Any]],
+        inputs: Sequence[Sequence[Tensor]],
+        owner: dict[int, int],
+        devices: list[torch.device],
+        head: Callable[[Any, int], Tensor] | None = None,
+        weights: Sequence[float] | None = None,
+    ) -> None:
+        self.ledgers = [Ledger() for _ in calls]
+        self.cuts = [
+            Cut(ledger, owner, devices, {id(t): t for t in xs})
+            for ledger, xs in zip(self.ledgers, inputs)
+        ]
+        self.contexts: list[Callable[[int, int], contextlib.AbstractContextManager[Any]]] = []
+        self.head, self.weights = head, weights
+        self.drivers = [
+            Driver(self._call(i, call), self._stage_context(i)) for i, call in enumerate(calls)
+        ]
+
+    def _call(self, i: int, call: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            cut = self.cuts[i]
+            with cut:
+                out = call()
+                if self.head is None:
+                    return out
+                loss = self.head(out, i)
+            if loss.requires_grad:
+                weight = self.weights[i] if self.weights is not None else 1.0
+                cut.ledger.outputs.append((cut.stage, loss))
+                cut.ledger.add_grad(
+                    loss, torch.tensor(weight, dtype=loss.dtype, device=loss.device)
+                )
+            return loss
+
+        return run
+
+    def _stage_context(self, i: int) -> Callable[[int], contextlib.AbstractContextManager[Any]]:
+        def enter(stage: int) -> contextlib.AbstractContextManager[Any]:
+            self.cuts[i].stage = stage
+            return self.contexts[stage](stage, i) if self.contexts else contextlib.nullcontext()
+
+        return enter
+
+    def abort(self) -> None:
+        for driver in self.drivers:
+            driver.abort()
+
+
+class SegmentStep(StageStep):
+    """Stage ``stage.index``'s F, B and W over the micro-batches of ``batch``.
+
+    Args:
+        batch: the mini-batch's drivers and ledgers.
+        params: the parameters this stage holds (tied ones once, on their first stage).
+        **kwargs: as for :class:`~pipepar.core.step.StageStep`.
+    """
+
+    def __init__(
+        self, stage: Any, m: int, *, batch: Batch, params: list[nn.Parameter], **kwargs: Any
+    ) -> None:
+        super().__init__(stage, m, **kwargs)
+        self.batch = batch
+        self.params = params
+        self._index = {id(p): k for k, p in enumerate(params)}
+        self._sums = [None] * len(params)
+        self._owned = [False] * len(params)
+        self.tied: list[tuple[nn.Parameter, Tensor]] = []
+
+    def segment_context(self, stage: int, i: int) -> contextlib.AbstractContextManager[Any]:
+        """What the driver enters while it computes this stage of micro-batch ``i``."""
+        stack = self._context(i)
+        stack.enter_context(torch.set_grad_enabled(self.grad))
+        return stack
+
+    # -- F ------------------------------------------------------------------------------------
+    def forward(self, i: int, x: Any) -> tuple[()]:
+        start = time.perf_counter()
+        self.batch.drivers[i].advance(self.stage.index)
+        self._tell(i, "forward", start)
+        return ()
+
+    # -- B ------------------------------------------------------------------------------------
+    def backward(self, i: int, grads: Grads) -> tuple[()]:
+        start = time.perf_counter()
+        ledger = self.batch.ledgers[i]
+        pairs = ledger.leaving(self.stage.index)
+        entering = ledger.entering(self.stage.index)
+        if pairs:
+            leaves = [c.leaf for c in entering]
+            grads_in = self._backward(i, pairs, leaves)
+            self._deliver(ledger, entering, grads_in)
+        elif self.grad:
+            self._closing()
+        self._tell(i, "backward", start)
+        return ()
+
+    def _deliver(
+        self, ledger: Ledger, entering: list[Crossing], grads: Sequence[Tensor | None]
+    ) -> None:
+        for crossing, g in zip(entering, grads):
+            if g is None:
+                continue
+            if crossing.is_param:
+                self.tied.append((crossing.original, g))  # type: ignore[arg-type]
+            else:
+                ledger.add_grad(crossing.original, g)
+
+    def release(self) -> None:
+        super().release()
+        self._sums = [None] * len(self.params)
+        self.tied = []

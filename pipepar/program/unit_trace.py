@@ -1,0 +1,633 @@
+"""One traced training pass of any model, its costs attributed to the model's units.
+
+The model's own ``forward`` runs once on the sample, under the same :class:`~pipepar.program.cut.
+Cut` the pipe runs it under, with every unit as a stage of its own: each unit then owns a small
+autograd graph, whose inputs are leaves standing for what earlier units (or the code between
+them) handed it. So the backward can run one unit at a time, as a pipeline stage of that one
+unit would, and every figure of :mod:`pipepar.planner.layer_trace` is measured per unit the way
+it is per layer of an ``nn.Sequential``:
+
+- a forward pre-hook on every unit says which unit is computing (code between two units counts
+  with the one before, code before the first with the first), tags the storages it creates
+  (a :class:`~pipepar.planner.memory_tracker.MemoryTracker`) and those autograd saves
+  (``saved_tensors_hooks``), and opens the window of its forward temporaries;
+- the cut notes which unit reads each storage: a storage read by a later unit crosses into it
+  (a residual stream, a rotary table, the labels reach the last unit);
+- the backward runs unit by unit in reverse, from the gradients later units handed back.
+
+On the meta device two things differ from a real run and are made to agree with one
+(:class:`MetaScalars`, :class:`FusedGroupedAttention`): data-dependent reads of a value, and
+attention, traced unfused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from pipepar.planner.allocator_log import AllocatorLog
+from pipepar.planner.backward_clock import BackwardClock, lift
+from pipepar.planner.deferred_grads import DeferredGrads, _split
+from pipepar.planner.layer_trace import (
+    LayerTrace,
+    StorageRecord,
+    _fold_inplace_successors,
+    _Peak,
+    _Recorder,
+    _reuses,
+    _use_allocator_peaks,
+)
+from pipepar.planner.memory_tracker import MemoryTracker, storage_key
+from pipepar.planner.meta_attention import _fusable, _fused
+from pipepar.program.cut import Crossing, Cut, Ledger
+
+__all__ = [
+    "FusedGroupedAttention",
+    "MetaScalars",
+    "UnitCall",
+    "deferred_units",
+    "meta_modes",
+    "time_units",
+    "trace_units",
+]
+
+_aten = torch.ops.aten
+_CPU = torch.device("cpu")
+SHADOW_LIMIT = 1 << 22
+"""Largest tensor (elements) whose value :class:`MetaScalars` follows on the CPU."""
+
+
+class MetaScalars(TorchDispatchMode):
+    """Give meta tensors whose value is known a small CPU twin, so models can read it.
+
+    Meta tensors have shapes but no values, so ``bool(mask.all())`` or ``tensor.item()`` fails
+    on them, and transformers makes such checks before building an attention mask ("is the
+    mask all ones?", "are sequences packed?"). It skips them while tracing (FakeTensor,
+    dynamo), but then takes the path that materializes a ``B x 1 x T x T`` mask and runs
+    unfused attention: not what a real run does, so a trace would count memory no device
+    holds. Instead, this mode runs every operation whose tensor inputs all have a known value
+    (the sample's token ids and masks, positions made by ``arange``, constants) a second time
+    on CPU copies of at most :data:`SHADOW_LIMIT` elements, and a data-dependent read of a meta
+    tensor is answered from its copy: exactly what the real run would read. A sample given on
+    meta (no values) stands for a batch of ones (every token id 1, every mask set: no padding).
+    Model weights and activations have no copy; a read of one raises, naming a fix.
+
+    Must be entered below a :class:`~pipepar.planner.memory_tracker.MemoryTracker` (before
+    it), which then does not see the copies.
+
+    Example:
+        >>> ids = torch.empty(2, 8, dtype=torch.long, device="meta")
+        >>> with MetaScalars() as values:
+        ...     values.know(ids, torch.ones(2, 8, dtype=torch.long))
+        ...     bool((ids == 1).all())
+        True
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._values: dict[int, tuple[weakref.ref[Tensor], Tensor]] = {}
+
+    def know(self, meta: Tensor, value: Tensor) -> None:
+        """Tell the mode the value of ``meta`` (a CPU tensor of its shape and dtype)."""
+        key = id(meta)
+        self._values[key] = (weakref.ref(meta, lambda _: self._values.pop(key, None)), value)
+
+    def value(self, meta: Tensor) -> Tensor | None:
+        """The known value of ``meta``, or None."""
+        found = self._values.get(id(meta))
+        return found[1] if found is not None and found[0]() is meta else None
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is _aten._local_scalar_dense.default and args[0].is_meta:
+            return self._read(args[0])
+        out = func(*args, **kwargs)
+        metas = [t for t in tree_leaves(out) if isinstance(t, Tensor) and t.is_meta]
+        if metas:
+            self._follow(func, args, kwargs, metas)
+        return out
+
+    def _follow(self, func: Any, args: Any, kwargs: Any, metas: list[Tensor]) -> None:
+        """Run ``func`` on the inputs' values; forget the outputs' values if it cannot (an
+        in-place operation with an unknown input makes its output's value unknown)."""
+        values = None
+        if all(t.numel() <= SHADOW_LIMIT for t in metas):
+            values = self._replay(func, args, kwargs)
+        if values is None or len(values) != len(metas):
+            for t in metas:
+                self._values.pop(id(t), None)
+            return
+        for meta, value in zip(metas, values):
+            self.know(meta, value)
+
+    def _replay(self, func: Any, args: Any, kwargs: Any) -> list[Tensor] | None:
+        flat, spec = tree_flatten((args, kwargs))
+        for k, leaf in enumerate(flat):
+            if isinstance(leaf, Tensor) and leaf.is_meta:
+                value = self.value(leaf)
+                if value is None:
+                    return None
+                flat[k] = value
+            elif isinstance(leaf, torch.device) and leaf.type == "meta":
+                flat[k] = _CPU
+        a, k = tree_unflatten(flat, spec)
+        try:
+            out = func(*a, **k)
+        except Exception:  # an operation the CPU copy cannot take: the value stays unknown
+            return None
+        return [t for t in tree_leaves(out) if isinstance(t, Tensor)]
+
+    def _read(self, tensor: Tensor) -> Any:
+        value = self.value(tensor)
+        if value is not None:
+            return value.item()
+        raise ValueError(
+            f"the model reads the value of a {tensor.dtype} meta tensor of shape "
+            f"{tuple(tensor.shape)} (Tensor.item() or bool()) that depends on weights or "
+            "activations, which the meta device does not have; profile on a real device with "
+            "a small batch (device='cpu'), or make the model skip the check"
+        )
+
+
+class FusedGroupedAttention(TorchFunctionMode):
+    """:class:`~pipepar.planner.meta_attention.FusedAttention` (whose routing it reuses), and
+    grouped-query attention too: transformers calls ``scaled_dot_product_attention(..., enable_gqa=True)`` for Llama
+    when there is no mask, and the fused kernels (flash attention on CPU and CUDA) then keep
+    keys and values with their own, fewer heads; torch's meta path would repeat them and keep
+    the ``T x T`` probabilities of every query head.
+
+    Also inside ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``: torchvision's
+    ViT): a torch function runs with the modes off, so the attention it calls would not pass
+    here; for the length of that call ``F.scaled_dot_product_attention`` is the routing
+    function (meta tensors only; anything else goes to torch's own)."""
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return _attention(func, args, kwargs)
+        if func is F.multi_head_attention_forward:
+            return _routed_inside(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _attention(original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Attention on meta as the fused kernel runs it, where it would; else torch's own."""
+    if _grouped(*args, **kwargs):
+        return _fused_grouped(*args, **kwargs)
+    if _fusable(*args, **kwargs):
+        return _fused(*args, **kwargs)
+    return original(*args, **kwargs)
+
+
+def _routed_inside(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    original = F.scaled_dot_product_attention
+
+    def attention(*a: Any, **k: Any) -> Any:
+        return _attention(original, a, k)
+
+    setattr(F, "scaled_dot_product_attention", attention)  # noqa: B010
+    try:
+        return func(*args, **kwargs)
+    finally:
+        setattr(F, "scaled_dot_product_attention", original)  # noqa: B010
+
+
+def _grouped(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    *args: Any,
+    enable_gqa: bool = False,
+    **kwargs: Any,
+) -> bool:
+    if not (enable_gqa and query.is_meta and attn_mask is None and query.dim() == 4):
+        return False
+    return key.shape[1] == value.shape[1] and query.shape[1] % key.shape[1] == 0
+
+
+def _fused_grouped(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    op = _aten._scaled_dot_product_flash_attention_for_cpu
+    return op(query, key, value, dropout_p, is_causal, scale=scale)[0]  # type: ignore[no-any-return]
+
+
+def meta_modes(call: UnitCall) -> contextlib.AbstractContextManager[Any]:
+    """What a pass of ``call`` runs under, entered before any memory tracker: on meta,
+    :class:`MetaScalars` knowing the sample's values, and fused attention."""
+    if call.device.type != "meta":
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    values = stack.enter_context(MetaScalars())
+    for meta, value in call.values:
+        values.know(meta, value)
+    stack.enter_context(FusedGroupedAttention())
+    return stack
+
+
+@dataclass
+class UnitCall:
+    """One call of the model, as the profile makes it.
+
+    Attributes:
+        model: the model (left untouched: it runs with ``params`` in place of its own).
+        units: the unit modules, in unit order.
+        params: stand-ins for its parameters (``nn.Parameter``, so the cut knows them) and
+            buffers, by name, on the profiling device.
+        owner: the unit holding each stand-in parameter, by ``id``.
+        args / kwargs: the sample call, on the profiling device.
+        device: the profiling device.
+        values: on meta, the known values of the sample's meta tensors (for
+            :class:`MetaScalars`).
+    """
+
+    model: nn.Module
+    units: list[nn.Module]
+    params: dict[str, Tensor]
+    owner: dict[int, int]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    device: torch.device
+    values: list[tuple[Tensor, Tensor]] = field(default_factory=list)
+
+    def weights(self) -> list[list[Tensor]]:
+        """Per unit, the stand-in parameters it holds that are trained."""
+        out: list[list[Tensor]] = [[] for _ in self.units]
+        seen: set[int] = set()
+        for t in self.params.values():
+            if isinstance(t, nn.Parameter) and t.requires_grad and id(t) not in seen:
+                seen.add(id(t))
+                out[self.owner.get(id(t), 0)].append(t)
+        return out
+
+
+@dataclass
+class UnitGraph:
+    """One unit's autograd graph after the forward.
+
+    Attributes:
+        outs: what the unit made that a later unit or the caller uses, needing a gradient.
+        into: the crossings into the unit whose leaf needs a gradient.
+        weights: the unit's own trained parameters.
+    """
+
+    outs: list[Tensor]
+    into: list[Crossing]
+    weights: list[Tensor]
+
+
+class _UnitCut(Cut):
+    """The cut with one stage per unit, telling ``on_use`` of every tensor an operation reads."""
+
+    def __init__(
+        self, call: UnitCall, ledger: Ledger, on_use: Callable[[Tensor, int], None] | None
+    ) -> None:
+        super().__init__(ledger, call.owner, [call.device] * len(call.units), {})
+        self.on_use = on_use
+
+    def _cross(self, t: Tensor) -> Tensor:
+        if self.on_use is not None:
+            self.on_use(t, self.stage)
+        return super()._cross(t)
+
+
+@contextlib.contextmanager
+def _hooks(
+    units: Sequence[nn.Module],
+    on_enter: Callable[[int], None],
+    on_exit: Callable[[int, Any, Any], None] | None = None,
+) -> Iterator[None]:
+    """Call ``on_enter(i)`` when unit ``i`` starts a later unit than the one computing (a unit
+    called again, or a later one called early, stays with the one computing), and
+    ``on_exit(i, inputs, output)`` after every unit call."""
+    current = [0]
+
+    def pre(i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            if i > current[0]:
+                current[0] = i
+                on_enter(i)
+
+        return hook
+
+    def post(i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if on_exit is not None:
+                on_exit(i, (args, kwargs), output)
+
+        return hook
+
+    handles = [u.register_forward_pre_hook(pre(i), with_kwargs=True) for i, u in enumerate(units)]
+    handles += [u.register_forward_hook(post(i), with_kwargs=True) for i, u in enumerate(units)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _forward(
+    call: UnitCall,
+    on_enter: Callable[[int], None],
+    on_exit: Callable[[int, Any, Any], None] | None = None,
+    on_use: Callable[[Tensor, int], None] | None = None,
+) -> tuple[list[UnitGraph], list[tuple[Tensor, Tensor]], Any]:
+    """The model's forward, cut at every unit; returns the units' graphs, the seeds of the
+    backward (output, gradient) and the model's output."""
+    ledger = Ledger()
+    cut = _UnitCut(call, ledger, on_use)
+
+    def enter(i: int) -> None:
+        cut.stage = i
+        on_enter(i)
+
+    on_enter(0)
+    with torch.enable_grad(), _hooks(call.units, enter, on_exit), cut:
+        output = functional_call(call.model, call.params, call.args, call.kwargs)
+    seeds = [(t, torch.ones_like(t)) for t in _seed_tensors(output)]
+    producers = [_producer(ledger, t, len(call.units)) for t, _ in seeds]
+    graphs = _graphs(ledger, call, list(zip(producers, (t for t, _ in seeds))))
+    return graphs, seeds, output
+
+
+def _seed_tensors(output: Any) -> list[Tensor]:
+    """Where the backward starts: the model's own loss when it returns one (transformers
+    models given ``labels=``), else every floating-point output that needs a gradient."""
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, Tensor) and loss.requires_grad:
+        return [loss]
+    leaves = tree_leaves(output)
+    return [t for t in leaves if isinstance(t, Tensor) and t.requires_grad]
+
+
+def _producer(ledger: Ledger, t: Tensor, n: int) -> int:
+    made = ledger.stage_of(t)
+    return n - 1 if made is None else made
+
+
+def _graphs(
+    ledger: Ledger, call: UnitCall, outputs: list[tuple[int, Tensor]]
+) -> list[UnitGraph]:
+    """Each unit's graph, from the ledger's crossings; the ledger is emptied (the graphs hold
+    what the units hold, and no more)."""
+    weights = call.weights()
+    graphs = [UnitGraph([], [], w) for w in weights]
+    seen: set[int] = set()
+    sources = [(c.producer, c.original) for c in ledger.crossings if not c.is_param]
+    for producer, t in [*sources, *outputs]:
+        if producer >= 0 and t.requires_grad and id(t) not in seen:
+            seen.add(id(t))
+            graphs[producer].outs.append(t)
+    for c in ledger.crossings:
+        if c.leaf.requires_grad:
+            graphs[c.consumer].into.append(c)
+    ledger.forget()
+    return graphs
+
+
+Step = Callable[[int, list[Tensor], list[Tensor], list[Tensor], list[Tensor]], Sequence[Any]]
+"""``step(i, outs, grads, inputs, weights)``: unit ``i``'s backward; the inputs' gradients."""
+
+
+def _backward(graphs: list[UnitGraph], seeds: list[tuple[Tensor, Tensor]], step: Step) -> None:
+    """Run the units' backwards in reverse, each from the gradients later units handed back
+    (summed over the units that used a value), as the pipe's stages do; every unit's graph
+    is let go once it ran."""
+    grads = {id(t): g for t, g in seeds}
+    for i in reversed(range(len(graphs))):
+        graph = graphs[i]
+        outs = [t for t in graph.outs if id(t) in grads]
+        out_grads = [grads.pop(id(t)) for t in outs]
+        ins = [c.leaf for c in graph.into]
+        result = step(i, outs, out_grads, ins, graph.weights) if outs else []
+        del outs, out_grads
+        for c, g in zip(graph.into, result):
+            if g is not None and not c.is_param and c.producer >= 0:
+                key = id(c.original)
+                grads[key] = g if key not in grads else grads[key] + g
+        del result, ins
+        graph.outs, graph.into = [], []
+
+
+# -- the traced pass --------------------------------------------------------------------------
+class _Tracer:
+    """The traced pass's bookkeeping: which unit runs, its forward window, uses and outputs."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.tracker = MemoryTracker()
+        self.rec = _Recorder(self.tracker)
+        self.tracker.on_new = self.rec.on_new
+        self.probe = _Peak(self.tracker, device)
+        self.traces = [LayerTrace() for _ in range(n)]
+        self.window: tuple[int, Any] | None = None
+        self.versions: dict[int, list[int]] = {}
+
+    def enter(self, i: int) -> None:
+        self.close()
+        self.rec.layer = i
+        self.probe.start()
+        scope = torch.profiler.record_function(f"pipepar:F{i}")
+        scope.__enter__()
+        self.window = (i, scope)
+
+    def close(self) -> None:
+        if self.window is None:
+            return
+        i, scope = self.window
+        self.window = None
+        scope.__exit__(None, None, None)
+        trace = self.traces[i]
+        trace.forward_peak = max(trace.forward_peak, self.probe.peak() - self.probe.now())
+
+    def use(self, t: Tensor, unit: int) -> None:
+        if t.layout != torch.strided or t.is_nested:
+            return
+        record = self.rec.records.get(storage_key(t))
+        if record is not None and unit > record.creator:
+            record.last_output = max(unit - 1, record.last_output or -1)
+
+    def exit(self, i: int, inputs: Any, output: Any) -> None:
+        trace = self.traces[i]
+        if trace.output_shape is None:  # the first call of a unit
+            tensors = _tensors(output)
+            trace.output_shape = _shapes(output)
+            trace.output_bytes = sum(_nbytes(t) for t in tensors)
+        before = self.versions.pop(i, None)
+        if before is not None and before != [t._version for t in _tensors(inputs)]:
+            trace.modifies_input = True
+
+    def handed_out(self, output: Any, n: int) -> None:
+        """The model's output goes to the caller: held by the last unit's stage."""
+        for t in _tensors(output):
+            record = self.rec.records.get(storage_key(t))
+            if record is not None:
+                record.last_output = n - 1
+
+
+def trace_units(call: UnitCall) -> tuple[list[LayerTrace], list[StorageRecord]]:
+    """Run the model's forward and the units' backwards once, recording storages and peaks.
+
+    Returns:
+        Per-unit traces (bytes for the whole sample) and the storage records, with
+        ``creator``/``first_saver`` the unit computing when a storage was made/saved and
+        ``last_output`` one before the last unit that read it.
+    """
+    n = len(call.units)
+    tr = _Tracer(n, call.device)
+    for t in _tensors((call.args, call.kwargs)):
+        tr.rec.records.setdefault(storage_key(t), StorageRecord(-1, _nbytes(t), False, -1))
+    own_profiler = torch._C._autograd._profiler_enabled()
+    cpu = call.device.type == "cpu" and not own_profiler
+    log = AllocatorLog() if cpu else contextlib.nullcontext()
+    pre = _versions_hook(tr)
+    saving = torch.autograd.graph.saved_tensors_hooks(tr.rec.pack, lambda t: t)
+    with meta_modes(call), log, tr.tracker, saving:
+        with _version_hooks(call.units, pre):
+            graphs, seeds, output = _forward(call, tr.enter, tr.exit, tr.use)
+        tr.close()
+        tr.handed_out(output, n)
+        del output
+        tr.rec.recording = False
+        _backward(graphs, seeds, _traced_step(tr))
+        del graphs, seeds
+    if isinstance(log, AllocatorLog):
+        _use_allocator_peaks(log, tr.traces)
+    _fold_inplace_successors(tr.traces)
+    return tr.traces, tr.rec.all_records()
+
+
+def _versions_hook(tr: _Tracer) -> Callable[[int, Any], None]:
+    def note(i: int, inputs: Any) -> None:
+        tr.versions[i] = [t._version for t in _tensors(inputs)]
+
+    return note
+
+
+@contextlib.contextmanager
+def _version_hooks(units: Sequence[nn.Module], note: Callable[[int, Any], None]) -> Iterator[None]:
+    """Note the version counters of every unit call's inputs (to see in-place units)."""
+
+    def pre(i: int) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            note(i, (args, kwargs))
+
+        return hook
+
+    handles = [u.register_forward_pre_hook(pre(i), with_kwargs=True) for i, u in enumerate(units)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _traced_step(tr: _Tracer) -> Step:
+    def step(
+        i: int, outs: list[Tensor], grads: list[Tensor], ins: list[Tensor], weights: list[Tensor]
+    ) -> Sequence[Any]:
+        trace = tr.traces[i]
+        # The incoming gradient is live during this backward: count it as the unit's.
+        trace.incoming_grad_bytes = sum(_nbytes(g) for g in grads)
+        before = tr.probe.start() - trace.incoming_grad_bytes
+        clock = BackwardClock(tr.tracker, weights, before)
+        with torch.profiler.record_function(f"pipepar:B{i}"), clock:
+            result = torch.autograd.grad(outs, ins + weights, grads, allow_unused=True)
+        made = sum(_nbytes(g) for g in result[len(ins) :] if g is not None)
+        trace.grads_bytes = made
+        trace.backward_peak = max(0, tr.probe.peak() - before - made)
+        trace.backward_points, trace.retained_points = lift(
+            clock.points(), clock.retained_points(), trace.backward_peak + made
+        )
+        trace.reuses_grad = _reuses(result[: len(ins)], grads)
+        return result[: len(ins)]
+
+    return step
+
+
+# -- times and split backwards ----------------------------------------------------------------
+def time_units(call: UnitCall) -> list[tuple[float, float]]:
+    """Wall-clock (forward_ms, backward_ms) per unit from one untraced pass on a real device;
+    forward time runs from a unit's start to the next unit's, code between them included."""
+    sync = (lambda: torch.cuda.synchronize(call.device)) if call.device.type == "cuda" else None
+    n = len(call.units)
+    forward, backward = [0.0] * n, [0.0] * n
+    clock: list[Any] = [None, 0.0]  # the unit computing, since when
+
+    def enter(i: int) -> None:
+        if sync is not None:
+            sync()
+        now = time.perf_counter()
+        if clock[0] is not None:
+            forward[clock[0]] += (now - clock[1]) * 1e3
+        clock[:] = [i, now]
+
+    with meta_modes(call):
+        graphs, seeds, output = _forward(call, enter)
+    enter(clock[0])  # close the last window
+    del output
+
+    def step(
+        i: int, outs: list[Tensor], grads: list[Tensor], ins: list[Tensor], weights: list[Tensor]
+    ) -> Sequence[Any]:
+        start = time.perf_counter()
+        result = torch.autograd.grad(outs, ins + weights, grads, allow_unused=True)
+        if sync is not None:
+            sync()
+        backward[i] = (time.perf_counter() - start) * 1e3
+        return result[: len(ins)]
+
+    _backward(graphs, seeds, step)
+    return list(zip(forward, backward))
+
+
+def deferred_units(call: UnitCall) -> list[DeferredGrads]:
+    """What each unit's split backward (zero-bubble B) keeps for W, as
+    :func:`pipepar.planner.deferred_grads.deferred_grads` measures it per layer; ``call``
+    should be on meta (sizes only)."""
+    with meta_modes(call):
+        graphs, _, output = _forward(call, lambda i: None)
+    del output
+    found = []
+    for graph in graphs:
+        ins = tuple(c.leaf for c in graph.into)
+        found.append(_split(tuple(graph.outs), ins, graph.weights))
+        graph.outs, graph.into = [], []
+    return found
+
+
+def _tensors(tree: Any) -> list[Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, Tensor)]
+
+
+def _shapes(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return tuple(int(d) for d in value.shape)
+    return tuple(tuple(int(d) for d in t.shape) for t in _tensors(value))
+
+
+def _nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -1,0 +1,166 @@
+"""Any nn.Module through ``pipepar.wrap``: skip connections, keyword inputs, dict outputs, tied
+weights and input gradients equal the plain model's under every schedule; bad input gets a
+clear error; a failing layer's own exception reaches the caller."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import pipepar
+from pipepar.core.schedule import NAMES, VIRTUAL
+
+
+class SkipNet(nn.Module):
+    """Embedding, a list of blocks each adding the embedding back (a skip across stages), a
+    head tied to the embedding, keyword arguments and a dict output."""
+
+    def __init__(self, width: int = 8, depth: int = 4) -> None:
+        super().__init__()
+        self.emb = nn.Linear(6, width)
+        self.blocks = nn.ModuleList(
+            [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)]
+        )
+        self.norm = nn.LayerNorm(width)
+        self.head = nn.Linear(width, 6, bias=False)
+        self.scale = nn.Parameter(torch.tensor(0.5))  # loose: held by the model itself
+
+    def forward(
+        self, x: torch.Tensor, *, mask: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
+        h = self.emb(x)
+        skip = h * self.scale
+        for block in self.blocks:
+            h = block(h) + skip
+            if mask is not None:
+                h = h * mask
+        h = self.norm(h)
+        # the head reuses the embedding's weight (tied), as language models do
+        logits = self.head(h) + h @ self.emb.weight
+        return {"logits": logits, "hidden": h}
+
+
+def _loss(out: dict[str, torch.Tensor]) -> torch.Tensor:
+    return out["logits"].pow(2).mean() + out["hidden"].mean() * 0.1
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("schedule", NAMES)
+def test_every_schedule_equals_plain(schedule: str) -> None:
+    torch.manual_seed(0)
+    plain = SkipNet()
+    model = copy.deepcopy(plain)
+    x = torch.randn(8, 6)
+    mask = (torch.rand(8, 1) > 0.2).float()
+    balance = [2, 2, 2, 1] if schedule in VIRTUAL else [3, 4]
+    pipe = pipepar.wrap(model, balance, devices=["cpu", "cpu"], chunks=4, schedule=schedule)
+    out = pipe(x, mask=mask)
+    expected = plain(x, mask=mask)
+    torch.testing.assert_close(out["logits"], expected["logits"])
+    _loss(out).backward()
+    _loss(expected).backward()
+    want = _grads(plain)
+    got = _grads(model)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], msg=name)
+    model.zero_grad()
+    plain.zero_grad()
+    loss = pipe.step(x, mask=mask, loss_fn=lambda o, _: _loss(o))
+    reference = _loss(plain(x, mask=mask))
+    reference.backward()
+    torch.testing.assert_close(loss, reference.detach())
+    for name, g in _grads(plain).items():
+        torch.testing.assert_close(_grads(model)[name], g, msg=name)
+
+
+def test_input_gradient_reaches_the_caller() -> None:
+    torch.manual_seed(0)
+    plain = SkipNet()
+    pipe = pipepar.wrap(copy.deepcopy(plain), [3, 4], devices=["cpu", "cpu"], chunks=2)
+    x = torch.randn(4, 6, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    _loss(pipe(x)).backward()
+    _loss(plain(x2)).backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
+def test_no_grad_forward_equals_plain() -> None:
+    plain = SkipNet().eval()
+    pipe = pipepar.wrap(copy.deepcopy(plain), [3, 4], devices=["cpu", "cpu"], chunks=3)
+    x = torch.randn(7, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x)["logits"], plain(x)["logits"])
+
+
+def test_units_and_split_by_module_path() -> None:
+    model = SkipNet()
+    paths = [u.path for u in pipepar.units(model)]
+    assert paths == ["emb", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "norm", "head"]
+    pipe = pipepar.wrap(model, split=["blocks.2"], devices=["cpu", "cpu"])
+    assert pipe.stage_paths == [
+        ["emb", "blocks.0", "blocks.1"],
+        ["blocks.2", "blocks.3", "norm", "head"],
+    ]
+    assert pipe.balance == [3, 4]
+
+
+def test_any_single_module_is_one_unit() -> None:
+    layer = nn.Linear(3, 2)
+    pipe = pipepar.wrap(copy.deepcopy(layer), [1], devices=["cpu"], chunks=2)
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(pipe(x), layer(x))
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(TypeError, match=r"module must be an nn.Module, but got str"):
+        pipepar.wrap("model", [1])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"split names 'blocks.9'.*the units are"):
+        pipepar.wrap(SkipNet(), split=["blocks.9"], devices=["cpu", "cpu"])
+    with pytest.raises(ValueError, match=r"in model order"):
+        pipepar.wrap(SkipNet(), split=["blocks.2", "blocks.1"], devices=["cpu"] * 3)
+    with pytest.raises(ValueError, match=r"balance or split, not both"):
+        pipepar.wrap(SkipNet(), [3, 4], split=["blocks.2"], devices=["cpu", "cpu"])
+    with pytest.raises(ValueError, match=r"balance"):
+        pipepar.wrap(SkipNet(), [3, 3], devices=["cpu", "cpu"])  # 7 units
+    with pytest.raises(ValueError, match=r"checkpoint='always'.*gradient_checkpointing_enable"):
+        pipepar.wrap(SkipNet(), [3, 4], devices=["cpu", "cpu"], checkpoint="always")
+    with pytest.raises(ValueError, match=r"no sample was given"):
+        pipepar.wrap(SkipNet(), devices=["cpu", "cpu"])
+
+
+class Faulty(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise KeyError("boom")
+
+
+def test_a_failing_layers_exception_reaches_the_caller() -> None:
+    model = SkipNet()
+    model.blocks[2] = nn.Sequential(nn.Linear(8, 8), Faulty())
+    pipe = pipepar.wrap(model, [3, 4], devices=["cpu", "cpu"], chunks=2)
+    with pytest.raises(KeyError, match="boom") as info:
+        pipe(torch.randn(4, 6))
+    assert any("blocks.2" in note for note in getattr(info.value, "__notes__", []))
+    # the pipe still works afterwards
+    model.blocks[2] = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+
+
+def test_outputs_that_cannot_be_joined_are_refused() -> None:
+    class Odd(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+            self.b = nn.Linear(2, 2)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, object]:
+            return self.b(self.a(x)), object()
+
+    pipe = pipepar.wrap(Odd(), [1, 1], devices=["cpu", "cpu"], chunks=2)
+    with pytest.raises(ValueError, match=r"differs between micro-batches.*use_cache=False"):
+        pipe(torch.randn(4, 2))
