@@ -220,3 +220,55 @@ def test_model_loader_resolves_every_spelling() -> None:
     assert all(p.device.type == "meta" for p in model.parameters())
     with pytest.raises(ValueError, match="did you mean"):
         resolve_builder("resnet")
+
+
+def test_plan_any_model_over_its_units(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``pipepar plan`` takes a transformers model as it is (a zoo builder, or a config.json)
+    and plans over its units, fed token ids as input_ids= and labels=."""
+    js = tmp_path / "plan.json"
+    code, out, err = _run(
+        capsys, "plan", "models.transformers_zoo:gpt2", "--tokens", "4,16", "--devices", "2",
+        "--capacity", "1GiB", "--chunks", "2", "--schedule", "1f1b", "--json", str(js),
+    )
+    assert code == 0, err
+    data = json.loads(js.read_text())
+    names = [layer["name"] for layer in data["layers"]]
+    assert names[0] == "transformer.wte" and names[-1] == "lm_head" and "transformer.h.3" in names
+    assert len(data["balance"]) == 2 and sum(data["balance"]) == len(names) and data["fits"]
+    assert "Stages (1f1b, 2 micro-batches of 2 rows" in out
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
+                "dtype": "bfloat16",
+            }
+        )
+    )
+    code, out, err = _run(
+        capsys, "plan", "--hf-config", str(config), "--tokens", "2,32", "--devices", "2",
+        "--json", "-", "--quiet",
+    )
+    assert code == 0, err
+    data = json.loads(out)
+    assert [x["name"] for x in data["layers"]][2:5] == [f"model.layers.{i}" for i in range(3)]
+    layer = data["layers"][2]
+    assert layer["params_bytes"] == 2 * (4 * 32 * 32 // 2 + 2 * 32 * 16 + 3 * 32 * 64 + 2 * 32)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["plan", "--tokens", "2,8"], "MODEL"),
+        (["plan", "models.transformers_zoo:gpt2"], "--tokens"),
+        (["plan", "models.transformers_zoo:gpt2", "--tokens", "2,8,3"], "two numbers"),
+        (["plan", "--hf-config", "/nonexistent/config.json", "--tokens", "2,8"], "--hf-config"),
+    ],
+)
+def test_plan_bad_arguments_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    code, out, err = _run(capsys, *argv)
+    assert code == 2 and out == "" and message in err and err.count("\n") == 1

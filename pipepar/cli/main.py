@@ -2,11 +2,18 @@
 
     pipepar profile MODEL --input-shape 64,3,224,224 --devices 4 --capacity 16GiB --chunks 8 \\
         --optimizer adam [--schedule 1f1b] [--json plan.json] [--html report.html]
+    pipepar plan models.transformers_zoo:llama3_70b --tokens 8,4096 --dtype bfloat16 \\
+        --devices 8 --capacity 80GiB --chunks 8 --checkpoint always --schedule 1f1b
+    pipepar plan --hf-config path/to/config.json --tokens 8,4096 --devices 8 --capacity 80GiB
 
 MODEL is a zoo builder (``models.alexnet``), a torchvision model (``torchvision.models.resnet50``
-or just ``resnet50``) or any ``package.module:function`` returning an ``nn.Module``; models that
-are not an ``nn.Sequential`` are flattened with :func:`pipepar.sequentialize`. Exit status: 0 when
-the plan fits, 1 when no split fits, 2 for bad arguments (one line on stderr).
+or just ``resnet50``) or any ``package.module:function`` returning an ``nn.Module``. ``profile``
+flattens models that are not an ``nn.Sequential`` with :func:`pipepar.sequentialize`; ``plan``
+takes any model as it is and plans over its units (:func:`pipepar.units`: what
+``pipepar.wrap(model, balance=...)`` counts), building it on meta by default, and feeds it
+``--tokens B,T`` as ``input_ids=`` and ``labels=`` (a language model's own loss) or an
+``--input-shape`` tensor. Exit status: 0 when the plan fits, 1 when no split fits, 2 for bad
+arguments (one line on stderr).
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from typing import Any, NoReturn, TypeVar
 
 import torch
 
-from pipepar.cli.model_loader import load_model
+from pipepar.cli.model_loader import load_hf_config, load_model, load_module
 from pipepar.core.schedule import NAMES
 from pipepar.core.units import parse_bytes
 from pipepar.planner.optimizer_state import resolve_optimizer
@@ -57,6 +64,27 @@ def _parser() -> argparse.ArgumentParser:
         "model", help="models.alexnet, torchvision.models.resnet50, resnet50 or pkg.mod:fn"
     )
     p.add_argument("--input-shape", required=True, help="sample shape, batch first: 64,3,224,224")
+    _common(p)
+    q = sub.add_parser("plan", help="plan any model (transformers too) over its units")
+    q.add_argument(
+        "model", nargs="?", default=None,
+        help="models.transformers_zoo:llama3_70b, pkg.mod:fn, ... (or --hf-config)",
+    )
+    q.add_argument("--hf-config", metavar="FILE", help="a transformers config.json (or folder)")
+    q.add_argument("--tokens", help="token ids B,T passed as input_ids= and labels=: 8,4096")
+    q.add_argument("--input-shape", help="or one tensor argument, batch first: 64,3,224,224")
+    q.add_argument(
+        "--dtype",
+        default=None,
+        choices=sorted(k for k, v in _DTYPES.items() if v.is_floating_point),
+        help="cast the model's floating-point weights (an HF config's own dtype by default)",
+    )
+    _common(q)
+    return parser
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    """The options ``profile`` and ``plan`` share."""
     p.add_argument("--input-dtype", default="float32", choices=sorted(_DTYPES))
     p.add_argument("--vocab", type=int, default=None, help="token id range for integer inputs")
     p.add_argument("--devices", default="4", help="a count (4) or names (cuda:0,cuda:1)")
@@ -80,7 +108,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON ('-' for stdout)")
     p.add_argument("--html", metavar="FILE", help="write the HTML report")
     p.add_argument("--quiet", action="store_true", help="do not print the table")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -98,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     try:
         args = _parser().parse_args(argv)
-        return _profile(args)
+        return _plan_units(args) if args.command == "plan" else _profile(args)
     except UsageError as err:
         print(f"pipepar: error: {err}", file=sys.stderr)
         return 2
@@ -122,6 +149,13 @@ def _profile(args: argparse.Namespace) -> int:
             model, sample, device=args.profile_device, optimizer=options.optimizer
         )
     )
+    return _plan_and_write(args, options, prof)
+
+
+def _plan_and_write(args: argparse.Namespace, options: _Options, prof: Any) -> int:
+    """Plan ``prof`` as the arguments say, print and write it; the exit status."""
+    import pipepar
+
     # Device and capacity lists that do not match each other or the model are bad arguments.
     _guard(lambda: resolve_targets(options.devices, options.capacity, layers=len(prof)))
     try:
@@ -161,6 +195,67 @@ class _Options:
     kwargs: dict[str, Any]
 
 
+def _plan_units(args: argparse.Namespace) -> int:
+    """``pipepar plan``: any model, built as it is, profiled per unit, planned."""
+    from pipepar.program.profile import profile_model
+
+    options = _options(args)
+    model = _guard(lambda: _unit_model(args, options))
+    sample = _unit_sample(args, options, model)
+    prof = _guard(
+        lambda: profile_model(
+            model, sample, device=args.profile_device, optimizer=options.optimizer
+        )
+    )
+    return _plan_and_write(args, options, prof)
+
+
+def _unit_model(args: argparse.Namespace, options: _Options) -> torch.nn.Module:
+    if (args.model is None) == (args.hf_config is None):
+        raise UsageError(
+            "pass a MODEL (e.g. models.transformers_zoo:llama3_70b) or --hf-config "
+            "path/to/config.json, one of the two"
+        )
+    device = args.profile_device
+    if args.hf_config is not None:
+        model = load_hf_config(args.hf_config, device=device, **options.kwargs)
+    else:
+        model = load_module(args.model, device=device, **options.kwargs)
+    dtype = _DTYPES[args.dtype] if args.dtype else _config_dtype(model)
+    return model.to(dtype) if dtype is not None else model
+
+
+def _config_dtype(model: torch.nn.Module) -> torch.dtype | None:
+    """The dtype a transformers config names (Llama 3's is bfloat16), else None."""
+    config = getattr(model, "config", None)
+    # transformers 5 calls it dtype (reading torch_dtype there warns); 4 calls it torch_dtype.
+    name = "dtype" if hasattr(type(config), "dtype") or "dtype" in vars(config) else "torch_dtype"
+    dtype = getattr(config, name, None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def _unit_sample(args: argparse.Namespace, options: _Options, model: torch.nn.Module) -> Any:
+    """``--tokens B,T``: ``dict(input_ids=ids, labels=ids)``, ids below the vocabulary (given,
+    or the model config's); ``--input-shape``: one tensor, as for ``profile``. Ids are made on
+    the CPU (a few MB at most): a meta profile reads their values where the model checks them."""
+    if (args.tokens is None) == (args.input_shape is None):
+        raise UsageError(
+            "pass --tokens B,T (token ids) or --input-shape (a tensor), one of the two"
+        )
+    if args.input_shape is not None:
+        return _sample(_shape(args.input_shape), options.dtype, args.vocab, args.profile_device)
+    shape = _shape(args.tokens, flag="--tokens", example="8,4096")
+    if len(shape) != 2:
+        raise UsageError(
+            f"--tokens {args.tokens!r} must be two numbers, batch and sequence: 8,4096"
+        )
+    vocab = args.vocab or getattr(getattr(model, "config", None), "vocab_size", None) or 2
+    ids = torch.randint(0, int(vocab), shape, generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids, "labels": ids}
+
+
 def _options(args: argparse.Namespace) -> _Options:
     if args.chunks < 1:
         raise UsageError(f"--chunks {args.chunks} must be >= 1 (micro-batches)")
@@ -183,7 +278,7 @@ def _options(args: argparse.Namespace) -> _Options:
         raise UsageError(f"--vocab {args.vocab} must be at least 1 (token ids are 0..vocab-1)")
     return _Options(
         optimizer=optimizer,
-        shape=_shape(args.input_shape),
+        shape=_shape(args.input_shape) if args.input_shape is not None else (),
         dtype=_DTYPES[args.input_dtype],
         devices=_devices(args.devices),
         capacity=_capacity(args.capacity),
@@ -191,16 +286,15 @@ def _options(args: argparse.Namespace) -> _Options:
     )
 
 
-def _shape(text: str) -> tuple[int, ...]:
+def _shape(
+    text: str, flag: str = "--input-shape", example: str = "64,3,224,224"
+) -> tuple[int, ...]:
+    message = f"{flag} {text!r} must be positive ints, batch first, e.g. {example}"
     if not re.fullmatch(r"\s*\d+(\s*[,x]\s*\d+)*\s*", text):
-        raise UsageError(
-            f"--input-shape {text!r} must be positive ints, batch first, e.g. 64,3,224,224"
-        )
+        raise UsageError(message)
     shape = tuple(int(d) for d in re.split(r"[,x]", text))
     if any(d < 1 for d in shape):
-        raise UsageError(
-            f"--input-shape {text!r} must be positive ints, batch first, e.g. 64,3,224,224"
-        )
+        raise UsageError(message)
     return shape
 
 

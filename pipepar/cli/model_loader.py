@@ -4,10 +4,14 @@
     >>> load_model("resnet50", device="meta")                  # torchvision, weights=None
     >>> load_model("torchvision.models.vgg16", device="meta")
     >>> load_model("mypackage.nets:build", device="meta", depth=4)
+    >>> load_module("models.transformers_zoo:llama3_70b", device="meta")   # kept as it is
+    >>> load_hf_config("path/to/config.json", device="meta")               # transformers
 
 Builders run under ``torch.device(device)`` so that ``device="meta"`` allocates nothing; those
-that take ``device=`` or ``weights=`` get ``device`` and ``weights=None`` (no downloads). The
-result is flattened with :func:`pipepar.sequentialize` unless it is an ``nn.Sequential``.
+that take ``device=`` or ``weights=`` get ``device`` and ``weights=None`` (no downloads).
+:func:`load_model` flattens the result with :func:`pipepar.sequentialize` unless it is an
+``nn.Sequential`` (``pipepar profile``); :func:`load_module` keeps the model as it is, to be
+laid out in units (``pipepar plan``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["load_model", "resolve_builder"]
+__all__ = ["load_hf_config", "load_model", "load_module", "resolve_builder"]
 
 
 def resolve_builder(spec: str) -> Callable[..., Any]:
@@ -110,6 +114,26 @@ def load_model(spec: str, *, device: str | torch.device = "meta", **kwargs: Any)
         >>> len(load_model("models.mlp", device="meta", depth=2))
         4
     """
+    model = load_module(spec, device=device, **kwargs)
+    if isinstance(model, nn.Sequential):
+        return model
+    from pipepar.core.sequential import sequentialize
+
+    return sequentialize(model)  # type: ignore[no-any-return]
+
+
+def load_module(spec: str, *, device: str | torch.device = "meta", **kwargs: Any) -> nn.Module:
+    """Build the model ``spec`` names on ``device``, as it is (not flattened).
+
+    Args:
+        spec: see :func:`resolve_builder`.
+        device: where to build it (``"meta"`` allocates nothing).
+        **kwargs: passed to the builder.
+
+    Example:
+        >>> type(load_module("models.transformers_zoo:gpt2", layers=2)).__name__
+        'GPT2LMHeadModel'
+    """
     builder = resolve_builder(spec)
     params = _parameters(builder)
     if "weights" in params and "weights" not in kwargs:
@@ -120,11 +144,64 @@ def load_model(spec: str, *, device: str | torch.device = "meta", **kwargs: Any)
         model = builder(**kwargs)
     if not isinstance(model, nn.Module):
         raise ValueError(f"MODEL {spec!r} returned a {type(model).__name__}, not an nn.Module")
-    if isinstance(model, nn.Sequential):
-        return model
-    from pipepar.core.sequential import sequentialize
+    return model
 
-    return sequentialize(model)  # type: ignore[no-any-return]
+
+def load_hf_config(
+    path: str, *, device: str | torch.device = "meta", **overrides: Any
+) -> nn.Module:
+    """A transformers model built from a local ``config.json`` (or a folder holding one), with
+    random weights: the class its ``architectures`` names, else a causal LM (else the base
+    model) for its ``model_type``. Nothing is downloaded; the cache is off (training).
+
+    Args:
+        path: the ``config.json`` file or its folder.
+        device: where to build it (``"meta"`` allocates nothing).
+        **overrides: config fields to change, e.g. ``num_hidden_layers=2``.
+
+    Example:
+        >>> load_hf_config("llama-3-70b/config.json", device="meta")
+    """
+    try:
+        import transformers
+    except ImportError:
+        raise ValueError(
+            f"--hf-config {path!r} needs transformers, which is not installed; "
+            "pip install transformers"
+        ) from None
+    config = _hf_config(transformers, path, overrides)
+    cls = _hf_class(transformers, config, path)
+    with torch.device(device):
+        model = cls(config) if isinstance(cls, type) else cls.from_config(config)
+    return model  # type: ignore[no-any-return]
+
+
+def _hf_config(transformers: Any, path: str, overrides: dict[str, Any]) -> Any:
+    try:
+        config = transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(
+            f"--hf-config {path!r} is not a transformers config ({first}); pass a local "
+            "config.json (with its model_type) or the folder holding it"
+        ) from None
+    for key, value in {"use_cache": False, **overrides}.items():
+        setattr(config, key, value)
+    return config
+
+
+def _hf_class(transformers: Any, config: Any, path: str) -> Any:
+    for name in getattr(config, "architectures", None) or []:
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type):
+            return cls
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+        if type(config) in getattr(auto, "_model_mapping", {}):
+            return auto
+    raise ValueError(
+        f"--hf-config {path!r}: transformers has no model for model_type "
+        f"{getattr(config, 'model_type', None)!r}; name one in the config's architectures"
+    )
 
 
 def _parameters(builder: Callable[..., Any]) -> set[str]:

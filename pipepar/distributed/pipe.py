@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -302,9 +302,10 @@ class DistributedPipe(nn.Module):
 
 
 def wrap(
-    model: nn.Sequential,
-    balance: list[int],
+    model: nn.Module,
+    balance: list[int] | None = None,
     *,
+    split: Sequence[str] | None = None,
     chunks: int = 1,
     schedule: str | Schedule = "gpipe",
     dp: int = 1,
@@ -324,9 +325,18 @@ def wrap(
     ``reset_parameters()`` initialise it (replica 0's weights are broadcast to the others) or
     pass ``state_dict`` (the whole model's, same keys as the plain model).
 
+    Any other model (a transformers GPT-2, Llama or BERT, a ViT, ...) runs its own forward code
+    on every rank, the rank's stage for real and the others in shadow on the meta device
+    (:mod:`pipepar.program.ranks`); pass the same batch on every rank of a pipeline to
+    ``step(**batch)``. It keeps only its stage's weights (weights tied across stages on each
+    rank using them, their gradients summed). Schedules with one stage per rank; no recompute.
+
     Args:
-        model: an ``nn.Sequential``, real or on the meta device.
-        balance: layers per stage; its length is the number of stages.
+        model: an ``nn.Sequential`` or any ``nn.Module``, real or on the meta device (then
+            with ``state_dict``).
+        balance: layers (units, see :func:`pipepar.units`) per stage; its length is the number
+            of stages.
+        split: for other models, module paths where stages begin (instead of ``balance``).
         chunks: micro-batches per mini-batch (M).
         schedule: ``"gpipe"``, ``"1f1b"``, ``"zb-h1"``, ``"interleaved-1f1b"``, ``"zb-v"`` or a
             :class:`~pipepar.core.schedule.Schedule`; for the last two, ``balance`` lists two
@@ -353,9 +363,24 @@ def wrap(
         >>> pipe = wrap(model, [4, 4], chunks=8, schedule="1f1b", dp=2)  # doctest: +SKIP
         >>> loss = pipe.step(x, y, nn.functional.cross_entropy)  # doctest: +SKIP
     """
+    if not isinstance(model, nn.Sequential) or split is not None:
+        from pipepar.program.rank_pipe import DistributedModelPipe
+
+        return DistributedModelPipe(  # type: ignore[return-value]
+            model,
+            balance,
+            split=split,
+            chunks=chunks,
+            schedule=schedule,
+            dp=dp,
+            device=device,
+            group=group,
+            state_dict=state_dict,
+            timeout=timeout,
+        )
     return DistributedPipe(
         model,
-        balance,
+        balance,  # type: ignore[arg-type]  # None is refused there, with the way out
         chunks=chunks,
         schedule=schedule,
         dp=dp,

@@ -106,9 +106,10 @@ class Driver:
             return
         self._leave()
         with self._cond:
-            self._next = stage
-            self._running = False
-            self._cond.notify_all()
+            if self._allowed < stage:  # else the worker let it run on through this stage
+                self._next = stage
+                self._running = False
+                self._cond.notify_all()
         self._wait_for(stage)
         self._enter(stage)
 

@@ -5,6 +5,10 @@ the units of :func:`pipepar.units` take the place of the layers, so :func:`pipep
 result returns a balance over the units, which :func:`pipepar.wrap` takes as it is. The model's
 own ``forward`` runs once on the sample (:mod:`pipepar.program.unit_trace`): every figure is
 that of the unit that was computing, code between two units counting with the one before.
+Activations count at the unit that created them (as :class:`~pipepar.planner.profile.
+LayerProfile` has it for layers); each storage once. A unit without parameters (a dropout, a
+rotary table) has its own figures here, though the pipe computes it on the stage of the unit
+before it when a stage would begin there: a small difference, as such units are cheap.
 
 On ``meta`` nothing is allocated and nothing is timed, so a model no machine here could hold
 plans in seconds; data-dependent checks a model makes (transformers' "is the mask all ones?")
@@ -180,7 +184,10 @@ def _with_layout(call: UnitCall, model: nn.Module, lay: units_.Layout) -> UnitCa
 
 
 def _unit_call_like(
-    call: UnitCall, model: nn.Module, lay: units_.Layout, args: tuple[Any, ...],
+    call: UnitCall,
+    model: nn.Module,
+    lay: units_.Layout,
+    args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> UnitCall:
     """The same call on ``meta`` (split backwards are measured there, sizes only)."""
@@ -232,8 +239,11 @@ def _checked(fn: Any, model: nn.Module, call: UnitCall) -> Any:
         return fn()
     except (RuntimeError, TypeError, IndexError, NotImplementedError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        shapes = [tuple(t.shape) for t in pytree.tree_leaves((call.args, call.kwargs))
-                  if isinstance(t, Tensor)]
+        shapes = [
+            tuple(t.shape)
+            for t in pytree.tree_leaves((call.args, call.kwargs))
+            if isinstance(t, Tensor)
+        ]
         raise ValueError(
             f"{type(model).__name__} failed on a sample with tensors of shapes {shapes} on "
             f"{call.device}: {first}; check the sample (the model's own arguments, batch "

@@ -165,10 +165,10 @@ class MetaScalars(TorchDispatchMode):
 
 class FusedGroupedAttention(TorchFunctionMode):
     """:class:`~pipepar.planner.meta_attention.FusedAttention` (whose routing it reuses), and
-    grouped-query attention too: transformers calls ``scaled_dot_product_attention(..., enable_gqa=True)`` for Llama
-    when there is no mask, and the fused kernels (flash attention on CPU and CUDA) then keep
-    keys and values with their own, fewer heads; torch's meta path would repeat them and keep
-    the ``T x T`` probabilities of every query head.
+    grouped-query attention too: transformers calls ``scaled_dot_product_attention`` with
+    ``enable_gqa=True`` for Llama when there is no mask, and the fused kernels (flash
+    attention on CPU and CUDA) then keep keys and values with their own, fewer heads; torch's
+    meta path would repeat them and keep the ``T x T`` probabilities of every query head.
 
     Also inside ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``: torchvision's
     ViT): a torch function runs with the modes off, so the attention it calls would not pass
@@ -389,9 +389,7 @@ def _producer(ledger: Ledger, t: Tensor, n: int) -> int:
     return n - 1 if made is None else made
 
 
-def _graphs(
-    ledger: Ledger, call: UnitCall, outputs: list[tuple[int, Tensor]]
-) -> list[UnitGraph]:
+def _graphs(ledger: Ledger, call: UnitCall, outputs: list[tuple[int, Tensor]]) -> list[UnitGraph]:
     """Each unit's graph, from the ledger's crossings; the ledger is emptied (the graphs hold
     what the units hold, and no more)."""
     weights = call.weights()
