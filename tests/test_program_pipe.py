@@ -164,3 +164,26 @@ def test_outputs_that_cannot_be_joined_are_refused() -> None:
     pipe = pipepar.wrap(Odd(), [1, 1], devices=["cpu", "cpu"], chunks=2)
     with pytest.raises(ValueError, match=r"differs between micro-batches.*use_cache=False"):
         pipe(torch.randn(4, 2))
+
+
+def test_a_tensor_with_history_from_outside_the_call_is_refused() -> None:
+    class Cached(nn.Module):
+        """Keeps a tensor of one call's graph and uses it in the next: its gradient could not
+        reach the stage that made it."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 2)
+            self.b = nn.Linear(2, 2)
+            self.kept: torch.Tensor | None = None
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            out = self.b(h if self.kept is None else h + self.kept)
+            self.kept = h[:1]
+            return out
+
+    pipe = pipepar.wrap(Cached(), [1, 1], devices=["cpu", "cpu"])
+    pipe(torch.randn(3, 2))
+    with pytest.raises(RuntimeError, match=r"not made by a torch operation of this call"):
+        pipe(torch.randn(3, 2))

@@ -173,6 +173,8 @@ class Cut(TorchFunctionMode):
         if made is None:
             if t.requires_grad and id(t) in self.inputs:
                 return self.ledger.leaf(t, CALLER, s, device, is_param=False)
+            if t.grad_fn is not None and torch.is_grad_enabled():
+                raise _untracked(t, s)
             return (
                 t
                 if t.device == device or (t.dim() == 0 and t.device.type == "cpu")
@@ -190,6 +192,19 @@ class Cut(TorchFunctionMode):
             for t in out:
                 if isinstance(t, Tensor):
                     _set_tag(t, tag)
+
+
+def _untracked(t: Tensor, stage: int) -> RuntimeError:
+    """A tensor with an autograd history that no torch operation of this micro-batch made:
+    its gradient could not be routed to the stage that made it, so it is refused rather than
+    silently losing that part of the gradient."""
+    return RuntimeError(
+        f"stage {stage} was given a tensor of shape {tuple(t.shape)} that needs a gradient but "
+        f"was not made by a torch operation of this call (its autograd node is "
+        f"{type(t.grad_fn).__name__}): a tensor kept from an earlier call, or made outside "
+        "torch's Python API. pipepar cannot route its gradient; compute it inside the model's "
+        "forward, or .detach() it if it needs none"
+    )
 
 
 def _set_tag(t: Tensor, tag: tuple[object, int]) -> None:
