@@ -465,7 +465,7 @@ def wrap(
         >>> pipe(torch.randn(32, 16)).sum().backward()
     """
     if not isinstance(module, nn.Sequential) or split is not None or isinstance(sample, dict):
-        from pipepar.program.pipe import wrap_model
+        from pipepar.program.wrap import wrap_model
 
         return wrap_model(
             module, balance, devices=devices, chunks=chunks, checkpoint=checkpoint,

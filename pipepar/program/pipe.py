@@ -23,7 +23,7 @@ from pipepar.core.devices import DeviceSpec, resolve_devices
 from pipepar.core.schedule import NAMES, Schedule
 from pipepar.core.stage import Stage
 from pipepar.local import cpu_malloc
-from pipepar.local.executor import BACKWARD, EVERY, FORWARD
+from pipepar.local.executor import EVERY, FORWARD
 from pipepar.local.pipe import (
     _cached,
     _check_threads,
@@ -31,19 +31,18 @@ from pipepar.local.pipe import (
     _n_workers,
     _schedule_for,
     _StepFunction,
-    _unalias,
 )
 from pipepar.local.worker import WorkerPool, _init_thread
 from pipepar.program import units as units_
+from pipepar.program.autograd import ProgramFunction, as_tuple
 from pipepar.program.calls import Call, join, split_call
 from pipepar.program.driver import active
+from pipepar.program.losses import LossFn, loss_head, split_target
 from pipepar.program.run import ProgramRun
 from pipepar.program.step import Batch
 from pipepar.tracing.tracer import Tracer
 
 __all__ = ["ModelPipe"]
-
-LossFn = Callable[[Any, Any], Tensor]
 
 
 class ProgramStage(Stage):
@@ -192,9 +191,9 @@ class ModelPipe(nn.Module):
             return join(run.results(), [c.rows for c in calls])
         flat_in = [t for xs in inputs for t in xs]
         holder: dict[str, Any] = {}
-        outs = _ProgramFunction.apply(self, run, holder, len(flat_in), *flat_in, *params)
+        outs = ProgramFunction.apply(self, run, holder, len(flat_in), *flat_in, *params)
         leaves = list(holder["leaves"])
-        for k, t in zip(holder["positions"], _as_tuple(outs)):
+        for k, t in zip(holder["positions"], as_tuple(outs)):
             leaves[k] = t
         return pytree.tree_unflatten(leaves, holder["spec"])
 
@@ -215,9 +214,9 @@ class ModelPipe(nn.Module):
         """
         calls = split_call(args, kwargs, self.chunks)
         rows = [c.rows for c in calls]
-        targets = _split_target(target, rows)
+        targets = split_target(target, rows)
         weights = [r / sum(rows) for r in rows]
-        run = self._run(calls, grad=True, head=_loss_head(loss_fn, targets), weights=weights)
+        run = self._run(calls, grad=True, head=loss_head(loss_fn, targets), weights=weights)
         params = [p for held in self._params for p in held]
         flat_in = [t for c in calls for t in c.tensors()]
         loss = _StepFunction.apply(self, run, weights, len(flat_in), *flat_in, *params)
@@ -371,181 +370,3 @@ def _boundary(stage: int) -> Callable[[nn.Module, Any], None]:
             driver.boundary(stage)
 
     return hook
-
-
-# -- losses ---------------------------------------------------------------------------------
-def _split_target(target: Any, rows: list[int]) -> list[Any]:
-    total = sum(rows)
-    if isinstance(target, Tensor) and target.dim() > 0 and target.shape[0] == total:
-        return list(target.split(rows))
-    return [target] * len(rows)
-
-
-def _loss_head(loss_fn: LossFn | None, targets: list[Any]) -> Callable[[Any, int], Tensor]:
-    def head(output: Any, i: int) -> Tensor:
-        loss = loss_fn(output, targets[i]) if loss_fn is not None else _own_loss(output)
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            raise TypeError(
-                f"the loss must be a scalar tensor, but got {type(loss).__name__}"
-                f"{' of shape ' + str(tuple(loss.shape)) if isinstance(loss, Tensor) else ''}; "
-                "reduce it (e.g. reduction='mean')"
-            )
-        return loss.reshape(())
-
-    return head
-
-
-def _own_loss(output: Any) -> Any:
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if loss is None and isinstance(output, (tuple, list)) and output:
-        loss = output[0]
-    if loss is None and isinstance(output, Tensor):
-        loss = output
-    if loss is None:
-        raise TypeError(
-            f"the model returned {type(output).__name__} with no loss; pass the labels the "
-            "model takes (e.g. labels=input_ids) or step(..., loss_fn=fn, target=y)"
-        )
-    return loss
-
-
-# -- autograd -------------------------------------------------------------------------------
-class _ProgramFunction(torch.autograd.Function):
-    """The autograd node standing for the whole pipe: inputs are the call's tensors and the
-    parameters, outputs the tensors of the model's output."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, pipe: ModelPipe, run: ProgramRun, holder: dict[str, Any], n: int, *args: Tensor
-    ) -> Any:
-        run.execute(pipe._workers(), FORWARD)
-        rows = run.rows
-        results = run.results()
-        joined = join(results, rows)
-        leaves, spec = pytree.tree_flatten(joined)
-        holder["spec"], holder["leaves"] = spec, leaves
-        tensors = [t for t in leaves if isinstance(t, Tensor)]
-        ctx.pipe, ctx.run, ctx.n, ctx.rows = pipe, run, n, rows
-        ctx.results = [pytree.tree_leaves(r) for r in results]
-        outs = tuple(_unalias(t.detach(), args) for t in tensors)
-        ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
-        holder["n"] = len(leaves)
-        holder["positions"] = [k for k, t in enumerate(leaves) if isinstance(t, Tensor)]
-        return outs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor | None) -> Any:
-        run: ProgramRun | None = ctx.run
-        ctx.run = None
-        if run is None:
-            raise RuntimeError("pipepar: backward through a pipe output twice is not supported")
-        _seed(run, ctx.results, grads, ctx.rows)
-        run.open_backward()
-        run.execute(ctx.pipe._workers(), BACKWARD)
-        return (None, None, None, None, *run.input_grads(), *run.take_param_grads())
-
-
-def _seed(
-    run: ProgramRun, results: list[list[Any]], grads: Sequence[Tensor | None], rows: list[int]
-) -> None:
-    """Hand each micro-batch the part of the output gradient that is its own."""
-    total = sum(rows)
-    per_mb_tensors = [[t for t in leaves if isinstance(t, Tensor)] for leaves in results]
-    for k, g in enumerate(grads):
-        if g is None:
-            continue
-        for i, ts in enumerate(per_mb_tensors):
-            t = ts[k]
-            if t.dim() > 0 and g.dim() > 0 and len(per_mb_tensors) > 1:
-                part = g.split(rows)[i]
-            elif len(per_mb_tensors) > 1:
-                part = (g * (rows[i] / total)).reshape(t.shape)
-            else:
-                part = g
-            run.seed(i, t, part)
-
-
-def _as_tuple(outs: Any) -> tuple[Any, ...]:
-    return outs if isinstance(outs, tuple) else (outs,)
-
-
-# -- the entry point ------------------------------------------------------------------------
-def wrap_model(
-    model: nn.Module,
-    balance: Sequence[int] | None = None,
-    *,
-    devices: DeviceSpec = None,
-    chunks: int = 1,
-    checkpoint: str | None = None,
-    deferred_batch_norm: bool = False,
-    sample: Any = None,
-    split: Sequence[str] | None = None,
-    capacity: Any = None,
-    schedule: str | Schedule = "gpipe",
-    threads: int | None = None,
-    trace: bool = False,
-) -> ModelPipe:
-    """:func:`pipepar.wrap` for any model that is not an ``nn.Sequential`` (or is split by
-    module paths): see there."""
-    if checkpoint not in (None, "never"):
-        raise ValueError(
-            f"checkpoint={checkpoint!r} recomputes whole stages, which pipepar does only for "
-            f"nn.Sequential models, and {type(model).__name__} is not one; pass "
-            "checkpoint='never' and use the model's own activation checkpointing (for "
-            "transformers models: model.gradient_checkpointing_enable())"
-        )
-    if deferred_batch_norm:
-        raise ValueError(
-            f"deferred_batch_norm=True works on nn.Sequential models, and "
-            f"{type(model).__name__} is not one; pass deferred_batch_norm=False (batch norm "
-            "then tracks statistics per micro-batch), or lay the model out with "
-            "pipepar.sequentialize first"
-        )
-    if balance is None and split is None:
-        balance = _planned_units(model, sample, devices, capacity, chunks, schedule)
-    return ModelPipe(
-        model,
-        balance,
-        split=split,
-        devices=devices,
-        chunks=chunks,
-        sample=sample,
-        schedule=schedule,
-        threads=threads,
-        trace=trace,
-    )
-
-
-def _planned_units(
-    model: nn.Module,
-    sample: Any,
-    devices: DeviceSpec,
-    capacity: Any,
-    chunks: int,
-    schedule: str | Schedule,
-) -> list[int]:
-    if sample is None:
-        raise ValueError(
-            "balance and split are None and no sample was given; pass split=[module paths "
-            "where stages begin], balance=[units per stage] (pipepar.units(model) lists the "
-            "units), or sample=<an input batch> so pipepar can profile the model and plan"
-        )
-    from pipepar.planner.plan import plan
-    from pipepar.program.profile import profile_model
-
-    param = next(model.parameters(), None)
-    where = param.device if param is not None else torch.device("cpu")
-    n_devices = devices if devices is not None else (torch.cuda.device_count() or 1)
-    prof = profile_model(model, sample, device=str(where))
-    chosen = plan(
-        prof,
-        devices=n_devices,
-        capacity=capacity,
-        chunks=chunks,
-        checkpoint="never",
-        schedule=schedule,
-        optimizer=None,
-    )
-    return list(chosen.balance)

@@ -23,7 +23,8 @@ from pipepar.distributed.pipe import _ensure_process_group, _resolve_device
 from pipepar.local.worker import _init_thread
 from pipepar.program import units as units_
 from pipepar.program.calls import split_call
-from pipepar.program.pipe import LossFn, _loss_head, _sizes, _split_target
+from pipepar.program.losses import LossFn, loss_head, split_target
+from pipepar.program.pipe import _sizes
 from pipepar.program.ranks import Link, RankCut, RankStep, held_here, shadow_context
 from pipepar.program.step import Batch
 from pipepar.program.unit_trace import MetaScalars
@@ -61,10 +62,8 @@ class DistributedModelPipe(nn.Module):
         self.chunks = validation.check_chunks(chunks)
         lay = units_.layout(model)
         sizes = _sizes(lay, balance, split)
-        if (
-            (isinstance(schedule, str)
-            and schedule in VIRTUAL)
-            or (isinstance(schedule, Schedule) and schedule.n_workers != len(sizes))
+        if (isinstance(schedule, str) and schedule in VIRTUAL) or (
+            isinstance(schedule, Schedule) and schedule.n_workers != len(sizes)
         ):
             raise ValueError(
                 f"schedule {getattr(schedule, 'name', schedule)!r} puts several stages on a "
@@ -155,7 +154,7 @@ class DistributedModelPipe(nn.Module):
         calls = split_call(args, kwargs, self.chunks)
         rows = [c.rows for c in calls]
         weights = [r / sum(rows) for r in rows]
-        head = _loss_head(loss_fn, _split_target(target, rows))
+        head = loss_head(loss_fn, split_target(target, rows))
         values = [MetaScalars() for _ in calls]
         batch = Batch(
             [_caller(self._model, c) for c in calls],

@@ -1,0 +1,84 @@
+"""The autograd node standing for a whole pipe of any model (``pipe(...)`` then ``backward()``).
+
+Its forward runs every micro-batch's forward through the stages and returns the tensors of the
+joined output; its backward hands each micro-batch its part of the output gradient, runs the
+stages' backward actions and returns the gradients of the call's tensors and the parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+
+from pipepar.local.executor import BACKWARD, FORWARD
+from pipepar.local.pipe import _unalias
+from pipepar.program.calls import join
+from pipepar.program.run import ProgramRun
+
+if TYPE_CHECKING:
+    from pipepar.program.pipe import ModelPipe
+
+__all__ = ["ProgramFunction", "as_tuple"]
+
+
+class ProgramFunction(torch.autograd.Function):
+    """The autograd node standing for the whole pipe: inputs are the call's tensors and the
+    parameters, outputs the tensors of the model's output."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, pipe: ModelPipe, run: ProgramRun, holder: dict[str, Any], n: int, *args: Tensor
+    ) -> Any:
+        run.execute(pipe._workers(), FORWARD)
+        rows = run.rows
+        results = run.results()
+        joined = join(results, rows)
+        leaves, spec = pytree.tree_flatten(joined)
+        holder["spec"], holder["leaves"] = spec, leaves
+        tensors = [t for t in leaves if isinstance(t, Tensor)]
+        ctx.pipe, ctx.run, ctx.n, ctx.rows = pipe, run, n, rows
+        ctx.results = [pytree.tree_leaves(r) for r in results]
+        outs = tuple(_unalias(t.detach(), args) for t in tensors)
+        ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
+        holder["n"] = len(leaves)
+        holder["positions"] = [k for k, t in enumerate(leaves) if isinstance(t, Tensor)]
+        return outs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> Any:
+        run: ProgramRun | None = ctx.run
+        ctx.run = None
+        if run is None:
+            raise RuntimeError("pipepar: backward through a pipe output twice is not supported")
+        _seed(run, ctx.results, grads, ctx.rows)
+        run.open_backward()
+        run.execute(ctx.pipe._workers(), BACKWARD)
+        return (None, None, None, None, *run.input_grads(), *run.take_param_grads())
+
+
+def _seed(
+    run: ProgramRun, results: list[list[Any]], grads: Sequence[Tensor | None], rows: list[int]
+) -> None:
+    """Hand each micro-batch the part of the output gradient that is its own."""
+    total = sum(rows)
+    per_mb_tensors = [[t for t in leaves if isinstance(t, Tensor)] for leaves in results]
+    for k, g in enumerate(grads):
+        if g is None:
+            continue
+        for i, ts in enumerate(per_mb_tensors):
+            t = ts[k]
+            if t.dim() > 0 and g.dim() > 0 and len(per_mb_tensors) > 1:
+                part = g.split(rows)[i]
+            elif len(per_mb_tensors) > 1:
+                part = (g * (rows[i] / total)).reshape(t.shape)
+            else:
+                part = g
+            run.seed(i, t, part)
+
+
+def as_tuple(outs: Any) -> tuple[Any, ...]:
+    return outs if isinstance(outs, tuple) else (outs,)
