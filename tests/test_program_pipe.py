@@ -127,8 +127,8 @@ def test_bad_arguments_are_named() -> None:
         pipepar.wrap(SkipNet(), split=["blocks.2", "blocks.1"], devices=["cpu"] * 3)
     with pytest.raises(ValueError, match=r"balance or split, not both"):
         pipepar.wrap(SkipNet(), [3, 4], split=["blocks.2"], devices=["cpu", "cpu"])
-    with pytest.raises(ValueError, match=r"balance"):
-        pipepar.wrap(SkipNet(), [3, 3], devices=["cpu", "cpu"])  # 7 units
+    with pytest.raises(ValueError, match=r"counts 6 units but the model lays out in 7: \[emb, "):
+        pipepar.wrap(SkipNet(), [3, 3], devices=["cpu", "cpu"])
     with pytest.raises(ValueError, match=r"checkpoint='always'.*gradient_checkpointing_enable"):
         pipepar.wrap(SkipNet(), [3, 4], devices=["cpu", "cpu"], checkpoint="always")
     with pytest.raises(ValueError, match=r"no sample was given"):

@@ -320,6 +320,13 @@ def _sizes(
         return units_.stages_from_split(paths, split)
     if balance is None:
         raise ValueError("balance, split or sample is needed to split the model into stages")
+    total = sum(balance) if all(isinstance(b, int) for b in balance) else None
+    if total is not None and total != len(paths):
+        raise ValueError(
+            f"balance {list(balance)} counts {total} units but the model lays out in "
+            f"{len(paths)}: {units_.shown(paths)}; give every unit a stage, or pass "
+            f"split=[module paths where stages begin] instead"
+        )
     return validation.check_balance(balance, len(paths))
 
 

@@ -15,7 +15,6 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipepar.core import validation
-from pipepar.core.randomness import Recorded
 from pipepar.core.schedule import VIRTUAL, Schedule, make
 from pipepar.core.stage import Stage
 from pipepar.distributed.mesh import build_mesh, check_grid
@@ -185,7 +184,7 @@ class DistributedModelPipe(nn.Module):
             checkpoint="never",
             grad=True,
             input_grad=True,
-            streams=Recorded(),
+            streams=None,  # one driver computes at a time: draws in order
             split=lambda i: self.schedule.splits_backward(self._own, i),
             cuts=cuts,
             link=self._link,

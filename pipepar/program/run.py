@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from pipepar.core.randomness import Randomness, Recorded, Streams
+from pipepar.core.randomness import Randomness, Streams
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.local.executor import Phase, Run
@@ -56,7 +56,9 @@ class ProgramRun(Run):
         self.stages, self.schedule, self.m = list(stages), schedule, len(batch.drivers)
         self.tracer, self.batch, self.inputs = tracer, batch, inputs
         self.training = any(u.training for s in stages for u in s.layers)
-        streams: Randomness | None = Streams() if schedule.n_workers > 1 else Recorded()
+        # Several workers race for the generator: a stream per (stage, micro-batch) keeps runs
+        # repeatable. One worker draws in order (nothing is recomputed here).
+        streams: Randomness | None = Streams() if schedule.n_workers > 1 else None
         record = tracer.record if tracer is not None else None
         self.steps = [  # type: ignore[assignment]
             SegmentStep(

@@ -107,6 +107,7 @@ class SegmentStep(StageStep):
         self._index = {id(p): k for k, p in enumerate(params)}
         self._sums = [None] * len(params)
         self._owned = [False] * len(params)
+        self._large = any(p.dim() == 2 and p.numel() >= 1 << 17 for p in params)
         self.tied: list[tuple[nn.Parameter, Tensor]] = []
 
     def segment_context(self, stage: int, i: int) -> contextlib.AbstractContextManager[Any]:

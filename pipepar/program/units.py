@@ -146,7 +146,7 @@ def stages_from_split(paths: Sequence[str], split: Sequence[str]) -> list[int]:
     if any(b >= a for b, a in pairwise(bounds[1:])) or (starts and starts[0] == 0):
         raise ValueError(
             f"split={list(split)} must name modules in model order, each after the first unit "
-            f"({paths[0]!r}); the units are {_sample(paths)}"
+            f"({paths[0]!r}); the units are {shown(paths)}"
         )
     return [b - a for a, b in pairwise(bounds)]
 
@@ -157,11 +157,12 @@ def _first_unit(paths: Sequence[str], path: str) -> int:
             return k
     raise ValueError(
         f"split names {path!r}, which is not a unit of the model nor holds one; "
-        f"the units are {_sample(paths)} (pipepar.units(model) lists them all)"
+        f"the units are {shown(paths)} (pipepar.units(model) lists them all)"
     )
 
 
-def _sample(paths: Sequence[str]) -> str:
+def shown(paths: Sequence[str]) -> str:
+    """A short listing of unit paths for messages (the first four and the last three)."""
     shown = list(paths) if len(paths) <= 8 else [*paths[:4], "...", *paths[-3:]]
     return "[" + ", ".join(shown) + "]"
 
