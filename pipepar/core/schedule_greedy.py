@@ -2,8 +2,8 @@
 
 Zero-bubble and virtual-stage schedules have no short closed form that fits every K, M and
 placement; like the zero-bubble paper's own scheduler, we build them by simulation. Each
-action takes a unit cost (F = 1, B = 1, W = 1, or 2 for a whole backward); whenever a worker is
-free it starts, among the actions whose inputs have arrived:
+action takes a cost (by default F = 1, B = 1, W = 1, or 2 for a whole backward; the caller may
+give its own); whenever a worker is free it starts, among the actions whose inputs have arrived:
 
 1. a backward B (it unblocks the previous stage: the critical path), earliest micro-batch first;
 2. else a forward F if the worker holds fewer micro-batches than its bound (memory), the
@@ -15,18 +15,26 @@ The result is a plain order per worker; :mod:`pipepar.core.schedule` wraps it as
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["greedy_orders"]
+__all__ = ["Cost", "greedy_orders", "unit_cost"]
 
 Op = tuple[int, str, int]  # (stage, kind, micro-batch)
+Cost = Callable[[int, str, bool], float]
+"""``cost(stage, kind, split)``: how long the list scheduler takes an action to run."""
+
+
+def unit_cost(stage: int, kind: str, split: bool) -> float:
+    """F = B = W = 1, a whole backward 2."""
+    return 2.0 if kind == "B" and not split else 1.0
 
 
 @dataclass
 class _Worker:
     stages: list[int]
     bound: int
-    clock: int = 0
+    clock: float = 0.0
     held: int = 0
     order: list[Op] = field(default_factory=list)
     weights: list[Op] = field(default_factory=list)  # W's not yet run, oldest first
@@ -37,16 +45,23 @@ class _State:
     placement: tuple[int, ...]
     m: int
     split: bool
-    finish: dict[Op, int] = field(default_factory=dict)
+    cost: Cost = unit_cost
+    finish: dict[Op, float] = field(default_factory=dict)
     next_f: dict[int, int] = field(default_factory=dict)  # stage -> next micro-batch forward
     next_b: dict[int, int] = field(default_factory=dict)  # stage -> next micro-batch backward
 
-    def ready(self, op: Op, t: int) -> bool:
+    def ready(self, op: Op, t: float) -> bool:
         return op in self.finish and self.finish[op] <= t
 
 
 def greedy_orders(
-    placement: tuple[int, ...], k: int, m: int, bound: tuple[int, ...], *, split: bool
+    placement: tuple[int, ...],
+    k: int,
+    m: int,
+    bound: tuple[int, ...],
+    *,
+    split: bool,
+    cost: Cost = unit_cost,
 ) -> list[list[Op]]:
     """Per-worker orders of ``(stage, kind, micro-batch)`` for stages placed by ``placement``.
 
@@ -56,6 +71,7 @@ def greedy_orders(
         m: micro-batches.
         bound: per worker, the most stage micro-batches held between F and last backward.
         split: split every backward into B (input gradient) and a deferred W.
+        cost: the time each action takes on the simulated clock (default :func:`unit_cost`).
 
     Example:
         >>> first, last = greedy_orders((0, 1), 2, 2, (2, 1), split=False)
@@ -64,7 +80,7 @@ def greedy_orders(
         >>> last
         [(1, 'F', 0), (1, 'B', 0), (1, 'F', 1), (1, 'B', 1)]
     """
-    state = _State(placement, m, split)
+    state = _State(placement, m, split, cost)
     workers = [
         _Worker([s for s, w in enumerate(placement) if w == j], max(1, bound[j])) for j in range(k)
     ]
@@ -112,8 +128,7 @@ def _pick(worker: _Worker, state: _State) -> Op | None:
 
 def _run(worker: _Worker, op: Op, state: _State) -> None:
     s, kind, i = op
-    cost = 2 if kind == "B" and not state.split else 1
-    worker.clock += cost
+    worker.clock += state.cost(s, kind, state.split)
     state.finish[op] = worker.clock
     worker.order.append(op)
     if kind == "F":
@@ -130,7 +145,7 @@ def _run(worker: _Worker, op: Op, state: _State) -> None:
         worker.held -= 1
 
 
-def _next_event(t: int, state: _State, busy: list[_Worker]) -> int:
+def _next_event(t: float, state: _State, busy: list[_Worker]) -> float:
     later = [f for f in state.finish.values() if f > t] + [wk.clock for wk in busy if wk.clock > t]
     if not later:
         raise ValueError(

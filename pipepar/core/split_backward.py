@@ -12,6 +12,22 @@ one edge goes on to ``x``, one to ``w``). During B a pre-hook on each junction r
 gradient flowing into it; W then runs ``autograd.grad`` from each junction (a
 :class:`torch.autograd.graph.GradientEdge`) to the parameters only reachable through it.
 
+**Direct gradients.** Restarting autograd costs a pass of the engine per junction and keeps the
+graph alive until W; for the commonest junction, a matrix product with a weight (``nn.Linear``:
+an ``addmm`` or ``mm`` node whose weight edge goes through a transpose straight to the
+parameter), the weight gradient is one product of what autograd saved anyway, ``grad^T @ input``,
+and the bias gradient ``grad.sum(0)``. Such a parameter is a :class:`Direct` term: W computes it
+from the saved input and the recorded gradient, summing into the running sum in the same
+product (``addmm_``), without re-entering autograd. Every other parameter keeps the generic
+route, and so does a parameter that is also reached along any generic path, or that carries a
+tensor hook. When no generic work is left, B does not retain the graph.
+
+:func:`backward_whole` uses the same terms for an unsplit backward: one engine pass for the input
+and the generic parameters, each direct term computed the moment its gradient arrives. There the
+junctions with direct terms are targets of the pass too (``plan_backward(reach=True)``), so a
+first stage, whose input needs no gradient, still reaches its Linears; the lowest of them is
+*captured*: its gradient comes back from ``autograd.grad`` without running the node.
+
 If a parameter is reachable from two junctions (a weight used twice in one stage), restarting at
 both would count the path between them twice; such a stage runs its whole backward in B and W
 does nothing (correct, only without the overlap).
@@ -19,15 +35,61 @@ does nothing (correct, only without the overlap).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+from torch.autograd.graph import GradientEdge, Node
 
-__all__ = ["WeightWork", "backward_input"]
+__all__ = [
+    "Adder",
+    "Direct",
+    "Plan",
+    "WeightWork",
+    "backward_input",
+    "backward_whole",
+    "plan_backward",
+    "run_input",
+]
+
+_MATMUL = {"AddmmBackward0": (1, 2, 0), "MmBackward0": (0, 1, None)}
+"""Node name: indices of (input, weight, bias) among its next edges."""
+
+
+@dataclass
+class Direct:
+    """One parameter gradient of a matrix-product junction, computed without autograd.
+
+    ``saved`` is the product's left operand (the layer input, 2-D); ``None`` marks a bias, whose
+    gradient is the incoming gradient summed over rows. ``transposed`` says the parameter entered
+    as ``param.t()`` (``nn.Linear``): its gradient is ``grad^T @ saved``, else ``saved^T @ grad``.
+    Both are the very products autograd would make, so the first term equals autograd's bit for
+    bit; later ones are summed into the running sum by the product itself.
+    """
+
+    param: Tensor
+    junction: int
+    saved: Tensor | None
+    transposed: bool = True
+
+    def add(self, grad: Tensor, total: Tensor | None, owned: bool) -> Tensor:
+        """``total + this gradient``: in place into ``total`` if ``owned``, else a new tensor."""
+        if self.saved is None:
+            part = grad.sum(0)
+            if total is None:
+                return part
+            return total.add_(part) if owned else total + part
+        a, b = (grad.t(), self.saved) if self.transposed else (self.saved.t(), grad)
+        if total is None:
+            return torch.mm(a, b)
+        return total.addmm_(a, b) if owned else torch.addmm(total, a, b)
+
+
+Adder = Callable[[Direct, Tensor | None], None]
+"""``add(term, grad)``: sum ``term``'s gradient made from ``grad`` (``None``: none arrived)."""
 
 
 @dataclass
@@ -39,26 +101,289 @@ class WeightWork:
     roots: list[tuple[Tensor, Tensor]] = field(default_factory=list)  # outputs needing no input
     root_params: list[Tensor] = field(default_factory=list)
     keep: Any = None  # the outputs: they keep the graph alive until W ran
+    direct: list[Direct] = field(default_factory=list)
+
+    def generic(self) -> bool:
+        """True if some parameter needs autograd again in W."""
+        return any(params for _, params in self.junctions) or bool(self.roots and self.root_params)
 
     def run(self) -> list[tuple[Tensor, Tensor]]:
-        """Compute the parameter gradients: a list of (parameter, gradient)."""
+        """Compute the generic parameter gradients: a list of (parameter, gradient); the
+        caller computes the :attr:`direct` terms (see :meth:`run_direct`)."""
         found: list[tuple[Tensor, Tensor]] = []
         for k, (node, params) in enumerate(self.junctions):
             grads = self.grads.get(k)
-            if grads is None:
+            if grads is None or not params:
                 continue
             edges = [(GradientEdge(node, n), g) for n, g in enumerate(grads) if g is not None]
             if edges:
                 found += _grad([e for e, _ in edges], params, [g for _, g in edges])
         if self.roots and self.root_params:
             found += _grad([t for t, _ in self.roots], self.root_params, [g for _, g in self.roots])
-        self.junctions, self.grads, self.roots, self.keep = [], {}, [], None
+        self.junctions, self.roots, self.keep = [], [], None
         return found
+
+    def run_direct(self, add: Adder) -> None:
+        """Hand every direct term and its recorded gradient to ``add``; then forget them."""
+        with torch.no_grad():  # the saved inputs are part of the graph: record nothing
+            for term in self.direct:
+                grads = self.grads.get(term.junction)
+                add(term, grads[0] if grads else None)
+        self.direct, self.grads = [], {}
 
 
 def _grad(outputs: Sequence[Any], params: Sequence[Tensor], grads: Sequence[Tensor]) -> list:
     result = torch.autograd.grad(outputs, params, grads, retain_graph=True, allow_unused=True)
     return [(p, g) for p, g in zip(params, result) if g is not None]
+
+
+@dataclass
+class Plan:
+    """The graph walk of one micro-batch's backward: what B and W (or one pass) do.
+
+    Attributes:
+        work: junctions (with their generic parameters), direct terms, roots.
+        on_path: nodes from which a stage input or a direct junction is reachable.
+        captured: junction indices whose gradient B takes as an output (nodes it need not run).
+        conflict: a parameter is reached along two routes: the backward cannot be split.
+    """
+
+    work: WeightWork
+    on_path: set[Node]
+    captured: list[int]
+    conflict: bool
+
+    def direct_params(self) -> list[Tensor]:
+        """The parameters computed as direct terms, each once."""
+        seen: dict[int, Tensor] = {}
+        for term in self.work.direct:
+            seen.setdefault(id(term.param), term.param)
+        return list(seen.values())
+
+
+def plan_backward(
+    outputs: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    inputs: Sequence[Tensor],
+    params: Sequence[Tensor],
+    *,
+    reach: bool = False,
+) -> Plan:
+    """Walk the graph from ``outputs`` (with incoming ``grads``): junctions, direct terms,
+    roots (see the module docstring). Runs nothing.
+
+    With ``reach``, B also propagates to every direct junction, not only to the inputs: for a
+    whole backward (:func:`backward_whole`). A split keeps B on the input path, so the generic
+    routes are the ones a plain split would take (making a first stage's B reach its Linears
+    would cut its one generic route, the whole backward, into several that may share a
+    parameter below them, and the stage could not split).
+    """
+    graph = _Graph(outputs, inputs, params)
+    hooked = {id(p) for p in graph.params.values() if p._backward_hooks}
+    on_path, needed = graph.input_path(set())
+    candidates = {}
+    for node, name in graph.names.items():
+        if name in _MATMUL and (reach or node in on_path):
+            found = _direct_edges(graph, node, name, hooked)
+            if found is not None:
+                candidates[node] = found
+    if reach and candidates:
+        on_path, needed = graph.input_path(set(candidates))
+    work = WeightWork(keep=outputs)
+    routes: Counter[int] = Counter()
+    generic: set[int] = set(hooked)
+    pending = _junctions(work, graph, on_path, candidates, routes, generic)
+    for t, g in zip(outputs, grads):
+        if t.grad_fn is None or t.grad_fn not in on_path:
+            work.roots.append((t, g))
+    for p in graph.reachable_params([t.grad_fn for t, _ in work.roots]):
+        work.root_params.append(p)
+        routes[id(p)] += 1
+        generic.add(id(p))
+    _settle(work, pending, generic)
+    captured = [k for k, (node, _) in enumerate(work.junctions) if node not in needed]
+    return Plan(work, on_path, captured, any(n > 1 for n in routes.values()))
+
+
+class _Graph:
+    """The nodes reachable from ``outputs`` in post order (each after every node reachable
+    from it), their next nodes and names (read once: each read builds new Python objects),
+    the gradient accumulators of ``params`` among them and the nodes of ``inputs``. Leaves
+    are recognised by their accumulator's ``variable`` (asking a leaf for its accumulator
+    costs a view per tensor)."""
+
+    def __init__(
+        self, outputs: Sequence[Tensor], inputs: Sequence[Tensor], params: Sequence[Tensor]
+    ) -> None:
+        param_ids = {id(p): p for p in params if p.requires_grad}
+        input_ids = {id(t) for t in inputs if t.requires_grad and t.grad_fn is None}
+        self.inputs: set[Node] = {t.grad_fn for t in inputs if t.grad_fn is not None}
+        self.params: dict[Node, Tensor] = {}
+        self.names: dict[Node, str] = {}
+        self.nexts: dict[Node, list[Node | None]] = {}
+        self.order: list[Node] = []
+        stack = [(t.grad_fn, False) for t in outputs if t.grad_fn is not None]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                self.order.append(node)
+            elif node not in self.nexts:
+                self._visit(node, param_ids, input_ids)
+                stack.append((node, True))
+                stack += [(c, False) for c in self.nexts[node] if c is not None]
+
+    def _visit(self, node: Node, param_ids: dict[int, Tensor], input_ids: set[int]) -> None:
+        nexts = [c for c, _ in node.next_functions]
+        self.nexts[node], self.names[node] = nexts, node.name()
+        if not nexts and self.names[node] == "torch::autograd::AccumulateGrad":
+            key = id(node.variable)  # type: ignore[attr-defined]
+            if key in param_ids:
+                self.params[node] = param_ids[key]
+            elif key in input_ids:
+                self.inputs.add(node)
+
+    def input_path(self, direct: set[Node]) -> tuple[set[Node], set[Node]]:
+        """The nodes from which an input or a ``direct`` junction is reachable (on the path),
+        and those B must run: from which one is reachable through a next edge."""
+        leads: dict[Node, bool] = {}
+        needed: set[Node] = set()
+        for node in self.order:
+            below = any(leads[c] for c in self.nexts[node] if c is not None)
+            if below or node in self.inputs:
+                needed.add(node)
+            leads[node] = below or node in self.inputs or node in direct
+        return {n for n in self.order if leads[n]}, needed
+
+    def reachable_params(self, starts: Sequence[Node | None]) -> list[Tensor]:
+        """The parameters reachable from ``starts``, each once."""
+        seen = {s for s in starts if s is not None}
+        stack, found = list(seen), []
+        while stack:
+            node = stack.pop()
+            if node in self.params:
+                found.append(self.params[node])
+            for child in self.nexts[node]:
+                if child is not None and child not in seen:
+                    seen.add(child)
+                    stack.append(child)
+        return found
+
+
+_Candidate = tuple[dict[int, tuple[Tensor, bool]], Tensor, int | None]
+"""A matrix-product node's direct edges ``{edge: (param, transposed)}``, its saved input and
+the index of its bias edge."""
+
+
+def _junctions(
+    work: WeightWork,
+    graph: _Graph,
+    on_path: set[Node],
+    candidates: dict[Node, _Candidate],
+    routes: Counter[int],
+    generic: set[int],
+) -> list[tuple[int, int, Tensor, bool, Tensor | None]]:
+    """Add every junction to ``work`` with its generic parameters; count each parameter's
+    routes; return the direct edges as (junction, edge, parameter, transposed, saved)."""
+    index: dict[Node, int] = {}
+    pending: list[tuple[int, int, Tensor, bool, Tensor | None]] = []
+    for node in graph.order:
+        if node not in on_path:
+            continue
+        edges, saved, bias = candidates.get(node, ({}, None, None))
+        for n, child in enumerate(graph.nexts[node]):
+            if child is None or child in on_path:
+                continue
+            if n in edges:
+                param, transposed = edges[n]
+                k = _junction(work, index, node, [])
+                pending.append((k, n, param, transposed, None if n == bias else saved))
+                routes[id(param)] += 1
+                continue
+            reached = graph.reachable_params([child])
+            if reached:
+                _junction(work, index, node, reached)
+                for p in reached:
+                    routes[id(p)] += 1
+                    generic.add(id(p))
+    return pending
+
+
+def _settle(
+    work: WeightWork,
+    pending: list[tuple[int, int, Tensor, bool, Tensor | None]],
+    generic: set[int],
+) -> None:
+    """Make each pending direct edge a :class:`Direct` term, or, if its parameter is reached
+    along a generic route too (or is hooked), a generic junction parameter: a parameter is
+    either all direct or all generic, so one pass never counts an edge twice."""
+    for k, _, param, transposed, saved in pending:
+        have = work.junctions[k][1]
+        if id(param) in generic:
+            if all(p is not param for p in have):
+                have.append(param)
+            continue
+        work.direct.append(Direct(param, k, saved, transposed))
+
+
+def _junction(work: WeightWork, index: dict[Node, int], node: Node, params: list[Tensor]) -> int:
+    """The index of ``node``'s junction, made if new; ``params`` join its generic parameters."""
+    k = index.get(node)
+    if k is None:
+        index[node] = k = len(work.junctions)
+        work.junctions.append((node, list(params)))
+        return k
+    have = work.junctions[k][1]
+    ids = {id(p) for p in have}
+    have += [p for p in params if id(p) not in ids]
+    return k
+
+
+def _direct_edges(graph: _Graph, node: Node, name: str, hooked: set[int]) -> _Candidate | None:
+    """The edges of a matrix-product node whose gradient is one product of saved values (a
+    weight entering as itself or transposed, a 1-D bias); ``None`` if there are none."""
+    _, weight, bias = _MATMUL[name]
+    x = _saved_input(node, name)
+    if x is None or not _plain_product(node, name, x):
+        return None
+    k, n = (int(d) for d in node._saved_mat2_sym_sizes)  # type: ignore[attr-defined]
+    nexts = graph.nexts[node]
+    found: dict[int, tuple[Tensor, bool]] = {}
+    child = nexts[weight]
+    if child is not None and graph.names[child] == "TBackward0":
+        under = graph.nexts[child]
+        param = graph.params.get(under[0]) if len(under) == 1 and under[0] else None
+        if param is not None and param.shape == (n, k):
+            found[weight] = (param, True)
+    elif child in graph.params and graph.params[child].shape == (k, n):
+        found[weight] = (graph.params[child], False)
+    if bias is not None and nexts[bias] in graph.params:
+        param = graph.params[nexts[bias]]  # type: ignore[index]
+        if param.shape == (n,):
+            found[bias] = (param, False)
+    found = {
+        e: (p, t)
+        for e, (p, t) in found.items()
+        if id(p) not in hooked and p.dtype == x.dtype and p.device == x.device
+    }
+    return (found, x, bias) if found else None
+
+
+def _plain_product(node: Node, name: str, x: Tensor) -> bool:
+    """A real, dense, unscaled 2-D product (``alpha = beta = 1``) of a saved strided input."""
+    scaled = getattr(node, "_saved_alpha", 1) != 1 or getattr(node, "_saved_beta", 1) != 1
+    if name == "AddmmBackward0" and scaled:
+        return False
+    return (
+        x.dim() == 2 and x.layout == torch.strided and x.is_floating_point() and not x.is_complex()
+    )
+
+
+def _saved_input(node: Node, name: str) -> Tensor | None:
+    """The left operand a matrix-product node saved (``None`` if it did not save it)."""
+    try:
+        return getattr(node, "_saved_mat1" if name == "AddmmBackward0" else "_saved_self", None)
+    except RuntimeError:  # freed (a graph run without retain_graph)
+        return None
 
 
 def backward_input(
@@ -72,54 +397,97 @@ def backward_input(
     Returns ``None`` for the W when the stage cannot be split (see the module docstring); the
     caller then runs the whole backward itself.
     """
-    param_nodes = {_leaf_node(p): p for p in params}
-    param_nodes.pop(None, None)
-    input_nodes = {_leaf_node(x) for x in inputs} - {None}
-    on_path = _input_path([t.grad_fn for t in outputs], input_nodes)
-    work = WeightWork(keep=outputs)
-    owners: dict[int, int] = {}
-    for node in on_path:
-        for child, _ in node.next_functions:
-            if child is None or child in on_path:
-                continue
-            reached = _reachable_params(child, param_nodes)
-            if reached:
-                for p in reached:
-                    owners[id(p)] = owners.get(id(p), 0) + 1
-                _add_junction(work, node, reached)
-    for t, g in zip(outputs, grads):
-        if t.grad_fn is None or t.grad_fn not in on_path:
-            work.roots.append((t, g))
-    for p in _params_of(work.roots, param_nodes):
-        work.root_params.append(p)
-        owners[id(p)] = owners.get(id(p), 0) + 1
-    if any(n > 1 for n in owners.values()):
+    return run_input(plan_backward(outputs, grads, inputs, params), outputs, grads, inputs)
+
+
+def run_input(
+    plan: Plan, outputs: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor]
+) -> tuple[list[Tensor | None], WeightWork | None]:
+    """B of a :func:`plan_backward` plan (see :func:`backward_input`)."""
+    if plan.conflict:
         return [], None
-    handles = [_record(node, k, work) for k, (node, _) in enumerate(work.junctions)]
+    work = plan.work
+    retain = work.generic()
+    if not retain:
+        work.keep = None
+    captured = set(plan.captured)
+    handles = [
+        _record(node, k, work) for k, (node, _) in enumerate(work.junctions) if k not in captured
+    ]
+    edges = [GradientEdge(work.junctions[k][0], 0) for k in plan.captured]
     try:
-        pairs = [(t, g) for t, g in zip(outputs, grads) if t.grad_fn in on_path]
-        result: Sequence[Tensor | None] = [None] * len(inputs)
-        if pairs and inputs:
+        pairs = [(t, g) for t, g in zip(outputs, grads) if t.grad_fn in plan.on_path]
+        result: Sequence[Tensor | None] = [None] * (len(inputs) + len(edges))
+        if pairs and (inputs or edges):
             result = torch.autograd.grad(
                 [t for t, _ in pairs],
-                list(inputs),
+                _targets(inputs, edges),
                 [g for _, g in pairs],
-                retain_graph=True,
+                retain_graph=retain,
                 allow_unused=True,
             )
     finally:
         for h in handles:
             h.remove()
-    return list(result), work
+    for k, g in zip(plan.captured, result[len(inputs) :]):
+        work.grads[k] = (g,)
+    return list(result[: len(inputs)]), work
 
 
-def _add_junction(work: WeightWork, node: Node, params: list[Tensor]) -> None:
-    for k, (known, have) in enumerate(work.junctions):
-        if known is node:
-            ids = {id(p) for p in have}
-            work.junctions[k] = (known, have + [p for p in params if id(p) not in ids])
-            return
-    work.junctions.append((node, params))
+def backward_whole(
+    plan: Plan,
+    outputs: Sequence[Tensor],
+    grads: Sequence[Tensor],
+    inputs: Sequence[Tensor],
+    generic: Sequence[Tensor],
+    add: Adder,
+    *,
+    retain: bool = False,
+) -> list[Tensor | None]:
+    """An unsplit backward with the plan's direct terms: one engine pass for ``inputs`` and the
+    ``generic`` parameters (found by the caller's hooks), each direct term handed to ``add`` as
+    soon as its gradient arrives (in cache, and its saved input freed as autograd would).
+    ``retain`` keeps the graph (as ``retain_graph``)."""
+    work = plan.work
+    captured = set(plan.captured)
+    terms: dict[int, list[Direct]] = {}
+    for term in work.direct:
+        terms.setdefault(term.junction, []).append(term)
+    work.direct = []
+    handles = [
+        _compute(work.junctions[k][0], mine, add) for k, mine in terms.items() if k not in captured
+    ]
+    edges = [GradientEdge(work.junctions[k][0], 0) for k in plan.captured]
+    try:
+        result = torch.autograd.grad(
+            list(outputs),
+            _targets(inputs, edges, generic),
+            list(grads),
+            retain_graph=retain,
+            allow_unused=True,
+        )
+    finally:
+        for h in handles:
+            h.remove()
+    with torch.no_grad():  # (inside the engine, hooks run without recording)
+        for k, g in zip(plan.captured, result[len(inputs) : len(inputs) + len(edges)]):
+            for term in terms.get(k, []):
+                add(term, g)
+    return list(result[: len(inputs)])
+
+
+def _targets(*groups: Sequence[Tensor | GradientEdge]) -> list[Any]:
+    """What ``autograd.grad`` is asked for: tensors and captured gradient edges, in order."""
+    return [t for group in groups for t in group]
+
+
+def _compute(node: Node, terms: list[Direct], add: Adder) -> Any:
+    def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
+        for term in terms:
+            add(term, grad_outputs[0])
+            term.saved = None  # freed with the node, as autograd frees it
+
+    return node.register_prehook(hook)
 
 
 def _record(node: Node, k: int, work: WeightWork) -> Any:
@@ -127,54 +495,3 @@ def _record(node: Node, k: int, work: WeightWork) -> Any:
         work.grads[k] = tuple(grad_outputs)
 
     return node.register_prehook(hook)
-
-
-def _leaf_node(t: Tensor) -> Node | None:
-    """The autograd node of a tensor: its grad_fn, or a leaf's gradient accumulator."""
-    if not t.requires_grad:
-        return None
-    return get_gradient_edge(t).node
-
-
-def _input_path(roots: Sequence[Node | None], targets: set[Node | None]) -> set[Node]:
-    """Nodes reachable from ``roots`` from which a node of ``targets`` is reachable."""
-    leads: dict[Node, bool] = {}
-    order: list[Node] = []
-    stack = [(r, False) for r in roots if r is not None]
-    while stack:
-        node, expanded = stack.pop()
-        if expanded:
-            children = [c for c, _ in node.next_functions if c is not None]
-            leads[node] = node in targets or any(leads.get(c, False) for c in children)
-            order.append(node)
-            continue
-        if node in leads:
-            continue
-        leads[node] = False  # visiting
-        stack.append((node, True))
-        stack += [(c, False) for c, _ in node.next_functions if c is not None and c not in leads]
-    return {n for n in order if leads[n]}
-
-
-def _reachable_params(start: Node, param_nodes: dict[Any, Tensor]) -> list[Tensor]:
-    seen, stack, found = {start}, [start], []
-    while stack:
-        node = stack.pop()
-        if node in param_nodes:
-            found.append(param_nodes[node])
-        for child, _ in node.next_functions:
-            if child is not None and child not in seen:
-                seen.add(child)
-                stack.append(child)
-    return found
-
-
-def _params_of(
-    roots: Sequence[tuple[Tensor, Tensor]], param_nodes: dict[Any, Tensor]
-) -> list[Tensor]:
-    found: list[Tensor] = []
-    for t, _ in roots:
-        if t.grad_fn is not None:
-            ids = {id(p) for p in found}
-            found += [p for p in _reachable_params(t.grad_fn, param_nodes) if id(p) not in ids]
-    return found

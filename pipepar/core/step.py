@@ -32,11 +32,19 @@ from torch import Tensor
 from pipepar.core.microbatch import Value, map_tensors, tensors
 from pipepar.core.randomness import Randomness
 from pipepar.core.recompute import recomputing, should_checkpoint
-from pipepar.core.split_backward import WeightWork, backward_input
+from pipepar.core.split_backward import (
+    Adder,
+    Direct,
+    WeightWork,
+    backward_whole,
+    plan_backward,
+    run_input,
+)
 from pipepar.core.stage import Stage
 
 __all__ = ["Autocast", "Grads", "Recorder", "StageStep"]
 
+_LARGE = 1 << 17
 Grads = tuple[Tensor | None, ...]
 Recorder = Callable[[int, int, str, float, float], None]
 """``record(stage, microbatch, kind, start, end)``: told about each computation (tracing)."""
@@ -72,6 +80,15 @@ class _Record:
 
     input: Value
     output: Value | None  # None when checkpointed: recomputed in backward
+
+
+@dataclass
+class _Later:
+    """A backward whose B had nothing to compute (no stage input needs a gradient): W runs it
+    whole, in one engine pass with the direct terms, as an unsplit backward would."""
+
+    outputs: list[Tensor]
+    grads: list[Tensor]
 
 
 class StageStep:
@@ -129,7 +146,11 @@ class StageStep:
         self._sums: list[Tensor | None] = [None] * len(self.params)
         self._owned = [False] * len(self.params)
         self._records: dict[int, _Record] = {}
-        self._weights: dict[int, WeightWork] = {}
+        self._weights: dict[int, WeightWork | _Later] = {}
+        # An unsplit backward takes the direct route of split_backward (weight products summed
+        # in place, no pass to add them) only where that saves more than the ~30 us of Python
+        # per layer it costs to find them: with 2**17 weights in a matrix, it does.
+        self._large = any(p.dim() == 2 and p.numel() >= _LARGE for p in self.params)
 
     # -- F ------------------------------------------------------------------------------------
     def forward(self, i: int, x: Value) -> Value:
@@ -182,16 +203,40 @@ class StageStep:
         outs, gouts = [t for t, _ in pairs], [g for _, g in pairs]
         with self._device():
             if self.split(i) and all(t.grad_fn is not None for t in outs):
-                grads_in, work = backward_input(outs, gouts, inputs, self.params)
+                if not inputs:  # B has nothing to compute: W runs the whole backward
+                    self._weights[i] = _Later(outs, gouts)
+                    return []
+                plan = plan_backward(outs, gouts, inputs, self.params)
+                grads_in, work = run_input(plan, outs, gouts, inputs)
                 if work is not None:
                     self._weights[i] = work
                     return grads_in
-            with self._summing(gouts, last=self._closing()) as fresh:
+            return self._whole(outs, gouts, inputs, last=self._closing())
+
+    def _whole(
+        self,
+        outs: list[Tensor],
+        gouts: list[Tensor],
+        inputs: list[Tensor],
+        *,
+        last: bool,
+        retain: bool = False,
+    ) -> list[Tensor | None]:
+        """The whole backward in one engine pass, parameter gradients summed as they come;
+        a large stage's weight products are direct terms (:func:`backward_whole`)."""
+        plan = plan_backward(outs, gouts, inputs, self.params, reach=True) if self._large else None
+        direct = {id(p) for p in plan.direct_params()} if plan is not None else set()
+        with self._summing(gouts, last=last) as fresh:
+            if plan is not None and direct:
+                generic = [p for p in self.params if id(p) not in direct]
+                adder = self._direct_adder(plan.work.direct, last)
+                grads_in = backward_whole(plan, outs, gouts, inputs, generic, adder, retain=retain)
+            else:
                 result = torch.autograd.grad(
-                    outs, [*inputs, *self.params], gouts, allow_unused=True
+                    outs, [*inputs, *self.params], gouts, retain_graph=retain, allow_unused=True
                 )
-            grads_in = list(result[: len(inputs)])
-            self._disown(fresh, [g for g in grads_in if g is not None])
+                grads_in = list(result[: len(inputs)])
+        self._disown(fresh, [g for g in grads_in if g is not None])
         return grads_in
 
     def _closing(self) -> bool:
@@ -213,12 +258,24 @@ class StageStep:
         if work is None:  # B did it all, and counted it
             return
         start = time.perf_counter()
-        shared = [g for gs in work.grads.values() for g in gs if g is not None]
-        shared += [g for _, g in work.roots]
-        with self._device(), self._summing(shared, last=self._closing()) as fresh:
-            work.run()
-        self._disown(fresh, [])
+        last = self._closing()
+        with self._device():
+            if isinstance(work, _Later):  # keeps the graph to its end, as the planner counts
+                self._whole(work.outputs, work.grads, [], last=last, retain=True)
+            else:
+                self._weigh(work, last=last)
         self._tell(i, "weight", start)
+
+    def _weigh(self, work: WeightWork, *, last: bool) -> None:
+        """W of a split backward: autograd again from the junctions for generic parameters,
+        then the direct terms."""
+        if work.generic():
+            shared = [g for gs in work.grads.values() for g in gs if g is not None]
+            shared += [g for _, g in work.roots]
+            with self._summing(shared, last=last) as fresh:
+                work.run()
+            self._disown(fresh, [])
+        work.run_direct(self._direct_adder(work.direct, last))
 
     # -- gradient sums ------------------------------------------------------------------------
     def param_grads(self) -> list[Tensor | None]:
@@ -275,6 +332,27 @@ class StageStep:
                 done = self._sums[k]
                 # A buffer taken in this very pass may alias another gradient of it: copy.
                 final(k, done.clone() if k in fresh else done)  # type: ignore[union-attr, arg-type]
+                self._sums[k] = None
+
+        return add
+
+    def _direct_adder(self, terms: Sequence[Direct], last: bool) -> Adder:
+        """Sum direct terms (:mod:`pipepar.core.split_backward`) into the sums, the product
+        adding into an owned sum itself; on the ``last`` pass hand each parameter's sum to
+        :attr:`on_final` after its last term (a parameter may have several: a weight used
+        twice)."""
+        left = Counter(self._index[id(t.param)] for t in terms)
+        final = self.on_final if last else None
+
+        def add(term: Direct, grad: Tensor | None) -> None:
+            k = self._index[id(term.param)]
+            if grad is not None:
+                self._sums[k] = term.add(grad, self._sums[k], self._owned[k])
+                self._owned[k] = True  # a new product, or the owned sum it was added into
+            left[k] -= 1
+            done = self._sums[k]
+            if final is not None and left[k] == 0 and done is not None:
+                final(k, done)
                 self._sums[k] = None
 
         return add

@@ -10,6 +10,10 @@ partly freed). :class:`BackwardClock` keeps the whole trade-off as a few points
 It also keeps the points of the same backward as if nothing alive before it were freed: a
 backward that keeps its graph (``retain_graph``), as W of zero-bubble schedules does.
 
+A gradient is allocated before its hook says it is one: in between it is counted as a
+gradient, not as other bytes (else a matrix product's weight gradient, which the runtime may
+add into its sum in place, would pass for work space that scales with the micro-batch).
+
     >>> with BackwardClock(tracker, weights, base) as clock:
     ...     torch.autograd.grad(outputs, inputs + weights, grads)
     >>> clock.points()
@@ -21,7 +25,7 @@ from typing import Any
 
 import torch
 
-from pipepar.planner.memory_tracker import MemoryTracker
+from pipepar.planner.memory_tracker import MemoryTracker, storage_key
 
 __all__ = ["BackwardClock", "Points", "lift", "top"]
 
@@ -44,8 +48,9 @@ class BackwardClock:
         self.tracker, self.weights, self.base = tracker, weights, base
         self.grads = 0
         self.freed = 0  # bytes freed that were alive when the backward began
-        self.most: dict[int, int] = {}  # gradients made -> the most other bytes meanwhile
-        self.kept: dict[int, int] = {}  # the same, had nothing alive before been freed
+        self.notes: list[tuple[int, int, int]] = []  # (gradients made, other, other if kept)
+        self.born: dict[int, int] = {}  # storage -> the note of its allocation
+        self.early: list[tuple[int, int, int]] = []  # a gradient's (born, made) notes, bytes
         self.before: set[int] = set()
         self.handles: list[Any] = []
 
@@ -62,27 +67,41 @@ class BackwardClock:
             handle.remove()
 
     def _made(self, grad: torch.Tensor) -> None:
-        self.grads += grad.numel() * grad.element_size()
+        nbytes = grad.numel() * grad.element_size()
+        born = self.born.pop(storage_key(grad), None)
+        if born is not None:
+            self.early.append((born, len(self.notes), nbytes))
+        self.grads += nbytes
         self._note()
 
     def _changed(self, key: int, delta: int) -> None:
         if delta < 0 and key in self.before:
             self.freed -= delta
+        if delta > 0:
+            self.born[key] = len(self.notes)
         self._note()
 
     def _note(self) -> None:
         other = self.tracker.live_bytes - self.base - self.grads
-        self.most[self.grads] = max(self.most.get(self.grads, other), other)
-        kept = other + self.freed
-        self.kept[self.grads] = max(self.kept.get(self.grads, kept), kept)
+        self.notes.append((self.grads, other, other + self.freed))
+
+    def _seen(self, kept: bool) -> dict[int, int]:
+        """Gradients made -> the most other bytes meanwhile, gradients not yet handed to
+        their hook moved from other bytes to gradients."""
+        seen: dict[int, int] = {}
+        for i, (grads, other, other_kept) in enumerate(self.notes):
+            early = sum(n for born, made, n in self.early if born <= i < made)
+            key, value = grads + early, (other_kept if kept else other) - early
+            seen[key] = max(seen.get(key, value), value)
+        return seen
 
     def points(self) -> Points:
         """The backward's points."""
-        return _frontier(self.most)
+        return _frontier(self._seen(False))
 
     def retained_points(self) -> Points:
         """The points of the same backward keeping its graph."""
-        return _frontier(self.kept)
+        return _frontier(self._seen(True))
 
 
 def _frontier(seen: dict[int, int]) -> Points:

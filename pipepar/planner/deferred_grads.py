@@ -9,6 +9,15 @@ tensors for a transformer block: more than the block's saved activations. The pl
 their size per layer; it is read here from the very split the runtime does, run layer by layer
 on ``meta`` (sizes only, no memory, whatever device the profile is for).
 
+The same split says which parameters take the *direct* route (a matrix product's weight
+gradient made from the saved input and the recorded gradient, ``grad^T @ input``): from a
+stage's second micro-batch on their gradients are summed in place (``addmm_``), so no temporary
+exists for them; and when nothing is left for the generic route, B does not keep the graph:
+the micro-batch then waits for W with only the recorded gradients and the products' saved
+inputs. An unsplit backward takes the direct route too, but only on a stage with a weight matrix
+of at least ``2**17`` elements (:class:`pipepar.core.step.StageStep`); its terms come from the
+plan of a whole backward (``plan_backward(reach=True)``).
+
 This module only measures; when W runs and what is alive then is the schedule's business
 (:mod:`pipepar.planner.peak_moments`).
 """
@@ -24,7 +33,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten
 
-from pipepar.core.split_backward import backward_input
+from pipepar.core.split_backward import Plan, plan_backward, run_input
 from pipepar.planner.layer_trace import stand_ins
 from pipepar.planner.memory_tracker import storage_key
 
@@ -42,11 +51,27 @@ class DeferredGrads:
         keeps_incoming: whether one of them is the gradient that came into the layer.
         splits: False when the layer's backward cannot be split (a parameter reached along two
             paths): the runtime then runs the stage's whole backward in B.
+        generic: how many parameters W computes with autograd again (if any, B keeps the
+            graph).
+        direct_bytes: gradient bytes of the parameters a split W sums in place (matrix
+            products; a bias's ``grad.sum(0)`` is still a temporary).
+        saved_bytes: the direct products' saved inputs, each storage once: what a micro-batch
+            keeps for W besides the recorded gradients when B does not keep the graph.
+        saved_input_bytes: the part of ``saved_bytes`` that is the layer's input.
+        whole_direct_bytes: ``direct_bytes`` of an unsplit backward.
+        largest: elements of the largest weight matrix: with ``2**17`` or more, a stage holding
+            the layer takes the direct route in an unsplit backward too.
     """
 
     nbytes: int
     keeps_incoming: bool
     splits: bool
+    generic: int = 0
+    direct_bytes: int = 0
+    saved_bytes: int = 0
+    saved_input_bytes: int = 0
+    whole_direct_bytes: int = 0
+    largest: int = 0
 
 
 def deferred_grads(layers: Sequence[nn.Module], sample: Any) -> list[DeferredGrads]:
@@ -65,24 +90,33 @@ def deferred_grads(layers: Sequence[nn.Module], sample: Any) -> list[DeferredGra
     for layer in layers:
         leaves = _leaves(x)
         params = stand_ins(layer, _META)
+        copies = _copies(leaves)
         with torch.enable_grad():  # on copies: an in-place layer must not write into a leaf
-            out = functional_call(layer, params, (_copies(leaves),))
-        found.append(_split(out, leaves, [p for p in params.values() if p.requires_grad]))
+            out = functional_call(layer, params, (copies,))
+        weights = [p for p in params.values() if p.requires_grad]
+        found.append(_split(out, leaves, weights, copies=copies))
         x = _detach(out)
     return found
 
 
-def _split(out: Any, leaves: Any, weights: list[torch.Tensor]) -> DeferredGrads:
+def _split(
+    out: Any, leaves: Any, weights: list[torch.Tensor], *, copies: Any = None
+) -> DeferredGrads:
+    """The split of one layer's backward; ``copies``: what the layer ran on, if not ``leaves``."""
     outs = [t for t in _tensors(out) if t.requires_grad]
+    large = max((p.numel() for p in weights if p.dim() == 2), default=0)
     if not outs:
-        return DeferredGrads(0, False, True)
+        return DeferredGrads(0, False, True, largest=large)
     incoming = [torch.ones_like(t) for t in outs]
     inputs = [t for t in _tensors(leaves) if t.requires_grad]
     if any(t.grad_fn is None for t in outs):  # the runtime runs such a stage unsplit
-        return DeferredGrads(0, False, False)
-    _, work = backward_input(outs, incoming, inputs, weights)
+        return DeferredGrads(0, False, False, largest=large)
+    whole = _in_place(plan_backward(outs, incoming, inputs, weights, reach=True))
+    plan = plan_backward(outs, incoming, inputs, weights)
+    direct, saved = _in_place(plan), _saved(plan)
+    _, work = run_input(plan, outs, incoming, inputs)
     if work is None:
-        return DeferredGrads(0, False, False)
+        return DeferredGrads(0, False, False, whole_direct_bytes=whole, largest=large)
     kept: dict[int, int] = {}
     for grads in work.grads.values():
         for g in grads:
@@ -91,7 +125,40 @@ def _split(out: Any, leaves: Any, weights: list[torch.Tensor]) -> DeferredGrads:
     for _, g in work.roots:
         kept[storage_key(g)] = g.untyped_storage().nbytes()
     came_in = {storage_key(g) for g in incoming}
-    return DeferredGrads(sum(kept.values()), bool(came_in & kept.keys()), True)
+    layer_input = {storage_key(t) for t in _tensors(leaves if copies is None else copies)}
+    generic = {id(p) for _, params in work.junctions for p in params}
+    generic |= {id(p) for p in work.root_params} if work.roots else set()
+    return DeferredGrads(
+        sum(kept.values()),
+        bool(came_in & kept.keys()),
+        True,
+        generic=len(generic),
+        direct_bytes=direct,
+        saved_bytes=sum(saved.values()),
+        saved_input_bytes=sum(n for key, n in saved.items() if key in layer_input),
+        whole_direct_bytes=whole,
+        largest=large,
+    )
+
+
+def _in_place(plan: Plan) -> int:
+    """Gradient bytes of the parameters whose every direct term is a matrix product: once
+    their sum exists, the product adds into it and no temporary is made."""
+    bias = {id(t.param) for t in plan.work.direct if t.saved is None}
+    return sum(_nbytes(p) for p in plan.direct_params() if id(p) not in bias)
+
+
+def _saved(plan: Plan) -> dict[int, int]:
+    """The direct products' saved inputs: storage -> bytes."""
+    return {
+        storage_key(t.saved): t.saved.untyped_storage().nbytes()
+        for t in plan.work.direct
+        if t.saved is not None
+    }
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:

@@ -79,6 +79,16 @@ class LayerProfile:
         keeps_incoming_grad: whether those include the gradient that came into the layer.
         splits_backward: False when the backward cannot be split (a parameter reached along
             two paths); a stage with such a layer runs its whole backward in B.
+        generic_params: how many parameters W computes with autograd again; a stage with any
+            keeps its graph from B to W (unknown: 1).
+        direct_grad_bytes: gradients of parameters a split W sums in place once their sum
+            exists (matrix products, no temporary).
+        direct_saved_bytes: the saved inputs of those products, which a micro-batch keeps for
+            W when B does not keep the graph; ``direct_saved_input_bytes`` of them the layer's
+            input.
+        whole_direct_grad_bytes: ``direct_grad_bytes`` of an unsplit backward.
+        largest_matrix: elements of the layer's largest weight matrix; with ``2**17`` or more
+            a stage's unsplit backward takes that direct route too.
     """
 
     index: int
@@ -104,6 +114,12 @@ class LayerProfile:
     deferred_grad_bytes: int = 0
     keeps_incoming_grad: bool = False
     splits_backward: bool = True
+    generic_params: int = 1
+    direct_grad_bytes: int = 0
+    direct_saved_bytes: int = 0
+    direct_saved_input_bytes: int = 0
+    whole_direct_grad_bytes: int = 0
+    largest_matrix: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -261,6 +277,12 @@ def profile(
                 deferred_grad_bytes=deferred[i].nbytes,
                 keeps_incoming_grad=deferred[i].keeps_incoming,
                 splits_backward=deferred[i].splits,
+                generic_params=deferred[i].generic,
+                direct_grad_bytes=deferred[i].direct_bytes,
+                direct_saved_bytes=deferred[i].saved_bytes,
+                direct_saved_input_bytes=deferred[i].saved_input_bytes,
+                whole_direct_grad_bytes=deferred[i].whole_direct_bytes,
+                largest_matrix=deferred[i].largest,
                 **costs[i],
             )
         )

@@ -10,14 +10,20 @@ shared by two layers counts once; one that crosses a stage boundary counts on bo
   stage and its output (the engine keeps both until the micro-batch's backward);
   ``inputs``: a checkpointed one, its input only (stage 0's inputs are views of the batch,
   resident for the whole step: counted once, ``batch``);
-- ``kept``: what a split backward (zero-bubble B) keeps for W on top of the graph: the gradients
-  at the weight operations (:mod:`pipepar.planner.deferred_grads`); on stage 0, whose input
-  needs no gradient, B does nothing and W keeps only the incoming gradient;
+- ``waits``: a micro-batch waiting for W after B of a split backward (zero-bubble): the graph
+  and the gradients recorded at the weight operations (:mod:`pipepar.planner.deferred_grads`);
+  when no parameter needs autograd again in W (only matrix products, computed *directly* from
+  their saved inputs), B does not keep the graph and the micro-batch holds only those saved
+  inputs and the recorded gradients; on stage 0, whose input needs no gradient, B does nothing
+  and W keeps the graph and the incoming gradient;
 - transients: a forward's work space; a whole backward's peak with the parameter gradients it
   makes (``G``, unscaled); the end of a whole backward (its input gradient, the incoming
   gradient and the new ``G`` alive, its activations freed); B of a split backward (the gradients
   it records and the input gradient); W (the ``G`` it makes); the optimizer step (per tensor on
-  CPU, all at once with the ``foreach`` kernels torch picks on CUDA).
+  CPU, all at once with the ``foreach`` kernels torch picks on CUDA). Once the stage's gradient
+  sums exist, a direct product adds into its sum in place (``addmm_``): ``summed`` are the same
+  transients without those gradients (W always; an unsplit backward only on a stage with a
+  weight matrix of ``2**17`` elements, where the runtime takes that route).
 
 *Moments* (:mod:`pipepar.planner.peak_moments`): the schedule's own action list says, at each
 action, how many micro-batches each stage holds whole, as inputs or waiting for W, and whether
@@ -39,6 +45,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from pipepar.core.schedule import Schedule
+from pipepar.core.step import _LARGE  # the runtime's threshold for a direct unsplit backward
 from pipepar.planner.peak_moments import Moment, moments
 from pipepar.planner.profile import LayerProfile, Profile
 
@@ -84,15 +91,16 @@ class Figures:
     batch: int
     whole: int
     inputs: int
-    kept: int
+    waits: int
     splits: bool
     transient: dict[str, int]
+    summed: dict[str, int]
     step_loop: int
     step_multi: int
 
     def held(self, m: Moment, at: int) -> int:
         """Activation bytes held at moment ``m`` by the stage at position ``at`` of its worker."""
-        waiting = m.waiting[at] * (self.whole + self.kept)
+        waiting = m.waiting[at] * self.waits
         return m.whole[at] * self.whole + m.inputs[at] * self.inputs + waiting + self.batch
 
 
@@ -127,13 +135,45 @@ def _input_grad_peak(layer: LayerProfile, r: float) -> int:
     return round(r * max(other for other, _ in layer.retained_points))
 
 
-def _backward_peak(layer: LayerProfile, r: float, *, retained: bool = False) -> int:
+def _backward_peak(
+    layer: LayerProfile, r: float, *, retained: bool = False, new: int | None = None
+) -> int:
     """A layer's backward peak, its gradients included, at ``r`` times the profiled batch;
-    ``retained``: when the backward keeps the graph (frees nothing the forward saved)."""
+    ``retained``: when the backward keeps the graph (frees nothing the forward saved); ``new``:
+    at most that many gradient bytes are new tensors (the rest added into sums in place)."""
     points = layer.retained_points if retained else layer.backward_points
+    cap = layer.grads_bytes if new is None else new
     if not points:  # a profile from before the points, or built by hand
-        return round(r * layer.backward_peak_bytes) + layer.grads_bytes
-    return max(round(r * other) + grads for other, grads in points)
+        return round(r * layer.backward_peak_bytes) + cap
+    return max(round(r * other) + min(grads, cap) for other, grads in points)
+
+
+def _freeing_peak(layer: LayerProfile, r: float) -> int:
+    """A layer's backward peak without parameter gradients, freeing what it saved: B of a
+    split backward that does not keep the graph."""
+    if not layer.backward_points:
+        return round(r * layer.backward_peak_bytes)
+    return max(round(r * other) for other, _ in layer.backward_points)
+
+
+@dataclass(frozen=True)
+class _Sweep:
+    """A backward running a stage's layers from its last one down, as range maxima over the
+    layer ``i`` running: its own peak ``own[i]`` (``inner[i]`` when the incoming gradient came
+    from a layer of the stage), plus what layers ``i+1..`` left alive (prefix sums ``left``:
+    gradients made, or bytes kept for W), minus what they were the first to save (``freed``
+    prefix sums, scaled). See :meth:`MemoryModel._sweep`."""
+
+    own: list[int]
+    left: list[int]
+    outer: _RangeMax
+    inner: _RangeMax
+
+    @classmethod
+    def of(cls, own: list[int], cut: list[int], left: list[int], freed: list[int]) -> _Sweep:
+        n = len(own)
+        base = [own[i] + freed[i + 1] - left[i + 1] for i in range(n)]
+        return cls(own, left, _RangeMax(base), _RangeMax([base[i] - cut[i] for i in range(n)]))
 
 
 class MemoryModel:
@@ -168,6 +208,11 @@ class MemoryModel:
         self._g = _prefix([x.grads_bytes for x in layers])
         self._o = _prefix([x.optimizer_bytes for x in layers])
         self._kept = _prefix([x.deferred_grad_bytes for x in layers])
+        self._generic = _prefix([x.generic_params for x in layers])
+        self._large = _prefix([int(x.largest_matrix >= _LARGE) for x in layers])
+        self._direct = _prefix([x.direct_grad_bytes for x in layers])
+        self._whole_direct = _prefix([x.whole_direct_grad_bytes for x in layers])
+        self._saved_direct = _prefix([x.direct_saved_bytes for x in layers])
         self._unsplit = _prefix([0 if x.splits_backward else 1 for x in layers])
         self._step_multi = _prefix([x.optimizer_step_foreach_bytes for x in layers])
         self._step_loop = _RangeMax([x.optimizer_step_bytes for x in layers])
@@ -179,21 +224,26 @@ class MemoryModel:
         # and the gradients of layers i..b exist. Range maxima of the i-dependent parts.
         # Activations scale with the micro-batch, gradients do not; the scale is fixed here.
         r = self.scale
-        self._bwd_last = [_backward_peak(x, r) for x in layers]
-        self._bwd_freed = _RangeMax(
-            [self._bwd_last[i] + round(r * self._freed[i + 1]) - self._g[i + 1] for i in range(n)]
+        freed = [round(r * f) for f in self._freed]
+        cut = [round(r * (x.backward_peak_bytes - x.backward_inner_bytes)) for x in layers]
+        new = [x.grads_bytes - x.whole_direct_grad_bytes for x in layers]
+        self._new = _Sweep.of([_backward_peak(x, r) for x in layers], cut, self._g, freed)
+        # The same once the gradient sums exist, on a stage taking the direct route.
+        self._summed = _Sweep.of(
+            [_backward_peak(x, r, new=g) for x, g in zip(layers, new)], cut, _prefix(new), freed
         )
-        self._bwd_inner_freed = _RangeMax(
-            [
-                self._bwd_last[i]
-                - round(r * (x.backward_peak_bytes - x.backward_inner_bytes))
-                + round(r * self._freed[i + 1])
-                - self._g[i + 1]
-                for i, x in enumerate(layers)
-            ]
-        )
+        # B not keeping the graph: no parameter gradients, but the gradients recorded for W
+        # and the direct products' saved inputs stay (added back where they would be freed).
+        keep = [round(r * (x.deferred_grad_bytes + s)) for x, s in zip(layers, self._saved_at)]
+        own = [_freeing_peak(x, r) for x in layers]
+        self._freeing = _Sweep.of(own, cut, _prefix(keep), freed)
         self._retained = [_backward_peak(x, r, retained=True) for x in layers]
         self._retained_tail = _RangeMax([self._retained[i] - self._g[i + 1] for i in range(n)])
+        self._retained_new = [
+            _backward_peak(x, r, retained=True, new=g) for x, g in zip(layers, new)
+        ]
+        left = _prefix(new)
+        self._retained_new_tail = _RangeMax([self._retained_new[i] - left[i + 1] for i in range(n)])
         # B of a split backward: layer i's gradients other than parameter ones (graph kept),
         # with what layers i+1..b recorded for W still alive.
         self._input_only = [_input_grad_peak(x, r) for x in layers]
@@ -212,7 +262,12 @@ class MemoryModel:
         entering = [0] * (n + 2)  # difference array: bytes entering layer a (its input)
         self._unsaved_out: list[list[tuple[int, int]]] = [[] for _ in range(n)]
         self._kept_out = [0] * n  # saved by layer b and part of its output: lives on
+        # Where a layer's input is freed in a backward: at its first saver, if before the layer.
+        input_saver = list(range(n))
         for s in prof.storages:
+            if s.first_saver is not None and s.creator >= 0 and s.last_output is not None:
+                for j in range(s.creator + 1, min(s.last_output + 1, n - 1) + 1):
+                    input_saver[j] = min(input_saver[j], s.first_saver)
             if s.saved and s.creator >= 0:
                 saved[s.creator] += s.nbytes
             if s.first_saver is not None and s.creator >= 0:
@@ -228,6 +283,11 @@ class MemoryModel:
                         self._unsaved_out[b].append((s.creator, s.nbytes))
         self._saved = _prefix(saved)
         self._freed = _prefix(freed)
+        # The direct products' saved inputs, at the layer whose backward would free them.
+        self._saved_at = [0] * n
+        for j, layer in enumerate(prof.layers):
+            self._saved_at[j] += layer.direct_saved_bytes - layer.direct_saved_input_bytes
+            self._saved_at[input_saver[j]] += layer.direct_saved_input_bytes
         self._input = list(accumulate(entering))[: n + 1]
 
     # -- figures ------------------------------------------------------------------------------
@@ -248,18 +308,30 @@ class MemoryModel:
         if a == 0:  # views of the resident batch; the input needs no gradient
             batch, whole, inputs = self._input[0], whole - inputs, 0
         in_grad = inputs if a > 0 else 0
+        kept = round(r * (self._kept[b + 1] - self._kept[a]))
         if a == 0:
-            kept, split_b = incoming, 0  # B does nothing; W is the whole backward
+            waits, split_b = whole + incoming, 0  # B does nothing; W is the whole backward
+        elif self._generic[b + 1] > self._generic[a]:  # W needs autograd: B keeps the graph
+            waits, split_b = whole + kept, self._input_grad(a, b, kept + in_grad, incoming)
         else:
-            kept = round(r * (self._kept[b + 1] - self._kept[a]))
-            split_b = self._input_grad(a, b, kept + in_grad, incoming)
+            waits = kept + round(r * (self._saved_direct[b + 1] - self._saved_direct[a]))
+            split_b = self._sweep(self._freeing, a, b)
         transient = {
             "forward": round(self._fwd(a, b) * r),
-            "backward": self._backward_with_new_grads(a, b),
+            "backward": self._sweep(self._new, a, b),
             "backward_end": in_grad + incoming + grads,
             "input_grad": split_b,
             "weight": grads if a > 0 else self._kept_graph_backward(b, incoming),
         }
+        summed = dict(transient, weight=grads - (self._direct[b + 1] - self._direct[a]))
+        if self._large[b + 1] > self._large[a]:  # an unsplit backward is direct too
+            new = grads - (self._whole_direct[b + 1] - self._whole_direct[a])
+            summed["backward"] = self._sweep(self._summed, a, b)
+            summed["backward_end"] = in_grad + incoming + new
+            if a == 0:
+                summed["weight"] = self._kept_graph_backward(b, incoming, summed=True)
+        elif a == 0:
+            summed["weight"] = transient["weight"]
         return Figures(
             params=self._p[b + 1] - self._p[a],
             grads=grads,
@@ -267,16 +339,18 @@ class MemoryModel:
             batch=batch,
             whole=whole,
             inputs=inputs,
-            kept=kept,
+            waits=waits,
             splits=self._unsplit[b + 1] == self._unsplit[a],
             transient=transient,
+            summed=summed,
             step_loop=self._step_loop(a, b),
             step_multi=self._step_multi[b + 1] - self._step_multi[a],
         )
 
-    def _backward_with_new_grads(self, a: int, b: int) -> int:
-        """Peak of one micro-batch's backward beyond what the stage holds for it, including
-        the parameter gradients it creates (scaled to a micro-batch, except gradients).
+    def _sweep(self, sweep: _Sweep, a: int, b: int) -> int:
+        """Peak of one micro-batch's backward beyond what the stage holds for it (scaled to a
+        micro-batch, except gradients): with :attr:`_new`, a whole backward with the parameter
+        gradients it creates.
 
         The last layer's backward starts with everything held. When layer i < b runs, the
         gradient that arrived for the stage's output is still alive (the engine holds it),
@@ -284,7 +358,7 @@ class MemoryModel:
         output, which the engine also holds), layers i+1..b have made their gradients and
         layer i makes its own while it frees what it saved (its profiled points).
         """
-        last = self._bwd_last[b]
+        last = sweep.own[b]
         if a == b:
             return last
         tail = self._freed[b + 1] - self._kept_out[b]
@@ -293,13 +367,12 @@ class MemoryModel:
         q = max(self._new_grad_upto[b], a)
         best = last
         for lo, hi, table, extra in (
-            (a, q - 1, self._bwd_inner_freed, self._out[b]),
-            (q, b - 1, self._bwd_freed, 0),
+            (a, q - 1, sweep.inner, self._out[b]),
+            (q, b - 1, sweep.outer, 0),
         ):
             if lo <= hi:
-                best = max(
-                    best, table(lo, hi) + round(self.scale * (extra - tail)) + self._g[b + 1]
-                )
+                rest = round(self.scale * (extra - tail))
+                best = max(best, table(lo, hi) + rest + sweep.left[b + 1])
         return best
 
     def _input_grad(self, a: int, b: int, end: int, incoming: int) -> int:
@@ -314,14 +387,21 @@ class MemoryModel:
             best = max(best, tail + unkept)
         return best
 
-    def _kept_graph_backward(self, b: int, incoming: int) -> int:
+    def _kept_graph_backward(self, b: int, incoming: int, *, summed: bool = False) -> int:
         """The first stage's W: its whole backward, keeping the graph (``retain_graph``), so
         nothing saved is freed; the stage's incoming gradient is already held for W. When
-        layer i < b runs, layers i+1..b have made their gradients."""
-        last = self._retained[b] - incoming
+        layer i < b runs, layers i+1..b have made their gradients; ``summed``: only those not
+        added into their sums in place (the direct route, once the sums exist)."""
+        own, tail = (
+            (self._retained_new, self._retained_new_tail)
+            if summed
+            else (self._retained, self._retained_tail)
+        )
+        last = own[b] - incoming
         if b == 0:
             return last
-        return max(last, self._retained_tail(0, b - 1) + self._g[b + 1])
+        made = self._g[b + 1] - (self._whole_direct[b + 1] if summed else 0)
+        return max(last, tail(0, b - 1) + made)
 
     def static_bytes(self, a: int, b: int) -> int:
         """Parameters + gradients + optimizer state of layers a..b (a lower bound of the peak)."""
@@ -378,7 +458,9 @@ class MemoryModel:
                 return sum(f.step_multi for f in present)
             return max((f.step_loop for f in present), default=0)
         f = figs[m.acting]
-        return f.transient[m.kind] if f is not None else 0
+        if f is None:
+            return 0
+        return (f.summed if m.sums[m.acting] else f.transient)[m.kind]
 
     def _attribute(
         self, m: Moment, figs: list[Figures | None], peak: int, w: int

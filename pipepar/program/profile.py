@@ -310,6 +310,12 @@ def _layer(
         deferred_grad_bytes=deferred.nbytes,
         keeps_incoming_grad=deferred.keeps_incoming,
         splits_backward=deferred.splits,
+        generic_params=deferred.generic,
+        direct_grad_bytes=deferred.direct_bytes,
+        direct_saved_bytes=deferred.saved_bytes,
+        direct_saved_input_bytes=deferred.saved_input_bytes,
+        whole_direct_grad_bytes=deferred.whole_direct_bytes,
+        largest_matrix=deferred.largest,
         **costs,
     )
 
