@@ -7,8 +7,9 @@ one thread (gradient accumulation: the one-core unit):
 
 * ``overhead``: a one-stage pipe (``balance=[all units]``, one worker) over the one-core run;
 * ``of ideal``: the one-core time over two workers, against a two-stage pipe (one math thread
-  per stage), for the program route (GPT-2 as transformers builds it) and, for reference, for
-  pipepar's own ``nn.Sequential`` GPT of the same sizes (``models.gpt``).
+  per stage, stages planned by ``wrap(..., sample=batch)``), for the program route (GPT-2 as
+  transformers builds it) and, for reference, for pipepar's own ``nn.Sequential`` GPT of the
+  same sizes (``models.gpt``).
 
 Contenders alternate in rotating rounds; medians, with the min-max spread over rounds.
 
@@ -71,10 +72,12 @@ def _one_core(size: dict[str, int]) -> Callable[[], None]:
 def _program_pipe(size: dict[str, int], stages: int, schedule: str) -> Callable[[], None]:
     model, ids = _gpt2(size), _tokens(size)
     n = len(pipepar.units(model))
-    balance = [n] if stages == 1 else [n // 2, n - n // 2]
+    # Two stages: planned from a profile of the batch (times included), as a user would.
+    balance = [n] if stages == 1 else None
     pipe = pipepar.wrap(
-        model, balance, devices=["cpu"] * stages, chunks=CHUNKS, schedule=schedule, threads=1
-    )
+        model, balance, devices=["cpu"] * stages, chunks=CHUNKS, schedule=schedule, threads=1,
+        sample=dict(input_ids=ids, labels=ids),
+    )  # fmt: skip
 
     def step() -> None:
         pipe.step(input_ids=ids, labels=ids)
@@ -105,10 +108,9 @@ def _sequential_gpt(size: dict[str, int]) -> torch.nn.Sequential:
 
 def _sequential_pipe(size: dict[str, int], schedule: str) -> Callable[[], None]:
     model, ids = _sequential_gpt(size), _tokens(size)
-    n = len(model)
     pipe = pipepar.wrap(
-        model, [n // 2, n - n // 2], devices=["cpu", "cpu"], chunks=CHUNKS, schedule=schedule,
-        checkpoint="never", threads=1,
+        model, devices=["cpu", "cpu"], chunks=CHUNKS, schedule=schedule, checkpoint="never",
+        threads=1, sample=ids,
     )  # fmt: skip
 
     def step() -> None:
