@@ -30,6 +30,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     from models import transformers_zoo as zoo
 
 import pipepar
+from pipepar.program.profile import profile_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,7 +69,15 @@ def build_pipe(args: argparse.Namespace, model: torch.nn.Module, sample: dict) -
         return pipepar.wrap(model, split=args.split.split(","), **options)
     if args.balance:
         return pipepar.wrap(model, [int(n) for n in args.balance.split(",")], **options)
-    return pipepar.wrap(model, **options)  # planned from the sample
+    # Planned from a profile of the sample: each unit's parameters, gradients, optimizer state,
+    # activations and time, then the split with the smallest bottleneck.
+    prof = profile_model(model, sample)
+    plan = pipepar.plan(
+        prof, devices=len(devices), chunks=args.chunks, checkpoint="never",
+        schedule=args.schedule, optimizer="adamw",
+    )  # fmt: skip
+    print(plan.report(width=120))
+    return pipepar.wrap(model, list(plan.balance), **options)
 
 
 def main(argv: list[str] | None = None) -> list[float]:

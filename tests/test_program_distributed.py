@@ -70,12 +70,28 @@ def _tied_over_steps() -> list[Any]:
     return out
 
 
+def _replicas(rank: int) -> dict[str, Any]:
+    """One stage, two data-parallel replicas, each on its own half of the batch."""
+    import pipepar.distributed as ppd
+
+    torch.manual_seed(0)
+    model = zoo.gpt2()
+    n = len(__import__("pipepar").units(model))
+    pipe = ppd.wrap(model, [n], chunks=2, dp=2)
+    batch = {k: v.chunk(2)[rank] for k, v in zoo.sample("gpt2", batch=8).items()}
+    pipe.step(**batch)
+    grads = {k: p.grad.numpy().copy() for k, p in pipe.named_parameters()}
+    pipe.close()
+    return grads
+
+
 def _rank(rank: int, port: int, results: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         out = {name: _one_model(name) for name in zoo.NAMES}
         out["tied"] = _tied_over_steps()
+        out["replicas"] = _replicas(rank)
         results.put((rank, out))
     except BaseException:
         results.put((rank, traceback.format_exc()))
@@ -134,3 +150,14 @@ def test_tied_copies_stay_equal_over_twenty_steps(ranks: dict[int, Any]) -> None
     torch.testing.assert_close(
         torch.from_numpy(first), plain.lm_head.weight.detach(), rtol=1e-4, atol=1e-6
     )
+
+
+def test_replicas_average_to_the_whole_batch(ranks: dict[int, Any]) -> None:
+    torch.manual_seed(0)
+    plain = zoo.gpt2()
+    plain(**zoo.sample("gpt2", batch=8)).loss.backward()
+    for r in (0, 1):
+        for key, g in ranks[r]["replicas"].items():
+            ref = dict(plain.named_parameters())[key].grad
+            err = ((torch.from_numpy(g) - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+            assert err < RTOL, f"rank {r}: gradient of {key}, relative error {err:.2e}"

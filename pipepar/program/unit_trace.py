@@ -23,6 +23,7 @@ attention, traced unfused.
 from __future__ import annotations
 
 import contextlib
+import statistics
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -567,9 +568,20 @@ def _traced_step(tr: _Tracer) -> Step:
 
 
 # -- times and split backwards ----------------------------------------------------------------
-def time_units(call: UnitCall) -> list[tuple[float, float]]:
-    """Wall-clock (forward_ms, backward_ms) per unit from one untraced pass on a real device;
-    forward time runs from a unit's start to the next unit's, code between them included."""
+def time_units(call: UnitCall, *, repeats: int = 3) -> list[tuple[float, float]]:
+    """Wall-clock (forward_ms, backward_ms) per unit on a real device: the median of
+    ``repeats`` untraced passes after one that warms up (a first call pays for lazy
+    initialisation, and would make the first unit look several times its cost); forward time
+    runs from a unit's start to the next unit's, code between them included."""
+    _time_once(call)
+    passes = [_time_once(call) for _ in range(max(1, repeats))]
+    return [
+        (statistics.median(p[i][0] for p in passes), statistics.median(p[i][1] for p in passes))
+        for i in range(len(call.units))
+    ]
+
+
+def _time_once(call: UnitCall) -> list[tuple[float, float]]:
     sync = (lambda: torch.cuda.synchronize(call.device)) if call.device.type == "cuda" else None
     n = len(call.units)
     forward, backward = [0.0] * n, [0.0] * n
