@@ -12,8 +12,14 @@ from pipepar.core.sequential import sequentialize
 torchvision = pytest.importorskip("torchvision")
 
 
+def _by_index(model: nn.Module) -> dict[str, torch.Tensor]:
+    """State by layer index (a sequentialized model names its tensors as the original does)."""
+    rename = getattr(model, "index_name", lambda k: k)
+    return {rename(k): v for k, v in model.state_dict().items()}
+
+
 def _shapes(model: nn.Module) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    return {k: tuple(v.shape) for k, v in _by_index(model).items()}
 
 
 def _numel(model: nn.Module) -> int:
@@ -44,7 +50,7 @@ def test_torchvision_weights_load_and_give_the_same_outputs(name: str) -> None:
     ours, theirs = _PAIRS[name]
     reference = sequentialize(theirs().eval())
     mine = ours().eval()
-    mine.load_state_dict(reference.state_dict())
+    mine.load_state_dict(_by_index(reference))
     x = torch.randn(2, 3, 64, 64)
     with torch.no_grad():
         torch.testing.assert_close(mine(x), reference(x), atol=1e-5, rtol=0)

@@ -269,3 +269,17 @@ def test_torchvision_googlenet_is_refused_with_the_reason() -> None:
 def test_not_a_module_is_refused() -> None:
     with pytest.raises(TypeError, match=r"module must be an nn\.Module, got function"):
         sequentialize(lambda x: x)  # type: ignore[arg-type]
+
+
+def test_layout_keeps_the_models_own_names_both_ways() -> None:
+    torchvision = pytest.importorskip("torchvision")
+    model = torchvision.models.resnet18(weights=None, num_classes=10)
+    layers = sequentialize(model)
+    assert list(layers.state_dict()) == list(model.state_dict())
+    assert {n for n, _ in layers.named_parameters()} == {n for n, _ in model.named_parameters()}
+    assert "layer1.0.conv1.weight" in dict(layers.named_parameters())
+    other = torchvision.models.resnet18(weights=None, num_classes=10)
+    other.load_state_dict(layers.state_dict())
+    layers.load_state_dict(other.state_dict())
+    x = torch.randn(2, 3, 32, 32)
+    torch.testing.assert_close(layers.eval()(x), other.eval()(x))

@@ -12,7 +12,10 @@ when the values flow in one line: input -> child or function -> ... -> output. T
   parameter-free layer: ``nn.Flatten`` for flatten, a :class:`FunctionLayer` otherwise.
 
 The layers are the original module objects, so the result shares every parameter and buffer
-with the input: training one trains the other. Its ``state_dict`` keys are the new indices.
+with the input: training one trains the other. Its layers are indexed (``result[3]``), but its
+``named_parameters()``, ``named_buffers()`` and ``state_dict()`` use the model's own names
+(``layer1.0.conv1.weight``), and ``load_state_dict`` takes them: checkpoints of the model and of
+its layout load into each other.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 import torch.fx
 from torch import nn
 
-__all__ = ["FunctionLayer", "sequentialize"]
+__all__ = ["FunctionLayer", "Sequentialized", "sequentialize"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +87,58 @@ class _ChildTracer(torch.fx.Tracer):
         return True
 
 
+class Sequentialized(nn.Sequential):
+    """The ``nn.Sequential`` :func:`sequentialize` makes: indexed layers, the model's names.
+
+    Args:
+        layers: the layers, in order (or an ``OrderedDict``, as for ``nn.Sequential``).
+        paths: each layer's module path in the model (``""`` for a layer pipepar made, such as
+            a :class:`FunctionLayer`, which holds no tensors).
+    """
+
+    def __init__(self, *layers: Any, paths: list[str] | None = None) -> None:
+        super().__init__(*layers)  # also as nn.Sequential builds a slice: one OrderedDict
+        self._paths = {str(k): p for k, p in enumerate(paths or []) if p}
+        self._indices = {p: k for k, p in self._paths.items()}
+        self._register_state_dict_hook(_to_model_names)
+        self._register_load_state_dict_pre_hook(_from_model_names, with_module=True)
+
+    def model_name(self, name: str) -> str:
+        """``"3.weight"`` -> ``"layer1.0.conv1.weight"``: a tensor's name in the model."""
+        head, dot, rest = name.partition(".")
+        path = self._paths.get(head)
+        return f"{path}{dot}{rest}" if path is not None else name
+
+    def index_name(self, name: str) -> str:
+        """The inverse of :meth:`model_name`."""
+        for path, index in self._indices.items():
+            if name.startswith(path + "."):
+                return index + name[len(path) :]
+        return name
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return ((self.model_name(n), p) for n, p in super().named_parameters(*args, **kwargs))
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return ((self.model_name(n), b) for n, b in super().named_buffers(*args, **kwargs))
+
+
+def _to_model_names(module: Sequentialized, state: dict[str, Any], prefix: str, meta: Any) -> None:
+    for key in [k for k in state if k.startswith(prefix)]:
+        renamed = prefix + module.model_name(key[len(prefix) :])
+        if renamed != key:
+            state[renamed] = state.pop(key)
+
+
+def _from_model_names(
+    module: Sequentialized, state: dict[str, Any], prefix: str, *rest: Any
+) -> None:
+    for key in [k for k in state if k.startswith(prefix)]:
+        renamed = prefix + module.index_name(key[len(prefix) :])
+        if renamed != key:
+            state[renamed] = state.pop(key)
+
+
 def sequentialize(module: nn.Module) -> nn.Sequential:
     """Lay out ``module`` as an ``nn.Sequential`` with the same parameters and outputs.
 
@@ -127,7 +182,8 @@ def sequentialize(module: nn.Module) -> nn.Sequential:
             "part such as a residual block as one layer whose forward takes and returns one "
             "tensor)"
         ) from exc
-    result = nn.Sequential(*layers)
+    paths = {id(m): name for name, m in module.named_modules() if name}
+    result = Sequentialized(*layers, paths=[paths.get(id(layer), "") for layer in layers])
     result.training = module.training
     logger.debug("sequentialize(%s): %d layers", type(module).__name__, len(result))
     return result
