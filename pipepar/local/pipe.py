@@ -169,15 +169,7 @@ class Pipe(nn.Module):
         )
 
     def _schedule(self, m: int) -> Schedule:
-        layout = self._layout
-        if layout.name not in NAMES or layout.n_microbatches == m:
-            if layout.n_microbatches != m:
-                raise ValueError(
-                    f"the batch gives {m} micro-batches but the schedule was built for "
-                    f"{layout.n_microbatches}; pass at least chunks={self.chunks} rows"
-                )
-            return layout
-        return _cached(layout.name, layout.n_stages, m, layout.n_workers)
+        return schedule_of_batch(self._layout, m, self.chunks)
 
     def _direct(self, m: int) -> bool:
         """One stage and nothing to recompute: plain autograd does it all, with no overhead."""
@@ -293,6 +285,19 @@ class Pipe(nn.Module):
 @lru_cache(maxsize=64)
 def _cached(name: str, n_stages: int, m: int, n_workers: int) -> Schedule:
     return make(name, n_stages, m, n_workers=n_workers)
+
+
+def schedule_of_batch(layout: Schedule, m: int, chunks: int) -> Schedule:
+    """The schedule of a batch that splits into ``m`` micro-batches: a named schedule is built
+    for ``m`` (a short batch gives fewer than ``chunks``); a Schedule object must fit ``m``."""
+    if layout.name not in NAMES or layout.n_microbatches == m:
+        if layout.n_microbatches != m:
+            raise ValueError(
+                f"the batch gives {m} micro-batches but the schedule was built for "
+                f"{layout.n_microbatches}; pass at least chunks={chunks} rows"
+            )
+        return layout
+    return _cached(layout.name, layout.n_stages, m, layout.n_workers)
 
 
 def _schedule_for(schedule: object, n_stages: int, chunks: int, n_workers: int) -> Schedule:
@@ -468,9 +473,18 @@ def wrap(
         from pipepar.program.wrap import wrap_model
 
         return wrap_model(
-            module, balance, devices=devices, chunks=chunks, checkpoint=checkpoint,
-            deferred_batch_norm=deferred_batch_norm, sample=sample, split=split,
-            capacity=capacity, schedule=schedule, threads=threads, trace=trace,
+            module,
+            balance,
+            devices=devices,
+            chunks=chunks,
+            checkpoint=checkpoint,
+            deferred_batch_norm=deferred_batch_norm,
+            sample=sample,
+            split=split,
+            capacity=capacity,
+            schedule=schedule,
+            threads=threads,
+            trace=trace,
         )
     checkpoint = "except_last" if checkpoint is None else checkpoint
     if balance is None:

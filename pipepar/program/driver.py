@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from pipepar.local.worker import Aborted
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
-__all__ = ["Driver", "active"]
+from pipepar.local.worker import Aborted, _init_thread
+
+__all__ = ["Driver", "active", "driver_pool", "mark_boundaries"]
 
 _local = threading.local()
 
@@ -141,3 +146,34 @@ class Driver:
             self._running = False
             self._next = 1 << 30
             self._cond.notify_all()
+
+
+def mark_boundaries(units: Sequence[Any], stage_of_unit: Sequence[int]) -> list[RemovableHandle]:
+    """Make every unit with parameters a place where a driver stops for its stage's turn (a
+    pre-forward hook; calls outside a driver are untouched)."""
+    return [
+        u.module.register_forward_pre_hook(_boundary(s))
+        for u, s in zip(units, stage_of_unit)
+        if u.has_parameters
+    ]
+
+
+def _boundary(stage: int) -> Callable[[nn.Module, Any], None]:
+    def hook(module: nn.Module, args: Any) -> None:
+        driver = active()
+        if driver is not None:
+            driver.boundary(stage)
+
+    return hook
+
+
+def driver_pool(
+    pool: ThreadPoolExecutor | None, m: int, threads: int, device: torch.device
+) -> ThreadPoolExecutor:
+    """A thread for each of ``m`` drivers (all are alive at once, each waiting at its
+    boundaries): ``pool`` if it has enough, else a new one (the old one is shut down)."""
+    if pool is not None and pool._max_workers >= m:  # type: ignore[attr-defined]
+        return pool
+    if pool is not None:
+        pool.shutdown(wait=False)
+    return ThreadPoolExecutor(m, "pipepar-microbatch", _init_thread, (threads, device))

@@ -20,23 +20,23 @@ from torch import Tensor, nn
 
 from pipepar.core import validation
 from pipepar.core.devices import DeviceSpec, resolve_devices
-from pipepar.core.schedule import NAMES, Schedule
+from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.local import cpu_malloc
 from pipepar.local.executor import EVERY, FORWARD
 from pipepar.local.pipe import (
-    _cached,
     _check_threads,
     _moving_denied,
     _n_workers,
     _schedule_for,
     _StepFunction,
+    schedule_of_batch,
 )
-from pipepar.local.worker import WorkerPool, _init_thread
+from pipepar.local.worker import WorkerPool
 from pipepar.program import units as units_
 from pipepar.program.autograd import ProgramFunction, as_tuple
 from pipepar.program.calls import Call, join, split_call
-from pipepar.program.driver import active
+from pipepar.program.driver import driver_pool, mark_boundaries
 from pipepar.program.losses import LossFn, loss_head, split_target
 from pipepar.program.run import ProgramRun
 from pipepar.program.step import Batch
@@ -119,11 +119,7 @@ class ModelPipe(nn.Module):
         self._stages = _stages(lay, stage_of_unit, placed)
         self._params = _held(model, self._owner, len(sizes))
         self._units = lay
-        self._hooks = [
-            u.module.register_forward_pre_hook(_boundary(s))
-            for u, s in zip(lay.units, stage_of_unit)
-            if u.has_parameters
-        ]
+        self._hooks = mark_boundaries(lay.units, stage_of_unit)
         self._devices_of_workers = workers
         self.threads = _check_threads(threads, workers, self.chunks)
         self.tracer: Tracer | None = Tracer() if trace else None
@@ -181,15 +177,14 @@ class ModelPipe(nn.Module):
         return what the model returns (joined over the micro-batches)."""
         calls = split_call(args, kwargs, self.chunks)
         params = [p for held in self._params for p in held]
-        inputs = [c.tensors() for c in calls]
+        flat_in = [t for c in calls for t in c.tensors()]
         needs_grad = torch.is_grad_enabled() and (
-            bool(params) or any(t.requires_grad for xs in inputs for t in xs)
+            bool(params) or any(t.requires_grad for t in flat_in)
         )
         run = self._run(calls, grad=needs_grad)
         if not needs_grad:
             run.execute(self._workers(), FORWARD)
-            return join(run.results(), [c.rows for c in calls])
-        flat_in = [t for xs in inputs for t in xs]
+            return join(run.results(), run.rows)
         holder: dict[str, Any] = {}
         outs = ProgramFunction.apply(self, run, holder, len(flat_in), *flat_in, *params)
         leaves = list(holder["leaves"])
@@ -242,9 +237,10 @@ class ModelPipe(nn.Module):
         def caller(c: Call) -> Callable[[], Any]:
             return lambda: model(*c.args, **c.kwargs)
 
+        inputs = [c.tensors() for c in calls]
         batch = Batch(
             [caller(c) for c in calls],
-            [c.tensors() for c in calls],
+            inputs,
             self._owner,
             self.devices,
             head=head,
@@ -252,24 +248,20 @@ class ModelPipe(nn.Module):
         )
         if any(d.type == "cpu" for d in self.devices) and grad:
             cpu_malloc.tune()
-        run = ProgramRun(
+        return ProgramRun(
             self._stages,
             self._params,
             self._schedule(len(calls)),
             batch,
             self._driver_threads(len(calls)),
-            [c.tensors() for c in calls],
+            inputs,
+            [c.rows for c in calls],
             grad=grad,
             tracer=self.tracer,
         )
-        run.rows = [c.rows for c in calls]
-        return run
 
     def _schedule(self, m: int) -> Schedule:
-        layout = self._layout
-        if layout.name not in NAMES or layout.n_microbatches == m:
-            return layout
-        return _cached(layout.name, layout.n_stages, m, layout.n_workers)
+        return schedule_of_batch(self._layout, m, self.chunks)
 
     def _workers(self) -> WorkerPool | None:
         if len(self._devices_of_workers) == 1:
@@ -279,13 +271,7 @@ class ModelPipe(nn.Module):
         return self._pool
 
     def _driver_threads(self, m: int) -> ThreadPoolExecutor:
-        if self._drivers is None or self._drivers._max_workers < m:  # type: ignore[attr-defined]
-            if self._drivers is not None:
-                self._drivers.shutdown(wait=False)
-            share = min(self.threads)
-            self._drivers = ThreadPoolExecutor(
-                m, "pipepar-microbatch", _init_thread, (share, self.devices[0])
-            )
+        self._drivers = driver_pool(self._drivers, m, min(self.threads), self.devices[0])
         return self._drivers
 
     def close(self) -> None:
@@ -368,12 +354,3 @@ def _held(model: nn.Module, owner: dict[int, int], n: int) -> list[list[nn.Param
         if p.requires_grad:
             held[owner.get(id(p), 0)].append(p)
     return held
-
-
-def _boundary(stage: int) -> Callable[[nn.Module, Any], None]:
-    def hook(module: nn.Module, args: Any) -> None:
-        driver = active()
-        if driver is not None:
-            driver.boundary(stage)
-
-    return hook

@@ -19,9 +19,9 @@ from pipepar.core.schedule import VIRTUAL, Schedule, make
 from pipepar.core.stage import Stage
 from pipepar.distributed.mesh import build_mesh, check_grid
 from pipepar.distributed.pipe import _ensure_process_group, _resolve_device
-from pipepar.local.worker import _init_thread
 from pipepar.program import units as units_
 from pipepar.program.calls import split_call
+from pipepar.program.driver import driver_pool, mark_boundaries
 from pipepar.program.losses import LossFn, loss_head, split_target
 from pipepar.program.pipe import _sizes
 from pipepar.program.ranks import Link, RankCut, RankStep, held_here, shadow_context
@@ -95,11 +95,7 @@ class DistributedModelPipe(nn.Module):
             self.add_module(name, child)
         for name, p in model.named_parameters(recurse=False):
             self.register_parameter(name, p)
-        self._hooks = [
-            u.module.register_forward_pre_hook(_boundary(s))
-            for u, s in zip(lay.units, self.stage_of_unit)
-            if u.has_parameters
-        ]
+        self._hooks = mark_boundaries(lay.units, self.stage_of_unit)
         self._tied = _tied_groups(model, lay, self.stage_of_unit, self.mesh.pipeline_ranks)
         mine = [u for u, s in zip(lay.units, self.stage_of_unit) if s == own]
         self._stage = Stage(
@@ -243,10 +239,7 @@ class DistributedModelPipe(nn.Module):
         return float(value.item())
 
     def _driver_threads(self, m: int) -> ThreadPoolExecutor:
-        if self._drivers is None or self._drivers._max_workers < m:  # type: ignore[attr-defined]
-            self._drivers = ThreadPoolExecutor(
-                m, "pipepar-microbatch", _init_thread, (torch.get_num_threads(), self.device)
-            )
+        self._drivers = driver_pool(self._drivers, m, torch.get_num_threads(), self.device)
         return self._drivers
 
     def close(self) -> None:
@@ -258,12 +251,6 @@ class DistributedModelPipe(nn.Module):
 
 def _caller(model: nn.Module, call: Any) -> Any:
     return lambda: model(*call.args, **call.kwargs)
-
-
-def _boundary(stage: int) -> Any:
-    from pipepar.program.pipe import _boundary as boundary
-
-    return boundary(stage)
 
 
 def _keep_only(

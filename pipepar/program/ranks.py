@@ -165,9 +165,7 @@ class RankStep(SegmentStep):
             if c.original.requires_grad
         ]
         pairs += [(t, ledger.grads[id(t)]) for s, t in ledger.outputs if s == self.stage.index]
-        entering = [
-            c for c in ledger.crossings if c.consumer == self.stage.index and c.leaf.requires_grad
-        ]
+        entering = ledger.entering(self.stage.index)
         leaves = [c.leaf for c in entering]
         grads_in: Sequence[Tensor | None] = [None] * len(leaves)
         if pairs:

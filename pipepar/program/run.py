@@ -37,6 +37,7 @@ class ProgramRun(Run):
         batch: the micro-batches' drivers and ledgers.
         drivers: the threads the drivers run on (one per micro-batch).
         inputs: per micro-batch, the pipe's tensor arguments (in the caller's flat order).
+        rows: each micro-batch's rows.
         grad: whether a backward follows.
         tracer: where to record a timeline, if any.
     """
@@ -49,6 +50,7 @@ class ProgramRun(Run):
         batch: Batch,
         drivers: ThreadPoolExecutor,
         inputs: Sequence[Sequence[Tensor]],
+        rows: Sequence[int],
         *,
         grad: bool,
         tracer: Tracer | None = None,
@@ -83,7 +85,7 @@ class ProgramRun(Run):
         self._started = False
         self._lock = threading.Lock()
         self.out_sizes: list[int] = []
-        self.rows: list[int] = []  # each micro-batch's rows
+        self.rows = list(rows)
 
     def execute(self, pool: WorkerPool | None, phase: Phase) -> None:
         self._start()
