@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "gpt2_split.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "gpt2_split.py"
 
 
 def _example():  # type: ignore[no-untyped-def]

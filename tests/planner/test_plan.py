@@ -252,18 +252,18 @@ def test_no_fitting_split_names_the_stage_and_shortfall() -> None:
     assert "short by" in str(err.value)
 
 
-def test_the_10_7b_stack_plans_fast_in_little_memory() -> None:
+def test_the_10_7b_stack_plans_in_little_memory() -> None:
+    """Planning a 10.7B-parameter stack stays on the meta device (its speed is timed by
+    benchmarks/bench_plan.py, not here)."""
     code = textwrap.dedent("""
-        import json, resource, time, torch
+        import json, resource, torch
         from torch import nn
         import pipepar
-        start = time.perf_counter()
         model = nn.Sequential(*[nn.Linear(16384, 16384, device="meta") for _ in range(40)])
         plan = pipepar.plan(model, torch.empty(8, 16384, device="meta"), devices=8,
                             capacity="80GiB", optimizer="adam", chunks=8)
-        seconds = time.perf_counter() - start
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        print(json.dumps({"s": seconds, "rss": rss, "balance": plan.balance,
+        print(json.dumps({"rss": rss, "balance": plan.balance,
                           "params": plan.profile.total("params_bytes"),
                           "peaks": [s.peak_bytes for s in plan.stages]}))
     """)
@@ -271,7 +271,7 @@ def test_the_10_7b_stack_plans_fast_in_little_memory() -> None:
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["params"] == 40 * (16384 * 16384 + 16384) * 4  # 10.7B parameters
     assert result["balance"] == [5] * 8
-    assert result["s"] < 30 and result["rss"] < 2 * 2**30
+    assert result["rss"] < 2 * 2**30
     assert all(p < 80 * 2**30 for p in result["peaks"])
 
 

@@ -15,7 +15,7 @@ import torch
 
 import models
 
-_PATH = Path(__file__).resolve().parents[1] / "examples" / "alexnet_split.py"
+_PATH = Path(__file__).resolve().parents[2] / "examples" / "alexnet_split.py"
 # Tiny but real: 64 px is about AlexNet's smallest input; a narrow classifier keeps it fast.
 _FAST = ["--batch-size", "8", "--hidden", "64", "--chunks", "2", "--batches", "1"]
 

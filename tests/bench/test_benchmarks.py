@@ -17,7 +17,7 @@ import pytest
 from benchmarks import _common as common
 from benchmarks._results import RESULTS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(script: str, tmp_path: Path, *extra: str) -> tuple[list[dict[str, Any]], str]:

@@ -206,7 +206,7 @@ def test_python_dash_m_entry_point(tmp_path: Path) -> None:
         ],
         capture_output=True,
         text=True,
-        cwd=Path(__file__).parents[1],
+        cwd=Path(__file__).parents[2],
         timeout=120,
     )
     assert result.returncode == 0, result.stderr

@@ -22,7 +22,7 @@ What is bit-exact and what is not (measured on CPU, float32):
   one number drawn from the global generator per mini-batch that draws anything. Runs with
   the same seed, balance and chunks are then bit-identical; other balances or chunk counts
   draw other masks (a different, equally valid random run), and so does the plain model.
-  Recompute replays every draw (``tests/test_randomness.py``).
+  Recompute replays every draw (``tests/core/test_randomness.py``).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ import pipepar
 from pipepar.cli.main import main
 from pipepar.core.recompute import is_recomputing
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 MODES = ["always", "except_last", "never"]
 
 

@@ -5,7 +5,7 @@ Training saves a checkpoint with :mod:`pipepar.io` after every step, crashes, an
 buffers and optimizer state must equal an uninterrupted run's bit for bit, whether it resumes
 on the same pipe, another balance, another number of stages or the plain model. Pipes of any
 balance compute the same bits when their stages use the same number of math threads (see
-``tests/test_determinism.py``), so these tests pin one thread.
+``tests/core/test_determinism.py``), so these tests pin one thread.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import pipepar
 from pipepar.persist import files as ppio
 
 STEPS, CRASH_AT = 6, 4
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 
 @pytest.fixture(autouse=True)
