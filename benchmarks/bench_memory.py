@@ -1,9 +1,10 @@
-"""Peak memory per stage: GPipe vs 1F1B vs checkpointing, measured beside the planner's prediction,
-and the largest GPT-style stack that trains within a fixed per-stage budget for K = 1, 2, 4.
+"""Peak memory per stage (GPipe, 1F1B, ZB-H1, checkpointing) and per device (interleaved 1F1B,
+ZB-V), measured beside the planner's prediction, and the largest GPT-style stack that trains
+within a fixed per-stage budget for K = 1, 2, 4.
 
-The virtual-stage schedules (interleaved 1F1B, ZB-V) put two stages on each device; their
-per-device peaks are predicted only: the measuring tool runs one stage's actions at a time, and
-a device's peak needs both stages' actions interleaved in the worker's order.
+The virtual-stage schedules (interleaved 1F1B, ZB-V) put two stages on each device: their table
+is per device, both stages' actions run interleaved in the device's order of the schedule by
+:func:`pipepar.planner.measure.measure_device`, beside the planner's prediction for the device.
 
 Measured: each stage's layers run one training step (after a warm-up step) in the schedule's
 order for that stage, with Adam, by :func:`pipepar.measure.measure_stage`; its peak is read from
@@ -37,12 +38,12 @@ from benchmarks import _common as common
 from benchmarks._results import markdown_table, record
 from pipepar.core.schedule import VIRTUAL, make
 from pipepar.core.units import format_bytes, parse_bytes
-from pipepar.planner.measure import measure_split
+from pipepar.planner.measure import measure_device, measure_split
 from pipepar.planner.stage_memory import MemoryModel
 
 TITLE_MODES = "Memory per stage: GPipe vs 1F1B vs ZB-H1 vs checkpointing"
 TITLE_SCALE = "Memory scaling: largest GPT stack within a per-stage budget"
-TITLE_VIRTUAL = "Memory per device: virtual-stage schedules (predicted, not measured)"
+TITLE_VIRTUAL = "Memory per device: virtual-stage schedules"
 VIRTUAL_MODES = [
     ("1f1b", "never"),
     ("interleaved-1f1b", "never"),
@@ -120,8 +121,8 @@ def _row(
 
 
 def virtual_rows(quick: bool) -> list[dict[str, Any]]:
-    """Per-device predicted peaks of the same GPT stack on K devices: 1F1B (one stage each) next
-    to the two-stages-per-device schedules, each balanced by forward FLOPs."""
+    """Per-device measured and predicted peaks of the same GPT stack on K devices: 1F1B (one
+    stage each) next to the two-stages-per-device schedules, each balanced by forward FLOPs."""
     k, m, depth = (2, 4, 2) if quick else (4, 8, 8)
     model, x = _gpt(depth, quick)
     work = common.Workload("gpt", model, x, x, nn.functional.cross_entropy, "")
@@ -136,22 +137,37 @@ def virtual_rows(quick: bool) -> list[dict[str, Any]]:
             sum(p.peak_bytes for p in mm.device(w, [ranges[s] for s in order.stages_of(w)]))
             for w in range(k)
         ]
+        got = [
+            measure_device(
+                model,
+                x,
+                bal,
+                device=w,
+                chunks=m,
+                optimizer=OPTIMIZER,
+                checkpoint=checkpoint,
+                schedule=order,
+            )
+            for w in range(k)
+        ]
         held = [order.worker_in_flight(w) for w in range(k)]
-        row = _row(depth, k, m, bal, schedule, checkpoint, predicted=peaks, held=held)
-        rows.append({**row, "bubble": order.bubble()})
+        row = _row(depth, k, m, bal, schedule, checkpoint, measured=got, predicted=peaks)
+        rows.append({**row, "held": held, "bubble": order.bubble()})
     return rows
 
 
 def virtual_table(rows: list[dict[str, Any]]) -> str:
-    """One line per schedule: each device's predicted peak (micro-batch-stages it holds)."""
+    """One line per schedule: each device's measured peak (predicted, error), the
+    micro-batch-stages each device holds at most, and the bubble."""
     k = rows[0]["k"]
     lines = [
         [
             r["schedule"],
             r["checkpoint"],
             str(r["balance"]),
-            *(f"{format_bytes(p)} (x{h})" for p, h in zip(r["predicted"], r["held"])),
-            format_bytes(max(r["predicted"])),
+            *_cells(r),
+            format_bytes(max(r["measured"])),
+            ", ".join(str(h) for h in r["held"]),
             f"{r['bubble']:.1%}",
         ]
         for r in rows
@@ -160,8 +176,9 @@ def virtual_table(rows: list[dict[str, Any]]) -> str:
         "schedule",
         "checkpoint",
         "balance",
-        *(f"device {w} predicted (held)" for w in range(k)),
-        "max predicted",
+        *(f"device {w} measured (predicted, error)" for w in range(k)),
+        "max measured",
+        "held per device",
         "bubble (unit costs)",
     ]
     return markdown_table(headers, lines)
@@ -215,8 +232,12 @@ def largest(k: int, budget: int, m: int, quick: bool, limit: int) -> dict[str, A
     }
 
 
-def _cell(got: int, want: int) -> str:
-    return f"{format_bytes(got)} ({format_bytes(want)}, {got / want - 1:+.0%})"
+def _cells(row: dict[str, Any]) -> list[str]:
+    """Each measured peak of a row with its prediction and the error."""
+    return [
+        f"{format_bytes(got)} ({format_bytes(want)}, {got / want - 1:+.0%})"
+        for got, want in zip(row["measured"], row["predicted"])
+    ]
 
 
 def mode_table(rows: list[dict[str, Any]]) -> str:
@@ -226,7 +247,7 @@ def mode_table(rows: list[dict[str, Any]]) -> str:
         [
             r["schedule"],
             r["checkpoint"],
-            *(_cell(g, w) for g, w in zip(r["measured"], r["predicted"])),
+            *_cells(r),
             format_bytes(max(r["measured"])),
         ]
         for r in rows
@@ -265,7 +286,7 @@ def scale_table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Measure both tables, print and record them; 0 on success."""
+    """Measure the three tables, print and record them; 0 on success."""
     args = _parse(argv)
     before = common.load()
     modes = mode_rows(args.quick)
@@ -294,9 +315,12 @@ def main(argv: list[str] | None = None) -> int:
     notes_virtual = (
         f"{size}, {r['depth']} blocks on K={r['k']} devices, M={r['m']}, Adam; balance by "
         "forward FLOPs over one stage per device (1F1B) or two (interleaved 1F1B: stages w and "
-        "w+K; ZB-V: stages w and 2K-1-w). Predicted by pipepar's MemoryModel walking each "
-        "device's own action list; held: the most micro-batch-stages the device holds at once. "
-        "Not measured: pipepar.planner.measure runs one stage's actions at a time."
+        "w+K; ZB-V: stages w and 2K-1-w). Measured: pipepar.planner.measure.measure_device, one "
+        "training step of all the device's stages after a warm-up, their actions interleaved "
+        "in the device's order of the schedule (a stage takes its same-device predecessor's "
+        "outputs and hands it its input gradients), peak as above. Predicted: pipepar's "
+        "MemoryModel walking the device's own action list. Held: the most micro-batch-stages "
+        f"the device holds at once. Machine load: before {before}, after {common.load()}."
     )
     for title, text, notes in (
         (TITLE_MODES, mode_table(modes), notes_modes),

@@ -10,8 +10,9 @@ count of per-stage quantities:
   the graph and the gradients recorded for W stay until W);
 - whether the stage's gradient sums exist yet (from its first parameter-gradient action to the
   optimizer step);
-- the transient of the action itself: a forward's work space, a backward's (with the gradients
-  it makes), the end of a backward, B of a split backward, W, the optimizer step.
+- the transient of the action itself: a forward's work space (also when a backward recomputes a
+  checkpointed micro-batch), a backward's (with the gradients it makes), the end of a backward,
+  B of a split backward, W, the optimizer step.
 
 The walk knows nothing of sizes: :mod:`pipepar.planner.stage_memory` weighs the counts with a
 stage's figures. Moments that another moment of the same kind dominates (holds at least as much
@@ -107,12 +108,19 @@ class _Walk:
         if a.kind == "F":
             self.held[key] = "inputs" if should_checkpoint(self.checkpoint, key[1], m) else "whole"
             self.moment("forward", at)
-        elif a.kind == "B" and split:
+            return
+        # What B holds of the micro-batch: its graph, and on the first stage, whose B only
+        # keeps it for W, the incoming gradient too.
+        during = "waiting" if split and first else "whole"
+        if a.kind == "B" and self.held.get(key) == "inputs":
+            # A checkpointed micro-batch is recomputed first: a forward's work space on top.
+            self.moment("forward", at, key, during)
+        if a.kind == "B" and split:
             # B keeps the graph (recomputed, if checkpointed) and records gradients for W.
-            self.moment("input_grad", at, key, "waiting" if first else "whole")
+            self.moment("input_grad", at, key, during)
             self.held[key] = "waiting"
         elif a.kind == "B":
-            self.moment("backward", at, key, "whole")
+            self.moment("backward", at, key, during)
             self.moment("backward_end", at, key, None)
             self._done(key, at)
         elif a.kind == "W" and key in self.held:

@@ -6,8 +6,8 @@ rows split into ``M`` chunks has micro-batches of ``ceil(B / M)`` rows, so those
 multiplied by ``ceil(B / M) / B``.
 
 On ``meta`` nothing is allocated, so a model no machine here could hold can still be planned;
-the figures agree with a CPU run of the same model (see ``tests/planner/test_profile.py``). Times are
-only measured on real devices.
+the figures agree with a CPU run of the same model (see ``tests/planner/test_profile.py``).
+Times are only measured on real devices.
 
     >>> prof = pipepar.profile(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), torch.randn(4, 8))
     >>> prof.layers[0].params_bytes

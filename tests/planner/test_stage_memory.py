@@ -10,7 +10,7 @@ from torch import nn
 import models
 from pipepar.core.schedule import NAMES, VIRTUAL, make, parse
 from pipepar.planner.deferred_grads import deferred_grads
-from pipepar.planner.measure import measure_split
+from pipepar.planner.measure import measure_device, measure_split
 from pipepar.planner.peak_moments import moments, schedule_for
 from pipepar.planner.profile import profile
 from pipepar.planner.stage_memory import MemoryModel
@@ -138,3 +138,48 @@ def test_gpt_stages_within_5_percent_of_measured(schedule: str, checkpoint: str)
     )
     for j, (want, got) in enumerate(zip(predicted, measured)):
         assert abs(want - got) / got < 0.05, (j, want, got)
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "interleaved-1f1b"])
+@pytest.mark.parametrize("checkpoint", ["never", "except_last"])
+def test_gpt_devices_within_5_percent_of_measured(schedule: str, checkpoint: str) -> None:
+    # Two stages per device, their actions interleaved in the device's order: the walk over
+    # the device's list against the allocator's peak of the same list run for real.
+    model = models.gpt(2, 32, 2, 64, 16)
+    ids = torch.randint(64, (8, 16))
+    prof = profile(model, ids, device="meta", optimizer="adam")
+    balance, k, m = [1, 1, 1, 2], 2, 4
+    order = make(schedule, 4, m, n_workers=k)
+    mm = MemoryModel(prof, order, checkpoint=checkpoint, foreach=[False] * k)
+    ranges = [(0, 0), (1, 1), (2, 2), (3, 4)]
+    for w in range(k):
+        parts = mm.device(w, [ranges[s] for s in order.stages_of(w)])
+        want = sum(p.peak_bytes for p in parts)
+        got = measure_device(
+            model,
+            ids,
+            balance,
+            device=w,
+            chunks=m,
+            optimizer="adam",
+            checkpoint=checkpoint,
+            schedule=schedule,
+        )
+        assert abs(want - got) / got < 0.05, (w, want, got)
+
+
+def test_measure_device_names_the_valid_devices() -> None:
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))
+    with pytest.raises(ValueError, match=r"device=2 is out of range: .*2 devices, 0\.\.1"):
+        measure_device(model, torch.randn(4, 4), [1, 1, 1, 1], device=2, schedule="zb-v")
+    with pytest.raises(ValueError, match=r"device=-1"):
+        measure_device(model, torch.randn(4, 4), [1, 1, 1, 1], device=-1, schedule="zb-v")
+
+
+def test_a_backward_recomputing_a_micro_batch_has_a_forward_moment() -> None:
+    # Checkpointed micro-batches are recomputed in their B: a forward's work space with the
+    # micro-batch held whole (a forward itself only keeps the input of one).
+    gpipe = moments(make("gpipe", 2, 4, n_workers=2), 1, "always", splits=(True,))
+    assert max(x.whole[0] for x in gpipe if x.kind == "forward") == 1
+    zbv = moments(make("zb-v", 4, 4, n_workers=2), 0, "always", splits=(True, True))
+    assert max(x.whole[1] for x in zbv if x.kind == "forward" and x.acting == 1) == 1
