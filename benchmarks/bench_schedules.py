@@ -17,9 +17,12 @@ rotating from round to round, so a slow drift on the host hits all alike. Every 
 on its own (multi-process: all ranks start it after a barrier; its time is the slowest rank's)
 and turned into a rate in samples/s. The table gives the median and the 90th percentile (a
 fast but typical step) of those rates and their p10-p90 spread; the fractions compare p90 with
-p90 (median with median in brackets).
+p90 (median with median in brackets). How sure a fraction is comes from a bootstrap: both
+contenders' steps are redrawn with replacement 2000 times and the central 90% of the p90 ratios
+is the interval. The note under the table compares pipepar's best schedule with torch's best the
+same way: a lead counts only when its whole interval lies above 1.
 
-    python benchmarks/bench_schedules.py --write       # every contender, 40 steps each
+    python benchmarks/bench_schedules.py --write       # every contender, 60 steps each
     python benchmarks/bench_schedules.py --steps 15 --rounds 2 \\
         --contenders pipepar:1f1b,pipepar:zb-v,torch:1F1B,torch:ZBVZeroBubble
     python benchmarks/bench_schedules.py --quick       # seconds; CI smoke test
@@ -193,8 +196,30 @@ def rows(times: dict[str, list[float] | str], batch: int) -> list[dict[str, Any]
         row |= {"steps": len(value), "x_one_core": q.p90 / unit.p90 if unit else None}
         row["of_limit"] = q.p90 / limit.p90 if limit else None
         row["of_limit_median"] = q.median / limit.median if limit else None
+        row["of_limit_interval"] = (
+            common.ratio_interval(rates[key], rates[LIMIT]) if limit and key != LIMIT else None
+        )
+        row["rates"] = rates[key]
         out.append(row)
     return out
+
+
+def lead(result: list[dict[str, Any]]) -> str:
+    """pipepar's best schedule against torch.distributed.pipelining's best, p90 rates, with a
+    bootstrap interval: the lead is real only if the whole interval lies above 1."""
+    best = {}
+    for lib in ("pipepar", "torch"):
+        mine = [r for r in result if r["key"].startswith(lib + ":") and not r["error"]]
+        if not mine:
+            return ""
+        best[lib] = max(mine, key=lambda r: r["p90"])
+    a, b = best["pipepar"], best["torch"]
+    lo, hi = common.ratio_interval(a["rates"], b["rates"])
+    verdict = "ahead beyond the uncertainty" if lo > 1 else "not ahead beyond the uncertainty"
+    return (
+        f"pipepar's best ({a['schedule']}) / torch's best ({b['schedule']}), p90 rates: "
+        f"{a['p90'] / b['p90']:.2f} (90% interval {lo:.2f}-{hi:.2f}): {verdict}."
+    )
 
 
 def table(result: list[dict[str, Any]]) -> str:
@@ -203,15 +228,18 @@ def table(result: list[dict[str, Any]]) -> str:
     for r in result:
         head = [r["contender"], r["schedule"], r["processes"]]
         if r["error"]:
-            lines.append([*head, "-", "-", "-", "-", "-", r["error"]])
+            lines.append([*head, "-", "-", "-", "-", "-", "-", r["error"]])
             continue
         x = "-" if r["x_one_core"] is None else f"{r['x_one_core']:.2f}x"
         frac = "-" if r["of_limit"] is None else f"{r['of_limit']:.2f} ({r['of_limit_median']:.2f})"
+        lo_hi = r["of_limit_interval"]
+        sure = "-" if lo_hi is None else f"{lo_hi[0]:.2f}-{lo_hi[1]:.2f}"
         note = LIBRARIES[r["key"].partition(":")[0]][2]
-        cells = [f"{r['median']:.0f}", f"{r['p90']:.0f}", f"{r['spread']:.0%}", x, frac, note]
-        lines.append([*head, *cells])
+        cells = [f"{r['median']:.0f}", f"{r['p90']:.0f}", f"{r['spread']:.0%}", x, frac, sure]
+        lines.append([*head, *cells, note])
     headers = ["contender", "schedule", "processes", "samples/s median", "samples/s p90"]
-    headers += ["spread p10-p90", "x one core (p90)", "of limit p90 (median)", "notes"]
+    headers += ["spread p10-p90", "x one core (p90)", "of limit p90 (median)"]
+    headers += ["of limit p90, 90% interval", "notes"]
     return markdown_table(headers, lines)
 
 
@@ -227,7 +255,9 @@ def notes(work: common.Workload, args: argparse.Namespace, before: str) -> str:
         f"{args.warmup} untimed step(s) per block, order rotating; a step's time on two "
         "processes is the slower rank's, every step started after a barrier. Rate = samples "
         "per step / step time (limit: 2 x batch). x one core and of limit compare p90 rates "
-        "(medians in brackets) with the same run's one core and limit. Every process runs "
+        "(medians in brackets) with the same run's one core and limit; the interval is a "
+        "bootstrap of that p90 ratio (2000 redraws of both contenders' steps), how sure the "
+        "fraction is, where the spread says how much single steps vary. Every process runs "
         "with pipepar's malloc thresholds (pipepar.local.cpu_malloc; PIPEPAR_TUNE_MALLOC=0 "
         f"turns them off everywhere). Machine load before: {before}; after: {common.load()}."
     )
@@ -241,18 +271,18 @@ def main(argv: list[str] | None = None) -> int:
     before = common.load()
     work = common.workload("mlp", quick=args.quick)
     result = rows(measure(work, args), work.batch)
-    text, note = table(result), notes(work, args, before)
+    text, note = table(result), " ".join(filter(None, [lead(result), notes(work, args, before)]))
     print(text, note, sep="\n\n")
     if args.write:
         record(TITLE, text, notes=note, path=common.results_path(args, "schedules"))
-    common.write_json(args.json, result)
+    common.write_json(args.json, [{k: v for k, v in r.items() if k != "rates"} for r in result])
     return 0
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    common.add_options(parser, rounds=4)
-    parser.add_argument("--steps", type=int, default=40, help="timed steps per contender")
+    common.add_options(parser, rounds=10)
+    parser.add_argument("--steps", type=int, default=60, help="timed steps per contender")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per block")
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches (M)")
     parser.add_argument("--write", action="store_true", help="write the section (--results)")

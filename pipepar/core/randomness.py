@@ -15,19 +15,29 @@ stream from its start, so it draws exactly the same numbers, without any list of
 
 Stages on different devices use different generators and never wait for each other; stages on
 one device wait only for the duration of one random operator, not a whole forward.
+
+The dispatch mode costs about 10 us of Python per operator. A :class:`DrawLog` kept by the pipe
+across mini-batches lets a stage that is known to draw nothing skip it: a stage's forwards run
+under the mode until one has run with its layers' current train/eval flags; if none drew, the
+stage is *quiet* under those flags and its later forwards that will not be recomputed only
+check, under the generator lock, that no generator moved. If one did (randomness that depends
+on something other than the train/eval flags), that forward drew from the shared generator as
+the plain model does, a ``RuntimeWarning`` says so once, and the stage is watched again.
+A forward that will be recomputed always runs under the mode, so a recompute replays exactly.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+import warnings
+from collections.abc import Hashable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["Randomness", "Recorded", "Streams"]
+__all__ = ["DrawLog", "Randomness", "Recorded", "Streams"]
 
 _SEEDED = torch.Tag.nondeterministic_seeded
 _LOCKS: dict[tuple[str, int], threading.Lock] = {}
@@ -48,9 +58,47 @@ def _generator(device: torch.device) -> torch.Generator:
 
 
 class Randomness(Protocol):
-    """How a stage's random operators draw: ``with r.drawing(stage, microbatch): ...``."""
+    """How a stage's random operators draw: ``with r.drawing(stage, microbatch): ...``.
 
-    def drawing(self, stage: int, microbatch: int) -> AbstractContextManager[None]: ...
+    ``replay``: the block will run again (a recompute) and must draw the same numbers.
+    ``flags``: the stage's layers' train/eval flags (what decides whether they draw).
+    """
+
+    def drawing(
+        self, stage: int, microbatch: int, *, replay: bool = True, flags: Hashable = ()
+    ) -> AbstractContextManager[None]: ...
+
+
+class DrawLog:
+    """Which stages drew random numbers, per train/eval flags, over the forwards seen so far.
+
+    A pipe keeps one across mini-batches. A stage is *quiet* under some flags once a forward
+    ran with those flags under the dispatch mode and drew nothing, and none has drawn since.
+
+    Example:
+        >>> log = DrawLog()
+        >>> log.quiet(0, (True,))
+        False
+        >>> log.saw(0, (True,), drew=False)
+        >>> log.quiet(0, (True,)), log.any_drew()
+        (True, False)
+    """
+
+    def __init__(self) -> None:
+        self._drew: dict[tuple[int, Hashable], bool] = {}
+
+    def quiet(self, stage: int, flags: Hashable) -> bool:
+        """True if the stage is known to draw nothing under ``flags``."""
+        return self._drew.get((stage, flags)) is False
+
+    def saw(self, stage: int, flags: Hashable, *, drew: bool) -> None:
+        """Record a forward of ``stage`` under ``flags`` that did or did not draw."""
+        key = (stage, flags)
+        self._drew[key] = drew or self._drew.get(key, False)
+
+    def any_drew(self) -> bool:
+        """True if some stage has drawn under some flags."""
+        return any(self._drew.values())
 
 
 class Recorded:
@@ -70,10 +118,16 @@ class Recorded:
         self._states: dict[tuple[int, int], list[tuple[torch.device, torch.Tensor]]] = {}
 
     @contextmanager
-    def drawing(self, stage: int, microbatch: int) -> Iterator[None]:
+    def drawing(
+        self, stage: int, microbatch: int, *, replay: bool = True, flags: Hashable = ()
+    ) -> Iterator[None]:
         """Record the generator states the block's random operators start from, or replay
-        them if this (stage, micro-batch) ran before."""
+        them if this (stage, micro-batch) ran before; a block that will not run again
+        (``replay=False``) draws as the plain model does, with nothing to record."""
         key = (stage, microbatch)
+        if not replay and key not in self._states:
+            yield
+            return
         if key in self._states:
             mode: _DrawMode = _ReplayMode(self._states[key])
         else:
@@ -83,7 +137,10 @@ class Recorded:
 
 
 class _DrawMode(TorchDispatchMode):
-    """Sends every operator that draws from a generator to :meth:`draw`; the rest run as is."""
+    """Sends every operator that draws from a generator to :meth:`draw`; the rest run as is.
+    ``drew`` tells whether any did."""
+
+    drew = False
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
@@ -91,6 +148,7 @@ class _DrawMode(TorchDispatchMode):
         kwargs = kwargs or {}
         if _SEEDED not in func.tags or not _draws(func, args, kwargs):
             return func(*args, **kwargs)
+        self.drew = True
         return self.draw(func, args, kwargs, _device_of(args, kwargs))
 
     def draw(
@@ -152,9 +210,14 @@ class Streams:
         True
     """
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, *, log: DrawLog | None = None) -> None:
         self._seed = seed
         self._guard = threading.Lock()
+        self.log = log
+        if log is not None and log.any_drew():
+            # Draw the seed now, while no stage runs: a quiet stage's check must not see the
+            # shared generator move under it.
+            self.seed()
 
     def seed(self) -> int:
         """The mini-batch's seed (drawn on first use)."""
@@ -165,11 +228,52 @@ class Streams:
             return self._seed
 
     @contextmanager
-    def drawing(self, stage: int, microbatch: int) -> Iterator[None]:
+    def drawing(
+        self, stage: int, microbatch: int, *, replay: bool = True, flags: Hashable = ()
+    ) -> Iterator[None]:
         """Run the block's random operators on stream (stage, micro-batch), from its start
-        (so a recompute draws what the first forward drew)."""
-        with _StreamMode(self, 1_000_003 * stage + microbatch):
+        (so a recompute draws what the first forward drew). A stage the log knows to be quiet
+        under ``flags`` runs a block that will not be replayed without the mode, checked."""
+        if self.log is not None and not replay and self.log.quiet(stage, flags):
+            with _watching(self.log, stage, flags):
+                yield
+            return
+        mode = _StreamMode(self, 1_000_003 * stage + microbatch)
+        with mode:
             yield
+        if self.log is not None:
+            self.log.saw(stage, flags, drew=mode.drew)
+
+
+@contextmanager
+def _watching(log: DrawLog, stage: int, flags: Hashable) -> Iterator[None]:
+    """Run a quiet stage's block with no mode; if a generator moved meanwhile, say so once and
+    watch the stage again."""
+    before = _fingerprints()
+    yield
+    if _fingerprints() != before:
+        log.saw(stage, flags, drew=True)
+        warnings.warn(
+            f"pipepar: stage {stage} drew random numbers in a forward although its earlier "
+            "forwards with the same train/eval flags drew none; that forward drew from the "
+            "shared generator (not repeatable from run to run), later ones use the stage's "
+            "own random streams",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def _fingerprints() -> list[bytes]:
+    """The states of the CPU generator and of every initialized CUDA generator, each read
+    under its lock (a stream swaps its own state in only while holding it)."""
+    gens = [(torch.device("cpu"), torch.default_generator)]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        gens += [(torch.device("cuda", k), g) for k, g in enumerate(torch.cuda.default_generators)]
+    states = []
+    for device, gen in gens:
+        with _lock(device):
+            states.append(gen.get_state().numpy().tobytes())
+    return states
 
 
 class _StreamMode(_DrawMode):

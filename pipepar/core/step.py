@@ -136,7 +136,8 @@ class StageStep:
     ) -> None:
         self.stage, self.m, self.checkpoint = stage, m, checkpoint
         self.grad, self.input_grad, self.streams = grad, input_grad, streams
-        self.training = any(layer.training for layer in stage.layers)
+        self.flags = tuple(layer.training for layer in stage.layers)
+        self.training = any(self.flags)
         self.autocast = Autocast.capture()
         self.split = split or (lambda i: False)
         self.head, self.record, self.on_final = head, record, on_final
@@ -158,7 +159,7 @@ class StageStep:
         start = time.perf_counter()
         leaf = _leaf(x, self.input_grad) if self.grad else x
         ckpt = self.grad and self.training and should_checkpoint(self.checkpoint, i, self.m)
-        with self._context(i), torch.set_grad_enabled(self.grad and not ckpt):
+        with self._context(i, replay=ckpt), torch.set_grad_enabled(self.grad and not ckpt):
             y = self._run(leaf, i)
         if self.grad:
             self._records[i] = _Record(leaf, None if ckpt else y)
@@ -170,10 +171,11 @@ class StageStep:
         y = self.stage.run(self.stage.protect(x) if self.grad else x)
         return self.head(y, i) if self.head is not None else y
 
-    def _context(self, i: int) -> contextlib.ExitStack:
+    def _context(self, i: int, *, replay: bool) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
         if self.streams is not None:
-            stack.enter_context(self.streams.drawing(self.stage.index, i))
+            drawing = self.streams.drawing(self.stage.index, i, replay=replay, flags=self.flags)
+            stack.enter_context(drawing)
         if self.stage.device.type == "cuda":
             stack.enter_context(torch.cuda.device(self.stage.device))
         stack.enter_context(self.autocast())
@@ -246,7 +248,7 @@ class StageStep:
 
     def _recompute(self, rec: _Record, i: int) -> Value:
         start = time.perf_counter()
-        with self._context(i), recomputing(self.stage.layers), torch.enable_grad():
+        with self._context(i, replay=True), recomputing(self.stage.layers), torch.enable_grad():
             y = self._run(rec.input, i)
         self._tell(i, "recompute", start)
         return y

@@ -18,6 +18,7 @@ are what the pipe gives back.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -27,12 +28,13 @@ from torch import Tensor
 
 from pipepar.core.errors import add_note
 from pipepar.core.microbatch import Value, tensors
-from pipepar.core.randomness import Randomness, Recorded, Streams
+from pipepar.core.randomness import DrawLog, Randomness, Recorded, Streams
 from pipepar.core.schedule import Action, Schedule, simulate
 from pipepar.core.stage import Stage
 from pipepar.core.step import Grads, Head, StageStep
 from pipepar.local.transfer import move
-from pipepar.local.worker import Aborted, Slots, WorkerPool, run_inline
+from pipepar.local.weights import WeightQueue, shared_stages
+from pipepar.local.worker import IDLE, Aborted, Slots, WorkerPool, run_inline
 from pipepar.tracing.tracer import Tracer
 
 __all__ = ["Run"]
@@ -55,6 +57,8 @@ class Run:
         input_requires_grad: whether the caller wants gradients of the inputs.
         head: applied to the last stage's outputs inside its graph (``Pipe.step``'s loss).
         tracer: where to record a timeline, if any.
+        draws: the pipe's record of which stages draw random numbers (kept across
+            mini-batches, so stages that draw nothing run without the random-stream mode).
     """
 
     def __init__(
@@ -68,6 +72,7 @@ class Run:
         input_requires_grad: bool,
         head: Head | None = None,
         tracer: Tracer | None = None,
+        draws: DrawLog | None = None,
     ) -> None:
         self.stages, self.schedule, self.m = list(stages), schedule, len(microbatches)
         self.tracer = tracer
@@ -77,9 +82,9 @@ class Run:
         # remember its draws if it will recompute.
         recompute = grad and training and checkpoint != "never"
         streams: Randomness | None = (
-            Streams() if schedule.n_workers > 1 else Recorded() if recompute else None
+            Streams(log=draws) if schedule.n_workers > 1 else Recorded() if recompute else None
         )
-        record = tracer.record if tracer is not None else None
+        record = self._record if tracer is not None else None
         n = len(self.stages)
         self.steps = [
             StageStep(
@@ -96,10 +101,19 @@ class Run:
             for stage in self.stages
         ]
         self.training = training
+        self._queue_weights(shared_stages(schedule))
         self.slots = Slots()
         for i, x in enumerate(microbatches):
             self.slots.put(("F", 0, i), x)
         self.out_sizes: list[int] = []
+
+    def _queue_weights(self, shared: set[int]) -> None:
+        """Make the queue of runnable W (:mod:`pipepar.local.weights`): the W of the ``shared``
+        stages may run early, on any idle worker computing on the same device."""
+        devices = {self.schedule.placement[s]: st.device for s, st in enumerate(self.stages)}
+        workers = [devices[w] for w in range(self.schedule.n_workers)]
+        self.weights = WeightQueue(self.schedule.placement, workers, shared)
+        self._thief = threading.local()  # .worker: who runs another worker's W right now
 
     # -- running ------------------------------------------------------------------------------
     def execute(self, pool: WorkerPool | None, phase: Phase) -> None:
@@ -116,9 +130,31 @@ class Run:
         def job() -> None:
             for action in work:
                 self.slots.check()
-                self.act(action)
+                if action.kind != "W":
+                    self.act(action)
+                elif self.weights.claim(action.stage, action.microbatch):
+                    self._weight(action)
 
         return job
+
+    def _weight(self, action: Action) -> None:
+        """Run a claimed W, then let the next W of its stage be claimed."""
+        try:
+            self.act(action)
+        finally:
+            self.weights.release(action.stage)
+
+    def _idle_weight(self, worker: int) -> None:
+        """Instead of waiting for an input, run a runnable W (see :mod:`.weights`)."""
+        claimed = self.weights.claim_any(worker)
+        if claimed is None:
+            return
+        own = self.schedule.placement[claimed[0]] == worker
+        self._thief.worker = None if own else worker
+        try:
+            self._weight(Action(claimed[0], "W", claimed[1]))
+        finally:
+            self._thief.worker = None
 
     def _bound(self, action: Action) -> Callable[[], None]:
         return lambda: self.act(action)
@@ -145,21 +181,32 @@ class Run:
             self.slots.put(("F", s + 1, i), step.forward(i, x))  # type: ignore[arg-type]
         elif action.kind == "B":
             g = self._receive("B", s, i)
-            self.slots.put(("B", s - 1, i), step.backward(i, g))  # type: ignore[arg-type]
+            grads = step.backward(i, g)  # type: ignore[arg-type]
+            self.weights.ready(s, i)
+            self.slots.put(("B", s - 1, i), grads)
         else:
             step.weight(i)
 
     def _receive(self, kind: str, s: int, i: int) -> object:
         """Wait for stage ``s``'s input of micro-batch ``i`` and bring it to its device."""
-        device = self.stages[s].device
-        start = time.perf_counter()
-        value = self.slots.take((kind, s, i))
+        device, worker = self.stages[s].device, self.schedule.placement[s]
+        idle = functools.partial(self.weights.runnable, worker)
+        while True:
+            start = time.perf_counter()
+            value = self.slots.take((kind, s, i), idle)
+            if value is not IDLE:
+                break
+            self._idle_weight(worker)
         got = time.perf_counter()
         self._trace(s, i, "wait", start, got)
         if _off_device(value, device):
             value = _to(value, device)
             self._trace(s, i, "transfer", got, time.perf_counter())
         return value
+
+    def _record(self, s: int, i: int, kind: str, start: float, end: float) -> None:
+        assert self.tracer is not None
+        self.tracer.record(s, i, kind, start, end, getattr(self._thief, "worker", None))
 
     def _trace(self, s: int, i: int, kind: str, start: float, end: float) -> None:
         if self.tracer is not None:

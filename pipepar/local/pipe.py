@@ -13,6 +13,7 @@ from pipepar.core import validation
 from pipepar.core.batchnorm import commit_all, convert_deferred_batch_norm, reset_all
 from pipepar.core.devices import DeviceSpec, resolve_devices
 from pipepar.core.microbatch import Value, check_value, gather, scatter, tensors
+from pipepar.core.randomness import DrawLog
 from pipepar.core.recompute import should_checkpoint
 from pipepar.core.schedule import NAMES, VIRTUAL, Schedule, make, n_workers
 from pipepar.core.stage import Stage, iter_layers, split_stages
@@ -71,6 +72,7 @@ class Pipe(nn.Module):
         names = [name for name, _ in module.named_children()]
         self._stages = split_stages(list(module), balance, placed, names)
         self._workers_devices = workers
+        self._draws = DrawLog()  # which stages draw random numbers, across mini-batches
         self.threads = _check_threads(threads, workers, self.chunks)
         self.tracer: Tracer | None = Tracer() if trace else None
         self._pool: WorkerPool | None = None
@@ -166,6 +168,7 @@ class Pipe(nn.Module):
             input_requires_grad=any(t.requires_grad for t in tensors(input)),
             head=head,
             tracer=self.tracer,
+            draws=self._draws,
         )
 
     def _schedule(self, m: int) -> Schedule:

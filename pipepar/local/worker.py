@@ -23,7 +23,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 import torch
 
-__all__ = ["Aborted", "Slots", "WorkerPool", "run_inline"]
+__all__ = ["IDLE", "Aborted", "Slots", "WorkerPool", "run_inline"]
 
 _log = logging.getLogger(__name__)
 _DEBUG = os.environ.get("PIPEPAR_DEBUG") == "1"
@@ -31,6 +31,10 @@ _DEBUG = os.environ.get("PIPEPAR_DEBUG") == "1"
 
 class Aborted(Exception):
     """Raised in a worker whose pipeline was aborted by a failure elsewhere."""
+
+
+IDLE = object()
+"""What :meth:`Slots.take` returns instead of waiting when the caller has other work."""
 
 
 class Slots:
@@ -54,14 +58,18 @@ class Slots:
             self._values[key] = value
             self._cond.notify_all()
 
-    def take(self, key: Hashable) -> object:
-        """Remove and return the value under ``key``, waiting for it if needed."""
+    def take(self, key: Hashable, idle: Callable[[], bool] | None = None) -> object:
+        """Remove and return the value under ``key``, waiting for it if needed; if ``idle()``
+        says there is other work while the value is missing, return :data:`IDLE` instead of
+        waiting (checked again whenever a value arrives)."""
         with self._cond:
             while key not in self._values:
                 if self._aborted:
                     raise Aborted
                 if not self._blocking:
                     raise RuntimeError(f"pipepar schedule bug: {key} taken before it was put")
+                if idle is not None and idle():
+                    return IDLE
                 self._cond.wait()
             if _DEBUG:
                 _log.debug("take %s", key)

@@ -63,19 +63,39 @@ class Ledger:
     def leaf(
         self, t: Tensor, producer: int, consumer: int, device: torch.device, is_param: bool
     ) -> Tensor:
-        """The leaf standing for ``t`` in stage ``consumer`` (one per value and stage)."""
+        """The leaf standing for ``t`` in stage ``consumer`` (one per value and stage): a
+        detached copy on ``device``, needing a gradient when ``t`` does."""
+        return self.leaf_from(t, producer, consumer, lambda: _detached(t, device), is_param)
+
+    def leaf_from(
+        self,
+        t: Tensor,
+        producer: int,
+        consumer: int,
+        make: Callable[[], Tensor],
+        is_param: bool = False,
+    ) -> Tensor:
+        """The leaf standing for ``t`` in stage ``consumer``: ``make()`` on the stage's first
+        use of ``t`` (a copy, or the value received from the rank that made it), recorded as
+        the crossing from ``producer``; the same leaf on every later use."""
         key = (id(t), consumer)
         found = self._leaves.get(key)
         if found is None:
-            found = t.detach()
-            if found.device != device:
-                found = found.to(device)
-            if t.requires_grad:
-                found.requires_grad_()
+            found = make()
             setattr(found, _TAG, (self.token, consumer))
             self._leaves[key] = found
             self.crossings.append(Crossing(producer, consumer, t, found, is_param))
         return found
+
+    def first_use(self, t: Tensor, consumer: int) -> bool:
+        """Whether this is stage ``consumer``'s first use of ``t``, noting the use. For a stage
+        computed elsewhere (another rank), which is sent ``t`` once and makes its leaf there:
+        no leaf or crossing is recorded here."""
+        key = (id(t), consumer)
+        if key in self._leaves:
+            return False
+        self._leaves[key] = t
+        return True
 
     def add_grad(self, original: Tensor, grad: Tensor) -> None:
         key = id(original)
@@ -110,6 +130,15 @@ class Ledger:
         self._leaves.clear()
         self.grads.clear()
         self.outputs.clear()
+
+
+def _detached(t: Tensor, device: torch.device) -> Tensor:
+    leaf = t.detach()
+    if leaf.device != device:
+        leaf = leaf.to(device)
+    if t.requires_grad:
+        leaf.requires_grad_()
+    return leaf
 
 
 def _is_leaf_param(t: Tensor) -> bool:

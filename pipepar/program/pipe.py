@@ -10,6 +10,7 @@ from both are summed there.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -20,6 +21,7 @@ from torch import Tensor, nn
 
 from pipepar.core import validation
 from pipepar.core.devices import DeviceSpec, resolve_devices
+from pipepar.core.randomness import DrawLog
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.local import cpu_malloc
@@ -36,6 +38,7 @@ from pipepar.local.worker import WorkerPool
 from pipepar.program import units as units_
 from pipepar.program.autograd import ProgramFunction, as_tuple
 from pipepar.program.calls import Call, join, split_call
+from pipepar.program.cut import Cut, Ledger
 from pipepar.program.driver import driver_pool, mark_boundaries
 from pipepar.program.losses import LossFn, loss_head, split_target
 from pipepar.program.run import ProgramRun
@@ -121,6 +124,7 @@ class ModelPipe(nn.Module):
         self._units = lay
         self._hooks = mark_boundaries(lay.units, stage_of_unit)
         self._devices_of_workers = workers
+        self._draws = DrawLog()  # which stages draw random numbers, across mini-batches
         self.threads = _check_threads(threads, workers, self.chunks)
         self.tracer: Tracer | None = Tracer() if trace else None
         self._pool: WorkerPool | None = None
@@ -238,13 +242,9 @@ class ModelPipe(nn.Module):
             return lambda: model(*c.args, **c.kwargs)
 
         inputs = [c.tensors() for c in calls]
-        batch = Batch(
-            [caller(c) for c in calls],
-            inputs,
-            self._owner,
-            self.devices,
-            head=head,
-            weights=weights,
+        cuts = [Cut(Ledger(), self._owner, self.devices, {id(t): t for t in xs}) for xs in inputs]
+        batch = functools.partial(
+            Batch, [caller(c) for c in calls], cuts, head=head, weights=weights
         )
         if any(d.type == "cpu" for d in self.devices) and grad:
             cpu_malloc.tune()
@@ -258,6 +258,7 @@ class ModelPipe(nn.Module):
             [c.rows for c in calls],
             grad=grad,
             tracer=self.tracer,
+            draws=self._draws,
         )
 
     def _schedule(self, m: int) -> Schedule:

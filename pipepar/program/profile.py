@@ -3,8 +3,9 @@
 :func:`profile_model` is :func:`pipepar.profile` for models that are not an ``nn.Sequential``:
 the units of :func:`pipepar.units` take the place of the layers, so :func:`pipepar.plan` of the
 result returns a balance over the units, which :func:`pipepar.wrap` takes as it is. The model's
-own ``forward`` runs once on the sample (:mod:`pipepar.program.unit_trace`): every figure is
-that of the unit that was computing, code between two units counting with the one before.
+own ``forward`` runs once on the sample (:mod:`pipepar.program.unit_trace`, and
+:mod:`pipepar.program.unit_timing` for times on a real device): every figure is that of the
+unit that was computing, code between two units counting with the one before.
 Activations count at the unit that created them (as :class:`~pipepar.planner.profile.
 LayerProfile` has it for layers); each storage once. A unit without parameters (a dropout, a
 rotary table) has its own figures here, though the pipe computes it on the stage of the unit
@@ -12,7 +13,7 @@ before it when a stage would begin there: a small difference, as such units are 
 
 On ``meta`` nothing is allocated and nothing is timed, so a model no machine here could hold
 plans in seconds; data-dependent checks a model makes (transformers' "is the mask all ones?")
-are answered as for a batch without padding (:class:`~pipepar.program.unit_trace.MetaScalars`)
+are answered as for a batch without padding (:class:`~pipepar.program.meta_values.MetaScalars`)
 and attention is counted as the fused kernels keep it.
 
     >>> model = zoo.llama3_70b()                      # on meta
@@ -36,14 +37,9 @@ from pipepar.planner.optimizer_state import OptimizerSpec, optimizer_cost, resol
 from pipepar.planner.profile import LayerProfile, ParamSpec, Profile, check_device
 from pipepar.program import units as units_
 from pipepar.program.calls import as_call, batch_size, split_call
-from pipepar.program.unit_trace import (
-    SHADOW_LIMIT,
-    UnitCall,
-    deferred_units,
-    meta_modes,
-    time_units,
-    trace_units,
-)
+from pipepar.program.meta_values import SHADOW_LIMIT, meta_modes
+from pipepar.program.unit_timing import time_units
+from pipepar.program.unit_trace import UnitCall, deferred_units, trace_units
 
 __all__ = ["profile_model"]
 
@@ -227,7 +223,7 @@ def _call_order(call: UnitCall) -> list[str]:
     units = units_.layout(call.model).units
 
     def run() -> None:
-        with meta_modes(call):
+        with meta_modes(call.device, call.values):
             one = split_call(call.args, call.kwargs, 1 << 30)[0]
             functional_call(call.model, call.params, one.args, one.kwargs)
 

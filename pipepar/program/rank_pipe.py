@@ -5,6 +5,7 @@ See :mod:`pipepar.program.ranks` for how a rank follows the stages it does not c
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -21,12 +22,13 @@ from pipepar.distributed.mesh import build_mesh, check_grid
 from pipepar.distributed.pipe import _ensure_process_group, _resolve_device
 from pipepar.program import units as units_
 from pipepar.program.calls import split_call
+from pipepar.program.cut import Ledger
 from pipepar.program.driver import driver_pool, mark_boundaries
 from pipepar.program.losses import LossFn, loss_head, split_target
+from pipepar.program.meta_values import MetaScalars
 from pipepar.program.pipe import _sizes
 from pipepar.program.ranks import Link, RankCut, RankStep, held_here, shadow_context
 from pipepar.program.step import Batch
-from pipepar.program.unit_trace import MetaScalars
 
 __all__ = ["DistributedModelPipe"]
 
@@ -151,17 +153,9 @@ class DistributedModelPipe(nn.Module):
         weights = [r / sum(rows) for r in rows]
         head = loss_head(loss_fn, split_target(target, rows))
         values = [MetaScalars() for _ in calls]
-        batch = Batch(
-            [_caller(self._model, c) for c in calls],
-            [c.tensors() for c in calls],
-            self._owner,
-            [self.device] * self.schedule.n_stages,
-            head=head,
-            weights=weights,
-        )
         cuts = [
             RankCut(
-                led,
+                Ledger(),
                 self._owner,
                 [self.device] * self.schedule.n_stages,
                 {},
@@ -169,9 +163,17 @@ class DistributedModelPipe(nn.Module):
                 link=self._link,
                 values=vals,
             )
-            for led, vals in zip(batch.ledgers, values)
+            for vals in values
         ]
-        batch.cuts = cuts  # type: ignore[assignment]
+        shadow = shadow_context(values, True)
+
+        def context(stage: int, i: int) -> contextlib.AbstractContextManager[Any]:
+            # ``step`` is made below, before any driver runs.
+            return step.segment_context(stage, i) if stage == self._own else shadow(stage, i)
+
+        batch = Batch(
+            [_caller(self._model, c) for c in calls], cuts, context, head=head, weights=weights
+        )
         step = RankStep(
             self._stage,
             len(calls),
@@ -185,11 +187,6 @@ class DistributedModelPipe(nn.Module):
             cuts=cuts,
             link=self._link,
         )
-        shadow = shadow_context(values, True)
-        batch.contexts = [
-            step.segment_context if s == self._own else shadow
-            for s in range(self.schedule.n_stages)
-        ]
         pool = self._driver_threads(len(calls))
         for driver in batch.drivers:
             pool.submit(driver.run)

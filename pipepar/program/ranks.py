@@ -5,7 +5,7 @@ driver thread, as in one process (:mod:`pipepar.program.driver`). Its own stage 
 real; the other stages run *in shadow* on the ``meta`` device: no memory, no arithmetic, only
 shapes, dtypes and whether a value needs a gradient, so the rank holds only its own stage's
 weights. Token ids, masks and positions keep a small CPU copy of their value
-(:class:`~pipepar.program.unit_trace.MetaScalars`), so the model's data-dependent checks ("is
+(:class:`~pipepar.program.meta_values.MetaScalars`), so the model's data-dependent checks ("is
 the mask all ones?") read what a real run reads and every rank takes the same path through the
 code (a fake-tensor mode would not: transformers treats fake tensors as tracing and builds
 other masks). :class:`RankCut` then knows, at the same point of the
@@ -24,16 +24,16 @@ them; their gradients are summed over those ranks after each step, so the copies
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from pipepar.program.cut import _TAG, Crossing, Cut, Ledger
-from pipepar.program.step import SegmentStep
-from pipepar.program.unit_trace import SHADOW_LIMIT, MetaScalars
+from pipepar.program.cut import Crossing, Cut, Ledger
+from pipepar.program.meta_values import SHADOW_LIMIT, MetaScalars
+from pipepar.program.step import SegmentContext, SegmentStep
 
 __all__ = ["Link", "RankCut", "RankStep"]
 
@@ -108,12 +108,9 @@ class RankCut(Cut):
         sent to the stage's rank the first time that stage uses it."""
         if t.is_meta:
             return t
-        if self.ledger.stage_of(t) == self.own:
-            key = (id(t), self.stage)
-            if key not in self.ledger._leaves:
-                self.ledger._leaves[key] = t
-                self.exports.append(Crossing(self.own, self.stage, t, t))
-                self.link.send(t, self.stage, ACTIVATION)
+        if self.ledger.stage_of(t) == self.own and self.ledger.first_use(t, self.stage):
+            self.exports.append(Crossing(self.own, self.stage, t, t))
+            self.link.send(t, self.stage, ACTIVATION)
         return self._meta_of(t)
 
     def _meta_of(self, t: Tensor) -> Tensor:
@@ -133,15 +130,12 @@ class RankCut(Cut):
                 f"stage {self.own} uses a value of shape {tuple(t.shape)} that no stage made in "
                 "this micro-batch (kept from an earlier call?); pipepar cannot send it"
             )
-        key = (id(t), self.own)
-        leaf = self.ledger._leaves.get(key)
-        if leaf is None:
-            leaf = self.link.recv(t, made, ACTIVATION)
-            if t.requires_grad and leaf.is_floating_point():
-                leaf.requires_grad_()
-            setattr(leaf, _TAG, (self.ledger.token, self.own))
-            self.ledger._leaves[key] = leaf
-            self.ledger.crossings.append(Crossing(made, self.own, t, leaf))
+        return self.ledger.leaf_from(t, made, self.own, lambda: self._recv(t, made))
+
+    def _recv(self, t: Tensor, made: int) -> Tensor:
+        leaf = self.link.recv(t, made, ACTIVATION)
+        if t.requires_grad and leaf.is_floating_point():
+            leaf.requires_grad_()
         return leaf
 
 
@@ -154,7 +148,8 @@ class RankStep(SegmentStep):
         self.cuts, self.link = cuts, link
 
     def forward(self, i: int, x: Any) -> tuple[()]:
-        self.batch.drivers[i].advance(len(self.batch.contexts) - 1)
+        last = len(self.cuts[i].devices) - 1  # the whole forward, the other stages in shadow
+        self.batch.drivers[i].advance(last)
         return ()
 
     def backward(self, i: int, grads: Any) -> tuple[()]:
@@ -178,7 +173,7 @@ class RankStep(SegmentStep):
         return ()
 
 
-def shadow_context(values: Sequence[MetaScalars], grad: bool) -> Callable[[int, int], Any]:
+def shadow_context(values: Sequence[MetaScalars], grad: bool) -> SegmentContext:
     """What a driver enters while it follows a stage of another rank (micro-batch ``i`` reads
     the values of ``values[i]``)."""
 

@@ -8,20 +8,21 @@ forward returned for each micro-batch.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, cast
 
 from torch import Tensor, nn
 
-from pipepar.core.randomness import Randomness, Streams
+from pipepar.core.randomness import DrawLog, Randomness, Streams
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.local.executor import Phase, Run
 from pipepar.local.worker import Slots, WorkerPool
-from pipepar.program.step import Batch, SegmentStep
+from pipepar.program.step import Batch, SegmentContext, SegmentStep
 from pipepar.tracing.tracer import Tracer
 
 __all__ = ["ProgramRun"]
@@ -34,12 +35,18 @@ class ProgramRun(Run):
         stages: the pipe's stages.
         params: per stage, the parameters it holds.
         schedule: what each worker runs.
-        batch: the micro-batches' drivers and ledgers.
+        batch: makes the micro-batches' drivers and ledgers, given what the drivers enter while
+            they compute a stage (the stage's step's context).
         drivers: the threads the drivers run on (one per micro-batch).
         inputs: per micro-batch, the pipe's tensor arguments (in the caller's flat order).
         rows: each micro-batch's rows.
         grad: whether a backward follows.
         tracer: where to record a timeline, if any.
+        draws: the pipe's record of which stages draw random numbers (see
+            :class:`~pipepar.core.randomness.DrawLog`).
+
+    Each W runs where the schedule lists it (no early W on an idle worker, unlike
+    :class:`~pipepar.local.executor.Run`): a stage's forward state lives on its drivers.
     """
 
     def __init__(
@@ -47,26 +54,28 @@ class ProgramRun(Run):
         stages: Sequence[Stage],
         params: Sequence[list[nn.Parameter]],
         schedule: Schedule,
-        batch: Batch,
+        batch: Callable[[SegmentContext], Batch],
         drivers: ThreadPoolExecutor,
         inputs: Sequence[Sequence[Tensor]],
         rows: Sequence[int],
         *,
         grad: bool,
         tracer: Tracer | None = None,
+        draws: DrawLog | None = None,
     ) -> None:
-        self.stages, self.schedule, self.m = list(stages), schedule, len(batch.drivers)
-        self.tracer, self.batch, self.inputs = tracer, batch, inputs
+        self.batch = batch(self._segment_context)
+        self.stages, self.schedule, self.m = list(stages), schedule, len(self.batch.drivers)
+        self.tracer, self.inputs = tracer, inputs
         self.training = any(u.training for s in stages for u in s.layers)
         # Several workers race for the generator: a stream per (stage, micro-batch) keeps runs
         # repeatable. One worker draws in order (nothing is recomputed here).
-        streams: Randomness | None = Streams() if schedule.n_workers > 1 else None
-        record = tracer.record if tracer is not None else None
+        streams: Randomness | None = Streams(log=draws) if schedule.n_workers > 1 else None
+        record = self._record if tracer is not None else None
         self.steps = [  # type: ignore[assignment]
             SegmentStep(
                 stage,
                 self.m,
-                batch=batch,
+                batch=self.batch,
                 params=params[stage.index],
                 checkpoint="never",
                 grad=grad,
@@ -77,7 +86,7 @@ class ProgramRun(Run):
             )
             for stage in self.stages
         ]
-        batch.contexts = [step.segment_context for step in self.steps]  # type: ignore[attr-defined]
+        self._queue_weights(set())
         self.slots = Slots()
         for i in range(self.m):
             self.slots.put(("F", 0, i), ())
@@ -86,6 +95,11 @@ class ProgramRun(Run):
         self._lock = threading.Lock()
         self.out_sizes: list[int] = []
         self.rows = list(rows)
+
+    def _segment_context(self, stage: int, i: int) -> contextlib.AbstractContextManager[Any]:
+        """What micro-batch ``i``'s driver enters while it computes ``stage``: that stage's
+        step's context (the steps exist before any driver runs)."""
+        return cast(SegmentStep, self.steps[stage]).segment_context(stage, i)
 
     def execute(self, pool: WorkerPool | None, phase: Phase) -> None:
         self._start()

@@ -22,7 +22,10 @@ from pipepar.core.step import Grads, StageStep
 from pipepar.program.cut import Crossing, Cut, Ledger
 from pipepar.program.driver import Driver
 
-__all__ = ["Batch", "SegmentStep"]
+__all__ = ["Batch", "SegmentContext", "SegmentStep"]
+
+SegmentContext = Callable[[int, int], contextlib.AbstractContextManager[Any]]
+"""``context(stage, i)``: what micro-batch ``i``'s driver enters while it computes ``stage``."""
 
 
 class Batch:
@@ -30,10 +33,9 @@ class Batch:
 
     Args:
         calls: ``calls[i]()`` runs the model's forward on micro-batch ``i``.
-        inputs: per micro-batch, the pipe's tensor arguments (those needing a gradient cross
-            from the caller).
-        owner: the stage holding each parameter, by ``id``.
-        devices: each stage's device.
+        cuts: per micro-batch, the cut its forward runs under (holding its ledger).
+        context: what the drivers enter while they compute a stage (the stage's step's
+            :meth:`SegmentStep.segment_context`, or how a rank follows another's stage).
         head: applied to micro-batch ``i``'s output on the stage that finishes it (a loss);
             backward then starts from it, with gradient ``weights[i]``.
         weights: the micro-batches' shares of the loss.
@@ -42,18 +44,14 @@ class Batch:
     def __init__(
         self,
         calls: Sequence[Callable[[], Any]],
-        inputs: Sequence[Sequence[Tensor]],
-        owner: dict[int, int],
-        devices: list[torch.device],
+        cuts: Sequence[Cut],
+        context: SegmentContext,
         head: Callable[[Any, int], Tensor] | None = None,
         weights: Sequence[float] | None = None,
     ) -> None:
-        self.ledgers = [Ledger() for _ in calls]
-        self.cuts = [
-            Cut(ledger, owner, devices, {id(t): t for t in xs})
-            for ledger, xs in zip(self.ledgers, inputs)
-        ]
-        self.contexts: list[Callable[[int, int], contextlib.AbstractContextManager[Any]]] = []
+        self.cuts = list(cuts)
+        self.ledgers = [cut.ledger for cut in self.cuts]
+        self.context = context
         self.head, self.weights = head, weights
         self.drivers = [
             Driver(self._call(i, call), self._stage_context(i)) for i, call in enumerate(calls)
@@ -80,7 +78,7 @@ class Batch:
     def _stage_context(self, i: int) -> Callable[[int], contextlib.AbstractContextManager[Any]]:
         def enter(stage: int) -> contextlib.AbstractContextManager[Any]:
             self.cuts[i].stage = stage
-            return self.contexts[stage](stage, i) if self.contexts else contextlib.nullcontext()
+            return self.context(stage, i)
 
         return enter
 
@@ -112,7 +110,7 @@ class SegmentStep(StageStep):
 
     def segment_context(self, stage: int, i: int) -> contextlib.AbstractContextManager[Any]:
         """What the driver enters while it computes this stage of micro-batch ``i``."""
-        stack = self._context(i)
+        stack = self._context(i, replay=False)  # the program route never recomputes
         stack.enter_context(torch.set_grad_enabled(self.grad))
         return stack
 

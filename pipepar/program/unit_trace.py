@@ -1,11 +1,12 @@
 """One traced training pass of any model, its costs attributed to the model's units.
 
-The model's own ``forward`` runs once on the sample, under the same :class:`~pipepar.program.cut.
-Cut` the pipe runs it under, with every unit as a stage of its own: each unit then owns a small
-autograd graph, whose inputs are leaves standing for what earlier units (or the code between
-them) handed it. So the backward can run one unit at a time, as a pipeline stage of that one
-unit would, and every figure of :mod:`pipepar.planner.layer_trace` is measured per unit the way
-it is per layer of an ``nn.Sequential``:
+The model's own ``forward`` runs once on the sample (a :class:`UnitCall`), under the same
+:class:`~pipepar.program.cut.Cut` the pipe runs it under, with every unit as a stage of its own
+(:func:`unit_forward`): each unit then owns a small autograd graph (a :class:`UnitGraph`),
+whose inputs are leaves standing for what earlier units (or the code between them) handed it.
+So the backward can run one unit at a time (:func:`unit_backward`), as a pipeline stage of that
+one unit would, and every figure of a :class:`~pipepar.planner.layer_trace.LayerTrace` is
+measured per unit the way it is per layer of an ``nn.Sequential`` (:func:`trace_units`):
 
 - a forward pre-hook on every unit says which unit is computing (code between two units counts
   with the one before, code before the first with the first), tags the storages it creates
@@ -15,28 +16,23 @@ it is per layer of an ``nn.Sequential``:
   (a residual stream, a rotary table, the labels reach the last unit);
 - the backward runs unit by unit in reverse, from the gradients later units handed back.
 
-On the meta device two things differ from a real run and are made to agree with one
-(:class:`MetaScalars`, :class:`FusedGroupedAttention`): data-dependent reads of a value, and
-attention, traced unfused.
+:func:`deferred_units` measures, from the same graphs, what each unit's split backward keeps
+for W. On the meta device the pass runs under :func:`~pipepar.program.meta_values.meta_modes`,
+so data-dependent reads and attention go as on a real device; the times of the units on a real
+device are taken by :mod:`pipepar.program.unit_timing`, over the same pass.
 """
 
 from __future__ import annotations
 
 import contextlib
-import statistics
-import time
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.func import functional_call
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+from torch.utils._pytree import tree_leaves
 
 from pipepar.planner.allocator_log import AllocatorLog
 from pipepar.planner.backward_clock import BackwardClock, lift
@@ -51,203 +47,18 @@ from pipepar.planner.layer_trace import (
     _use_allocator_peaks,
 )
 from pipepar.planner.memory_tracker import MemoryTracker, storage_key
-from pipepar.planner.meta_attention import _fusable, _fused
 from pipepar.program.cut import Crossing, Cut, Ledger
+from pipepar.program.meta_values import meta_modes
 
 __all__ = [
-    "FusedGroupedAttention",
-    "MetaScalars",
+    "Step",
     "UnitCall",
+    "UnitGraph",
     "deferred_units",
-    "meta_modes",
-    "time_units",
     "trace_units",
+    "unit_backward",
+    "unit_forward",
 ]
-
-_aten = torch.ops.aten
-_CPU = torch.device("cpu")
-SHADOW_LIMIT = 1 << 22
-"""Largest tensor (elements) whose value :class:`MetaScalars` follows on the CPU."""
-
-
-class MetaScalars(TorchDispatchMode):
-    """Give meta tensors whose value is known a small CPU twin, so models can read it.
-
-    Meta tensors have shapes but no values, so ``bool(mask.all())`` or ``tensor.item()`` fails
-    on them, and transformers makes such checks before building an attention mask ("is the
-    mask all ones?", "are sequences packed?"). It skips them while tracing (FakeTensor,
-    dynamo), but then takes the path that materializes a ``B x 1 x T x T`` mask and runs
-    unfused attention: not what a real run does, so a trace would count memory no device
-    holds. Instead, this mode runs every operation whose tensor inputs all have a known value
-    (the sample's token ids and masks, positions made by ``arange``, constants) a second time
-    on CPU copies of at most :data:`SHADOW_LIMIT` elements, and a data-dependent read of a meta
-    tensor is answered from its copy: exactly what the real run would read. A sample given on
-    meta (no values) stands for a batch of ones (every token id 1, every mask set: no padding).
-    Model weights and activations have no copy; a read of one raises, naming a fix.
-
-    Must be entered below a :class:`~pipepar.planner.memory_tracker.MemoryTracker` (before
-    it), which then does not see the copies.
-
-    Example:
-        >>> ids = torch.empty(2, 8, dtype=torch.long, device="meta")
-        >>> with MetaScalars() as values:
-        ...     values.know(ids, torch.ones(2, 8, dtype=torch.long))
-        ...     bool((ids == 1).all())
-        True
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._values: dict[int, tuple[weakref.ref[Tensor], Tensor]] = {}
-
-    def know(self, meta: Tensor, value: Tensor) -> None:
-        """Tell the mode the value of ``meta`` (a CPU tensor of its shape and dtype)."""
-        key = id(meta)
-        self._values[key] = (weakref.ref(meta, lambda _: self._values.pop(key, None)), value)
-
-    def value(self, meta: Tensor) -> Tensor | None:
-        """The known value of ``meta``, or None."""
-        found = self._values.get(id(meta))
-        return found[1] if found is not None and found[0]() is meta else None
-
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func is _aten._local_scalar_dense.default and args[0].is_meta:
-            return self._read(args[0])
-        out = func(*args, **kwargs)
-        metas = [t for t in tree_leaves(out) if isinstance(t, Tensor) and t.is_meta]
-        if metas:
-            self._follow(func, args, kwargs, metas)
-        return out
-
-    def _follow(self, func: Any, args: Any, kwargs: Any, metas: list[Tensor]) -> None:
-        """Run ``func`` on the inputs' values; forget the outputs' values if it cannot (an
-        in-place operation with an unknown input makes its output's value unknown)."""
-        values = None
-        if all(t.numel() <= SHADOW_LIMIT for t in metas):
-            values = self._replay(func, args, kwargs)
-        if values is None or len(values) != len(metas):
-            for t in metas:
-                self._values.pop(id(t), None)
-            return
-        for meta, value in zip(metas, values):
-            self.know(meta, value)
-
-    def _replay(self, func: Any, args: Any, kwargs: Any) -> list[Tensor] | None:
-        flat, spec = tree_flatten((args, kwargs))
-        for k, leaf in enumerate(flat):
-            if isinstance(leaf, Tensor) and leaf.is_meta:
-                value = self.value(leaf)
-                if value is None:
-                    return None
-                flat[k] = value
-            elif isinstance(leaf, torch.device) and leaf.type == "meta":
-                flat[k] = _CPU
-        a, k = tree_unflatten(flat, spec)
-        try:
-            out = func(*a, **k)
-        except Exception:  # an operation the CPU copy cannot take: the value stays unknown
-            return None
-        return [t for t in tree_leaves(out) if isinstance(t, Tensor)]
-
-    def _read(self, tensor: Tensor) -> Any:
-        value = self.value(tensor)
-        if value is not None:
-            return value.item()
-        raise ValueError(
-            f"the model reads the value of a {tensor.dtype} meta tensor of shape "
-            f"{tuple(tensor.shape)} (Tensor.item() or bool()) that depends on weights or "
-            "activations, which the meta device does not have; profile on a real device with "
-            "a small batch (device='cpu'), or make the model skip the check"
-        )
-
-
-class FusedGroupedAttention(TorchFunctionMode):
-    """:class:`~pipepar.planner.meta_attention.FusedAttention` (whose routing it reuses), and
-    grouped-query attention too: transformers calls ``scaled_dot_product_attention`` with
-    ``enable_gqa=True`` for Llama when there is no mask, and the fused kernels (flash
-    attention on CPU and CUDA) then keep keys and values with their own, fewer heads; torch's
-    meta path would repeat them and keep the ``T x T`` probabilities of every query head.
-
-    Also inside ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``: torchvision's
-    ViT): a torch function runs with the modes off, so the attention it calls would not pass
-    here; for the length of that call ``F.scaled_dot_product_attention`` is the routing
-    function (meta tensors only; anything else goes to torch's own)."""
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            return _attention(func, args, kwargs)
-        if func is F.multi_head_attention_forward:
-            return _routed_inside(func, args, kwargs)
-        return func(*args, **kwargs)
-
-
-def _attention(original: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Attention on meta as the fused kernel runs it, where it would; else torch's own."""
-    if _grouped(*args, **kwargs):
-        return _fused_grouped(*args, **kwargs)
-    if _fusable(*args, **kwargs):
-        return _fused(*args, **kwargs)
-    return original(*args, **kwargs)
-
-
-def _routed_inside(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    original = F.scaled_dot_product_attention
-
-    def attention(*a: Any, **k: Any) -> Any:
-        return _attention(original, a, k)
-
-    setattr(F, "scaled_dot_product_attention", attention)  # noqa: B010
-    try:
-        return func(*args, **kwargs)
-    finally:
-        setattr(F, "scaled_dot_product_attention", original)  # noqa: B010
-
-
-def _grouped(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
-    *args: Any,
-    enable_gqa: bool = False,
-    **kwargs: Any,
-) -> bool:
-    if not (enable_gqa and query.is_meta and attn_mask is None and query.dim() == 4):
-        return False
-    return key.shape[1] == value.shape[1] and query.shape[1] % key.shape[1] == 0
-
-
-def _fused_grouped(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Tensor:
-    op = _aten._scaled_dot_product_flash_attention_for_cpu
-    return op(query, key, value, dropout_p, is_causal, scale=scale)[0]  # type: ignore[no-any-return]
-
-
-def meta_modes(call: UnitCall) -> contextlib.AbstractContextManager[Any]:
-    """What a pass of ``call`` runs under, entered before any memory tracker: on meta,
-    :class:`MetaScalars` knowing the sample's values, and fused attention."""
-    if call.device.type != "meta":
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    values = stack.enter_context(MetaScalars())
-    for meta, value in call.values:
-        values.know(meta, value)
-    stack.enter_context(FusedGroupedAttention())
-    return stack
 
 
 @dataclass
@@ -263,7 +74,7 @@ class UnitCall:
         args / kwargs: the sample call, on the profiling device.
         device: the profiling device.
         values: on meta, the known values of the sample's meta tensors (for
-            :class:`MetaScalars`).
+            :class:`~pipepar.program.meta_values.MetaScalars`).
     """
 
     model: nn.Module
@@ -351,14 +162,21 @@ def _hooks(
             h.remove()
 
 
-def _forward(
+def unit_forward(
     call: UnitCall,
     on_enter: Callable[[int], None],
     on_exit: Callable[[int, Any, Any], None] | None = None,
     on_use: Callable[[Tensor, int], None] | None = None,
 ) -> tuple[list[UnitGraph], list[tuple[Tensor, Tensor]], Any]:
     """The model's forward, cut at every unit; returns the units' graphs, the seeds of the
-    backward (output, gradient) and the model's output."""
+    backward (output, gradient) and the model's output.
+
+    Args:
+        call: the call to make.
+        on_enter: ``on_enter(i)`` when unit ``i`` starts computing (``on_enter(0)`` first).
+        on_exit: ``on_exit(i, inputs, output)`` after every call of unit ``i``.
+        on_use: ``on_use(t, i)`` for every tensor an operation of unit ``i`` reads.
+    """
     ledger = Ledger()
     cut = _UnitCut(call, ledger, on_use)
 
@@ -412,7 +230,7 @@ Step = Callable[[int, list[Tensor], list[Tensor], list[Tensor], list[Tensor]], S
 """``step(i, outs, grads, inputs, weights)``: unit ``i``'s backward; the inputs' gradients."""
 
 
-def _backward(graphs: list[UnitGraph], seeds: list[tuple[Tensor, Tensor]], step: Step) -> None:
+def unit_backward(graphs: list[UnitGraph], seeds: list[tuple[Tensor, Tensor]], step: Step) -> None:
     """Run the units' backwards in reverse, each from the gradients later units handed back
     (summed over the units that used a value), as the pipe's stages do; every unit's graph
     is let go once it ran."""
@@ -504,14 +322,14 @@ def trace_units(call: UnitCall) -> tuple[list[LayerTrace], list[StorageRecord]]:
     log = AllocatorLog() if cpu else contextlib.nullcontext()
     pre = _versions_hook(tr)
     saving = torch.autograd.graph.saved_tensors_hooks(tr.rec.pack, lambda t: t)
-    with meta_modes(call), log, tr.tracker, saving:
+    with meta_modes(call.device, call.values), log, tr.tracker, saving:
         with _version_hooks(call.units, pre):
-            graphs, seeds, output = _forward(call, tr.enter, tr.exit, tr.use)
+            graphs, seeds, output = unit_forward(call, tr.enter, tr.exit, tr.use)
         tr.close()
         tr.handed_out(output, n)
         del output
         tr.rec.recording = False
-        _backward(graphs, seeds, _traced_step(tr))
+        unit_backward(graphs, seeds, _traced_step(tr))
         del graphs, seeds
     if isinstance(log, AllocatorLog):
         _use_allocator_peaks(log, tr.traces)
@@ -567,59 +385,13 @@ def _traced_step(tr: _Tracer) -> Step:
     return step
 
 
-# -- times and split backwards ----------------------------------------------------------------
-def time_units(call: UnitCall, *, repeats: int = 3) -> list[tuple[float, float]]:
-    """Wall-clock (forward_ms, backward_ms) per unit on a real device: the median of
-    ``repeats`` untraced passes after one that warms up (a first call pays for lazy
-    initialisation, and would make the first unit look several times its cost); forward time
-    runs from a unit's start to the next unit's, code between them included."""
-    _time_once(call)
-    passes = [_time_once(call) for _ in range(max(1, repeats))]
-    return [
-        (statistics.median(p[i][0] for p in passes), statistics.median(p[i][1] for p in passes))
-        for i in range(len(call.units))
-    ]
-
-
-def _time_once(call: UnitCall) -> list[tuple[float, float]]:
-    sync = (lambda: torch.cuda.synchronize(call.device)) if call.device.type == "cuda" else None
-    n = len(call.units)
-    forward, backward = [0.0] * n, [0.0] * n
-    clock: list[Any] = [None, 0.0]  # the unit computing, since when
-
-    def enter(i: int) -> None:
-        if sync is not None:
-            sync()
-        now = time.perf_counter()
-        if clock[0] is not None:
-            forward[clock[0]] += (now - clock[1]) * 1e3
-        clock[:] = [i, now]
-
-    with meta_modes(call):
-        graphs, seeds, output = _forward(call, enter)
-    enter(clock[0])  # close the last window
-    del output
-
-    def step(
-        i: int, outs: list[Tensor], grads: list[Tensor], ins: list[Tensor], weights: list[Tensor]
-    ) -> Sequence[Any]:
-        start = time.perf_counter()
-        result = torch.autograd.grad(outs, ins + weights, grads, allow_unused=True)
-        if sync is not None:
-            sync()
-        backward[i] = (time.perf_counter() - start) * 1e3
-        return result[: len(ins)]
-
-    _backward(graphs, seeds, step)
-    return list(zip(forward, backward))
-
-
+# -- split backwards --------------------------------------------------------------------------
 def deferred_units(call: UnitCall) -> list[DeferredGrads]:
     """What each unit's split backward (zero-bubble B) keeps for W, as
     :func:`pipepar.planner.deferred_grads.deferred_grads` measures it per layer; ``call``
     should be on meta (sizes only)."""
-    with meta_modes(call):
-        graphs, _, output = _forward(call, lambda i: None)
+    with meta_modes(call.device, call.values):
+        graphs, _, output = unit_forward(call, lambda i: None)
     del output
     found = []
     for graph in graphs:

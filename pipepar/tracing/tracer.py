@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
@@ -54,6 +55,13 @@ class Event:
     kind: str
     start: float
     end: float
+    worker: int | None = None
+    """The worker that ran it, when not the stage's own (an idle worker may run another
+    stage's deferred weight gradients on a shared device)."""
+
+    def shifted(self, by: float) -> Event:
+        """The same event ``by`` seconds later."""
+        return dataclasses.replace(self, start=self.start + by, end=self.end + by)
 
     @property
     def duration(self) -> float:
@@ -94,10 +102,19 @@ class Tracer:
         self._lock = threading.Lock()
         self.origin = time.perf_counter()
 
-    def record(self, stage: int, microbatch: int, kind: str, start: float, end: float) -> None:
-        """Add one event; times are ``time.perf_counter()`` readings."""
+    def record(
+        self,
+        stage: int,
+        microbatch: int,
+        kind: str,
+        start: float,
+        end: float,
+        worker: int | None = None,
+    ) -> None:
+        """Add one event; times are ``time.perf_counter()`` readings; ``worker`` if another
+        worker than the stage's own ran it."""
         with self._lock:
-            self.events.append(Event(stage, microbatch, kind, start, end))
+            self.events.append(Event(stage, microbatch, kind, start, end, worker))
 
     def clear(self) -> None:
         """Forget all events and restart the clock."""
@@ -162,10 +179,7 @@ class Timeline:
     def __init__(self, events: Iterable[Event], *, origin: float | None = None) -> None:
         raw = sorted(events, key=lambda e: (e.start, e.stage, e.end))
         self.origin = raw[0].start if origin is None and raw else (origin or 0.0)
-        self.events: tuple[Event, ...] = tuple(
-            Event(e.stage, e.microbatch, e.kind, e.start - self.origin, e.end - self.origin)
-            for e in raw
-        )
+        self.events: tuple[Event, ...] = tuple(e.shifted(-self.origin) for e in raw)
 
     # -- shape --------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -272,8 +286,10 @@ class Timeline:
             >>> tl = pipe.tracer.timeline().by_worker(pipe.schedule.placement)
         """
         moved = [
-            Event(placement[e.stage], e.microbatch, e.kind, e.start, e.end) for e in self.events
-        ]
+            Event(placement[e.stage] if e.worker is None else e.worker, e.microbatch, e.kind,
+                  e.start, e.end)
+            for e in self.events
+        ]  # fmt: skip
         return Timeline(moved, origin=0.0)
 
     def actions(self, stage: int) -> list[str]:
@@ -318,4 +334,4 @@ def _is_first_action(event: Event) -> bool:
 
 
 def _absolute(events: Sequence[Event], origin: float) -> list[Event]:
-    return [Event(e.stage, e.microbatch, e.kind, e.start + origin, e.end + origin) for e in events]
+    return [e.shifted(origin) for e in events]

@@ -106,10 +106,14 @@ def test_schedules_quick_table_shape(tmp_path: Path) -> None:
     for row in measured:
         assert row["steps"] == 3 and 0 < row["p10"] <= row["median"] <= row["p90"]
         assert row["x_one_core"] > 0 and row["of_limit"] > 0
+        if row["key"] != "limit:":
+            low, high = row["of_limit_interval"]
+            assert 0 < low <= high
     assert by["one core:"]["x_one_core"] == pytest.approx(1.0)
     assert by["limit:"]["of_limit"] == pytest.approx(1.0)
     table = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
-    assert len(table) == 1 + len(rows) and all(line.count("|") == 10 for line in table)
+    assert len(table) == 1 + len(rows) and all(line.count("|") == 11 for line in table)
+    assert "pipepar's best (1f1b) / torch's best (1F1B), p90 rates:" in text
 
 
 def test_overhead_quick(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import pipepar
-from pipepar.core.randomness import Recorded, Streams
+from pipepar.core.randomness import DrawLog, Recorded, Streams
 
 WIDTH = 16
 
@@ -149,3 +149,69 @@ def test_recorded_replay_refuses_a_forward_that_draws_differently() -> None:
     with pytest.raises(RuntimeError, match=match), r.drawing(0, 0):
         torch.rand(2)
         torch.rand(2)
+
+
+class _Sometimes(nn.Module):
+    """Draws only while ``on`` is set: randomness the train/eval flags do not announce."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * (torch.rand_like(x) > 0.5) if self.on else x
+
+
+def _steps(model: nn.Sequential, checkpoint: str, switch_at: int | None = None) -> list:
+    """Four seeded steps of a two-worker pipe; ``model[1].on`` is set before step ``switch_at``."""
+    pipe = pipepar.wrap(model, [2, 2], devices=["cpu", "cpu"], chunks=4, checkpoint=checkpoint)
+    x, results = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(1)), []
+    for k in range(4):
+        if k == switch_at:
+            model[1].on = True
+        torch.manual_seed(100 + k)
+        loss = pipe.step(x, torch.zeros(8, WIDTH), F.mse_loss)
+        results += [loss, *[p.grad.clone() for p in model.parameters()]]
+        model.zero_grad(set_to_none=True)
+    return results
+
+
+def _sometimes_model(on: bool = False) -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), _Sometimes(), nn.Linear(WIDTH, WIDTH), nn.Tanh())
+    model[1].on = on
+    return model
+
+
+def test_steps_repeat_and_replay_while_quiet_stages_skip_the_streams() -> None:
+    # Stage 0 draws in every step, stage 1 never: after the first step stage 1 runs without
+    # the random-stream mode; every step still repeats bit for bit, and recompute replays.
+    first = _steps(_sometimes_model(on=True), "never")
+    again = _steps(_sometimes_model(on=True), "never")
+    recomputed = _steps(_sometimes_model(on=True), "always")
+    for a, b, c in zip(first, again, recomputed):
+        assert torch.equal(a, b)
+        assert torch.equal(a, c)
+
+
+def test_a_quiet_stage_that_starts_drawing_warns_once_and_is_watched_again() -> None:
+    with pytest.warns(RuntimeWarning, match="stage 0 drew random numbers") as caught:
+        first = _steps(_sometimes_model(), "never", switch_at=2)
+    assert len([w for w in caught if "drew random numbers" in str(w.message)]) == 1
+    with pytest.warns(RuntimeWarning):
+        again = _steps(_sometimes_model(), "never", switch_at=2)
+    per_step = len(first) // 4
+    # the step that revealed the draw took the shared generator; the next one uses streams
+    for a, b in zip(first[3 * per_step :], again[3 * per_step :]):
+        assert torch.equal(a, b)
+
+
+def test_streams_skip_the_mode_only_for_a_known_quiet_stage_and_a_block_not_replayed() -> None:
+    log = DrawLog()
+    with Streams(seed=1, log=log).drawing(0, 0, replay=False, flags=(True,)):
+        pass  # watched under the mode: learns that stage 0 draws nothing
+    assert log.quiet(0, (True,)) and not log.quiet(0, (False,))
+    before = torch.get_rng_state()
+    with Streams(seed=1, log=log).drawing(0, 1, replay=True, flags=(True,)):
+        torch.rand(2)  # will be replayed: still on the stream, the generator untouched
+    assert torch.equal(torch.get_rng_state(), before) and log.quiet(0, (True,)) is False

@@ -271,7 +271,9 @@ def test_the_10_7b_stack_plans_in_little_memory() -> None:
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["params"] == 40 * (16384 * 16384 + 16384) * 4  # 10.7B parameters
     assert result["balance"] == [5] * 8
-    assert result["rss"] < 2 * 2**30
+    # The weights alone would be 43 GB (each layer 1 GiB): planning keeps them on meta. The
+    # process itself takes ~0.7 GiB alone, up to ~2.3 GiB seen when run late in the suite.
+    assert result["rss"] < 4 * 2**30
     assert all(p < 80 * 2**30 for p in result["peaks"])
 
 

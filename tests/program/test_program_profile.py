@@ -18,8 +18,8 @@ from torch import nn
 
 import pipepar
 from models import transformers_zoo as zoo
+from pipepar.program.meta_values import MetaScalars
 from pipepar.program.profile import profile_model
-from pipepar.program.unit_trace import MetaScalars
 
 EXACT = (
     "params_bytes",

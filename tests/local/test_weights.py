@@ -1,0 +1,126 @@
+"""Deferred weight gradients run early by an idle worker: order, ownership and results."""
+
+from __future__ import annotations
+
+import copy
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import pipepar
+from pipepar.core.schedule import Action, Schedule, make
+from pipepar.local import executor
+from pipepar.local.weights import WeightQueue, shared_stages
+
+CPU = torch.device("cpu")
+
+
+def test_a_stage_runs_its_w_in_order_one_at_a_time() -> None:
+    q = WeightQueue((0, 1), [CPU, CPU], shared={0, 1})
+    q.ready(1, 0)
+    q.ready(1, 1)
+    assert q.claim_any(0) == (1, 0)  # worker 0 may take stage 1's W: same device
+    assert not q.runnable(0) and q.claim_any(1) is None  # W(1, 1) waits for W(1, 0)
+    q.release(1)
+    assert q.claim(1, 1)  # its own worker reaches it in its list
+    q.release(1)
+    assert not q.claim(1, 0)  # already run by worker 0: skipped
+
+
+def test_the_owner_waits_for_an_earlier_w_of_its_stage_then_runs_its_own() -> None:
+    q = WeightQueue((0, 1), [CPU, CPU], shared={1})
+    q.ready(1, 0)
+    q.ready(1, 1)
+    assert q.claim_any(0) == (1, 0)
+    claimed = threading.Event()
+    owner = threading.Thread(target=lambda: q.claim(1, 1) and claimed.set())
+    owner.start()
+    assert not claimed.wait(0.05)  # W(1, 1) must not start before W(1, 0) ends
+    q.release(1)
+    owner.join(5)
+    assert claimed.is_set()
+
+
+def test_workers_on_different_devices_keep_their_own_w() -> None:
+    q = WeightQueue((0, 1), [CPU, torch.device("meta")], shared={0, 1})
+    q.ready(1, 0)
+    assert q.claim_any(0) is None and q.claim_any(1) == (1, 0)
+
+
+def test_only_stages_whose_every_backward_splits_in_order_take_part() -> None:
+    assert shared_stages(make("zb-h1", 2, 4, n_workers=2)) == {0, 1}
+    assert shared_stages(make("1f1b", 2, 4, n_workers=2)) == set()
+    w = [a for a in make("zb-h1", 2, 2, n_workers=2).actions[1] if a.kind == "W"]
+    assert [a.microbatch for a in w] == [0, 1]
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: its stage's B takes long, so the other worker idles."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.2)
+        return grad
+
+
+class _Slow(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SlowBackward.apply(x)
+
+
+def _late_weights() -> Schedule:
+    """Two stages, two micro-batches; stage 1 lists its W last, after a slow B."""
+    a = Action
+    first = (a(0, "F", 0), a(0, "F", 1), a(0, "B", 0), a(0, "W", 0), a(0, "B", 1), a(0, "W", 1))
+    last = (a(1, "F", 0), a(1, "B", 0), a(1, "F", 1), a(1, "B", 1), a(1, "W", 0), a(1, "W", 1))
+    return Schedule("late-w", 2, 2, (first, last))
+
+
+def test_an_idle_worker_runs_a_neighbours_w_and_the_gradients_stay_bit_identical(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), _Slow(), nn.Linear(8, 8))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    stolen: list[tuple[int, int]] = []
+    claim_any = WeightQueue.claim_any
+
+    def spy(self: WeightQueue, worker: int) -> tuple[int, int] | None:
+        got = claim_any(self, worker)
+        if got is not None and worker == 0:
+            stolen.append(got)
+        return got
+
+    def grads(shared: bool) -> list[torch.Tensor]:
+        copy_ = copy.deepcopy(model)
+        if not shared:
+            monkeypatch.setattr(executor, "shared_stages", lambda schedule: set())
+        pipe = pipepar.wrap(
+            copy_, [1, 3], devices=["cpu", "cpu"], chunks=2, schedule=_late_weights(), trace=True
+        )
+        pipe.step(x, y, F.mse_loss)
+        monkeypatch.undo()
+        events.extend(pipe.tracer.events if pipe.tracer else [])
+        return [p.grad for p in copy_.parameters()]
+
+    events: list = []
+    monkeypatch.setattr(WeightQueue, "claim_any", spy)
+    early = grads(shared=True)
+    assert (1, 0) in stolen  # worker 0 ran W0 of stage 1 while stage 1's B1 slept
+    ran = [(e.stage, e.microbatch, e.worker) for e in events if e.kind == "weight"]
+    assert (1, 0, 0) in ran and (1, 1, None) in ran  # the timeline says who ran it
+    events.clear()
+    plain = copy.deepcopy(model)
+    F.mse_loss(plain(x), y).backward()
+    listed = grads(shared=False)
+    for a, b, p in zip(early, listed, plain.parameters()):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, p.grad)
