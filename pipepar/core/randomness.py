@@ -18,11 +18,12 @@ one device wait only for the duration of one random operator, not a whole forwar
 
 The dispatch mode costs about 10 us of Python per operator. A :class:`DrawLog` kept by the pipe
 across mini-batches lets a stage that is known to draw nothing skip it: a stage's forwards run
-under the mode until one has run with its layers' current train/eval flags; if none drew, the
-stage is *quiet* under those flags and its later forwards that will not be recomputed only
-check, under the generator lock, that no generator moved. If one did (randomness that depends
-on something other than the train/eval flags), that forward drew from the shared generator as
-the plain model does, a ``RuntimeWarning`` says so once, and the stage is watched again.
+under the mode for a mini-batch with its layers' current train/eval flags; if none drew, the
+stage is *quiet* under those flags and its forwards in later mini-batches that will not be
+recomputed only check, under the generator lock, that no generator moved. If one did
+(randomness that depends on something other than the train/eval flags), that forward drew from
+the shared generator as the plain model does, a ``RuntimeWarning`` says so once, and the stage
+is watched again.
 A forward that will be recomputed always runs under the mode, so a recompute replays exactly.
 """
 
@@ -99,6 +100,10 @@ class DrawLog:
     def any_drew(self) -> bool:
         """True if some stage has drawn under some flags."""
         return any(self._drew.values())
+
+    def quiet_now(self) -> frozenset[tuple[int, Hashable]]:
+        """The (stage, flags) known to be quiet at this moment."""
+        return frozenset(key for key, drew in self._drew.items() if not drew)
 
 
 class Recorded:
@@ -214,6 +219,9 @@ class Streams:
         self._seed = seed
         self._guard = threading.Lock()
         self.log = log
+        # Decided per mini-batch: a stage found quiet during this one is trusted from the
+        # next one on, when every stage that draws takes its seed before any stage runs.
+        self._quiet = log.quiet_now() if log is not None else frozenset()
         if log is not None and log.any_drew():
             # Draw the seed now, while no stage runs: a quiet stage's check must not see the
             # shared generator move under it.
@@ -234,8 +242,11 @@ class Streams:
         """Run the block's random operators on stream (stage, micro-batch), from its start
         (so a recompute draws what the first forward drew). A stage the log knows to be quiet
         under ``flags`` runs a block that will not be replayed without the mode, checked."""
-        if self.log is not None and not replay and self.log.quiet(stage, flags):
-            with _watching(self.log, stage, flags):
+        log = self.log
+        trusted = log is not None and (stage, flags) in self._quiet and log.quiet(stage, flags)
+        if trusted and not replay:  # quiet before this mini-batch, and not found drawing since
+            assert log is not None
+            with _watching(log, stage, flags):
                 yield
             return
         mode = _StreamMode(self, 1_000_003 * stage + microbatch)
