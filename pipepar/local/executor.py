@@ -112,7 +112,7 @@ class Run:
         stages may run early, on any idle worker computing on the same device."""
         devices = {self.schedule.placement[s]: st.device for s, st in enumerate(self.stages)}
         workers = [devices[w] for w in range(self.schedule.n_workers)]
-        self.weights = WeightQueue(self.schedule.placement, workers, shared)
+        self.weights = WeightQueue(self.schedule.placement, workers, shared, self.m)
         self._thief = threading.local()  # .worker: who runs another worker's W right now
 
     # -- running ------------------------------------------------------------------------------
@@ -123,10 +123,11 @@ class Run:
             order = [a for row in simulate(self.schedule) for a in row if a is not None]
             run_inline([self._bound(a) for a in order if phase(a)])
             return
-        jobs = [self._job([a for a in work if phase(a)]) for work in self.schedule.actions]
-        pool.run(jobs, self.slots)
+        lists = [[a for a in work if phase(a)] for work in self.schedule.actions]
+        drain = any(a.kind == "W" for work in lists for a in work)
+        pool.run([self._job(w, work, drain) for w, work in enumerate(lists)], self.slots)
 
-    def _job(self, work: list[Action]) -> Callable[[], None]:
+    def _job(self, worker: int, work: list[Action], drain: bool) -> Callable[[], None]:
         def job() -> None:
             for action in work:
                 self.slots.check()
@@ -134,8 +135,18 @@ class Run:
                     self.act(action)
                 elif self.weights.claim(action.stage, action.microbatch):
                     self._weight(action)
+            if drain:
+                self._drain(worker)
 
         return job
+
+    def _drain(self, worker: int) -> None:
+        """After its list, a worker runs the W still to come that it may run (on a shared
+        device: the other worker's, which is still busy)."""
+        q = self.weights
+        while q.unfinished(worker):
+            self.slots.wait_until(lambda: q.runnable(worker) or not q.unfinished(worker), 1e-3)
+            self._idle_weight(worker)
 
     def _weight(self, action: Action) -> None:
         """Run a claimed W, then let the next W of its stage be claimed."""

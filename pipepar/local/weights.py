@@ -4,7 +4,8 @@ A zero-bubble schedule places each W where the planner expected its worker to id
 actions take longer or shorter than planned: a worker then waits for an input while a W it
 will run later is already runnable. :class:`WeightQueue` lets it run that W instead of
 waiting, and, when two workers compute on the same device (CPU stages share the memory), it
-may take a W of a stage on the other worker, which balances the two workers' load.
+may take a W of a stage on the other worker, which balances the two workers' load; a worker
+whose list is done keeps taking such W until none is left to come.
 
 Only stages whose every micro-batch splits its backward take part: their parameter gradients
 are summed in W alone, and the queue runs a stage's W in micro-batch order, one at a time (a
@@ -32,9 +33,10 @@ class WeightQueue:
         placement: the worker of each stage.
         devices: the device of each worker.
         shared: the stages that take part (every micro-batch split into B and W).
+        m: micro-batches per stage (for :meth:`unfinished`).
 
     Example:
-        >>> q = WeightQueue((0, 1), [torch.device("cpu")] * 2, shared={0, 1})
+        >>> q = WeightQueue((0, 1), [torch.device("cpu")] * 2, shared={0, 1}, m=4)
         >>> q.ready(0, 3)
         >>> q.claim_any(1)  # worker 1 may run stage 0's W: both compute on the CPU
         (0, 3)
@@ -48,11 +50,13 @@ class WeightQueue:
         placement: Sequence[int],
         devices: Sequence[torch.device],
         shared: set[int],
+        m: int = 0,
     ) -> None:
         self._lock = threading.Lock()
         self._ready: dict[int, deque[int]] = {s: deque() for s in sorted(shared)}
         self._busy = {s: threading.Lock() for s in shared}
         self._taken: set[tuple[int, int]] = set()
+        self._m = m
         self._allowed = [_allowed(w, placement, devices, shared) for w in range(len(devices))]
 
     def ready(self, stage: int, microbatch: int) -> None:
@@ -65,6 +69,12 @@ class WeightQueue:
         """True if ``worker`` could claim a W now."""
         with self._lock:
             return any(self._ready[s] and not self._busy[s].locked() for s in self._allowed[worker])
+
+    def unfinished(self, worker: int) -> bool:
+        """True while a W that ``worker`` may run is not yet claimed (or not yet runnable)."""
+        with self._lock:
+            taken = sum(1 for s, _ in self._taken if s in self._allowed[worker])
+        return taken < self._m * len(self._allowed[worker])
 
     def claim_any(self, worker: int) -> tuple[int, int] | None:
         """The oldest runnable W of a stage ``worker`` may run (its own stages first), held

@@ -75,6 +75,15 @@ class Slots:
                 _log.debug("take %s", key)
             return self._values.pop(key)
 
+    def wait_until(self, ready: Callable[[], bool], poll: float) -> None:
+        """Return once ``ready()``; asked again on every hand-off and every ``poll`` seconds
+        (for changes that come without one). Raises :class:`Aborted` if aborted meanwhile."""
+        with self._cond:
+            while not ready():
+                if self._aborted:
+                    raise Aborted
+                self._cond.wait(poll)
+
     def check(self) -> None:
         """Raise :class:`Aborted` if the pipeline was aborted."""
         if self._aborted:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -20,15 +21,23 @@ CPU = torch.device("cpu")
 
 
 def test_a_stage_runs_its_w_in_order_one_at_a_time() -> None:
-    q = WeightQueue((0, 1), [CPU, CPU], shared={0, 1})
+    q = WeightQueue((0, 1), [CPU, CPU], shared={0, 1}, m=2)
     q.ready(1, 0)
     q.ready(1, 1)
+    assert q.unfinished(0) and q.unfinished(1)
     assert q.claim_any(0) == (1, 0)  # worker 0 may take stage 1's W: same device
     assert not q.runnable(0) and q.claim_any(1) is None  # W(1, 1) waits for W(1, 0)
     q.release(1)
     assert q.claim(1, 1)  # its own worker reaches it in its list
     q.release(1)
     assert not q.claim(1, 0)  # already run by worker 0: skipped
+    q.ready(0, 0)
+    q.ready(0, 1)
+    assert q.claim(0, 0) and q.claim_any(1) is None  # stage 0's W(0, 1) waits for W(0, 0)
+    q.release(0)
+    assert q.claim_any(1) == (0, 1)
+    q.release(0)
+    assert not q.unfinished(0) and not q.unfinished(1)  # every W claimed: nothing to wait for
 
 
 def test_the_owner_waits_for_an_earlier_w_of_its_stage_then_runs_its_own() -> None:
@@ -116,7 +125,8 @@ def test_an_idle_worker_runs_a_neighbours_w_and_the_gradients_stay_bit_identical
     early = grads(shared=True)
     assert (1, 0) in stolen  # worker 0 ran W0 of stage 1 while stage 1's B1 slept
     ran = [(e.stage, e.microbatch, e.worker) for e in events if e.kind == "weight"]
-    assert (1, 0, 0) in ran and (1, 1, None) in ran  # the timeline says who ran it
+    assert (1, 0, 0) in ran  # the timeline says who ran it
+    assert sorted((stage, i) for stage, i, _ in ran) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     events.clear()
     plain = copy.deepcopy(model)
     F.mse_loss(plain(x), y).backward()
@@ -124,3 +134,53 @@ def test_an_idle_worker_runs_a_neighbours_w_and_the_gradients_stay_bit_identical
     for a, b, p in zip(early, listed, plain.parameters()):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, p.grad)
+
+
+class _ScaleFailing(torch.autograd.Function):
+    """``x * scale`` whose backward fails while ``fail`` is set."""
+
+    fail = True
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, scale)
+        return x * scale
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x, scale = ctx.saved_tensors
+        if _ScaleFailing.fail:
+            raise ValueError("the scale's gradient failed")
+        dscale = (grad * x).sum() if ctx.needs_input_grad[1] else None
+        return grad * scale, dscale
+
+
+class _Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ScaleFailing.apply(x, self.scale)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_a_failing_backward_reaches_the_caller_while_idle_workers_wait_for_w(
+    schedule: str,
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Scale(), nn.Linear(8, 8), _Scale())
+    pipe = pipepar.wrap(model, [1, 1, 1, 1] if schedule == "zb-v" else [2, 2],
+                        devices=["cpu", "cpu"], chunks=4, schedule=schedule)  # fmt: skip
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    with pytest.raises(ValueError, match="the scale's gradient failed") as caught:
+        pipe.step(x, y, F.mse_loss)
+    assert "pipepar: raised in stage" in "".join(getattr(caught.value, "__notes__", []))
+    _ScaleFailing.fail = False
+    try:
+        model.zero_grad(set_to_none=True)
+        loss = pipe.step(x, y, F.mse_loss)
+    finally:
+        _ScaleFailing.fail = True
+    plain = copy.deepcopy(model)
+    torch.testing.assert_close(loss, F.mse_loss(plain(x), y))
