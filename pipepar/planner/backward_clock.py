@@ -75,9 +75,13 @@ class BackwardClock:
         self._note()
 
     def _changed(self, key: int, delta: int) -> None:
+        # A key is a storage's address: once freed, a new storage may take it, and must not
+        # count as one that was alive before the backward.
         if delta < 0 and key in self.before:
             self.freed -= delta
+            self.before.discard(key)
         if delta > 0:
+            self.before.discard(key)
             self.born[key] = len(self.notes)
         self._note()
 

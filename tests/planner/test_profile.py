@@ -257,3 +257,24 @@ def test_backward_points_reach_the_backward_peak(device: str) -> None:
         assert max(g for _, g in layer.backward_points) == layer.grads_bytes
         # Keeping the graph frees nothing: never less alive than the ordinary backward.
         assert max(a for a, _ in layer.retained_points) >= max(a for a, _ in layer.backward_points)
+
+
+def test_a_storage_address_reused_in_backward_is_not_counted_as_freed_twice() -> None:
+    # A storage alive before the backward is freed, and a new storage takes its address:
+    # freeing the new one frees nothing that was alive before (the profile was not repeatable
+    # from run to run while it did).
+    from pipepar.planner.backward_clock import BackwardClock
+
+    class _Tracker:
+        live_bytes = 100
+        on_change = None
+
+        def live_keys(self) -> set[int]:
+            return {7}
+
+    tracker = _Tracker()
+    with BackwardClock(tracker, [], base=0) as clock:  # type: ignore[arg-type]
+        clock._changed(7, -40)  # the old storage at address 7 goes
+        clock._changed(7, +40)  # a new one takes the address
+        clock._changed(7, -40)  # and goes too
+    assert clock.freed == 40
