@@ -63,7 +63,7 @@ def _traced(schedule: str, steps: int) -> list[dict[str, float]]:
 def _split(events, placement, start: float, end: float) -> list[dict[str, float]]:  # type: ignore[no-untyped-def]
     rows = []
     for w in sorted(set(placement)):
-        mine = [e for e in events if (placement[e.stage] if e.worker is None else e.worker) == w]
+        mine = [e for e in events if e.lane(placement) == w]
         row = {kind: sum(e.duration for e in mine if e.kind == kind) for kind in KINDS}
         busy = sum(row[k] for k in ("forward", "backward", "weight", "wait", "transfer"))
         row.update(worker=w, step=end - start, idle=(end - start) - busy)

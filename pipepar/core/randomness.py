@@ -23,8 +23,8 @@ stage is *quiet* under those flags and its forwards in later mini-batches that w
 recomputed only check, under the generator lock, that no generator moved. If one did
 (randomness that depends on something other than the train/eval flags), that forward drew from
 the shared generator as the plain model does, a ``RuntimeWarning`` says so once, and the stage
-is watched again.
-A forward that will be recomputed always runs under the mode, so a recompute replays exactly.
+is watched again. A forward that will be recomputed always runs under the mode, so a recompute
+replays exactly.
 """
 
 from __future__ import annotations
@@ -243,17 +243,19 @@ class Streams:
         (so a recompute draws what the first forward drew). A stage the log knows to be quiet
         under ``flags`` runs a block that will not be replayed without the mode, checked."""
         log = self.log
-        trusted = log is not None and (stage, flags) in self._quiet and log.quiet(stage, flags)
-        if trusted and not replay:  # quiet before this mini-batch, and not found drawing since
-            assert log is not None
+        if log is None:
+            with _StreamMode(self, 1_000_003 * stage + microbatch):
+                yield
+            return
+        if not replay and (stage, flags) in self._quiet and log.quiet(stage, flags):
+            # quiet before this mini-batch, and not found drawing since
             with _watching(log, stage, flags):
                 yield
             return
         mode = _StreamMode(self, 1_000_003 * stage + microbatch)
         with mode:
             yield
-        if self.log is not None:
-            self.log.saw(stage, flags, drew=mode.drew)
+        log.saw(stage, flags, drew=mode.drew)
 
 
 @contextmanager

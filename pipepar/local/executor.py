@@ -84,7 +84,7 @@ class Run:
         streams: Randomness | None = (
             Streams(log=draws) if schedule.n_workers > 1 else Recorded() if recompute else None
         )
-        record = self._record if tracer is not None else None
+        record = self._trace if tracer is not None else None
         n = len(self.stages)
         self.steps = [
             StageStep(
@@ -215,13 +215,10 @@ class Run:
             self._trace(s, i, "transfer", got, time.perf_counter())
         return value
 
-    def _record(self, s: int, i: int, kind: str, start: float, end: float) -> None:
-        assert self.tracer is not None
-        self.tracer.record(s, i, kind, start, end, getattr(self._thief, "worker", None))
-
     def _trace(self, s: int, i: int, kind: str, start: float, end: float) -> None:
+        """Record an event, with the worker running it when it runs another worker's W."""
         if self.tracer is not None:
-            self.tracer.record(s, i, kind, start, end)
+            self.tracer.record(s, i, kind, start, end, getattr(self._thief, "worker", None))
 
     # -- what goes in and out -----------------------------------------------------------------
     def outputs(self) -> list[Value]:

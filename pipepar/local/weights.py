@@ -50,7 +50,7 @@ class WeightQueue:
         placement: Sequence[int],
         devices: Sequence[torch.device],
         shared: set[int],
-        m: int = 0,
+        m: int,
     ) -> None:
         self._lock = threading.Lock()
         self._ready: dict[int, deque[int]] = {s: deque() for s in sorted(shared)}

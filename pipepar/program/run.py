@@ -70,7 +70,7 @@ class ProgramRun(Run):
         # Several workers race for the generator: a stream per (stage, micro-batch) keeps runs
         # repeatable. One worker draws in order (nothing is recomputed here).
         streams: Randomness | None = Streams(log=draws) if schedule.n_workers > 1 else None
-        record = self._record if tracer is not None else None
+        record = self._trace if tracer is not None else None
         self.steps = [  # type: ignore[assignment]
             SegmentStep(
                 stage,

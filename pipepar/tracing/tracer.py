@@ -59,6 +59,10 @@ class Event:
     """The worker that ran it, when not the stage's own (an idle worker may run another
     stage's deferred weight gradients on a shared device)."""
 
+    def lane(self, placement: Sequence[int]) -> int:
+        """The worker that ran it: ``worker`` if set, else its stage's (``placement[stage]``)."""
+        return placement[self.stage] if self.worker is None else self.worker
+
     def shifted(self, by: float) -> Event:
         """The same event ``by`` seconds later."""
         return dataclasses.replace(self, start=self.start + by, end=self.end + by)
@@ -286,10 +290,8 @@ class Timeline:
             >>> tl = pipe.tracer.timeline().by_worker(pipe.schedule.placement)
         """
         moved = [
-            Event(placement[e.stage] if e.worker is None else e.worker, e.microbatch, e.kind,
-                  e.start, e.end)
-            for e in self.events
-        ]  # fmt: skip
+            Event(e.lane(placement), e.microbatch, e.kind, e.start, e.end) for e in self.events
+        ]
         return Timeline(moved, origin=0.0)
 
     def actions(self, stage: int) -> list[str]:

@@ -41,7 +41,7 @@ def test_a_stage_runs_its_w_in_order_one_at_a_time() -> None:
 
 
 def test_the_owner_waits_for_an_earlier_w_of_its_stage_then_runs_its_own() -> None:
-    q = WeightQueue((0, 1), [CPU, CPU], shared={1})
+    q = WeightQueue((0, 1), [CPU, CPU], shared={1}, m=2)
     q.ready(1, 0)
     q.ready(1, 1)
     assert q.claim_any(0) == (1, 0)
@@ -55,7 +55,7 @@ def test_the_owner_waits_for_an_earlier_w_of_its_stage_then_runs_its_own() -> No
 
 
 def test_workers_on_different_devices_keep_their_own_w() -> None:
-    q = WeightQueue((0, 1), [CPU, torch.device("meta")], shared={0, 1})
+    q = WeightQueue((0, 1), [CPU, torch.device("meta")], shared={0, 1}, m=1)
     q.ready(1, 0)
     assert q.claim_any(0) is None and q.claim_any(1) == (1, 0)
 
