@@ -242,3 +242,21 @@ def sample(
     if labels:
         out["labels"] = ids.clone()
     return out
+
+
+def padded_sample(name: str, *, batch: int = 6, seq: int = 12, seed: int = 0) -> dict[str, Any]:
+    """A language-model batch of different lengths, as real training data is: right padding
+    (attention mask 0, label -100), a prompt not trained on (labels -100) in row 2, rows 1 and
+    3 without any label, and for BERT labels only at some (masked) positions."""
+    out = sample(name, batch=batch, seq=seq, seed=seed)
+    lengths = [seq, 3, seq - 2, 1, 7, seq] * (batch // 6 + 1)
+    for r in range(batch):
+        out["attention_mask"][r, lengths[r] :] = 0
+        out["labels"][r, lengths[r] :] = -100
+    out["labels"][2 % batch, :5] = -100
+    out["labels"][1 % batch, :] = -100
+    out["labels"][3 % batch, :] = -100
+    if name == "bert":
+        gen = torch.Generator().manual_seed(seed + 1)
+        out["labels"][torch.rand(out["labels"].shape, generator=gen) >= 0.4] = -100
+    return out

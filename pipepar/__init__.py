@@ -1,7 +1,8 @@
 """pipepar: pipeline parallelism for PyTorch.
 
-Split an ``nn.Sequential`` into stages across devices (one process) or ranks (torchrun),
-run micro-batches through them concurrently, and plan the split from a memory profile.
+Split any model (transformers, timm, torchvision or an ``nn.Sequential``) into stages across
+devices (one process) or ranks (torchrun), run micro-batches through them concurrently, and
+plan the split from a memory profile.
 
     >>> import pipepar
     >>> pipe = pipepar.wrap(model, balance=[3, 3, 2], devices=["cpu", "cpu", "cpu"], chunks=8)
@@ -10,7 +11,7 @@ run micro-batches through them concurrently, and plan the split from a memory pr
 
 from pipepar import io, timeline
 from pipepar.core.sequential import sequentialize
-from pipepar.local.gpipe import GPipe
+from pipepar.local.gpipe import GPipe, from_torchgpipe_state_dict
 from pipepar.local.pipe import Pipe, wrap
 from pipepar.planner.partition import partition
 from pipepar.planner.plan import Plan, StagePlan, plan
@@ -28,6 +29,7 @@ __all__ = [
     "Pipe",
     "Plan",
     "Profile",
+    "from_torchgpipe_state_dict",
     "io",
     "StagePlan",
     "Timeline",

@@ -14,7 +14,7 @@ from torch import Tensor
 
 Value = Tensor | tuple[Tensor, ...]
 
-__all__ = ["Value", "check_value", "gather", "map_tensors", "scatter", "tensors"]
+__all__ = ["Value", "check_rows", "check_value", "gather", "map_tensors", "scatter", "tensors"]
 
 
 def tensors(value: Value) -> tuple[Tensor, ...]:
@@ -47,6 +47,35 @@ def check_value(value: object, *, what: str) -> Value:
     raise TypeError(
         f"{what} must be a Tensor or a tuple of Tensors, but got {kind}; "
         "wrap other values in a tensor or keep them inside one layer"
+    )
+
+
+def check_rows(value: Value, rows: int, what: Callable[[], str]) -> None:
+    """Raise ValueError unless every tensor of ``value`` has ``rows`` rows on dimension 0.
+
+    A stage's output is the next stage's micro-batch, or a row block of the joined output; one
+    without the batch on dimension 0 would end in a cryptic error of ``torch.cat``, or worse,
+    join the micro-batches wrongly.
+
+    Args:
+        value: what a stage returned.
+        rows: the rows of the micro-batch it ran on.
+        what: names who returned ``value`` in the message, e.g. ``"layer 3 (Flatten)"``;
+            called only on failure, so a passing check costs one shape comparison per tensor.
+    """
+    for t in tensors(value):
+        if t.dim() == 0 or t.shape[0] != rows:
+            break
+    else:
+        return
+    shapes = [tuple(t.shape) for t in tensors(value)]
+    shown = shapes[0] if isinstance(value, Tensor) else shapes
+    raise ValueError(
+        f"{what()} returned shape {shown} for a micro-batch of {rows} rows; a pipe splits and "
+        f"joins the batch on dimension 0, so every stage must return it there ({rows} rows "
+        "here). Keep the batch on dimension 0; reduce the output after the pipe "
+        "(pipe(x).sum()) or in a loss with pipe.step(x, target, loss_fn); or change balance "
+        "so that the stage ends where the batch is on dimension 0"
     )
 
 

@@ -29,9 +29,10 @@ replays exactly.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import warnings
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
@@ -215,17 +216,33 @@ class Streams:
         True
     """
 
-    def __init__(self, seed: int | None = None, *, log: DrawLog | None = None) -> None:
+    def __init__(
+        self,
+        seed: int | None = None,
+        *,
+        log: DrawLog | None = None,
+        flags: Mapping[int, Hashable] | None = None,
+    ) -> None:
         self._seed = seed
         self._guard = threading.Lock()
         self.log = log
         # Decided per mini-batch: a stage found quiet during this one is trusted from the
         # next one on, when every stage that draws takes its seed before any stage runs.
         self._quiet = log.quiet_now() if log is not None else frozenset()
-        if log is not None and log.any_drew():
+        if log is not None and log.any_drew() and self._checked_beside_drawing(flags):
             # Draw the seed now, while no stage runs: a quiet stage's check must not see the
             # shared generator move under it.
             self.seed()
+
+    def _checked_beside_drawing(self, flags: Mapping[int, Hashable] | None) -> bool:
+        """Whether a stage runs quiet (checked) while another may draw, given each stage's
+        train/eval ``flags`` (unknown: assume so). If all are quiet (an evaluation in eval
+        mode) or none is, the seed waits for a random operator: with none, the generator is
+        left untouched, as the plain model leaves it."""
+        if flags is None or self.log is None:
+            return True
+        checked = [(s, f) in self._quiet and self.log.quiet(s, f) for s, f in flags.items()]
+        return any(checked) and not all(checked)
 
     def seed(self) -> int:
         """The mini-batch's seed (drawn on first use)."""
@@ -233,6 +250,8 @@ class Streams:
             if self._seed is None:
                 with _lock(torch.device("cpu")):
                     self._seed = int(torch.randint(2**62, ()))
+                    # a known move of the generator: quiet blocks running now did not draw it
+                    _WATCH.rebase(_cpu_state())
             return self._seed
 
     @contextmanager
@@ -258,16 +277,70 @@ class Streams:
         log.saw(stage, flags, drew=mode.drew)
 
 
+class _Watch:
+    """The quiet blocks running now: the CPU generator's state each started from (moved on
+    when pipepar itself draws a seed meanwhile) and the stages each overlapped. A generator
+    that moved during a block was moved by one of them; only one of them gives the warning."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open: dict[int, tuple[int, set[int], list[bytes]]] = {}  # stage, seen, start
+        self.silenced: set[int] = set()  # open blocks whose move another block reported
+        self.keys = itertools.count()
+
+    def enter(self, key: int, stage: int, start: list[bytes]) -> None:
+        with self.lock:
+            seen = {stage} | {s for s, _, _ in self.open.values()}
+            for _, others, _ in self.open.values():
+                others.add(stage)
+            self.open[key] = (stage, seen, start)
+
+    def leave(self, key: int) -> tuple[set[int], bool, list[bytes]]:
+        """The stages block ``key`` overlapped, whether its move is reported already, and the
+        state it started from."""
+        with self.lock:
+            silenced = key in self.silenced
+            self.silenced.discard(key)
+            _, seen, start = self.open.pop(key)
+            return seen, silenced, start
+
+    def rebase(self, cpu: bytes) -> None:
+        """pipepar moved the CPU generator itself: compare open blocks with the new state."""
+        with self.lock:
+            for _, _, start in self.open.values():
+                start[0] = cpu
+
+    def reported(self, suspects: set[int]) -> None:
+        """A move was reported: the open blocks of ``suspects`` saw it, and stay quiet."""
+        with self.lock:
+            self.silenced |= {k for k, (s, _, _) in self.open.items() if s in suspects}
+
+
+_WATCH = _Watch()
+
+
 @contextmanager
 def _watching(log: DrawLog, stage: int, flags: Hashable) -> Iterator[None]:
-    """Run a quiet stage's block with no mode; if a generator moved meanwhile, say so once and
-    watch the stage again."""
-    before = _fingerprints()
-    yield
-    if _fingerprints() != before:
-        log.saw(stage, flags, drew=True)
+    """Run a quiet stage's block with no mode; if a generator moved meanwhile, watch again
+    every stage whose quiet block overlapped (one of them drew) and say so once."""
+    key = next(_WATCH.keys)
+    with _lock(torch.device("cpu")):  # the start and the end read with any seed draw in order
+        _WATCH.enter(key, stage, _fingerprints(locked_cpu=True))
+    try:
+        yield
+    finally:
+        with _lock(torch.device("cpu")):
+            end = _fingerprints(locked_cpu=True)
+            suspects, silenced, start = _WATCH.leave(key)
+    if end == start:
+        return
+    for s in suspects:
+        log.saw(s, flags, drew=True)
+    if not silenced:
+        _WATCH.reported(suspects)
+        named = " or ".join(str(s) for s in sorted(suspects))
         warnings.warn(
-            f"pipepar: stage {stage} drew random numbers in a forward although its earlier "
+            f"pipepar: stage {named} drew random numbers in a forward although its earlier "
             "forwards with the same train/eval flags drew none; that forward drew from the "
             "shared generator (not repeatable from run to run), later ones use the stage's "
             "own random streams",
@@ -276,16 +349,22 @@ def _watching(log: DrawLog, stage: int, flags: Hashable) -> Iterator[None]:
         )
 
 
-def _fingerprints() -> list[bytes]:
+def _cpu_state() -> bytes:
+    return torch.default_generator.get_state().numpy().tobytes()
+
+
+def _fingerprints(*, locked_cpu: bool = False) -> list[bytes]:
     """The states of the CPU generator and of every initialized CUDA generator, each read
-    under its lock (a stream swaps its own state in only while holding it)."""
-    gens = [(torch.device("cpu"), torch.default_generator)]
+    under its lock (a stream swaps its own state in only while holding it); ``locked_cpu``:
+    the caller holds the CPU generator's lock already."""
+    states = [_cpu_state()] if locked_cpu else []
+    if not locked_cpu:
+        with _lock(torch.device("cpu")):
+            states.append(_cpu_state())
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        gens += [(torch.device("cuda", k), g) for k, g in enumerate(torch.cuda.default_generators)]
-    states = []
-    for device, gen in gens:
-        with _lock(device):
-            states.append(gen.get_state().numpy().tobytes())
+        for k, gen in enumerate(torch.cuda.default_generators):
+            with _lock(torch.device("cuda", k)):
+                states.append(gen.get_state().numpy().tobytes())
     return states
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipepar.core.microbatch import Value, map_tensors, tensors
+from pipepar.core.microbatch import Value, check_rows, map_tensors, tensors
 from pipepar.core.randomness import Randomness
 from pipepar.core.recompute import recomputing, should_checkpoint
 from pipepar.core.split_backward import (
@@ -42,7 +42,7 @@ from pipepar.core.split_backward import (
 )
 from pipepar.core.stage import Stage
 
-__all__ = ["Autocast", "Grads", "Recorder", "StageStep"]
+__all__ = ["Autocast", "Grads", "Recorder", "StageStep", "check_output"]
 
 _LARGE = 1 << 17
 Grads = tuple[Tensor | None, ...]
@@ -169,7 +169,9 @@ class StageStep:
 
     def _run(self, x: Value, i: int) -> Value:
         y = self.stage.run(self.stage.protect(x) if self.grad else x)
-        return self.head(y, i) if self.head is not None else y
+        if self.head is not None:  # the loss takes the output as it is: nothing joins it
+            return self.head(y, i)
+        return check_output(self.stage, x, y)
 
     def _context(self, i: int, *, replay: bool) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
@@ -376,6 +378,25 @@ class StageStep:
     def _tell(self, i: int, kind: str, start: float) -> None:
         if self.record is not None:
             self.record(self.stage.index, i, kind, start, time.perf_counter())
+
+
+def check_output(stage: Stage, x: Value, y: Value) -> Value:
+    """``y``, what ``stage`` returned for ``x``, if it keeps the rows of ``x`` on dimension 0
+    (one shape comparison per stage output); else a ValueError naming the stage's last layer
+    (:func:`~pipepar.core.microbatch.check_rows`)."""
+    first = tensors(x)[0]
+    if first.dim() > 0:
+        check_rows(y, first.shape[0], lambda: _last_layer(stage))
+    return y
+
+
+def _last_layer(stage: Stage) -> str:
+    """E.g. ``layer 4 'head' (Linear), the last of stage 1 (layers 3..4 on cpu),``."""
+    index = stage.stop - 1
+    name = stage.names[-1] if stage.names else str(index)
+    named = "" if name == str(index) else f" {name!r}"
+    kind = type(stage.layers[-1]).__name__
+    return f"layer {index}{named} ({kind}), the last of {stage.describe()},"
 
 
 def _leaf(value: Value, requires_grad: bool) -> Value:

@@ -74,13 +74,26 @@ def check_chunks(chunks: object) -> int:
 
 
 def check_checkpoint(checkpoint: object) -> str:
-    """Checkpoint: one of ``MODES``."""
-    if checkpoint not in MODES:
-        raise ValueError(
-            f"checkpoint must be one of {', '.join(repr(m) for m in MODES)}, but got "
-            f"{checkpoint!r}; 'except_last' is the usual choice"
-        )
-    return str(checkpoint)
+    """Checkpoint: one of ``MODES``, or any object whose ``str()`` is one (torchgpipe takes
+    ``str(checkpoint)``); returned as the plain ``str`` of the mode.
+
+    >>> class Mode:
+    ...     def __str__(self) -> str:
+    ...         return "never"
+    >>> check_checkpoint(Mode())
+    'never'
+    """
+    text = str(checkpoint)
+    if text in MODES:
+        return MODES[MODES.index(text)]
+    if isinstance(checkpoint, str) and checkpoint in MODES:  # a str enum whose str() differs
+        return MODES[MODES.index(checkpoint)]
+    plain = isinstance(checkpoint, str) or text == repr(checkpoint)
+    shown = repr(checkpoint) if plain else f"{checkpoint!r} (whose str() is {text!r})"
+    raise ValueError(
+        f"checkpoint must be one of {', '.join(repr(m) for m in MODES)} (or an object whose "
+        f"str() is one), but got {shown}; 'except_last' is the usual choice"
+    )
 
 
 def check_unique_layers(module: nn.Sequential) -> None:

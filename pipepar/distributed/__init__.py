@@ -11,7 +11,9 @@ Modules: :mod:`~pipepar.distributed.mesh` (the pp x dp grid of ranks),
 :mod:`~pipepar.distributed.runtime` (running a schedule), :mod:`~pipepar.distributed.replicas`
 (dp sync), :mod:`~pipepar.distributed.arguments` (one rank's arguments checked alone),
 :mod:`~pipepar.distributed.handshake` (ranks agree on the arguments at wrap time),
-:mod:`~pipepar.distributed.failure` (fault reporting) and
+:mod:`~pipepar.distributed.failure` (fault reporting), :mod:`~pipepar.distributed.progress`
+(what each rank runs and waits for; every wait bounded by ``timeout``),
+:mod:`~pipepar.distributed.guard` (a step's failure or stall ends every rank) and
 :mod:`~pipepar.distributed.snapshot` (training checkpoints).
 """
 

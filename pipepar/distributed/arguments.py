@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import math
+
 from torch import nn
 
 from pipepar.core import validation
@@ -78,13 +80,21 @@ def _check_orders(schedule: Schedule) -> None:
                 )
 
 
-def check_timeout(timeout: object) -> float:
-    """``timeout`` in seconds as a float; it must be positive.
+def check_timeout(timeout: object) -> float | None:
+    """``timeout`` in seconds as a float, or ``None`` (no limit); a number must be positive.
 
     Example:
         >>> check_timeout(30)
         30.0
+        >>> check_timeout(None) is None
+        True
     """
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds, but got {timeout!r}")
-    return float(timeout)
+    if timeout is None:
+        return None
+    number = timeout if isinstance(timeout, (int, float)) and not isinstance(timeout, bool) else 0
+    if not 0 < number < math.inf:
+        raise ValueError(
+            f"timeout must be a positive number of seconds or None (no limit), but got "
+            f"{timeout!r}; e.g. timeout=300"
+        )
+    return float(number)

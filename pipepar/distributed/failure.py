@@ -12,6 +12,11 @@ A ``KeyboardInterrupt`` or ``SystemExit`` (a SIGTERM handler's, say) is posted a
 same way, but the interrupted rank gets its own exception back, so Ctrl-C still stops it. A
 rank that dies without a word (SIGKILL, default SIGTERM, a crash) closes its connections with
 the process; its peers see "Connection closed by peer" from that rank and report it.
+
+A rank that waits longer than the pipe's ``timeout`` for a peer that neither answers nor fails
+(it skipped a step, or is stuck in its own code) raises :class:`StallError` naming what it
+waited for; its report adds what the other ranks were doing
+(:mod:`~pipepar.distributed.progress`) and spreads like any other.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TypeVar
 
 import torch.distributed as dist
@@ -31,6 +37,7 @@ __all__ = [
     "CommError",
     "FailureBoard",
     "PipelineError",
+    "StallError",
     "Where",
     "comm",
     "guarded",
@@ -46,6 +53,13 @@ T = TypeVar("T")
 _REPORT_GRACE_S = 0.25
 _KEY = "failure"
 _SILENT_PEER = "no rank reported an error: a peer process died, was killed or is stuck"
+_STALL_FIX = (
+    "every rank of the pipeline must call the same steps: a rank that skipped one, or spends "
+    "longer than the timeout on its own work (e.g. its data loader), stalls its peers; pass a "
+    "larger timeout to ppd.wrap if it is only slow, or timeout=None for no limit"
+)
+#: How backends say that a wait ran out of time (gloo, the c10d work, NCCL).
+_TIMED_OUT = ("timed out", "timeout", "timing out")
 #: Frames whose locals may hold communication works (see release_works).
 _COMM_DIRS = (os.path.dirname(__file__), os.path.dirname(dist.__file__))
 
@@ -131,6 +145,25 @@ class CommError(RuntimeError):
     """A receive, send or collective of the pipeline failed or timed out on this rank."""
 
 
+class StallError(CommError):
+    """A wait of the pipeline ran out of time: the peer neither answered nor failed.
+
+    Args:
+        what: what the rank waited for, e.g. ``"receiving activation 3 for stage 2 from rank 1
+            (stage 1)"``.
+        timeout: the seconds it waited.
+        others: what the other ranks were doing meanwhile, when known.
+    """
+
+    def __init__(self, what: str, timeout: float, others: str = "") -> None:
+        self.what, self.timeout, self.others = what, timeout, others
+        seen = f" [{others}]" if others else ""
+        super().__init__(f"{what}: no answer within timeout={timeout:g} s{seen}; {_STALL_FIX}")
+
+    def __reduce__(self) -> tuple[type[StallError], tuple[str, float, str]]:
+        return (StallError, (self.what, self.timeout, self.others))
+
+
 @contextmanager
 def comm(what: str) -> Iterator[None]:
     """Turn an error of the torch.distributed calls in the block into :class:`CommError`."""
@@ -142,14 +175,21 @@ def comm(what: str) -> Iterator[None]:
         raise CommError(f"{what} failed: {error}") from error
 
 
-def wait(work: dist.Work | None, what: str) -> None:
+def wait(work: dist.Work | None, what: str, within: timedelta | None = None) -> None:
     """Wait for ``work``; turn a backend error into :class:`CommError` saying what was awaited.
 
-    ``None`` (what torch returns to a rank outside the group) is nothing to wait for.
+    ``None`` (what torch returns to a rank outside the group) is nothing to wait for. With
+    ``within``, the CPU waits at most that long (gloo's works honour it exactly) and a wait
+    that runs out of time raises :class:`StallError`.
     """
-    if work is not None:
-        with comm(what):
-            work.wait()
+    if work is None:
+        return
+    try:  # not comm(): a generator context manager costs more than the wait of a ready work
+        work.wait() if within is None else work.wait(within)
+    except Exception as error:
+        if within is not None and any(words in str(error).lower() for words in _TIMED_OUT):
+            raise StallError(what, within.total_seconds()) from error
+        raise CommError(f"{what} failed: {error}") from error
 
 
 def guarded(
@@ -158,6 +198,7 @@ def guarded(
     fn: Callable[[], T],
     *,
     doing: Callable[[], str | None] = lambda: None,
+    others: Callable[[], str] = lambda: "",
 ) -> T:
     """Run ``fn``; on any error post it (or adopt the posted one), close the groups, re-raise.
 
@@ -165,13 +206,15 @@ def guarded(
     the rank whose report is on the board when this rank only saw a broken connection or a
     timeout (then the failing rank had time to post before its connections closed). The
     original exception is the ``__cause__`` of the :class:`PipelineError`. A
-    ``KeyboardInterrupt`` or ``SystemExit`` is posted too, then re-raised as it is.
+    ``KeyboardInterrupt`` or ``SystemExit`` is posted too, then re-raised as it is. A
+    :class:`StallError` nobody explained is posted with what the other ranks were doing.
 
     Args:
         board: where failures are posted.
         close: closes this rank's pipeline groups, so blocked peers wake up.
         fn: the work.
         doing: says what the rank was running when it failed, for the report.
+        others: says what the other ranks were doing, for the report of a stall.
     """
     try:
         return fn()
@@ -182,7 +225,9 @@ def guarded(
     except Exception as error:
         posted = board.read(wait_s=_REPORT_GRACE_S) if isinstance(error, CommError) else None
         shown = error
-        if posted is None and isinstance(error, CommError):  # nobody said why: say what it means
+        if posted is None and isinstance(error, StallError):  # say where every rank got to
+            shown = StallError(error.what, error.timeout, others())
+        elif posted is None and isinstance(error, CommError):  # nobody said why: what it means
             shown = CommError(f"{error} [{_SILENT_PEER}]")
         report = posted if posted is not None else board.post(shown, doing())
         release_works(error)

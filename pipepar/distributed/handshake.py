@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 import zlib
 from collections import Counter
@@ -88,13 +89,15 @@ def refuse(error: BaseException, *, group: dist.ProcessGroup | None) -> None:
         logger.debug("could not post a refused wrap", exc_info=True)
 
 
-def agree(fields: dict[str, str], *, group: dist.ProcessGroup | None, timeout: float) -> None:
+def agree(
+    fields: dict[str, str], *, group: dist.ProcessGroup | None, timeout: float | None
+) -> None:
     """Post ``fields``, wait for every rank's, and raise on every rank unless all agree.
 
     Args:
         fields: this rank's :func:`fingerprint`.
         group: the parent group of the grid (``None`` for the world).
-        timeout: seconds to wait for the slowest rank.
+        timeout: seconds to wait for the slowest rank (``None``: no limit).
 
     Raises:
         ValueError: some rank refused its arguments, or ranks disagree (both values named).
@@ -123,9 +126,9 @@ def _open(group: dist.ProcessGroup | None) -> tuple[dist.Store, int, list[int]]:
     return store, dist.get_rank(parent), ranks
 
 
-def _verdict(store: dist.Store, keys: list[str], ranks: list[int], timeout: float) -> str:
+def _verdict(store: dist.Store, keys: list[str], ranks: list[int], timeout: float | None) -> str:
     """``"go"`` once every entry is posted, else why not; the first rank to decide decides."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + (math.inf if timeout is None else timeout)
     while not store.check(keys):
         if time.monotonic() >= deadline:
             missing = [ranks[g] for g, k in enumerate(keys) if not store.check([k])]

@@ -13,7 +13,9 @@ part: ``fwd`` (activations into a stage from the rank of the stage before), ``bw
 back), ``ctl`` (collectives along the pipeline: loss sharing, state gathering) and ``dp``
 (gradient all-reduce among the replicas of a position). Forward and backward traffic get their
 own groups so that, on NCCL, a posted gradient receive never queues behind an activation send
-on the same communicator.
+on the same communicator. The groups time out after the pipe's ``timeout``, and every wait on
+them goes through the mesh's :class:`~pipepar.distributed.progress.Progress`, which gives up
+after as long and says what it waited for.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from pipepar.distributed.failure import Where
+from pipepar.distributed.progress import Progress
 
 __all__ = ["Mesh", "build_mesh", "check_grid"]
 
@@ -57,6 +60,8 @@ class Mesh:
     ctl: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
     closed: bool = field(default=False)
+    progress: Progress = field(default_factory=Progress)
+    """What this rank runs and waits for; every wait on the groups goes through it."""
 
     @property
     def stage(self) -> int:
@@ -130,7 +135,7 @@ def build_mesh(
     dp: int,
     *,
     group: dist.ProcessGroup | None,
-    timeout: timedelta,
+    timeout: timedelta | None,
     placement: Sequence[int] = (),
 ) -> Mesh:
     """Place this rank in the pp x dp grid of ``group`` and create its process groups.
@@ -141,7 +146,8 @@ def build_mesh(
         pp: ranks per pipeline (the schedule's workers).
         dp: replicas.
         group: the parent group (``None`` for the world).
-        timeout: how long a blocked receive or collective waits before it fails.
+        timeout: how long a blocked receive or collective waits before it fails (``None``:
+            the backend's default group timeout, and no limit of pipepar's).
         placement: the schedule's ``placement`` (position of each stage), so that error
             reports name every stage of a rank that runs several.
     """
@@ -159,6 +165,9 @@ def build_mesh(
         replica_ranks=ranks[position::pp],
         grid_ranks=list(ranks),
         backend=backend,
+        progress=Progress(
+            None if timeout is None else timeout.total_seconds(), bounded=backend == "gloo"
+        ),
     )
     if pp > 1:
         mesh.fwd = _new_group(mesh.pipeline_ranks, timeout, "pipepar-fwd")
@@ -169,7 +178,7 @@ def build_mesh(
     return mesh
 
 
-def _new_group(ranks: list[int], timeout: timedelta, desc: str) -> dist.ProcessGroup:
+def _new_group(ranks: list[int], timeout: timedelta | None, desc: str) -> dist.ProcessGroup:
     group = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True, group_desc=desc)
     assert isinstance(group, dist.ProcessGroup)  # this rank is a member by construction
     return group

@@ -17,9 +17,9 @@ A rank runs one stage, or several with the virtual-stage schedules (``"interleav
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -29,18 +29,22 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipepar.core import validation
+from pipepar.core.losses import Items, LossFn
+from pipepar.core.microbatch import Value, gather
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
-from pipepar.distributed import handshake
+from pipepar.distributed import clipping, handshake
 from pipepar.distributed.arguments import SCHEDULES, check_model, check_schedule, check_timeout
-from pipepar.distributed.failure import FailureBoard, PipelineError, comm, guarded, wait
+from pipepar.distributed.failure import comm
+from pipepar.distributed.guard import Guard
 from pipepar.distributed.mesh import Mesh, build_mesh, check_grid
 from pipepar.distributed.replicas import (
     GradientSync,
     broadcast_from_first,
     check_replica_inputs,
+    spread_over_replicas,
 )
-from pipepar.distributed.runtime import LossFn, Runtime
+from pipepar.distributed.runtime import Runtime
 from pipepar.distributed.stage import build_stage, in_model_order
 from pipepar.distributed.transport import Transport
 
@@ -48,8 +52,6 @@ __all__ = ["SCHEDULES", "DistributedPipe", "wrap"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-_built: Counter[tuple[int, ...]] = Counter()  # pipes built per grid, to keep store keys apart
 
 
 class DistributedPipe(nn.Module):
@@ -72,7 +74,7 @@ class DistributedPipe(nn.Module):
         device: torch.device | str | None = None,
         group: dist.ProcessGroup | None = None,
         state_dict: Mapping[str, Tensor] | None = None,
-        timeout: float = 300.0,
+        timeout: float | None = 300.0,
     ) -> None:
         super().__init__()
         try:
@@ -102,7 +104,7 @@ class DistributedPipe(nn.Module):
             self.schedule.n_workers,
             self.dp,
             group=group,
-            timeout=timedelta(seconds=self.timeout),
+            timeout=None if self.timeout is None else timedelta(seconds=self.timeout),
             placement=self.schedule.placement,
         )
         stages = []
@@ -124,7 +126,7 @@ class DistributedPipe(nn.Module):
         schedule: str | Schedule,
         dp: int,
         checkpoint: str,
-        timeout: float,
+        timeout: float | None,
         group: dist.ProcessGroup | None,
     ) -> nn.Sequential:
         """Check this rank's arguments on their own (no communication) and keep them."""
@@ -142,9 +144,8 @@ class DistributedPipe(nn.Module):
         return model
 
     def _assemble(self, stages: list[Stage]) -> None:
-        """Wire the local stages to their transport, gradient sync, runtime and failure board."""
-        self._failure = "closed by close()"
-        self._board = FailureBoard(_default_store(), _board_prefix(self.mesh), self.mesh.where)
+        """Wire the local stages to their transport, gradient sync, runtime and guard."""
+        self._guarded = Guard(self, self.mesh, self.close)
         window = self.schedule.worker_in_flight(self.mesh.stage)
         self._transport = Transport(self.mesh, self.device, send_window=window)
         self._sync = GradientSync(self, self.mesh)
@@ -186,24 +187,40 @@ class DistributedPipe(nn.Module):
         return self.mesh.pp
 
     # -- training -----------------------------------------------------------------------------
-    def step(self, x: Tensor | None, target: Tensor | None, loss_fn: LossFn) -> float:
+    def step(
+        self,
+        x: Tensor | None,
+        target: Tensor | None,
+        loss_fn: LossFn,
+        *,
+        items: Items | None = None,
+    ) -> float:
         """Run one mini-batch forward and backward; return its mean loss on every rank.
 
         Each replica trains on its own mini-batch: on a replica's ranks, ``x`` and ``target`` are
         that replica's whole mini-batch. Stage 0 reads ``x``, the last stage reads ``target``;
         other ranks may pass ``None`` for either. Both are split into ``chunks`` micro-batches
-        (``tensor_split`` along dim 0). The loss is the mean over micro-batches of
-        ``loss_fn(out_i, target_i)``, so with a mean-reduced loss and equal micro-batches the
-        gradients equal the plain model's on the whole mini-batch. Gradients accumulate into
-        ``.grad`` (call ``zero_grad()`` between steps) and are averaged over the dp replicas.
+        (``tensor_split`` along dim 0). The micro-batch losses ``loss_fn(out_i, target_i)``
+        are joined into the loss of the whole batch of every replica, whatever it averages
+        over (rows, real targets of a cross-entropy with ``ignore_index``, ``items``: see
+        :mod:`pipepar.core.losses`), so the gradients equal the plain model's on the batches
+        of all replicas together. Gradients accumulate into ``.grad`` (call ``zero_grad()``
+        between steps); the replicas' are averaged.
+
+        Under ``torch.no_grad()`` or ``torch.inference_mode()`` (on every rank) it evaluates:
+        only the forward actions of the schedule run, the same loss comes back on every rank,
+        ``.grad`` is untouched and no activation is kept for a backward (call ``pipe.eval()``
+        first for dropout off).
 
         Args:
             x: the mini-batch input (used on stage 0).
             target: the mini-batch target (used on the last stage).
             loss_fn: ``loss_fn(output, target) -> scalar tensor``.
+            items: for a custom loss averaging over something other than rows,
+                ``items(target_i)`` counts it in a micro-batch's target.
 
         Returns:
-            The mean loss over micro-batches and replicas, the same float on every rank.
+            The loss of the whole batch over the replicas, the same float on every rank.
 
         Raises:
             PipelineError: on every rank when any rank of the grid fails, naming that rank.
@@ -211,16 +228,41 @@ class DistributedPipe(nn.Module):
         Example:
             >>> loss = pipe.step(x, y, nn.functional.mse_loss)  # doctest: +SKIP
         """
-        return self._guard(lambda: self._step(x, target, loss_fn))
+        if not torch.is_grad_enabled():
+            return self._guard(lambda: self._evaluate(x, target, loss_fn, items))
+        return self._guard(lambda: self._step(x, target, loss_fn, items))
 
-    def _step(self, x: Tensor | None, target: Tensor | None, loss_fn: LossFn) -> float:
+    def _evaluate(
+        self, x: Tensor | None, target: Tensor | None, loss_fn: LossFn, items: Items | None
+    ) -> float:
+        """``step`` under no_grad: the forwards only, the loss joined as ``step`` joins it."""
+        spread = functools.partial(spread_over_replicas, mesh=self.mesh, device=self.device)
+        loss_sum = self._runtime.run(x, target, loss_fn, items=items, spread=spread, grad=False)
+        loss = None if loss_sum is None else self._replica_mean(loss_sum.float().reshape(1))
+        return self._share_loss(loss)
+
+    def _replica_mean(self, loss: Tensor) -> Tensor:
+        """The mean of the replicas' losses (each a share of the batch of every replica), as
+        ``step`` averages it with the gradients."""
+        if self.mesh.dp_group is None:
+            return loss
+        what = f"averaging the loss over ranks {self.mesh.replica_ranks}"
+        with comm(what):
+            work = dist.all_reduce(loss, group=self.mesh.dp_group, async_op=True)
+        self.mesh.progress.wait(work, what)
+        return loss / self.dp
+
+    def _step(
+        self, x: Tensor | None, target: Tensor | None, loss_fn: LossFn, items: Items | None
+    ) -> float:
         first = self.mesh.stage == 0
         same_inputs = check_replica_inputs(x, self.mesh, self.device) if first else None
         self._sync.arm()
-        loss_sum = self._runtime.run(x, target, loss_fn)
+        spread = functools.partial(spread_over_replicas, mesh=self.mesh, device=self.device)
+        loss_sum = self._runtime.run(x, target, loss_fn, items=items, spread=spread)
         if same_inputs is not None:  # before the averaged gradients are written back
             same_inputs()
-        loss = None if loss_sum is None else (loss_sum / self.chunks).float().reshape(1)
+        loss = None if loss_sum is None else loss_sum.float().reshape(1)
         self._sync.finish(extra=loss)  # buckets were posted as their stages finished
         return self._share_loss(loss)
 
@@ -239,15 +281,32 @@ class DistributedPipe(nn.Module):
         what = f"sharing the loss over ranks {self.mesh.pipeline_ranks}"
         with comm(what):
             work = dist.all_reduce(value, group=self.mesh.ctl, async_op=True)
-        wait(work, what)
+        self.mesh.progress.wait(work, what)
         return float(value.item())
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Not supported: a rank cannot run the whole model; use :meth:`step`."""
-        raise TypeError(
-            "a DistributedPipe holds only this rank's stages, so pipe(x) cannot run the model; "
-            "call pipe.step(x, target, loss_fn) for a training step"
-        )
+    def forward(self, x: Tensor | None) -> Value | None:
+        """Evaluate the model on a mini-batch: under ``torch.no_grad()`` (or
+        ``torch.inference_mode()``), on every rank of the pipeline, the forward actions of
+        the schedule run and the ranks of the last stage return its output, joined over the
+        micro-batches (the last layer's output for this replica's batch, as the one-process
+        pipe returns it); every other rank returns ``None``. Stage 0 reads ``x``; other ranks
+        may pass ``None``. Nothing is kept for a backward: to train, use :meth:`step`.
+
+        Raises:
+            TypeError: with gradients enabled (a rank cannot run the backward of a call).
+
+        Example:
+            >>> with torch.no_grad():  # doctest: +SKIP
+            ...     logits = pipe.eval()(x)  # None except on the last stage's ranks
+        """
+        if torch.is_grad_enabled():
+            raise TypeError(
+                "a DistributedPipe holds only this rank's stages, so pipe(x) cannot run a "
+                "backward; call pipe.step(x, target, loss_fn) for a training step, or pipe(x) "
+                "under torch.no_grad() to evaluate (the last stage's ranks get the output)"
+            )
+        outputs = self._guard(lambda: self._runtime.forward(x))
+        return None if outputs is None else gather(outputs)
 
     # -- state --------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, Tensor]:
@@ -274,21 +333,41 @@ class DistributedPipe(nn.Module):
         local = {k: v for k, v in state_dict.items() if k.split(".", 1)[0] in self._modules}
         return super().load_state_dict(local, strict=strict, assign=assign)
 
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """Clip the gradients by the whole model's norm (every stage's, reduced over the
+        pipeline's ranks; replicas, which hold the same averaged gradients, count once),
+        exactly as ``torch.nn.utils.clip_grad_norm_`` on the plain model; returns the total
+        norm, the same on every rank. Call it on every rank after ``step``.
+
+        Example:
+            >>> pipe.step(x, y, loss_fn)  # doctest: +SKIP
+            >>> norm = pipe.clip_grad_norm_(1.0)  # doctest: +SKIP
+        """
+        params = list(self.parameters())
+        return self._guard(
+            lambda: clipping.clip_grad_norm_(
+                params,
+                params,
+                max_norm,
+                norm_type,
+                error_if_nonfinite,
+                group=self.mesh.ctl,
+                device=self.device,
+            )
+        )
+
     def close(self) -> None:
         """Release this pipeline's process groups (the pipe cannot step afterwards)."""
         self._transport.drop()
         self._sync.drop()
+        self._guarded.stop()
         self.mesh.close()
 
     # -- helpers ------------------------------------------------------------------------------
     def _guard(self, fn: Callable[[], T]) -> T:
-        if self.mesh.closed:
-            raise PipelineError(f"{self._failure} (the pipeline is closed; build a new one)")
-        try:
-            return guarded(self._board, self.close, fn, doing=lambda: self._runtime.doing)
-        except PipelineError as error:
-            self._failure = error.report
-            raise
+        return self._guarded(fn)
 
     def _tensors(self) -> list[Tensor]:
         return [t.data for t in list(self.parameters()) + list(self.buffers())]
@@ -313,7 +392,7 @@ def wrap(
     device: torch.device | str | None = None,
     group: dist.ProcessGroup | None = None,
     state_dict: Mapping[str, Tensor] | None = None,
-    timeout: float = 300.0,
+    timeout: float | None = 300.0,
 ) -> DistributedPipe:
     """Split ``model`` over the ranks of ``group``: ``len(balance)`` stages x ``dp`` replicas.
 
@@ -348,8 +427,14 @@ def wrap(
         group: parent process group (default: the world); initialized from torchrun's
             environment if no process group exists yet.
         state_dict: weights to load into the local layers.
-        timeout: seconds a rank waits on a peer before failing (bounds how long a fault takes
-            to reach every rank).
+        timeout: seconds any wait for a peer may take, at ``wrap`` and in every step (a
+            receive, a send, a collective). A rank that waits longer (its peer skipped a step,
+            or is stuck in its own code) raises :class:`PipelineError` on every rank it can
+            reach, naming itself, its stage, the action it is in, what it waits for and from
+            whom, and the last action each other rank finished. ``None``: no limit of
+            pipepar's (the process groups' default timeout still applies). Under NCCL the
+            process groups' timeout ends a stall (waits there only order CUDA streams), after
+            the rank logged where it stands.
 
     Raises:
         ValueError, TypeError: for inconsistent arguments, before any pipeline group exists.
@@ -417,13 +502,3 @@ def _resolve_device(
     if resolved.type == "cuda":
         torch.cuda.set_device(resolved)
     return resolved
-
-
-def _default_store() -> dist.Store:
-    return dist.distributed_c10d._get_default_store()
-
-
-def _board_prefix(mesh: Mesh) -> str:
-    grid = tuple(mesh.grid_ranks)
-    _built[grid] += 1
-    return f"pipepar/{'-'.join(map(str, grid))}/{_built[grid]}/"

@@ -17,17 +17,33 @@ dtype when a step starts and compares them before the averaged gradients are wri
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from pipepar.distributed.failure import comm, wait
+from pipepar.distributed.failure import comm
 from pipepar.distributed.mesh import Mesh
 from pipepar.distributed.transport import TensorMeta, decode_meta, encode_meta
 
-__all__ = ["BUCKET_BYTES", "GradientSync", "broadcast_from_first", "check_replica_inputs"]
+__all__ = [
+    "BUCKET_BYTES",
+    "GradientSync",
+    "broadcast_from_first",
+    "check_replica_inputs",
+    "spread_over_replicas",
+]
+
+_Shares = TypeVar("_Shares", bound="_Spreadable")
+
+
+class _Spreadable(Protocol):
+    total: float | None
+
+    def spread(self: _Shares, total: float | None, replicas: int) -> _Shares: ...
+
 
 BUCKET_BYTES = 4 << 20
 """Gradient bytes per all-reduce when a pipe builds its :class:`GradientSync` (read then; every
@@ -57,7 +73,7 @@ def check_replica_inputs(x: object, mesh: Mesh, device: torch.device) -> Callabl
         work = dist.all_gather(gathered, mine, group=mesh.dp_group, async_op=True)
 
     def check() -> None:
-        wait(work, what)
+        mesh.progress.wait(work, what)
         _compare_inputs([decode_meta(t)[0] for t in gathered], mesh.replica_ranks)
 
     return check
@@ -78,6 +94,26 @@ def _compare_inputs(metas: list[TensorMeta], ranks: list[int]) -> None:
         "gradients are averaged, so give every replica a mini-batch of the same shape (e.g. "
         "DistributedSampler(..., drop_last=True), or drop the uneven last batch)"
     )
+
+
+def spread_over_replicas(shares: _Shares, *, mesh: Mesh, device: torch.device) -> _Shares:
+    """A replica's loss shares made shares of the batch of every replica together: the rows
+    or items they divide by are summed over the replicas (one small all-reduce), and the
+    shares scaled so that averaging the replicas' gradients gives the whole batch's.
+
+    Example:
+        >>> shares = spread_over_replicas(shares, mesh=mesh, device=device)  # doctest: +SKIP
+    """
+    if mesh.dp_group is None:
+        return shares
+    if shares.total is None:  # a summed loss: the sum over replicas, not their mean
+        return shares.spread(None, mesh.dp)
+    total = torch.tensor([float(shares.total)], dtype=torch.float64, device=device)
+    what = f"summing the loss's items over ranks {mesh.replica_ranks}"
+    with comm(what):
+        work = dist.all_reduce(total, group=mesh.dp_group, async_op=True)
+    mesh.progress.wait(work, what)
+    return shares.spread(float(total.item()), mesh.dp)
 
 
 def broadcast_from_first(tensors: Iterable[Tensor], mesh: Mesh) -> None:
@@ -108,7 +144,7 @@ def _collective(
     with comm(f"{what} over ranks {mesh.replica_ranks}"):
         works = [post(flat) for flat in flats]
     for work, flat, group in zip(works, flats, buckets.values(), strict=True):
-        wait(work, f"{what} over ranks {mesh.replica_ranks}")
+        mesh.progress.wait(work, f"{what} over ranks {mesh.replica_ranks}")
         for t, synced in zip(group, _unflatten_dense_tensors(flat, group), strict=True):
             t.copy_(synced)
 
@@ -183,7 +219,8 @@ class GradientSync:
             self._post_tensors([extra])
         with torch.no_grad():
             for work, flat, tensors in self._posted:
-                wait(work, f"gradient all-reduce over ranks {self.mesh.replica_ranks}")
+                what = f"gradient all-reduce over ranks {self.mesh.replica_ranks}"
+                self.mesh.progress.wait(work, what)
                 flat.div_(self.mesh.dp)
                 for t, mean in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
                     t.copy_(mean)

@@ -8,8 +8,8 @@ order and moves values:
 * ``F(s, i)``: take stage ``s``'s input of micro-batch ``i`` (a chunk of ``x`` on stage 0, the
   output of stage ``s-1`` handed over on this rank, or received from its rank), run the step,
   and hand the output to stage ``s+1`` (on the last stage, the step's head is the loss).
-* ``B(s, i)``: take the gradient of the output (``1/M`` for the loss on the last stage), run the
-  step, hand the input gradient to stage ``s-1``.
+* ``B(s, i)``: take the gradient of the output (on the last stage, the micro-batch's share of
+  the loss), run the step, hand the input gradient to stage ``s-1``.
 * ``W(s, i)``: the deferred parameter gradients.
 
 Once a stage's last backward action of the mini-batch is done, its parameter gradients are
@@ -29,17 +29,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pipepar.core.losses import Items, LossFn, LossShares, loss_shares
 from pipepar.core.microbatch import Value, scatter, tensors
 from pipepar.core.randomness import Recorded
-from pipepar.core.schedule import Action, Schedule
+from pipepar.core.schedule import NAMES, Action, Schedule, make
 from pipepar.core.stage import Stage
 from pipepar.core.step import StageStep
 from pipepar.distributed.mesh import Mesh
+from pipepar.distributed.progress import describe
 from pipepar.distributed.transport import Incoming, TensorMeta, Transport
 
-__all__ = ["LossFn", "Runtime"]
-
-LossFn = Callable[[Any, Tensor], Tensor]
+__all__ = ["Runtime", "fewer_microbatches"]
 Metas = tuple[TensorMeta, ...]
 OnFinal = Callable[[list[torch.nn.Parameter], bool], None]
 """``on_final(params, overlapped)``: a stage's gradients are final (``overlapped``: the rank has
@@ -65,6 +65,7 @@ class _Batch:
     local: dict[tuple[str, int, int], Any] = field(default_factory=dict)
     posted: dict[tuple[str, int, int], Incoming] = field(default_factory=dict)
     loss_sum: Tensor | None = None
+    outputs: dict[int, Value] = field(default_factory=dict)  # the last stage's, with no loss
 
 
 class Runtime:
@@ -94,43 +95,117 @@ class Runtime:
         self.stages = {s.index: s for s in stages}
         self.mesh, self.transport, self.schedule = mesh, transport, schedule
         self.checkpoint, self.on_final = checkpoint, on_final
-        self.m, self.last = schedule.n_microbatches, schedule.n_stages - 1
-        self.actions = schedule.worker(mesh.stage)
-        self._finals = _last_backward_positions(self.actions)
-        self._next = _next_of_kind(self.actions)
+        self.chunks, self.last = schedule.n_microbatches, schedule.n_stages - 1
+        self._full = schedule
+        self._use(schedule)
         self._shapes: dict[int, _Shapes] = {}
         self._signatures: dict[tuple[Any, ...], int] = {}
-        self.doing: str | None = None
-        """What the rank runs now, e.g. ``"backward of micro-batch 2"``, for error reports."""
 
-    def run(self, x: Tensor | None, target: Tensor | None, loss_fn: LossFn) -> Tensor | None:
-        """Run one mini-batch; return the sum of the micro-batch losses on the last stage."""
-        self.doing = None
+    @property
+    def doing(self) -> str | None:
+        """What the rank runs now, e.g. ``"backward of micro-batch 2"``, for error reports
+        (kept by the mesh's :class:`~pipepar.distributed.progress.Progress`)."""
+        return self.mesh.progress.doing
+
+    @doing.setter
+    def doing(self, doing: str | None) -> None:
+        self.mesh.progress.doing = doing
+
+    def run(
+        self,
+        x: Tensor | None,
+        target: Tensor | None,
+        loss_fn: LossFn,
+        *,
+        items: Items | None = None,
+        spread: Callable[[LossShares], LossShares] | None = None,
+        grad: bool = True,
+    ) -> Tensor | None:
+        """Run one mini-batch; on the last stage return its loss: the micro-batch losses
+        times their shares (:mod:`pipepar.core.losses`; ``spread`` makes them shares of the
+        batch of every replica). With ``grad=False`` (evaluation) only the forward actions
+        run, and the steps keep nothing for a backward."""
+        return self._walk(x, target, loss_fn, items, spread, grad).loss_sum
+
+    def forward(self, x: Tensor | None) -> list[Value] | None:
+        """The forward actions only, with no loss: on the last stage's rank, that stage's
+        output of each micro-batch; None on the other ranks."""
+        batch = self._walk(x, None, None, None, None, False)
+        return [batch.outputs[i] for i in range(self.m)] if self.last in self.stages else None
+
+    def _walk(
+        self,
+        x: Tensor | None,
+        target: Tensor | None,
+        loss_fn: LossFn | None,
+        items: Items | None,
+        spread: Callable[[LossShares], LossShares] | None,
+        grad: bool,
+    ) -> _Batch:
+        """This rank's actions of one mini-batch (the forward ones only without ``grad``)."""
+        self.mesh.progress.begin("start of the mini-batch")
         self._reported: set[int] = set()  # parameters whose final gradient went out
-        signature = self.transport.exchange_header(self._signature(x) if 0 in self.stages else None)
+        first = 0 in self.stages
+        signature, m = self.transport.exchange_header(
+            self._signature(x) if first else None, self._microbatches(x) if first else 0
+        )
+        if m != self.m:  # a batch with fewer rows than chunks runs fewer micro-batches
+            self._use(fewer_microbatches(self._full, m))
         known = self._shapes.get(signature)
-        batch = _Batch(known, _Shapes(), self._steps(target, loss_fn))
+        self._shares: list[float] = []
+        batch = _Batch(known, _Shapes(), self._steps(target, loss_fn, items, spread, grad))
         if 0 in self.stages:
             batch.chunks = _split(x, self.m, "x")
-        for k, action in enumerate(self.actions):
-            self.doing = _describe(action, several=len(self.stages) > 1)
+        # Without a backward the forwards alone keep their order: each waits only on forwards.
+        actions = self.actions if grad else [a for a in self.actions if a.kind == "F"]
+        for k, action in enumerate(actions):
+            self.mesh.progress.begin(describe(action, several=len(self.stages) > 1))
             self._act(batch, action)
-            if k in self._finals:
+            if grad and k in self._finals:
                 self._deliver(batch.steps[action.stage], k < len(self.actions) - 1)
-        self.doing = "last sends of the mini-batch"
+        self.mesh.progress.begin("last sends of the mini-batch")
         self.transport.flush()
-        self.doing = None
+        self.mesh.progress.begin("end of the mini-batch")
         if known is None:
             self._shapes[signature] = batch.seen
-        return batch.loss_sum
+        return batch
 
-    def _steps(self, target: Tensor | None, loss_fn: LossFn) -> dict[int, StageStep]:
-        targets: list[Any] = _split(target, self.m, "target") if self.last in self.stages else []
+    def _use(self, schedule: Schedule) -> None:
+        """Run ``schedule`` (the pipe's, or one for fewer micro-batches) from now on."""
+        self.schedule, self.m = schedule, schedule.n_microbatches
+        self.actions = schedule.worker(self.mesh.stage)
+        self._finals = _last_backward_positions(self.actions)
+        self._next = _next_of_kind(self.actions)
+
+    def _microbatches(self, x: Any) -> int:
+        """``chunks``, or the rows of a smaller batch (one micro-batch per row)."""
+        rows = x.shape[0] if isinstance(x, Tensor) and x.dim() > 0 else 0
+        if rows == 0:
+            raise ValueError(
+                f"x has no rows (shape {tuple(x.shape) if isinstance(x, Tensor) else None}); "
+                "pass a batch with at least one sample on dimension 0"
+            )
+        return min(self.chunks, rows)
+
+    def _steps(
+        self,
+        target: Tensor | None,
+        loss_fn: LossFn | None,
+        items: Items | None,
+        spread: Callable[[LossShares], LossShares] | None,
+        grad: bool,
+    ) -> dict[int, StageStep]:
+        head = None
+        if self.last in self.stages and loss_fn is not None:
+            targets: list[Any] = _split(target, self.m, "target")
+            shares = loss_shares(loss_fn, targets, [len(t) for t in targets], items)
+            shares = spread(shares) if spread is not None else shares
+            self._shares, head = shares.weights, shares.head(targets)
         randomness = Recorded()  # one thread runs this rank's stages, in schedule order
 
         def loss(output: Any, i: int) -> Tensor:
             doing, self.doing = self.doing, f"loss_fn of micro-batch {i}"
-            value = loss_fn(output, targets[i])
+            value = head(output, i)  # type: ignore[misc]
             self.doing = doing
             return value
 
@@ -139,11 +214,11 @@ class Runtime:
                 stage,
                 self.m,
                 checkpoint=self.checkpoint,
-                grad=True,
+                grad=grad,
                 input_grad=s > 0,
                 streams=randomness,
                 split=functools.partial(self.schedule.splits_backward, s),
-                head=loss if s == self.last else None,
+                head=loss if s == self.last and head is not None else None,
                 on_final=functools.partial(self._param_final, stage),
             )
             for s, stage in self.stages.items()
@@ -178,8 +253,10 @@ class Runtime:
     def _output(self, batch: _Batch, s: int, i: int, y: Any) -> None:
         outputs = tensors(y)
         batch.seen.outputs[(s, i)] = tuple(_meta(t) for t in outputs)
-        if s == self.last:
-            loss = outputs[0].detach()
+        if s == self.last and batch.steps[s].head is None:  # forward only: the output itself
+            batch.outputs[i] = y
+        elif s == self.last:
+            loss = outputs[0].detach() * self._shares[i]
             batch.loss_sum = loss if batch.loss_sum is None else batch.loss_sum + loss
         elif self._rank_of(s + 1) == self.mesh.stage:
             batch.local[("F", s + 1, i)] = y
@@ -209,7 +286,7 @@ class Runtime:
 
     def _grads(self, batch: _Batch, s: int, i: int) -> tuple[Tensor | None, ...]:
         if s == self.last:
-            return (torch.tensor(1.0 / self.m, device=self.stages[s].device),)
+            return (torch.tensor(self._shares[i], device=self.stages[s].device),)
         if self._rank_of(s + 1) == self.mesh.stage:
             return batch.local.pop(("B", s, i))
         metas = batch.seen.outputs[(s, i)]
@@ -277,7 +354,8 @@ class Runtime:
         if not isinstance(x, Tensor):
             raise TypeError(
                 f"x must be the mini-batch tensor on stage 0, but got {type(x).__name__}; pass "
-                "the input batch to pipe.step(x, target, loss_fn) on the first stage's ranks"
+                "the input batch to pipe.step(x, target, loss_fn) (or pipe(x)) on the first "
+                "stage's ranks"
             )
         key = (tuple(x.shape), x.dtype, x.device.type)
         return self._signatures.setdefault(key, len(self._signatures))
@@ -305,12 +383,6 @@ def _add_grad(p: Tensor, g: Tensor) -> None:
 def _meta(t: Tensor) -> TensorMeta:
     """What the receiver needs; floating-point outputs get a gradient back."""
     return TensorMeta(tuple(t.shape), t.dtype, t.is_floating_point())
-
-
-def _describe(action: Action, *, several: bool) -> str:
-    phase = {"F": "forward", "B": "backward", "W": "weight gradients"}[action.kind]
-    where = f" of stage {action.stage}" if several else ""
-    return f"{phase} of micro-batch {action.microbatch}{where}"
 
 
 def _last_backward_positions(actions: Sequence[Action]) -> set[int]:
@@ -346,6 +418,20 @@ def _show(metas: Sequence[TensorMeta]) -> str:
 
 def _grad_metas(metas: Sequence[TensorMeta]) -> list[TensorMeta]:
     return [m for m in metas if m.requires_grad]
+
+
+@functools.lru_cache(maxsize=16)
+def fewer_microbatches(schedule: Schedule, m: int) -> Schedule:
+    """``schedule`` rebuilt for ``m`` micro-batches (a batch with fewer rows than chunks)."""
+    if m == schedule.n_microbatches:
+        return schedule
+    if schedule.name not in NAMES:
+        raise ValueError(
+            f"the batch gives {m} micro-batches but the schedule object was built for "
+            f"{schedule.n_microbatches}; pass at least {schedule.n_microbatches} rows, or a "
+            "schedule by name (which is rebuilt for a short batch)"
+        )
+    return make(schedule.name, schedule.n_stages, m, n_workers=schedule.n_workers)
 
 
 def _split(value: Tensor | None, m: int, name: str) -> list[Value]:

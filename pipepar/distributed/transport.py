@@ -15,7 +15,9 @@ into stage ``s`` travel on the ``fwd`` group, the gradients of stage ``s``'s out
 own), so boundaries that share a pair of ranks (virtual stages) never mix. Messages keep their
 order within a group, pair of ranks and tag, and both sides walk each stage's micro-batches in
 the same order (checked when the schedule is), so receives match sends without per-message
-bookkeeping.
+bookkeeping. Every wait goes through the mesh's
+:class:`~pipepar.distributed.progress.Progress`: it gives up after the pipe's timeout, naming
+the message and the peer (rank and stage) it waited for.
 With ``PIPEPAR_DEBUG=1`` every send and receive is logged at DEBUG level.
 """
 
@@ -31,7 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipepar.distributed.failure import comm, wait
+from pipepar.distributed.failure import comm
 from pipepar.distributed.mesh import Mesh
 
 __all__ = ["Incoming", "TensorMeta", "Transport", "debug_enabled", "decode_meta", "encode_meta"]
@@ -160,21 +162,24 @@ class Transport:
         self._grad_sends: deque[tuple[list[dist.Work | None], str]] = deque()
 
     # -- mini-batch header: lets every stage know the input signature ------------------------
-    def exchange_header(self, signature: int | None) -> int:
-        """Position 0 (which holds stage 0) passes ``signature``; every rank gets it from the
-        previous position and hands it to the next."""
+    def exchange_header(self, signature: int | None, microbatches: int = 0) -> tuple[int, int]:
+        """Position 0 (which holds stage 0) passes ``signature`` and the mini-batch's number
+        of micro-batches; every rank gets them from the previous position and hands them to
+        the next."""
         m = self.mesh
-        header = torch.tensor([-1 if signature is None else signature], device=self.device)
+        header = torch.tensor(
+            [-1 if signature is None else signature, microbatches], device=self.device
+        )
         if m.prev_rank is not None:
             work = self._irecv(header, m.prev_rank, m.fwd, _HEADER, "the header")
             self._wait(work, f"receiving the header from rank {m.prev_rank}")
-            self._trace("recv header", int(header.item()), m.prev_rank, ())
+            self._trace("recv header", int(header[0].item()), m.prev_rank, ())
         if m.next_rank is not None:
             self._fwd_sends.setdefault((-1, -1), []).append(
                 self._isend(header, m.next_rank, m.fwd, _HEADER, "the header")
             )
-            self._trace("send header", int(header.item()), m.next_rank, ())
-        return int(header.item())
+            self._trace("send header", int(header[0].item()), m.next_rank, ())
+        return int(header[0].item()), int(header[1].item())
 
     # -- activations, stage s-1 -> s (stage: the receiving one) ------------------------------
     def send_activation(
@@ -205,7 +210,7 @@ class Transport:
         message = torch.empty(_META_LEN, dtype=torch.int64, device=self.device)
         what = f"metadata{_for(stage)}"
         work = self._irecv(message, src, self.mesh.fwd, _tag(_META, stage), what)
-        self._wait(work, f"receiving {what} from rank {src}")
+        self._wait(work, f"receiving {what} from rank {src} (stage {stage - 1})")
         metas = decode_meta(message)
         self._trace("recv metadata", -1, src, (), stage)
         return metas
@@ -243,9 +248,9 @@ class Transport:
     def take(self, incoming: Incoming) -> tuple[Tensor, ...]:
         """Wait for a posted receive and return its buffers."""
         src, i, stage = incoming.src, incoming.microbatch, incoming.stage
-        self._wait_all(
-            incoming.works, f"receiving {incoming.what} {i}{_for(stage)} from rank {src}"
-        )
+        made_by = stage - 1 if incoming.what == "activation" else stage + 1
+        what = f"receiving {incoming.what} {i}{_for(stage)} from rank {src} (stage {made_by})"
+        self._wait_all(incoming.works, what)
         self._trace(f"recv {incoming.what}", i, src, incoming.buffers, stage)
         return incoming.buffers
 
@@ -289,7 +294,7 @@ class Transport:
             return dist.irecv(t, src, group=group, tag=tag)
 
     def _wait(self, work: dist.Work | None, what: str) -> None:
-        wait(work, what)
+        self.mesh.progress.wait(work, what)
 
     def _wait_all(self, works: Sequence[dist.Work | None], what: str) -> None:
         for work in works:

@@ -81,8 +81,13 @@ class Run:
         # repeatable. One worker draws in order, as the plain model does; it only needs to
         # remember its draws if it will recompute.
         recompute = grad and training and checkpoint != "never"
+        flags = {s.index: tuple(layer.training for layer in s.layers) for s in stages}
         streams: Randomness | None = (
-            Streams(log=draws) if schedule.n_workers > 1 else Recorded() if recompute else None
+            Streams(log=draws, flags=flags)
+            if schedule.n_workers > 1
+            else Recorded()
+            if recompute
+            else None
         )
         record = self._trace if tracer is not None else None
         n = len(self.stages)

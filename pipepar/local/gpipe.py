@@ -4,7 +4,8 @@ Code written for ``torchgpipe.GPipe`` (or for fairscale's Pipe, or the Pipe once
 ``torch.distributed.pipeline.sync``) runs on pipepar by changing the import: the constructor
 takes the same arguments, the pipe has the same attributes, and each mistake raises the
 exception type torchgpipe raises for it, with pipepar's message. On purpose, the state_dict
-keys stay the plain model's (torchgpipe adds ``partitions.<j>.``).
+keys stay the plain model's (torchgpipe adds ``partitions.<j>.``); a torchgpipe checkpoint loads
+all the same, and :func:`from_torchgpipe_state_dict` converts one for the plain model.
 
 This module only translates arguments and errors; running is the Pipe's job.
 """
@@ -12,7 +13,9 @@ This module only translates arguments and errors; running is the Pipe's job.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Iterable, Sequence
+import re
+from collections import OrderedDict
+from collections.abc import Container, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,7 +26,7 @@ from pipepar.core.devices import to_device
 from pipepar.core.microbatch import Value, check_value
 from pipepar.local.pipe import Pipe
 
-__all__ = ["DeviceError", "GPipe"]
+__all__ = ["DeviceError", "GPipe", "from_torchgpipe_state_dict"]
 
 Devices = Iterable[str | int | torch.device] | int | None
 
@@ -45,7 +48,8 @@ class GPipe(Pipe):
         devices: one device per partition; ``None`` = every CUDA device, or the CPU for every
             partition on a machine without CUDA (where torchgpipe would find no device).
         chunks: micro-batches per mini-batch; a whole float such as ``8.0`` is taken as ``8``.
-        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` recompute in backward.
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` recompute in backward (or,
+            as in torchgpipe, any object whose ``str()`` is one; ``pipe.checkpoint`` is the str).
         deferred_batch_norm: track batch-norm statistics over the whole mini-batch.
 
     Raises:
@@ -60,6 +64,7 @@ class GPipe(Pipe):
         >>> model = GPipe(nn.Sequential(a, b, c, d), balance=[2, 2], devices=["cpu", "cpu"],
         ...               chunks=8)
         >>> output = model(input.to(model.devices[0]))
+        >>> model.load_state_dict(torch.load("saved_by_torchgpipe.pt"))  # its keys work too
     """
 
     def __init__(
@@ -114,6 +119,127 @@ class GPipe(Pipe):
 
     def cpu(self) -> GPipe:  # type: ignore[override]
         raise _moving_denied("cpu()")
+
+    # -- torchgpipe's checkpoints: partitions.<j>.<name>... is the model's <name>... ------------
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load the plain model's state_dict, or torchgpipe's (``partitions.<j>.`` keys)."""
+        if isinstance(state_dict, Mapping) and self._torchgpipe_keys(state_dict, ""):
+            state_dict = _plain(state_dict, self._modules)
+        return super().load_state_dict(state_dict, strict, assign)
+
+    def _load_from_state_dict(
+        self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+    ) -> None:
+        # Where the pipe is a child of the module loading (its keys under ``prefix``).
+        if self._torchgpipe_keys(state_dict, prefix):
+            converted = _converted(state_dict, prefix, self._modules)
+            state_dict.clear()
+            state_dict.update(converted)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _torchgpipe_keys(self, state_dict: Mapping[str, Any], prefix: str) -> bool:
+        # A layer of the model may itself be called "partitions": its keys are the model's.
+        return "partitions" not in self._modules and bool(_renames(state_dict, prefix, None))
+
+
+_TORCHGPIPE_KEY = re.compile(r"partitions\.\d+\.")
+_ACCUMULATORS = ("sum", "sum_squares")  # of torchgpipe's DeferredBatchNorm
+_STATISTICS = ("running_mean", "running_var")
+
+
+def from_torchgpipe_state_dict(state_dict: Mapping[str, Any]) -> OrderedDict[str, Any]:
+    """A ``torchgpipe.GPipe`` state_dict with the plain model's keys.
+
+    torchgpipe keeps the model's layer names inside its partitions and adds the partition:
+    layer ``3`` of partition 1 saves ``partitions.1.3.weight``, the plain model's ``3.weight``.
+    The result loads into the plain ``nn.Sequential``, a :class:`GPipe` or any pipepar pipe of
+    it, whatever their balance. The accumulators of torchgpipe's deferred batch norm (``sum``
+    and ``sum_squares``, zero between mini-batches) are left out: pipepar's keeps none. Other
+    keys, and the ``_metadata`` torch keeps with the tensors, are kept under the new names.
+
+    Args:
+        state_dict: what ``torchgpipe.GPipe.state_dict()`` returned (or a file of it).
+
+    Raises:
+        ValueError: a key and torchgpipe's key of the same tensor are both there.
+
+    Example:
+        >>> state = from_torchgpipe_state_dict(torch.load("saved_by_torchgpipe.pt"))
+        >>> plain_model.load_state_dict(state)  # 'partitions.1.3.weight' is now '3.weight'
+    """
+    return _plain(state_dict, None)
+
+
+def _plain(state_dict: Mapping[str, Any], layers: Container[str] | None) -> OrderedDict[str, Any]:
+    """The keys and metadata converted, for the layers named in ``layers`` (None: all)."""
+    converted = _converted(state_dict, "", layers)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        converted._metadata = _converted_metadata(metadata)  # type: ignore[attr-defined]
+    return converted
+
+
+def _renames(keys: Iterable[str], prefix: str, layers: Container[str] | None) -> dict[str, str]:
+    """torchgpipe's keys under ``prefix``, each with the plain model's key: those of a layer
+    in ``layers`` (None: of any), so that a key of no layer is reported as it was given."""
+    renames = {}
+    for key in keys:
+        match = _TORCHGPIPE_KEY.match(key, len(prefix)) if key.startswith(prefix) else None
+        if match is None:
+            continue
+        plain = key[match.end() :]
+        if layers is None or plain.split(".", 1)[0] in layers:
+            renames[key] = prefix + plain
+    return renames
+
+
+def _converted(
+    state_dict: Mapping[str, Any], prefix: str, layers: Container[str] | None
+) -> OrderedDict[str, Any]:
+    """``state_dict`` with torchgpipe's keys under ``prefix`` renamed, in the same order."""
+    renames = _renames(state_dict, prefix, layers)
+    for old, new in renames.items():
+        if new in state_dict:
+            raise ValueError(
+                f"state_dict has both {new!r} and torchgpipe's key of the same tensor, {old!r}; "
+                "keep only one of them (the state_dict of one model)"
+            )
+    dropped = _accumulators(list(renames.values()))
+    converted: OrderedDict[str, Any] = OrderedDict()
+    for key, value in state_dict.items():
+        new = renames.get(key, key)
+        if new not in dropped:
+            converted[new] = value
+    return converted
+
+
+def _accumulators(keys: Sequence[str]) -> set[str]:
+    """The ``sum`` and ``sum_squares`` buffers of each batch norm among ``keys`` that has them
+    next to its running statistics: torchgpipe's DeferredBatchNorm."""
+    present = set(keys)
+    dropped: set[str] = set()
+    for key in keys:
+        if not key.endswith(".sum_squares"):
+            continue
+        base = key[: -len("sum_squares")]
+        if all(base + name in present for name in _ACCUMULATORS + _STATISTICS):
+            dropped.update(base + name for name in _ACCUMULATORS)
+    return dropped
+
+
+def _converted_metadata(metadata: Mapping[str, Any]) -> OrderedDict[str, Any]:
+    """torch's per-module metadata (versions) under the plain model's module names; the
+    partitions themselves, modules the plain model lacks, are left out."""
+    converted: OrderedDict[str, Any] = OrderedDict()
+    for name, value in metadata.items():
+        match = _TORCHGPIPE_KEY.match(name + ".")
+        if match is not None and match.end() <= len(name):
+            converted[name[match.end() :]] = value
+        elif name.split(".", 1)[0] != "partitions":
+            converted[name] = value
+    return converted
 
 
 def _moving_denied(call: str) -> TypeError:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -12,11 +12,13 @@ from torch import Tensor, nn
 from pipepar.core import validation
 from pipepar.core.batchnorm import commit_all, convert_deferred_batch_norm, reset_all
 from pipepar.core.devices import DeviceSpec, resolve_devices
+from pipepar.core.losses import Items, LossFn, loss_shares, split_target
 from pipepar.core.microbatch import Value, check_value, gather, scatter, tensors
 from pipepar.core.randomness import DrawLog
 from pipepar.core.recompute import should_checkpoint
 from pipepar.core.schedule import NAMES, VIRTUAL, Schedule, make, n_workers
 from pipepar.core.stage import Stage, iter_layers, split_stages
+from pipepar.core.step import check_output
 from pipepar.local import cpu_malloc
 from pipepar.local.executor import BACKWARD, EVERY, FORWARD, Run
 from pipepar.local.transfer import move
@@ -24,8 +26,6 @@ from pipepar.local.worker import WorkerPool
 from pipepar.tracing.tracer import Tracer
 
 __all__ = ["Pipe", "wrap"]
-
-LossFn = Callable[[Any, Any], Tensor]
 
 
 class Pipe(nn.Module):
@@ -117,16 +117,22 @@ class Pipe(nn.Module):
 
     # -- placement is the pipe's job --------------------------------------------------------
     def to(self, *args: Any, **kwargs: Any) -> Pipe:  # type: ignore[override]
+        """``to(dtype)`` converts as usual; ``to(device)`` is a no-op where every stage is on
+        that device already and a ValueError otherwise (the pipe places its stages)."""
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
         if device is not None:
-            raise _moving_denied("to(device)")
+            _check_staying("to(device)", self.devices, device)
         return super().to(*args, **kwargs)
 
     def cuda(self, device: Any = None) -> Pipe:  # type: ignore[override]
-        raise _moving_denied("cuda()")
+        """A no-op where every stage is on that CUDA device already; a ValueError otherwise."""
+        _check_staying("cuda()", self.devices, _cuda_device(device))
+        return super().cuda(device)
 
     def cpu(self) -> Pipe:  # type: ignore[override]
-        raise _moving_denied("cpu()")
+        """A no-op where every stage is on the CPU already; a ValueError otherwise."""
+        _check_staying("cpu()", self.devices, torch.device("cpu"))
+        return super().cpu()
 
     # -- running: forward now, backward when autograd reaches the pipe ------------------------
     def forward(self, input: Value) -> Value:
@@ -183,7 +189,7 @@ class Pipe(nn.Module):
 
     def _forward_direct(self, microbatches: list[Value]) -> Value:
         stage = self._stages[0]
-        outputs = [stage.run(move(x, stage.device)) for x in microbatches]
+        outputs = [check_output(stage, x, stage.run(move(x, stage.device))) for x in microbatches]
         if self.training:
             commit_all(stage.layers)
         return gather(outputs)
@@ -199,36 +205,49 @@ class Pipe(nn.Module):
         run.execute(self._workers(backward=True), BACKWARD)
 
     # -- running: the whole schedule in one call ------------------------------------------------
-    def step(self, input: Value, target: Any, loss_fn: LossFn) -> Tensor:
+    def step(
+        self, input: Value, target: Any, loss_fn: LossFn, *, items: Items | None = None
+    ) -> Tensor:
         """Forward and backward of one mini-batch in the schedule's order; returns the loss.
 
         The last stage applies ``loss_fn(output, target)`` to each micro-batch as soon as its
         forward is done, so its backward can start at once: under ``"1f1b"`` stage ``j`` holds
         at most ``K - j`` micro-batches, and the zero-bubble schedules fill idle time with
-        deferred weight gradients. Gradients accumulate into ``.grad`` as with
-        ``loss_fn(model(input), target).backward()`` for a loss that averages over the batch
-        (each micro-batch's loss is weighted by its share of the rows). ``step`` runs the
+        deferred weight gradients. Gradients accumulate into ``.grad`` exactly as with
+        ``loss_fn(model(input), target).backward()``: the micro-batch losses are joined by
+        what the loss averages over (rows; real targets for cross-entropy and NLL with
+        ``ignore_index`` or class weights; nothing for ``reduction="sum"``; see
+        :mod:`pipepar.core.losses`), and ``items`` says it for a custom loss. ``step`` runs the
         backward itself, so wrap the pipe in ``DistributedDataParallel`` only with
         ``pipe(x)`` + ``backward()``; for pipeline x data parallel use
         :mod:`pipepar.distributed` (``dp=``), which runs every schedule.
+
+        Under ``torch.no_grad()`` or ``torch.inference_mode()`` it evaluates: only the
+        forward actions of the schedule run, the same loss comes back, ``.grad`` is untouched
+        and no activation is kept for a backward (call ``pipe.eval()`` first for dropout off).
 
         Args:
             input: the mini-batch (a tensor or a tuple of tensors, batch on dimension 0).
             target: what ``loss_fn`` compares with; split like the input (tensors with the
                 batch on dimension 0) or passed whole to every micro-batch.
             loss_fn: ``loss_fn(output, target) -> scalar tensor``, e.g. ``F.cross_entropy``.
+            items: for a custom ``loss_fn`` that averages over something other than rows,
+                ``items(target_i)`` counts it in micro-batch ``i``'s target, e.g.
+                ``lambda y: (y != pad).sum()``.
 
         Example:
             >>> loss = pipe.step(x, y, nn.functional.mse_loss)
             >>> opt.step(); opt.zero_grad()
+            >>> with torch.no_grad():
+            ...     val_loss = pipe.eval().step(x_val, y_val, nn.functional.mse_loss)
         """
         try:
-            return self._step(input, target, loss_fn)
+            return self._step(input, target, loss_fn, items)
         except BaseException:
             reset_all(list(self))
             raise
 
-    def _step(self, input: Value, target: Any, loss_fn: LossFn) -> Tensor:
+    def _step(self, input: Value, target: Any, loss_fn: LossFn, items: Items | None) -> Tensor:
         if not callable(loss_fn):
             raise TypeError(
                 f"loss_fn must be callable, but got {type(loss_fn).__name__}; pass e.g. "
@@ -237,12 +256,15 @@ class Pipe(nn.Module):
         input = check_value(input, what="input")
         microbatches = scatter(input, self.chunks)
         rows = [tensors(x)[0].shape[0] for x in microbatches]
-        targets = _split_target(target, rows, self.devices[-1])
-        head = _loss_head(loss_fn, targets)
+        targets = split_target(target, rows, self.devices[-1])
+        shares = loss_shares(loss_fn, targets, rows, items)
+        if not torch.is_grad_enabled():
+            run = self._run(microbatches, grad=False, input=input, head=shares.head(targets))
+            return self._evaluate(run, shares.weights)
         params = [p for s in self._stages for p in s.trainable()]
-        run = self._run(microbatches, grad=True, input=input, head=head)
+        run = self._run(microbatches, grad=True, input=input, head=shares.head(targets))
         self._tune_heap()
-        weights = [r / sum(rows) for r in rows]
+        weights = shares.weights
         loss = _StepFunction.apply(
             self, run, weights, len(tensors(input)), *tensors(input), *params
         )
@@ -254,8 +276,15 @@ class Pipe(nn.Module):
         run.execute(self._workers(backward=True), EVERY)
         if run.training:
             commit_all(list(self))
-        losses = [torch.as_tensor(v).reshape(()) for v in run.outputs()]
-        return sum(w * v.float() for w, v in zip(weights, losses))  # type: ignore[return-value]
+        return _joined_loss(run, weights)
+
+    def _evaluate(self, run: Run, weights: list[float]) -> Tensor:
+        """The schedule's forward actions only (``step`` under no_grad): the joined loss, with
+        no graph kept (the steps run with ``grad=False``)."""
+        run.execute(self._workers(backward=False), FORWARD)
+        if run.training:
+            commit_all(list(self))
+        return _joined_loss(run, weights)
 
     # -- workers ------------------------------------------------------------------------------
     def _workers(self, *, backward: bool) -> WorkerPool | None:
@@ -272,6 +301,22 @@ class Pipe(nn.Module):
     def _tune_heap(self) -> None:
         if any(d.type == "cpu" for d in self.devices):
             cpu_malloc.tune()  # gradient buffers of every micro-batch: see pipepar.local.cpu_malloc
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """Clip the gradients by the whole model's norm, exactly as
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` on the plain model does
+        (each tied weight counted once); returns the total norm.
+
+        Example:
+            >>> pipe.step(x, y, loss_fn)
+            >>> norm = pipe.clip_grad_norm_(1.0)
+            >>> opt.step(); opt.zero_grad()
+        """
+        return torch.nn.utils.clip_grad_norm_(
+            list(self.parameters()), max_norm, norm_type, error_if_nonfinite
+        )
 
     def close(self) -> None:
         """Stop the worker threads now (they also stop when the pipe is garbage-collected)."""
@@ -329,30 +374,10 @@ def _stage_module(stage: Stage) -> nn.Module:
     return stage.module
 
 
-def _split_target(target: Any, rows: list[int], device: torch.device) -> list[Any]:
-    total = sum(rows)
-    if isinstance(target, Tensor) and target.dim() > 0 and target.shape[0] == total:
-        return list(target.to(device, non_blocking=device.type == "cuda").split(rows))
-    if isinstance(target, Tensor) and target.dim() > 0:
-        raise ValueError(
-            f"target has {target.shape[0]} rows but the input has {total}; pass one target row "
-            "per input row"
-        )
-    return [target] * len(rows)
-
-
-def _loss_head(loss_fn: LossFn, targets: list[Any]) -> Callable[[Value, int], Tensor]:
-    def head(output: Value, i: int) -> Tensor:
-        loss = loss_fn(output, targets[i])
-        if not isinstance(loss, Tensor) or loss.numel() != 1:
-            raise TypeError(
-                f"loss_fn must return a scalar tensor, but returned {type(loss).__name__}"
-                f"{'' if not isinstance(loss, Tensor) else ' of shape ' + str(tuple(loss.shape))}"
-                "; reduce it, e.g. with reduction='mean'"
-            )
-        return loss.reshape(())
-
-    return head
+def _joined_loss(run: Run, weights: list[float]) -> Tensor:
+    """The batch's loss: the micro-batch losses (the last stage's outputs) times their shares."""
+    losses = [torch.as_tensor(v).reshape(()).float() for v in run.outputs()]
+    return sum((w * v for w, v in zip(weights[1:], losses[1:])), weights[0] * losses[0])
 
 
 class _PipeFunction(torch.autograd.Function):
@@ -399,11 +424,36 @@ def _unalias(t: Tensor, inputs: Sequence[Tensor]) -> Tensor:
     return t.clone() if any(t is x or t.data_ptr() == x.data_ptr() for x in inputs) else t
 
 
-def _moving_denied(call: str) -> ValueError:
+def _check_staying(call: str, devices: Sequence[torch.device], target: torch.device) -> None:
+    """``to(device)``, ``cuda()`` and ``cpu()`` on a pipe: nothing to do where every stage is on
+    ``target`` already (HF Trainer and accelerate call them on any model they get), and an
+    error where a stage would move, which only the pipe's own placement may do."""
+    wanted = _exact(target)
+    if any(_exact(d) != wanted for d in devices):
+        raise _moving_denied(call, devices, target)
+
+
+def _moving_denied(call: str, devices: Sequence[torch.device], target: torch.device) -> ValueError:
     return ValueError(
-        f"Pipe.{call} would move every stage to one device; a Pipe places its stages itself. "
-        "Move the model before wrapping, or pass devices=[...] to pipepar.wrap"
+        f"pipe.{call} would move the stages on {[str(d) for d in devices]} to {target}; a pipe "
+        f"places its stages itself, so this is a no-op only where every stage is on {target} "
+        "already. Pass devices=[...] to pipepar.wrap to place the stages (or move the model "
+        "before wrapping it); to(dtype) is allowed"
     )
+
+
+def _exact(device: torch.device) -> torch.device:
+    """``cuda`` names the current CUDA device (where CUDA is available)."""
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _cuda_device(device: int | str | torch.device | None) -> torch.device:
+    """The device ``nn.Module.cuda(device)`` moves to."""
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    return torch.device("cuda" if device is None else device)
 
 
 def _check_threads(threads: int | None, devices: list[torch.device], chunks: int) -> list[int]:
@@ -489,7 +539,7 @@ def wrap(
             threads=threads,
             trace=trace,
         )
-    checkpoint = "except_last" if checkpoint is None else checkpoint
+    checkpoint = "except_last" if checkpoint is None else validation.check_checkpoint(checkpoint)
     if balance is None:
         balance = _planned_balance(module, sample, devices, capacity, chunks, checkpoint, schedule)
     return Pipe(

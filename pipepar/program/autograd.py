@@ -16,7 +16,9 @@ from torch import Tensor
 
 from pipepar.local.executor import BACKWARD, FORWARD
 from pipepar.local.pipe import _unalias
+from pipepar.program import caches
 from pipepar.program.calls import join
+from pipepar.program.losses import own_loss
 from pipepar.program.run import ProgramRun
 
 if TYPE_CHECKING:
@@ -31,17 +33,24 @@ class ProgramFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, pipe: ModelPipe, run: ProgramRun, holder: dict[str, Any], n: int, *args: Tensor
+        ctx: Any,
+        pipe: ModelPipe,
+        run: ProgramRun,
+        holder: dict[str, Any],
+        shares: Sequence[float] | None,
+        n: int,
+        *args: Tensor,
     ) -> Any:
         run.execute(pipe._workers(), FORWARD)
-        rows = run.rows
         results = run.results()
-        joined = join(results, rows)
-        leaves, spec = pytree.tree_flatten(joined)
+        at = _loss_at(results[0]) if shares is not None else None
+        leaves, spec = pytree.tree_flatten(join(results, run.rows, shares, at))
         holder["spec"], holder["leaves"] = spec, leaves
+        caches.detach_caches(leaves)  # no gradient flows through a returned key-value cache
         tensors = [t for t in leaves if isinstance(t, Tensor)]
-        ctx.pipe, ctx.run, ctx.n, ctx.rows = pipe, run, n, rows
+        ctx.pipe, ctx.run, ctx.n = pipe, run, n
         ctx.results = [pytree.tree_leaves(r) for r in results]
+        ctx.weights = _tensor_weights(ctx.results[0], run.rows, shares, at)
         outs = tuple(_unalias(t.detach(), args) for t in tensors)
         ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
         holder["n"] = len(leaves)
@@ -54,17 +63,49 @@ class ProgramFunction(torch.autograd.Function):
         ctx.run = None
         if run is None:
             raise RuntimeError("pipepar: backward through a pipe output twice is not supported")
-        _seed(run, ctx.results, grads, ctx.rows)
+        _seed(run, ctx.results, grads, run.rows, ctx.weights)
         run.open_backward()
         run.execute(ctx.pipe._workers(), BACKWARD)
-        return (None, None, None, None, *run.input_grads(), *run.take_param_grads())
+        return (None, None, None, None, None, *run.input_grads(), *run.take_param_grads())
+
+
+def joined(results: list[Any], rows: list[int], shares: Sequence[float] | None) -> Any:
+    """The micro-batches' outputs joined; the model's loss by ``shares`` when given."""
+    at = _loss_at(results[0]) if shares is not None and results else None
+    return join(results, rows, shares, at)
+
+
+def _loss_at(output: Any) -> int | None:
+    """The index of the model's loss among an output's leaves (None without one)."""
+    try:
+        loss = own_loss(output)
+    except TypeError:
+        return None
+    return next((k for k, t in enumerate(pytree.tree_leaves(output)) if t is loss), None)
+
+
+def _tensor_weights(
+    leaves: list[Any], rows: list[int], shares: Sequence[float] | None, at: int | None
+) -> list[list[float]]:
+    """Per tensor leaf of the output, each micro-batch's share of a one-value leaf's gradient:
+    by rows, or the loss's shares for the model's loss (leaf ``at``)."""
+    total = sum(rows)
+    by_rows = [r / total for r in rows]
+    return [
+        list(shares) if k == at and shares is not None else by_rows
+        for k, t in enumerate(leaves)
+        if isinstance(t, Tensor)
+    ]
 
 
 def _seed(
-    run: ProgramRun, results: list[list[Any]], grads: Sequence[Tensor | None], rows: list[int]
+    run: ProgramRun,
+    results: list[list[Any]],
+    grads: Sequence[Tensor | None],
+    rows: list[int],
+    weights: list[list[float]],
 ) -> None:
     """Hand each micro-batch the part of the output gradient that is its own."""
-    total = sum(rows)
     per_mb_tensors = [[t for t in leaves if isinstance(t, Tensor)] for leaves in results]
     for k, g in enumerate(grads):
         if g is None:
@@ -74,7 +115,9 @@ def _seed(
             if t.dim() > 0 and g.dim() > 0 and len(per_mb_tensors) > 1:
                 part = g.split(rows)[i]
             elif len(per_mb_tensors) > 1:
-                part = (g * (rows[i] / total)).reshape(t.shape)
+                if weights[k][i] == 0:
+                    continue  # a loss over no label: nothing to differentiate
+                part = (g * weights[k][i]).reshape(t.shape)
             else:
                 part = g
             run.seed(i, t, part)

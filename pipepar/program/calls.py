@@ -3,16 +3,20 @@
 A call is the positional and keyword arguments a model takes (``input_ids=..., labels=...``).
 Every tensor argument whose dimension 0 has the batch size is split into ``m`` row views; every
 other argument (a flag, a config, a tensor without the batch) goes unchanged to each
-micro-batch. The batch size is dimension 0 of the first tensor argument.
+micro-batch. The batch size is dimension 0 of the first tensor argument. A transformers
+key-value cache, passed in or returned, is split and joined like a tensor of the batch
+(:mod:`pipepar.program.caches`).
 
 Outputs are joined leaf by leaf (tensors, tuples, dicts and transformers' ``ModelOutput``):
 tensors with the micro-batch's rows are concatenated; a one-element tensor (a loss averaged
-over the micro-batch) becomes the average weighted by rows; ``None`` and equal plain values stay;
+over the micro-batch) becomes the average weighted by rows, or for the loss by the shares of
+:mod:`pipepar.core.losses`; ``None`` and equal plain values stay;
 anything else cannot be joined and raises.
 """
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +25,9 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-__all__ = ["Call", "as_call", "join", "split_call"]
+from pipepar.program import caches
+
+__all__ = ["Call", "as_call", "join", "split_call", "weighted_sum"]
 
 
 @dataclass
@@ -67,8 +73,8 @@ def split_call(args: tuple[Any, ...], kwargs: dict[str, Any], chunks: int) -> li
     """
     n = batch_size(args, kwargs)
     m = max(1, min(chunks, n))
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    columns = [leaf.tensor_split(m) if _batched(leaf, n) else [leaf] * m for leaf in leaves]
+    leaves, spec = pytree.tree_flatten((args, kwargs), is_leaf=caches.is_cache)
+    columns = [_split_leaf(leaf, n, m) for leaf in leaves]
     rows = [len(r) for r in torch.arange(n).tensor_split(m)]
     calls = []
     for i in range(m):
@@ -77,12 +83,33 @@ def split_call(args: tuple[Any, ...], kwargs: dict[str, Any], chunks: int) -> li
     return calls
 
 
+def _split_leaf(leaf: Any, n: int, m: int) -> Sequence[Any]:
+    if caches.is_cache(leaf):  # a key-value cache passed back in (generation's decode steps)
+        return caches.split(leaf, n, m)
+    return leaf.tensor_split(m) if _batched(leaf, n) else [leaf] * m
+
+
 def _batched(leaf: Any, n: int) -> bool:
     return isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == n
 
 
-def join(outputs: Sequence[Any], rows: Sequence[int]) -> Any:
-    """Join the micro-batch outputs into the output of the whole batch."""
+def join(
+    outputs: Sequence[Any],
+    rows: Sequence[int],
+    shares: Sequence[float] | None = None,
+    loss_at: int | None = None,
+) -> Any:
+    """Join the micro-batch outputs into the output of the whole batch.
+
+    Args:
+        outputs: what each micro-batch's call returned.
+        rows: each micro-batch's rows.
+        shares: the micro-batches' shares of the loss (see :mod:`pipepar.core.losses`), for
+            the leaf at ``loss_at`` (its index among the output's leaves); a share of 0 leaves
+            that micro-batch's loss out (a mean over no label). Other one-element leaves are
+            averaged by rows.
+        loss_at: which leaf is the loss.
+    """
     if len(outputs) == 1:
         return outputs[0]
     flat = [pytree.tree_flatten(out) for out in outputs]
@@ -94,11 +121,16 @@ def join(outputs: Sequence[Any], rows: Sequence[int]) -> Any:
                 f"({other} vs {spec}); the model must return the same structure for every batch"
             )
     columns = list(zip(*(leaves for leaves, _ in flat)))
-    joined = [_join_leaf(col, rows, path) for path, col in zip(_paths(spec, len(columns)), columns)]
+    total = sum(rows)
+    by_rows = [r / total for r in rows]
+    joined = [
+        _join_leaf(col, rows, by_rows if k != loss_at or shares is None else list(shares), path)
+        for k, (path, col) in enumerate(zip(_paths(spec, len(columns)), columns))
+    ]
     return pytree.tree_unflatten(joined, spec)
 
 
-def _join_leaf(col: Sequence[Any], rows: Sequence[int], where: str) -> Any:
+def _join_leaf(col: Sequence[Any], rows: Sequence[int], shares: Sequence[float], where: str) -> Any:
     first = col[0]
     if isinstance(first, Tensor):
         if all(
@@ -106,20 +138,31 @@ def _join_leaf(col: Sequence[Any], rows: Sequence[int], where: str) -> Any:
         ):
             return torch.cat(list(col))
         if all(isinstance(t, Tensor) and t.numel() == 1 for t in col):
-            total = sum(rows)
-            return sum(t * (r / total) for t, r in zip(col, rows))
+            return weighted_sum(col, shares)
         shapes = [tuple(t.shape) for t in col]
         raise ValueError(
             f"output {where} cannot be joined over micro-batches: shapes {shapes} neither carry "
             f"the micro-batch rows {list(rows)} on dimension 0 nor hold one value; return it "
             "with the batch on dimension 0, or use chunks=1"
         )
+    if caches.is_cache(first):
+        return caches.join(col, rows, f"output {where}")
     if all(v is None for v in col) or all(_same(v, first) for v in col):
         return first
+    other = next(v for v in col if not _same(v, first))
     raise ValueError(
-        f"output {where} differs between micro-batches ({type(first).__name__}) and cannot be "
-        "joined; leave it out of the output (for transformers models pass use_cache=False)"
+        f"output {where} differs between micro-batches ({reprlib.repr(first)} vs "
+        f"{reprlib.repr(other)}) and a {type(first).__name__} cannot be joined (tensors, "
+        "transformers caches and equal plain values can); leave it out of the output or use "
+        "chunks=1 (for a cache of a kind of the model's own, pass use_cache=False)"
     )
+
+
+def weighted_sum(values: Sequence[Tensor], shares: Sequence[float]) -> Tensor:
+    """``sum(share * value)`` over the micro-batches whose share is not 0 (a value there may be
+    ``nan``: a mean over nothing)."""
+    terms = [v * w for v, w in zip(values, shares) if w != 0]
+    return sum(terms[1:], terms[0]) if terms else torch.zeros_like(values[0])
 
 
 def _same(a: Any, b: Any) -> bool:

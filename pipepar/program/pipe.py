@@ -6,6 +6,11 @@ are placed on their stage's device, and each micro-batch's forward runs the mode
 order (:mod:`pipepar.program.driver`). Values crossing a boundary travel by themselves;
 a weight used by two stages (tied embedding and head) is held by the first and its gradients
 from both are summed there.
+
+To whatever inspects a model (HF ``Trainer``, ``accelerate``) the pipe looks like it: its class
+is made for the model's class and its ``forward`` has the model's signature, an attribute it
+lacks is the model's (``__getattr__``), ``hf_device_map`` says where its units sit, and
+``to(device)`` is a no-op where every stage is there already (:mod:`pipepar.program.hf`).
 """
 
 from __future__ import annotations
@@ -21,26 +26,30 @@ from torch import Tensor, nn
 
 from pipepar.core import validation
 from pipepar.core.devices import DeviceSpec, resolve_devices
+from pipepar.core.losses import Items, LossShares, split_target
 from pipepar.core.randomness import DrawLog
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.local import cpu_malloc
 from pipepar.local.executor import EVERY, FORWARD
 from pipepar.local.pipe import (
+    Pipe,
+    _check_staying,
     _check_threads,
-    _moving_denied,
+    _cuda_device,
     _n_workers,
     _schedule_for,
     _StepFunction,
     schedule_of_batch,
 )
 from pipepar.local.worker import WorkerPool
+from pipepar.program import generation, hf
 from pipepar.program import units as units_
-from pipepar.program.autograd import ProgramFunction, as_tuple
-from pipepar.program.calls import Call, join, split_call
+from pipepar.program.autograd import ProgramFunction, as_tuple, joined
+from pipepar.program.calls import Call, split_call, weighted_sum
 from pipepar.program.cut import Cut, Ledger
 from pipepar.program.driver import driver_pool, mark_boundaries
-from pipepar.program.losses import LossFn, loss_head, split_target
+from pipepar.program.losses import LossFn, ModelLoss, loss_head, step_shares
 from pipepar.program.run import ProgramRun
 from pipepar.program.step import Batch
 from pipepar.tracing.tracer import Tracer
@@ -82,6 +91,19 @@ class ModelPipe(nn.Module):
     """
 
     _model: nn.Module  # not a child: its children are the pipe's
+    _model_class: type[nn.Module] | None = None  # set on the class made for a model class
+    hf_device_map: dict[str, int | str]
+    is_parallelizable: bool
+    model_parallel: bool
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> ModelPipe:
+        """A pipe of a model is an instance of the ModelPipe subclass made for the model's
+        class, named as it, whose ``forward`` shows the model's signature
+        (:func:`pipepar.program.hf.class_for`)."""
+        model = args[0] if args else kwargs.get("model")
+        if cls is ModelPipe and isinstance(model, nn.Module):
+            return super().__new__(hf.class_for(ModelPipe, type(model)))
+        return super().__new__(cls)
 
     def __init__(
         self,
@@ -112,13 +134,14 @@ class ModelPipe(nn.Module):
         placed = [workers[w] for w in self._layout.placement]
         self._owner = units_.owners(lay, stage_of_unit)
         _place(model, lay, stage_of_unit, self._owner, placed)
-        object.__setattr__(self, "_model", model)
         for name, child in model.named_children():
             self.add_module(name, child)
         for name, p in model.named_parameters(recurse=False):
             self.register_parameter(name, p)
         for name, b in model.named_buffers(recurse=False):
             self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
+        # Set after the children: until then no name falls back to the model (__getattr__).
+        object.__setattr__(self, "_model", model)
         self._stages = _stages(lay, stage_of_unit, placed)
         self._params = _held(model, self._owner, len(sizes))
         self._units = lay
@@ -129,6 +152,11 @@ class ModelPipe(nn.Module):
         self.tracer: Tracer | None = Tracer() if trace else None
         self._pool: WorkerPool | None = None
         self._drivers: ThreadPoolExecutor | None = None
+        # Placed already, across devices or not: Trainer and accelerate leave it where it is.
+        self.hf_device_map = hf.device_map(
+            [u.path for u in lay.units], [placed[s] for s in stage_of_unit]
+        )
+        self.is_parallelizable = self.model_parallel = hf.spans_devices(placed)
 
     # -- what the pipe is ---------------------------------------------------------------------
     @property
@@ -165,15 +193,48 @@ class ModelPipe(nn.Module):
         return self
 
     def to(self, *args: Any, **kwargs: Any) -> ModelPipe:  # type: ignore[override]
-        if torch._C._nn._parse_to(*args, **kwargs)[0] is not None:
-            raise _moving_denied("to(device)")
+        """``to(dtype)`` converts as usual; ``to(device)`` is a no-op where every stage is on
+        that device already (as HF Trainer and accelerate call it) and a ValueError otherwise:
+        the pipe places its stages."""
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is not None:
+            _check_staying("to(device)", self.devices, device)
         return super().to(*args, **kwargs)
 
     def cuda(self, device: Any = None) -> ModelPipe:  # type: ignore[override]
-        raise _moving_denied("cuda()")
+        """A no-op where every stage is on that CUDA device already; a ValueError otherwise."""
+        _check_staying("cuda()", self.devices, _cuda_device(device))
+        return super().cuda(device)
 
     def cpu(self) -> ModelPipe:  # type: ignore[override]
-        raise _moving_denied("cpu()")
+        """A no-op where every stage is on the CPU already; a ValueError otherwise."""
+        _check_staying("cpu()", self.devices, torch.device("cpu"))
+        return super().cpu()
+
+    # -- looking like the model (for HF Trainer, accelerate, and anything that inspects it) ---
+    def __getattr__(self, name: str) -> Any:
+        """An attribute the pipe lacks is the wrapped model's.
+
+        The rule: the pipe's own attributes come first (its methods and properties, and
+        ``hf_device_map``, ``is_parallelizable``, ``model_parallel`` set for its placement),
+        then, as for any module, its parameters, buffers and children (the model's); any other
+        name but a dunder is looked up on the model. So ``pipe.config``,
+        ``pipe.main_input_name``, ``pipe.loss_type`` or ``pipe.get_input_embeddings()`` answer
+        what the model answers. A method found this way runs on the model itself, unsplit.
+        """
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_model")  # absent while building or unpickling
+            if model is None or (name.startswith("__") and name.endswith("__")):
+                raise
+        try:
+            return getattr(model, name)
+        except AttributeError:
+            raise AttributeError(
+                f"{type(self).__qualname__} has no attribute {name!r}, and neither has the "
+                f"wrapped {type(model).__name__}"
+            ) from None
 
     # -- running ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -185,48 +246,65 @@ class ModelPipe(nn.Module):
         needs_grad = torch.is_grad_enabled() and (
             bool(params) or any(t.requires_grad for t in flat_in)
         )
-        run = self._run(calls, grad=needs_grad)
+        shares = ModelLoss(self._model, calls) if "labels" in kwargs else None
+        run = self._run(calls, grad=needs_grad, shares=shares)
         if not needs_grad:
             run.execute(self._workers(), FORWARD)
-            return join(run.results(), run.rows)
+            return joined(run.results(), run.rows, shares)
         holder: dict[str, Any] = {}
-        outs = ProgramFunction.apply(self, run, holder, len(flat_in), *flat_in, *params)
+        outs = ProgramFunction.apply(self, run, holder, shares, len(flat_in), *flat_in, *params)
         leaves = list(holder["leaves"])
         for k, t in zip(holder["positions"], as_tuple(outs)):
             leaves[k] = t
         return pytree.tree_unflatten(leaves, holder["spec"])
 
     def step(
-        self, *args: Any, loss_fn: LossFn | None = None, target: Any = None, **kwargs: Any
+        self,
+        *args: Any,
+        loss_fn: LossFn | None = None,
+        target: Any = None,
+        items: Items | None = None,
+        **kwargs: Any,
     ) -> Tensor:
         """Forward and backward of one mini-batch in the schedule's order; returns the loss.
 
         The loss is what ``loss_fn(output, target)`` returns for each micro-batch or, without
         ``loss_fn``, the model's own (``output.loss``, or the first element of a tuple, as
-        transformers models return when given ``labels=``); micro-batch losses are weighted by
-        their share of the rows, as a loss averaged over the batch. Gradients accumulate into
-        ``.grad``.
+        transformers models return when given ``labels=``). The micro-batch losses are joined
+        into exactly the loss of the whole batch, whatever it averages over: rows, real
+        tokens (``-100`` labels, ``ignore_index``, class weights) or a count passed as
+        ``num_items_in_batch`` (see :mod:`pipepar.core.losses` and
+        :mod:`pipepar.program.losses`); ``items(target_i)`` tells what a custom ``loss_fn``
+        averages over. Gradients accumulate into ``.grad``.
+
+        Under ``torch.no_grad()`` or ``torch.inference_mode()`` it evaluates: only the
+        forward actions of the schedule run, the same loss comes back, ``.grad`` is untouched
+        and no activation is kept for a backward (call ``pipe.eval()`` first for dropout off).
 
         Example:
             >>> loss = pipe.step(input_ids=ids, labels=ids)
             >>> opt.step(); opt.zero_grad()
+            >>> with torch.no_grad():
+            ...     val_loss = pipe.eval().step(input_ids=val_ids, labels=val_ids)
         """
         calls = split_call(args, kwargs, self.chunks)
-        rows = [c.rows for c in calls]
-        targets = split_target(target, rows)
-        weights = [r / sum(rows) for r in rows]
-        run = self._run(calls, grad=True, head=loss_head(loss_fn, targets), weights=weights)
+        targets = split_target(target, [c.rows for c in calls])
+        shares = step_shares(loss_fn, self._model, calls, targets, items)
+        if not torch.is_grad_enabled():
+            run = self._run(calls, grad=False, head=loss_head(shares, targets), shares=shares)
+            run.execute(self._workers(), FORWARD)
+            return _joined_loss(run, shares.weights if isinstance(shares, LossShares) else shares)
+        run = self._run(calls, grad=True, head=loss_head(shares, targets), shares=shares)
         params = [p for held in self._params for p in held]
         flat_in = [t for c in calls for t in c.tensors()]
-        loss = _StepFunction.apply(self, run, weights, len(flat_in), *flat_in, *params)
+        loss = _StepFunction.apply(self, run, _weights(shares), len(flat_in), *flat_in, *params)
         loss.backward()
         return loss.detach()
 
-    def _step_all(self, run: ProgramRun, weights: list[float]) -> Tensor:
+    def _step_all(self, run: ProgramRun, shares: Sequence[float]) -> Tensor:
         run.open_backward()
         run.execute(self._workers(), EVERY)
-        losses = [torch.as_tensor(v).reshape(()).detach() for v in run.results()]
-        return sum(w * v.float() for w, v in zip(weights, losses))  # type: ignore[return-value]
+        return _joined_loss(run, shares)
 
     def _run(
         self,
@@ -234,17 +312,22 @@ class ModelPipe(nn.Module):
         *,
         grad: bool,
         head: Any = None,
-        weights: list[float] | None = None,
+        shares: LossShares | ModelLoss | None = None,
     ) -> ProgramRun:
         model = self._model
 
-        def caller(c: Call) -> Callable[[], Any]:
-            return lambda: model(*c.args, **c.kwargs)
+        def caller(i: int, c: Call) -> Callable[[], Any]:
+            extra = shares.call_kwargs(i) if isinstance(shares, ModelLoss) else {}
+            return lambda: model(*c.args, **{**c.kwargs, **extra})
 
         inputs = [c.tensors() for c in calls]
         cuts = [Cut(Ledger(), self._owner, self.devices, {id(t): t for t in xs}) for xs in inputs]
         batch = functools.partial(
-            Batch, [caller(c) for c in calls], cuts, head=head, weights=weights
+            Batch,
+            [caller(i, c) for i, c in enumerate(calls)],
+            cuts,
+            head=head,
+            weights=_weights(shares) if head is not None else None,
         )
         if any(d.type == "cpu" for d in self.devices) and grad:
             cpu_malloc.tune()
@@ -275,6 +358,19 @@ class ModelPipe(nn.Module):
         self._drivers = driver_pool(self._drivers, m, min(self.threads), self.devices[0])
         return self._drivers
 
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's own ``generate`` (transformers' ``GenerationMixin``), every forward call
+        of its loop (the prompt, then each new token) run by the pipe; takes and returns what
+        the model's ``generate`` does, without gradients. See :mod:`pipepar.program.generation`.
+
+        Example:
+            >>> pipe.eval()
+            >>> ids = pipe.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=8)
+        """
+        return generation.generate(self, *args, **kwargs)
+
+    clip_grad_norm_ = Pipe.clip_grad_norm_  # the whole model's norm, as for nn.Sequential
+
     def close(self) -> None:
         """Stop the worker and driver threads."""
         if self._pool is not None:
@@ -288,6 +384,29 @@ class ModelPipe(nn.Module):
         state = self.__dict__.copy()
         state["_pool"] = state["_drivers"] = None
         return state
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The class made for a model class is found again from it (pickle cannot by name).
+        made_for = type(self).__dict__.get("_model_class")
+        if made_for is None:
+            return super().__reduce_ex__(protocol)
+        return _new_pipe, (made_for,), self.__getstate__()
+
+
+def _new_pipe(model_class: type[nn.Module]) -> ModelPipe:
+    """An empty pipe of ``model_class`` for unpickling to fill in."""
+    return ModelPipe.__new__(hf.class_for(ModelPipe, model_class))
+
+
+def _weights(shares: LossShares | ModelLoss | None) -> Sequence[float] | None:
+    """The micro-batches' shares of the loss (a model's own are known as its forwards run)."""
+    return shares.weights if isinstance(shares, LossShares) else shares
+
+
+def _joined_loss(run: ProgramRun, shares: Sequence[float]) -> Tensor:
+    """The batch's loss: each micro-batch's (what the head returned) times its share."""
+    losses = [torch.as_tensor(v).reshape(()).detach().float() for v in run.results()]
+    return weighted_sum(losses, shares)
 
 
 # -- building -------------------------------------------------------------------------------

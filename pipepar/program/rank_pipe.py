@@ -6,31 +6,57 @@ See :mod:`pipepar.program.ranks` for how a rank follows the stages it does not c
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipepar.core import validation
+from pipepar.core.losses import Items, LossShares, split_target
 from pipepar.core.schedule import VIRTUAL, Schedule, make
 from pipepar.core.stage import Stage
+from pipepar.distributed import clipping
+from pipepar.distributed.arguments import check_timeout
+from pipepar.distributed.guard import Guard
 from pipepar.distributed.mesh import build_mesh, check_grid
 from pipepar.distributed.pipe import _ensure_process_group, _resolve_device
+from pipepar.distributed.progress import describe
+from pipepar.distributed.replicas import spread_over_replicas
+from pipepar.distributed.runtime import fewer_microbatches
 from pipepar.program import units as units_
-from pipepar.program.calls import split_call
+from pipepar.program.autograd import joined
+from pipepar.program.calls import Call, split_call, weighted_sum
 from pipepar.program.cut import Ledger
 from pipepar.program.driver import driver_pool, mark_boundaries
-from pipepar.program.losses import LossFn, loss_head, split_target
+from pipepar.program.losses import LossFn, ModelLoss, loss_head, step_shares
 from pipepar.program.meta_values import MetaScalars
 from pipepar.program.pipe import _sizes
 from pipepar.program.ranks import Link, RankCut, RankStep, held_here, shadow_context
 from pipepar.program.step import Batch
 
 __all__ = ["DistributedModelPipe"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _stepping(method: F) -> F:
+    """``method``, a step, run by the pipe's guard: one rank's failure or stall ends every
+    rank of the pipeline with one report."""
+
+    @functools.wraps(method)
+    def run(self: DistributedModelPipe, *args: Any, **kwargs: Any) -> Any:
+        def call() -> Any:
+            self.mesh.progress.begin("start of the mini-batch")
+            return method(self, *args, **kwargs)
+
+        return self._guarded(call)
+
+    return run  # type: ignore[return-value]
 
 
 class DistributedModelPipe(nn.Module):
@@ -57,10 +83,11 @@ class DistributedModelPipe(nn.Module):
         device: torch.device | str | None = None,
         group: dist.ProcessGroup | None = None,
         state_dict: Mapping[str, Tensor] | None = None,
-        timeout: float = 300.0,
+        timeout: float | None = 300.0,
     ) -> None:
         super().__init__()
         self.chunks = validation.check_chunks(chunks)
+        timeout = check_timeout(timeout)
         lay = units_.layout(model)
         sizes = _sizes(lay, balance, split)
         if (isinstance(schedule, str) and schedule in VIRTUAL) or (
@@ -79,7 +106,7 @@ class DistributedModelPipe(nn.Module):
             len(sizes),
             self.dp,
             group=group,
-            timeout=timedelta(seconds=timeout),
+            timeout=None if timeout is None else timedelta(seconds=timeout),
             placement=self.schedule.placement,
         )
         own = self.mesh.stage
@@ -107,7 +134,8 @@ class DistributedModelPipe(nn.Module):
             self.device,
             names=[u.path.replace(".", "/") for u in mine],
         )
-        self._link = Link(self.mesh.pipeline_ranks, self.device)
+        self._link = Link(self.mesh, self.device)
+        self._guarded = Guard(self, self.mesh, self.close)
         self._drivers: ThreadPoolExecutor | None = None
         if self.mesh.dp_group is not None and state_dict is None:
             for p in self._held:
@@ -130,28 +158,101 @@ class DistributedModelPipe(nn.Module):
     def stage_index(self) -> int:
         return self._own
 
+    def train(self, mode: bool = True) -> DistributedModelPipe:
+        super().train(mode)
+        self._model.train(mode)  # the model's own flag, read by its forward
+        return self
+
     # -- running ------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise TypeError(
-            "a rank holds one stage, so pipe(...) cannot run the model; call "
-            "pipe.step(**batch) for a training step"
-        )
+        """Evaluate the model on a mini-batch: under ``torch.no_grad()`` (or
+        ``torch.inference_mode()``), called on every rank of the pipeline with the same
+        arguments, the forward actions of the schedule run and the ranks of the last stage
+        return what the model returns, joined over the micro-batches as by
+        :class:`~pipepar.program.pipe.ModelPipe` (e.g. a ``ModelOutput`` with ``logits`` and,
+        given ``labels=``, the loss of this replica's batch); every other rank returns
+        ``None``. Values that only other ranks compute (e.g. the hidden states of earlier
+        stages, if the model returns them) are on the ``meta`` device. Nothing is kept for a
+        backward: to train, use :meth:`step`.
 
+        Raises:
+            TypeError: with gradients enabled (a rank cannot run the backward of a call).
+
+        Example:
+            >>> with torch.no_grad():  # doctest: +SKIP
+            ...     out = pipe.eval()(**batch)  # None except on the last stage's ranks
+        """
+        if torch.is_grad_enabled():
+            raise TypeError(
+                "a rank holds one stage, so pipe(...) cannot run a backward; call "
+                "pipe.step(**batch) for a training step, or pipe(**batch) under "
+                "torch.no_grad() to evaluate (the last stage's ranks get the output)"
+            )
+        calls = split_call(args, kwargs, self.chunks)
+        schedule = fewer_microbatches(self.schedule, len(calls))
+        shares = ModelLoss(self._model, calls) if "labels" in kwargs else None
+        batch, _ = self._guarded(lambda: self._walk(calls, schedule, shares, None, grad=False))
+        if self._own != self.schedule.n_stages - 1:
+            return None
+        return joined([d.result for d in batch.drivers], [c.rows for c in calls], shares)
+
+    @_stepping
     def step(
-        self, *args: Any, loss_fn: LossFn | None = None, target: Any = None, **kwargs: Any
+        self,
+        *args: Any,
+        loss_fn: LossFn | None = None,
+        target: Any = None,
+        items: Items | None = None,
+        **kwargs: Any,
     ) -> float:
         """Forward and backward of one mini-batch; returns the loss on every rank.
 
         Call it on every rank of the pipeline with the same arguments (the batch the model
         takes: e.g. ``input_ids=..., labels=...``); each replica with its own batch. The loss is
-        the model's own (``labels=``) or ``loss_fn(output, target)``, micro-batches weighted by
-        their rows. Gradients accumulate into ``.grad``, summed over the stages that share a
-        tied weight and averaged over the replicas.
+        the model's own (``labels=``) or ``loss_fn(output, target)``, joined into the loss of
+        the batches of all replicas together, whatever it averages over (rows, real tokens,
+        ``num_items_in_batch``; ``items`` for a custom ``loss_fn``: see
+        :meth:`pipepar.program.pipe.ModelPipe.step`). Gradients accumulate into ``.grad``,
+        summed over the stages that share a tied weight and averaged over the replicas.
+
+        Under ``torch.no_grad()`` or ``torch.inference_mode()`` (on every rank) it evaluates:
+        only the forward actions of the schedule run, the same loss comes back on every rank,
+        ``.grad`` is untouched and no activation is kept for a backward (call ``pipe.eval()``
+        first for dropout off).
         """
         calls = split_call(args, kwargs, self.chunks)
-        rows = [c.rows for c in calls]
-        weights = [r / sum(rows) for r in rows]
-        head = loss_head(loss_fn, split_target(target, rows))
+        if calls[0].rows == 0:
+            raise ValueError(
+                "the batch has no rows: pass at least one sample on dimension 0 of the tensors "
+                "of pipe.step(...) (every rank of the pipeline gets the same batch)"
+            )
+        schedule = fewer_microbatches(self.schedule, len(calls))
+        targets = split_target(target, [c.rows for c in calls])
+        shares = spread_over_replicas(
+            step_shares(loss_fn, self._model, calls, targets, items),
+            mesh=self.mesh,
+            device=self.device,
+        )
+        weights = shares.weights if isinstance(shares, LossShares) else shares
+        grad = torch.is_grad_enabled()
+        batch, step = self._walk(calls, schedule, shares, loss_head(shares, targets), grad=grad)
+        if grad:
+            self._write_grads(step)
+        return self._loss(batch, weights)
+
+    def _walk(
+        self,
+        calls: list[Call],
+        schedule: Schedule,
+        shares: LossShares | ModelLoss | None,
+        head: Callable[[Any, int], Tensor] | None,
+        *,
+        grad: bool,
+    ) -> tuple[Batch, RankStep]:
+        """Run this rank's actions of ``schedule`` on the micro-batch ``calls``: the own
+        stage's for real, the others in shadow; without ``grad`` the forward ones only, and
+        nothing is kept for a backward."""
+        weights = shares.weights if isinstance(shares, LossShares) else shares
         values = [MetaScalars() for _ in calls]
         cuts = [
             RankCut(
@@ -165,14 +266,18 @@ class DistributedModelPipe(nn.Module):
             )
             for vals in values
         ]
-        shadow = shadow_context(values, True)
+        shadow = shadow_context(values, grad)
 
         def context(stage: int, i: int) -> contextlib.AbstractContextManager[Any]:
             # ``step`` is made below, before any driver runs.
             return step.segment_context(stage, i) if stage == self._own else shadow(stage, i)
 
         batch = Batch(
-            [_caller(self._model, c) for c in calls], cuts, context, head=head, weights=weights
+            [_caller(self._model, c, shares, i) for i, c in enumerate(calls)],
+            cuts,
+            context,
+            head=head,
+            weights=weights,
         )
         step = RankStep(
             self._stage,
@@ -180,19 +285,22 @@ class DistributedModelPipe(nn.Module):
             batch=batch,
             params=[p for p in self._held if p.requires_grad],
             checkpoint="never",
-            grad=True,
+            grad=grad,
             input_grad=True,
             streams=None,  # one driver computes at a time: draws in order
-            split=lambda i: self.schedule.splits_backward(self._own, i),
+            split=lambda i: schedule.splits_backward(self._own, i),
             cuts=cuts,
             link=self._link,
         )
         pool = self._driver_threads(len(calls))
         for driver in batch.drivers:
             pool.submit(driver.run)
+        # Without a backward the forwards alone keep their order: each waits only on forwards.
+        actions = [a for a in schedule.worker(self._own) if grad or a.kind == "F"]
         try:
-            for action in self.schedule.worker(self._own):
+            for action in actions:
                 kind, i = action.kind, action.microbatch
+                self.mesh.progress.begin(describe(action))
                 if kind == "F":
                     step.forward(i, ())
                 elif kind == "B":
@@ -202,36 +310,43 @@ class DistributedModelPipe(nn.Module):
         except BaseException:
             batch.abort()
             raise
+        self.mesh.progress.begin("end of the mini-batch")
         self._link.flush()
-        self._write_grads(step)
-        return self._loss(batch, weights)
+        return batch, step
 
     def _write_grads(self, step: RankStep) -> None:
-        for p, g in zip(step.params, step.param_grads()):
-            if g is not None:
-                p.grad = g if p.grad is None else p.grad + g
+        """Add this step's gradients into ``.grad``: each tied weight's summed over the stages
+        that use it, all averaged over the replicas. Only the step's own gradients are
+        reduced (``.grad`` may hold earlier steps' already: accumulation); a frozen weight
+        gets none."""
+        fresh = {id(p): g for p, g in zip(step.params, step.param_grads())}
         step.release()
-        for group, params in self._tied:
+        for _, group, params in self._tied:
             for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=group)
+                if p.requires_grad:  # every user holds it, frozen or not, on every rank alike
+                    g = fresh.get(id(p))
+                    fresh[id(p)] = g = g if g is not None else torch.zeros_like(p)
+                    self.mesh.progress.all_reduce(g, group, "the sum of tied weights")
         if self.mesh.dp_group is not None:
             for p in self._held:
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=self.mesh.dp_group)
-                    p.grad /= self.dp
+                g = fresh.get(id(p))
+                if p.requires_grad and g is not None:
+                    self.mesh.progress.all_reduce(g, self.mesh.dp_group, "the gradient all-reduce")
+                    g /= self.dp
+        for p in self._held:
+            g = fresh.get(id(p))
+            if g is not None:
+                p.grad = g if p.grad is None else p.grad + g
 
-    def _loss(self, batch: Batch, weights: list[float]) -> float:
+    def _loss(self, batch: Batch, weights: Sequence[float]) -> float:
         last = self.schedule.n_stages - 1
         value = torch.zeros(1, device=self.device)
         if self._own == last:
-            total = sum(w * d.result.detach().float() for w, d in zip(weights, batch.drivers))
-            value += total
+            value += weighted_sum([d.result.detach().float() for d in batch.drivers], weights)
         if self.mesh.ctl is not None:
-            dist.all_reduce(value, group=self.mesh.ctl)
+            self.mesh.progress.all_reduce(value, self.mesh.ctl, "sharing the loss")
         if self.mesh.dp_group is not None:
-            dist.all_reduce(value, group=self.mesh.dp_group)
+            self.mesh.progress.all_reduce(value, self.mesh.dp_group, "averaging the loss")
             value /= self.dp
         return float(value.item())
 
@@ -239,15 +354,42 @@ class DistributedModelPipe(nn.Module):
         self._drivers = driver_pool(self._drivers, m, torch.get_num_threads(), self.device)
         return self._drivers
 
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """Clip the gradients by the whole model's norm (every stage's, reduced over the
+        pipeline's ranks; a weight tied across stages counted once, replicas once), exactly
+        as ``torch.nn.utils.clip_grad_norm_`` on the plain model; returns the total norm, the
+        same on every rank. Call it on every rank after ``step``.
+
+        Example:
+            >>> pipe.step(**batch)  # doctest: +SKIP
+            >>> norm = pipe.clip_grad_norm_(1.0)  # doctest: +SKIP
+        """
+        elsewhere = {id(q) for first, _, params in self._tied if first != self._own for q in params}
+        owned = [q for q in self._held if id(q) not in elsewhere]
+        return clipping.clip_grad_norm_(
+            owned,
+            self._held,
+            max_norm,
+            norm_type,
+            error_if_nonfinite,
+            group=self.mesh.ctl,
+            device=self.device,
+        )
+
     def close(self) -> None:
         if self._drivers is not None:
             self._drivers.shutdown(wait=False)
             self._drivers = None
+        self._link.drop()
+        self._guarded.stop()
         self.mesh.close()
 
 
-def _caller(model: nn.Module, call: Any) -> Any:
-    return lambda: model(*call.args, **call.kwargs)
+def _caller(model: nn.Module, call: Call, shares: object, i: int) -> Any:
+    extra = shares.call_kwargs(i) if isinstance(shares, ModelLoss) else {}
+    return lambda: model(*call.args, **{**call.kwargs, **extra})
 
 
 def _keep_only(
@@ -310,9 +452,9 @@ def _tied_groups(
     lay: units_.Layout,
     stage_of_unit: Sequence[int],
     ranks: Sequence[int],
-) -> list[tuple[dist.ProcessGroup, list[nn.Parameter]]]:
-    """A process group per set of stages sharing weights (every rank makes every group, in
-    the same order, as torch.distributed requires); this rank's part of them."""
+) -> list[tuple[int, dist.ProcessGroup, list[nn.Parameter]]]:
+    """A process group per set of stages sharing weights that this rank is one of: the first
+    of those stages (which counts the weights in norms), the group and the weights."""
     users: dict[int, set[int]] = {}
     params: dict[int, nn.Parameter] = {}
     for unit, s in zip(lay.units, stage_of_unit):
@@ -327,7 +469,11 @@ def _tied_groups(
     out = []
     for stages, ps in shared.items():
         members = [ranks[s] for s in stages]
-        group = dist.new_group(members)
-        if me in members and isinstance(group, dist.ProcessGroup):
-            out.append((group, ps))
+        if me not in members:
+            continue
+        # Only the members create it: each replica makes its own groups with its own ranks,
+        # which a world-wide new_group (every rank, the same arguments) would not allow.
+        group = dist.new_group(members, use_local_synchronization=True, group_desc="pipepar-tied")
+        assert isinstance(group, dist.ProcessGroup)
+        out.append((stages[0], group, ps))
     return out

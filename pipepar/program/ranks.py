@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from pipepar.distributed.failure import comm
+from pipepar.distributed.mesh import Mesh
 from pipepar.program.cut import Crossing, Cut, Ledger
 from pipepar.program.meta_values import SHADOW_LIMIT, MetaScalars
 from pipepar.program.step import SegmentContext, SegmentStep
@@ -38,36 +40,61 @@ from pipepar.program.step import SegmentContext, SegmentStep
 __all__ = ["Link", "RankCut", "RankStep"]
 
 ACTIVATION, GRADIENT = 1, 2
+_KINDS = {ACTIVATION: "an activation", GRADIENT: "a gradient"}
 
 
 class Link:
     """This rank's point-to-point messages to the ranks of the other stages.
 
+    Activations travel on the mesh's ``fwd`` group, gradients on its ``bwd`` group (closing
+    the mesh after a failure wakes a peer blocked on this rank), and every wait goes through
+    the mesh's :class:`~pipepar.distributed.progress.Progress`, which gives up after the pipe's
+    timeout naming the message and the peer. No frame of this class holds a work while it
+    waits (a failure's traceback would keep the groups' connections open).
+
     Args:
-        ranks: the global rank of each stage of this rank's pipeline.
+        mesh: this rank's pipeline: the global rank of each stage, the groups, the progress.
         device: where received tensors go.
     """
 
-    def __init__(self, ranks: Sequence[int], device: torch.device) -> None:
-        self.ranks, self.device = list(ranks), device
-        self._sends: list[tuple[dist.Work | None, Tensor]] = []
+    def __init__(self, mesh: Mesh, device: torch.device) -> None:
+        self.ranks, self.device = list(mesh.pipeline_ranks), device
+        self.groups = {ACTIVATION: mesh.fwd, GRADIENT: mesh.bwd}
+        self.progress = mesh.progress
+        self._sends: list[tuple[dist.Work | None, str]] = []
+        self._buffers: list[Tensor] = []  # alive until sent
 
     def send(self, t: Tensor, stage: int, kind: int) -> None:
         buffer = t.detach().contiguous()
-        work = dist.isend(buffer, self.ranks[stage], tag=kind)
-        self._sends.append((work, buffer))  # keep the buffer alive until it is sent
+        what = f"sending {self._what(buffer, kind)} to {self._peer(stage)}"
+        self._sends.append((self._post(dist.isend, buffer, stage, kind, what), what))
+        self._buffers.append(buffer)
 
     def recv(self, like: Tensor, stage: int, kind: int) -> Tensor:
         out = torch.empty(like.shape, dtype=like.dtype, device=self.device)
-        dist.recv(out, self.ranks[stage], tag=kind)
+        what = f"receiving {self._what(out, kind)} from {self._peer(stage)}"
+        self.progress.wait(self._post(dist.irecv, out, stage, kind, what), what)
         return out
 
     def flush(self) -> None:
         """Wait until every message sent has left."""
-        for work, _ in self._sends:
-            if work is not None:
-                work.wait()
+        self.progress.wait_all(self._sends)
+        self._buffers.clear()
+
+    def drop(self) -> None:
+        """Forget every pending send without waiting (after a failure)."""
         self._sends.clear()
+        self._buffers.clear()
+
+    def _post(self, op: Any, t: Tensor, stage: int, kind: int, what: str) -> dist.Work | None:
+        with comm(what):
+            return op(t, self.ranks[stage], group=self.groups[kind], tag=kind)
+
+    def _peer(self, stage: int) -> str:
+        return f"rank {self.ranks[stage]} (stage {stage})"
+
+    def _what(self, t: Tensor, kind: int) -> str:
+        return f"{_KINDS[kind]} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
 
 
 class RankCut(Cut):

@@ -69,7 +69,10 @@ class ProgramRun(Run):
         self.training = any(u.training for s in stages for u in s.layers)
         # Several workers race for the generator: a stream per (stage, micro-batch) keeps runs
         # repeatable. One worker draws in order (nothing is recomputed here).
-        streams: Randomness | None = Streams(log=draws) if schedule.n_workers > 1 else None
+        flags = {s.index: tuple(u.training for u in s.layers) for s in stages}
+        streams: Randomness | None = (
+            Streams(log=draws, flags=flags) if schedule.n_workers > 1 else None
+        )
         record = self._trace if tracer is not None else None
         self.steps = [  # type: ignore[assignment]
             SegmentStep(

@@ -13,7 +13,8 @@ measured per unit the way it is per layer of an ``nn.Sequential`` (:func:`trace_
   (a :class:`~pipepar.planner.memory_tracker.MemoryTracker`) and those autograd saves
   (``saved_tensors_hooks``), and opens the window of its forward temporaries;
 - the cut notes which unit reads each storage: a storage read by a later unit crosses into it
-  (a residual stream, a rotary table, the labels reach the last unit);
+  (a residual stream, a rotary table, the labels reach the last unit), handed over as a value
+  the unit may write into (a ``ReLU(inplace=True)`` unit after a batch norm), as in the pipe;
 - the backward runs unit by unit in reverse, from the gradients later units handed back.
 
 :func:`deferred_units` measures, from the same graphs, what each unit's split backward keeps
@@ -112,19 +113,48 @@ class UnitGraph:
     weights: list[Tensor]
 
 
+class _Entry(torch.autograd.Function):
+    """The identity from a crossing's leaf to the tensor a unit computes with: it shares the
+    leaf's storage (nothing is allocated, so no figure changes) but is not a leaf, so the unit
+    may write into it in place, as the pipe's units may write into their predecessor's output."""
+
+    @staticmethod
+    def forward(ctx: Any, leaf: Tensor) -> Tensor:
+        return leaf.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad
+
+
 class _UnitCut(Cut):
-    """The cut with one stage per unit, telling ``on_use`` of every tensor an operation reads."""
+    """The cut with one stage per unit, telling ``on_use`` of every tensor an operation reads.
+
+    Every unit is a stage here, also a unit without parameters that the pipe computes on the
+    stage before it (a ``ReLU(inplace=True)`` after a batch norm): the leaf of a crossing that
+    needs a gradient is given to the unit through :class:`_Entry`, so an in-place first
+    operation writes into the value it was handed, as it does in the pipe, instead of failing
+    on a leaf. Each leaf has one entry, so the unit's later uses see what it wrote.
+    """
 
     def __init__(
         self, call: UnitCall, ledger: Ledger, on_use: Callable[[Tensor, int], None] | None
     ) -> None:
         super().__init__(ledger, call.owner, [call.device] * len(call.units), {})
         self.on_use = on_use
+        self.entries: dict[int, Tensor] = {}  # by id of the leaf (held by its crossing)
 
     def _cross(self, t: Tensor) -> Tensor:
         if self.on_use is not None:
             self.on_use(t, self.stage)
-        return super()._cross(t)
+        leaf = super()._cross(t)
+        if leaf is t or isinstance(t, nn.Parameter) or not leaf.requires_grad:
+            return leaf  # the unit's own, a tied weight (never written into), or no gradient
+        entry = self.entries.get(id(leaf))
+        if entry is None:
+            entry = self.entries[id(leaf)] = _Entry.apply(leaf)
+            self._tag(entry)  # the unit's own from now on
+        return entry
 
 
 @contextlib.contextmanager
@@ -187,6 +217,7 @@ def unit_forward(
     on_enter(0)
     with torch.enable_grad(), _hooks(call.units, enter, on_exit), cut:
         output = functional_call(call.model, call.params, call.args, call.kwargs)
+    cut.entries.clear()  # the graphs hold what they need; the storages may go with them
     seeds = [(t, torch.ones_like(t)) for t in _seed_tensors(output)]
     producers = [_producer(ledger, t, len(call.units)) for t, _ in seeds]
     graphs = _graphs(ledger, call, list(zip(producers, (t for t, _ in seeds))))
@@ -396,9 +427,18 @@ def deferred_units(call: UnitCall) -> list[DeferredGrads]:
     found = []
     for graph in graphs:
         ins = tuple(c.leaf for c in graph.into)
-        found.append(_split(tuple(graph.outs), ins, graph.weights))
+        found.append(_split(tuple(_as_handed(t) for t in graph.outs), ins, graph.weights))
         graph.outs, graph.into = [], []
     return found
+
+
+def _as_handed(t: Tensor) -> Tensor:
+    """An output that an operation returned as it was handed to the unit (an eval-mode
+    dropout's input) is the leaf it stands for, as it would be in a stage of its own."""
+    node = t.grad_fn
+    if isinstance(node, _Entry._backward_cls):
+        return node.next_functions[0][0].variable
+    return t
 
 
 def _tensors(tree: Any) -> list[Tensor]:

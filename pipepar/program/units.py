@@ -201,7 +201,8 @@ def units(model: nn.Module, sample: Any = None) -> list[Unit]:
         model: any module.
         sample: an example call (tensor, tuple of positional arguments, or dict of keyword
             arguments); the units are then in the order the model calls them, found by a
-            forward without gradients on a one-row slice of it.
+            forward without gradients on a one-row slice of it, with copies of the model's
+            buffers (a training-mode batch norm keeps its running statistics).
 
     Example:
         >>> [u.path for u in units(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))]
@@ -213,5 +214,11 @@ def units(model: nn.Module, sample: Any = None) -> list[Unit]:
 
     args, kwargs = as_call(sample)
     one = split_call(args, kwargs, 1 << 30)[0]
-    order = call_order(model, layout(model).units, lambda: model(*one.args, **one.kwargs))
+    # Each buffer once, under its first name: functional_call ties the others to it.
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+
+    def run() -> object:
+        return torch.func.functional_call(model, buffers, one.args, one.kwargs)
+
+    order = call_order(model, layout(model).units, run)
     return layout(model, order).units

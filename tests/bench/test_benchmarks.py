@@ -132,6 +132,20 @@ def test_overhead_quick(tmp_path: Path) -> None:
         assert row["rounds"] == 3
 
 
+def test_timeout_quick(tmp_path: Path) -> None:
+    rows, text = _run("bench_timeout.py", tmp_path, "--write")
+    assert "## Time limit on waits: timeout=300 (default) vs timeout=None" in text
+    assert [(r["job"], r["m"], r["steps"]) for r in rows] == [("small", 16, 8)]
+    for row in rows:
+        for name in ("on", "off", "control"):
+            assert 0 < row[f"{name}_p10_ms"] <= row[f"{name}_median_ms"]
+        for stat in ("median", "control_median", "p10", "control_p10"):
+            low, high = row[f"ratio_{stat}_interval"]
+            assert 0 < low <= high and row[f"ratio_{stat}"] > 0
+    table = [line for line in text.splitlines() if line.startswith("| small |")]
+    assert len(table) == 1 and table[0].count("|") == 9
+
+
 def test_memory_quick(tmp_path: Path) -> None:
     rows, text = _run("bench_memory.py", tmp_path)
     assert "## Memory per stage: GPipe vs 1F1B vs ZB-H1 vs checkpointing" in text

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipepar.core.microbatch import check_value, gather, scatter
+from pipepar.core.microbatch import check_rows, check_value, gather, scatter
 
 
 @pytest.mark.parametrize(
@@ -39,3 +39,28 @@ def test_check_value() -> None:
         check_value((t, 1), what="x")
     with pytest.raises(TypeError, match=r"got tuple of \(empty\)"):
         check_value((), what="x")
+
+
+def _never() -> str:
+    raise AssertionError("the name is built only for the message")
+
+
+@pytest.mark.parametrize(
+    "value", [torch.zeros(3, 2), (torch.zeros(3), torch.zeros(3, 4, dtype=torch.long))]
+)
+def test_check_rows_passes_the_batch_on_dimension_0(value: object) -> None:
+    check_rows(value, 3, _never)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (torch.tensor(1.0), r"\(\)"),
+        (torch.zeros(6, 2), r"\(6, 2\)"),
+        ((torch.zeros(3, 2), torch.tensor(0)), r"\[\(3, 2\), \(\)\]"),
+    ],
+)
+def test_check_rows_names_the_layer_the_shape_and_the_rows(value: object, shown: str) -> None:
+    match = rf"layer 7 \(Sum\) returned shape {shown} for a micro-batch of 3 rows.*dimension 0"
+    with pytest.raises(ValueError, match=match):
+        check_rows(value, 3, lambda: "layer 7 (Sum)")  # type: ignore[arg-type]

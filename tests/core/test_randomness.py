@@ -195,7 +195,7 @@ def test_steps_repeat_and_replay_while_quiet_stages_skip_the_streams() -> None:
 
 
 def test_a_quiet_stage_that_starts_drawing_warns_once_and_is_watched_again() -> None:
-    with pytest.warns(RuntimeWarning, match="stage 0 drew random numbers") as caught:
+    with pytest.warns(RuntimeWarning, match="stage (0|0 or 1) drew random numbers") as caught:
         first = _steps(_sometimes_model(), "never", switch_at=2)
     assert len([w for w in caught if "drew random numbers" in str(w.message)]) == 1
     with pytest.warns(RuntimeWarning):

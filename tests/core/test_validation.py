@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import pipepar
+from pipepar.core.validation import check_checkpoint
 
 
 def _model(n: int = 4) -> nn.Sequential:
@@ -108,3 +109,27 @@ def test_inputs_with_different_batch_sizes() -> None:
     pipe = pipepar.wrap(nn.Sequential(nn.Identity()), [1], devices=["cpu"], chunks=2)
     with pytest.raises(ValueError, match=r"share a batch dimension 0.*\(3, 2\), \(4, 2\)"):
         pipe((torch.zeros(3, 2), torch.zeros(4, 2)))
+
+
+class _Text:
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+@pytest.mark.parametrize("mode", ["always", "except_last", "never"])
+def test_checkpoint_is_taken_by_its_str_as_a_plain_str(mode: str) -> None:
+    for given in (mode, _Text(mode)):
+        got = check_checkpoint(given)
+        assert got == mode and type(got) is str
+
+
+@pytest.mark.parametrize(
+    ("given", "shown"),
+    [("sometimes", r"got 'sometimes';"), (None, r"got None;"), (_Text("no"), r"is 'no'\);")],
+)
+def test_checkpoint_of_no_mode_shows_what_was_given(given: object, shown: str) -> None:
+    with pytest.raises(ValueError, match=rf"checkpoint must be one of 'always'.*{shown}"):
+        check_checkpoint(given)

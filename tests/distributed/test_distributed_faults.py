@@ -8,11 +8,13 @@ world of their own, spawned once.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import re
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -23,7 +25,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from test_distributed import BALANCE, CHUNKS, ROWS, TOL, WIDTH, Pool, batches, tiny_model
+from test_distributed import (
+    BALANCE,
+    CHUNKS,
+    ROWS,
+    TOL,
+    WIDTH,
+    Pool,
+    _subgroup,
+    batches,
+    tiny_model,
+)
 from torch import nn
 from torch.autograd import Function
 
@@ -55,7 +67,8 @@ class _Fault(nn.Module):
     """Identity that misbehaves on this rank at ``plan = (phase, micro-batch, action)``.
 
     ``phase`` is "forward" or "backward"; ``action`` is "raise", "raise late" (after the
-    peers had time to finish their own step) or a signal number to send to this process.
+    peers had time to finish their own step), a float (seconds to sleep: a stall) or a signal
+    number to send to this process.
     Micro-batches are counted by forward calls since ``calls`` was reset (use
     checkpoint="never" so no recomputation counts twice).
     """
@@ -74,6 +87,9 @@ class _Fault(nn.Module):
         if _Fault.plan is None or _Fault.plan[:2] != (phase, i):
             return
         action = _Fault.plan[2]
+        if isinstance(action, float):
+            time.sleep(action)
+            return
         if action in ("raise", "raise late"):
             time.sleep(0.5 if action == "raise late" else 0)
             raise RuntimeError("boom")
@@ -474,6 +490,189 @@ def test_checkpoint_resume_is_bit_identical_and_loads_anywhere(pool: Pool, tmp_p
         assert worst < TOL, (type(module).__name__, worst)
         if isinstance(module, pipepar.Pipe):
             module.close()
+
+
+# -- tests: stalls (two pipelines of two ranks on the pool: ranks 0-1 and 2-3) ------------------
+STALL_TIMEOUT = 2.0
+NAP = 3 * STALL_TIMEOUT  # how long the stalling rank is away
+
+
+def case_stalls(rank: int) -> dict:
+    """nn.Sequential, 1f1b, chunks=2. Pipeline 0-1: rank 0 sleeps in its forward of micro-batch
+    1. Pipeline 2-3: rank 3 skips a step (it sleeps outside pipe.step, then steps late)."""
+    group = _subgroup(2)
+    unlimited = ppd.wrap(tiny_model(), BALANCE[2], chunks=2, group=group, timeout=None)
+    x, y = batches(1, 1)[0]
+    out: dict[str, Any] = {"unlimited": unlimited.step(x[0], y[0], nn.functional.mse_loss)}
+    out["unlimited_timeout"] = unlimited.mesh.progress.timeout
+    unlimited.close()
+    pipe = ppd.wrap(
+        fault_model(), [4, 4], chunks=2, schedule="1f1b", checkpoint="never", group=group,
+        timeout=STALL_TIMEOUT,
+    )  # fmt: skip
+    _failing_step(pipe, None)
+    if rank == 3:
+        time.sleep(NAP)
+    out |= _failing_step(pipe, ("forward", 1, NAP) if rank == 0 else None)
+    out["again"] = _failing_step(pipe, None)["message"]
+    return out
+
+
+class _Nap(nn.Module):
+    """Identity that sleeps once, on the rank computing it for real (not in shadow on meta),
+    in its ``plan = (phase, seconds)``: the first forward or backward after it is set."""
+
+    plan: tuple[str, float] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _Nap.plan is not None and _Nap.plan[0] == "forward" and not x.is_meta:
+            _Nap.plan, seconds = None, _Nap.plan[1]
+            time.sleep(seconds)
+        return _NapInBackward.apply(x)
+
+
+class _NapInBackward(Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if _Nap.plan is not None and _Nap.plan[0] == "backward" and not grad.is_meta:
+            _Nap.plan, seconds = None, _Nap.plan[1]
+            time.sleep(seconds)
+        return grad
+
+
+class _NapNet(nn.Module):
+    """Not an nn.Sequential (the any-model route): 4 x (Linear + Tanh), a _Nap in each half."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.blocks = nn.ModuleList([nn.Linear(WIDTH, WIDTH) for _ in range(4)])
+        self.naps = nn.ModuleList([_Nap(), _Nap()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for k, block in enumerate(self.blocks):
+            x = torch.tanh(block(x))
+            if k in (0, 3):
+                x = self.naps[k // 3](x)
+        return x
+
+
+def case_model_stalls(rank: int) -> dict:
+    """The any-model route, 1f1b, chunks=2. Pipeline 0-1: rank 0 sleeps in its forward of
+    micro-batch 0. Pipeline 2-3: rank 3 sleeps in its backward of micro-batch 0."""
+    pipe = ppd.wrap(
+        _NapNet(), split=["blocks.2"], chunks=2, schedule="1f1b", group=_subgroup(2),
+        timeout=STALL_TIMEOUT,
+    )  # fmt: skip
+    x, y = batches(1, 1)[0]
+    loss = nn.functional.mse_loss
+    pipe.step(x[0], target=y[0], loss_fn=loss)
+    _Nap.plan = {0: ("forward", NAP), 3: ("backward", NAP)}.get(rank)
+    out: dict[str, Any] = {"raised": "nothing", "message": ""}
+    start = time.monotonic()
+    try:
+        pipe.step(x[0], target=y[0], loss_fn=loss)
+    except ppd.PipelineError as e:
+        out = {"raised": type(e).__name__, "message": str(e)}
+    finally:
+        _Nap.plan = None
+    out["elapsed"] = time.monotonic() - start
+    try:
+        pipe.step(x[0], target=y[0], loss_fn=loss)
+        out["again"] = "no error"
+    except ppd.PipelineError as e:
+        out["again"] = str(e)
+    return out
+
+
+def _check_stall(results: list[dict], reports: dict[int, str], away: dict[int, str]) -> None:
+    """Every rank raised its pipeline's report (``reports[waiting rank]``, which also says
+    where the rank that was ``away`` stood); the waiting rank after about the timeout, the
+    one away when it came back, without waiting out another timeout."""
+    for waiting, report in reports.items():
+        pair = (waiting // 2 * 2, waiting // 2 * 2 + 1)
+        for rank in pair:
+            r = results[rank]
+            assert r["raised"] == "PipelineError", (rank, r)
+            assert report in r["message"], (rank, r["message"])
+            assert away[waiting] in r["message"], (rank, r["message"])
+            assert "the pipeline is closed" in r["again"], (rank, r)
+        elapsed = results[waiting]["elapsed"]
+        assert STALL_TIMEOUT * 0.9 < elapsed < STALL_TIMEOUT + 3, (waiting, elapsed)
+        sleeper = pair[0] + pair[1] - waiting
+        assert results[sleeper]["elapsed"] < NAP + 3, (sleeper, results[sleeper])
+
+
+@pytest.mark.slow
+def test_a_stalled_step_ends_every_rank_saying_where_each_stands(pool: Pool) -> None:
+    results = pool.run(case_stalls)
+    for r in results:
+        assert r["unlimited"] > 0 and r["unlimited_timeout"] is None  # timeout=None runs
+    wait = f"no answer within timeout={STALL_TIMEOUT:g} s"
+    reports = {
+        1: "rank 1 (stage 1, replica 0) failed in the forward of micro-batch 1: StallError: "
+        f"receiving activation 1 for stage 1 from rank 0 (stage 0): {wait}",
+        2: "rank 2 (stage 0, replica 0) failed in the backward of micro-batch 0: StallError: "
+        f"receiving gradient 0 for stage 0 from rank 3 (stage 1): {wait}",
+    }
+    away = {
+        1: "[rank 0 (stage 0, replica 0) is in step 2 at the forward of micro-batch 1, not "
+        "blocked in a transfer, last finished the forward of micro-batch 0]",
+        2: "[rank 3 (stage 1, replica 0) finished step 1 and is outside pipe.step]",
+    }
+    _check_stall(results, reports, away)
+    assert "a rank that skipped one" in results[3]["message"]  # the way out
+
+
+@pytest.mark.slow
+def test_a_stall_in_any_model_ends_every_rank_saying_where_each_stands(pool: Pool) -> None:
+    wait = f"no answer within timeout={STALL_TIMEOUT:g} s"
+    reports = {
+        1: "rank 1 (stage 1, replica 0) failed in the forward of micro-batch 0: StallError: "
+        f"receiving an activation (4, 6) float32 from rank 0 (stage 0): {wait}",
+        2: "rank 2 (stage 0, replica 0) failed in the backward of micro-batch 0: StallError: "
+        f"receiving a gradient (4, 6) float32 from rank 3 (stage 1): {wait}",
+    }
+    away = {
+        1: "[rank 0 (stage 0, replica 0) is in step 2 at the forward of micro-batch 0, not "
+        "blocked in a transfer, last finished the start of the mini-batch]",
+        2: "[rank 3 (stage 1, replica 0) is in step 2 at the backward of micro-batch 0, not "
+        "blocked in a transfer, last finished the forward of micro-batch 0]",
+    }
+    _check_stall(pool.run(case_model_stalls), reports, away)
+
+
+@pytest.mark.slow
+def test_a_rank_that_skips_a_step_under_torchrun_is_named(tmp_path: Path) -> None:
+    """As users launch: torchrun, ppd.wrap starting the process group, the c10d store of the
+    torchrun rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(root)}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
+        str(root / "tests/distributed/_stall_main.py"), str(tmp_path), str(STALL_TIMEOUT),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    report = (
+        "rank 0 (stage 0, replica 0) failed in the backward of micro-batch 0: StallError: "
+        "receiving gradient 0 for stage 0 from rank 1 (stage 1): no answer within "
+        f"timeout={STALL_TIMEOUT:g} s [rank 1 (stage 1, replica 0) finished step 1 and is "
+        "outside pipe.step]"
+    )
+    for rank, r in enumerate(results):
+        assert r["raised"] == "PipelineError" and report in r["message"], (rank, r)
+    assert STALL_TIMEOUT * 0.9 < results[0]["elapsed"] < STALL_TIMEOUT + 3, results[0]
+    assert results[1]["elapsed"] < 3, results[1]  # told at once when it came back
 
 
 # -- tests: killed ranks (a world of their own) -------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 from collections.abc import Callable
+from enum import Enum
 from typing import Any
 
 import pytest
@@ -13,6 +14,7 @@ import torchgpipe
 from torch import nn
 
 import pipepar
+import pipepar.local.gpipe
 from pipepar.core.stage import split_stages
 
 CPU2 = ["cpu", "cpu"]
@@ -344,3 +346,188 @@ def test_default_devices_without_cuda_are_the_cpu() -> None:
     pipe = pipepar.GPipe(_three_layers(), [2, 1], chunks=2)
     assert pipe.devices == [torch.device("cpu")] * 2
     assert pipe(torch.randn(4, 4)).shape == (4, 2)
+
+
+# -- checkpoint= as torchgpipe takes it: str(checkpoint) -------------------------------------------
+class _Mode:
+    """Not a str, but its str() is a mode: torchgpipe takes ``str(checkpoint)``."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class _StrMode(str, Enum):
+    ALWAYS = "always"
+
+
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", "never"])
+def test_checkpoint_may_be_any_object_whose_str_is_a_mode(checkpoint: str) -> None:
+    ours = _run_script(PIPEPAR, _Mode(checkpoint), batch_norm=False)  # type: ignore[arg-type]
+    theirs = _run_script(TORCHGPIPE, _Mode(checkpoint), batch_norm=False)  # type: ignore[arg-type]
+    assert ours["attributes"] == theirs["attributes"]
+    assert type(ours["model"].checkpoint) is str and ours["model"].checkpoint == checkpoint
+    _assert_same_training(ours, theirs)
+    _assert_same_training(ours, _run_script(PIPEPAR, checkpoint, batch_norm=False))
+
+
+def test_checkpoint_object_of_no_mode_is_refused_as_by_torchgpipe() -> None:
+    with pytest.raises(ValueError, match="checkpoint"):
+        torchgpipe.GPipe(_three_layers(), [2, 1], devices=CPU2, checkpoint=_Mode("sometimes"))
+    with pytest.raises(
+        ValueError, match=r"checkpoint must be one of .*whose str\(\) is 'sometimes'"
+    ):
+        pipepar.GPipe(_three_layers(), [2, 1], devices=CPU2, checkpoint=_Mode("sometimes"))  # type: ignore[arg-type]
+
+
+def test_str_enum_checkpoint_is_kept_as_its_plain_mode() -> None:
+    # Equal to "always", though its str() is "_StrMode.ALWAYS" on Python 3.11.
+    pipe = pipepar.GPipe(_three_layers(), [2, 1], devices=CPU2, checkpoint=_StrMode.ALWAYS)
+    assert type(pipe.checkpoint) is str and pipe.checkpoint == "always"
+
+
+def test_wrap_takes_the_same_checkpoint_objects() -> None:
+    pipe = pipepar.wrap(_three_layers(), [2, 1], devices=CPU2, checkpoint=_Mode("never"))  # type: ignore[arg-type]
+    assert type(pipe.checkpoint) is str and pipe.checkpoint == "never"
+    planned = pipepar.wrap(
+        _three_layers(),
+        devices=2,
+        sample=torch.randn(4, 4),
+        checkpoint=_Mode("always"),  # type: ignore[arg-type]
+    )
+    assert planned.checkpoint == "always" and sum(planned.balance) == 3
+    with pytest.raises(ValueError, match="whose str"):
+        pipepar.wrap(_three_layers(), [2, 1], devices=CPU2, checkpoint=_Mode("no"))  # type: ignore[arg-type]
+
+
+# -- torchgpipe's checkpoints: partitions.<j>.<name>... ------------------------------------------
+def _trained_torchgpipe(**options: Any) -> torchgpipe.GPipe:
+    """A torchgpipe GPipe after two training steps (batch-norm statistics are not the init's)."""
+    gpipe = torchgpipe.GPipe(_model(), [3, 2], devices=CPU2, chunks=3, **options)
+    for x, y in _batches(2):
+        nn.functional.cross_entropy(gpipe(x), y).backward()
+        with torch.no_grad():
+            for p in gpipe.parameters():
+                p -= 0.1 * p.grad
+    return gpipe
+
+
+def _other_init() -> nn.Sequential:
+    torch.manual_seed(123)
+    norm = nn.BatchNorm1d(8)
+    return nn.Sequential(
+        nn.Linear(6, 8), norm, nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 3)
+    ).double()
+
+
+def _assert_same_outputs(ours: nn.Module, theirs: nn.Module) -> None:
+    x = torch.randn(12, 6, dtype=torch.float64)
+    ours.eval(), theirs.eval()
+    torch.testing.assert_close(ours(x), theirs(x), atol=0, rtol=0)
+    # Training: each micro-batch normalised by its own statistics, summed in another order.
+    ours.train(), theirs.train()
+    torch.testing.assert_close(ours(x), theirs(x), atol=1e-10, rtol=1e-10)
+
+
+def test_torchgpipe_keys_are_its_partitions_with_the_models_layer_names() -> None:
+    keys = list(_trained_torchgpipe().state_dict())
+    assert keys[:2] == ["partitions.0.0.weight", "partitions.0.0.bias"]
+    assert "partitions.1.3.weight" in keys and "partitions.1.4.bias" in keys
+
+
+@pytest.mark.parametrize("deferred_batch_norm", [False, True])
+@pytest.mark.parametrize("balance", [[3, 2], [1, 4], [5]])
+def test_torchgpipe_checkpoint_loads_and_gives_identical_outputs(
+    balance: list[int], deferred_batch_norm: bool
+) -> None:
+    theirs = _trained_torchgpipe(deferred_batch_norm=deferred_batch_norm)
+    ours = pipepar.GPipe(
+        _other_init(),
+        balance,
+        devices=["cpu"] * len(balance),
+        chunks=3,
+        deferred_batch_norm=deferred_batch_norm,
+    )
+    assert ours.load_state_dict(theirs.state_dict()) == ([], [])  # strict, nothing left over
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(tensor, theirs.state_dict()[f"partitions.{_part(name)}.{name}"]), name
+    _assert_same_outputs(ours, theirs)
+
+
+def _part(name: str) -> int:
+    """torchgpipe's partition of layer ``name`` under balance [3, 2]."""
+    return int(int(name.split(".")[0]) >= 3)
+
+
+def test_torchgpipe_checkpoint_file_converts_for_the_plain_model(tmp_path: Any) -> None:
+    theirs = _trained_torchgpipe(deferred_batch_norm=True)  # with sum and sum_squares buffers
+    torch.save(theirs.state_dict(), tmp_path / "gpipe.pt")
+    state = pipepar.local.gpipe.from_torchgpipe_state_dict(torch.load(tmp_path / "gpipe.pt"))
+    plain = _other_init()
+    assert list(state) == list(plain.state_dict())
+    assert set(state._metadata) == {"", "0", "1", "2", "3", "4"}  # type: ignore[attr-defined]
+    plain.load_state_dict(state)
+    plain.eval(), theirs.eval()
+    x = torch.randn(12, 6, dtype=torch.float64)
+    torch.testing.assert_close(plain(x), theirs(x), atol=0, rtol=0)
+
+
+class _Classifier(nn.Module):
+    """A model holding a pipe as a child: its keys are under ``body.``."""
+
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x) * self.scale
+
+
+def test_torchgpipe_checkpoint_loads_into_a_pipe_inside_another_model() -> None:
+    theirs = _Classifier(_trained_torchgpipe())
+    assert "body.partitions.1.4.weight" in theirs.state_dict()
+    ours = _Classifier(pipepar.GPipe(_other_init(), [2, 3], devices=CPU2, chunks=3))
+    ours.load_state_dict(theirs.state_dict())
+    _assert_same_outputs(ours, theirs)
+
+
+@pytest.mark.parametrize("prefix", ["", "body."])
+def test_strict_loading_still_reports_wrong_keys(prefix: str) -> None:
+    state = {prefix + k: v for k, v in _trained_torchgpipe().state_dict().items()}
+    del state[prefix + "partitions.0.1.running_var"]
+    state[prefix + "partitions.1.7.weight"] = torch.zeros(3)  # no layer 7
+    pipe = pipepar.GPipe(_other_init(), [3, 2], devices=CPU2)
+    model = _Classifier(pipe) if prefix else pipe
+    if prefix:
+        state["scale"] = torch.ones(3)
+    with pytest.raises(RuntimeError, match="Missing key") as info:
+        model.load_state_dict(state)
+    assert f'"{prefix}1.running_var"' in str(info.value)
+    assert f'Unexpected key(s) in state_dict: "{prefix}partitions.1.7.weight"' in str(info.value)
+    result = model.load_state_dict(state, strict=False)
+    assert result.missing_keys == [f"{prefix}1.running_var"]
+    assert result.unexpected_keys == [f"{prefix}partitions.1.7.weight"]
+
+
+def test_a_tensor_under_both_keys_is_refused() -> None:
+    state = _trained_torchgpipe().state_dict()
+    state["0.weight"] = state["partitions.0.0.weight"]
+    pipe = pipepar.GPipe(_other_init(), [3, 2], devices=CPU2)
+    with pytest.raises(ValueError, match=r"both '0\.weight' and .*'partitions\.0\.0\.weight'"):
+        pipe.load_state_dict(state)
+
+
+def test_a_layer_called_partitions_keeps_its_keys() -> None:
+    model = nn.Sequential(
+        OrderedDict(partitions=nn.Sequential(nn.Linear(4, 4), nn.ReLU()), head=nn.Linear(4, 2))
+    )
+    plain = copy.deepcopy(model)
+    pipe = pipepar.GPipe(model, [1, 1], devices=CPU2)
+    assert "partitions.0.weight" in pipe.state_dict()
+    with torch.no_grad():
+        plain.partitions[0].weight.add_(1.0)
+    pipe.load_state_dict(plain.state_dict())
+    assert torch.equal(pipe[0][0].weight, plain.partitions[0].weight)

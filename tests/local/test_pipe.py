@@ -161,12 +161,22 @@ def test_matches_torchgpipe() -> None:
     torch.testing.assert_close(ours(x), theirs(x))
 
 
-def test_moving_the_pipe_is_refused() -> None:
+def test_moving_the_pipe_where_it_is_does_nothing() -> None:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    pipe = pipepar.wrap(model, [1, 1], devices=["cpu", "cpu"])
+    weight = pipe[0].weight
+    assert pipe.to("cpu") is pipe and pipe.to(device=torch.device("cpu")) is pipe
+    assert pipe.cpu() is pipe and pipe[0].weight is weight
+    assert pipe.to("cpu", torch.float64) is pipe and weight.dtype == torch.float64
+
+
+def test_moving_the_pipe_elsewhere_is_refused() -> None:
     pipe = pipepar.wrap(nn.Sequential(nn.Linear(2, 2)), [1], devices=["cpu"])
+    with pytest.raises(ValueError, match=r"pipe.to\(device\) would move the stages on \['cpu'\]"):
+        pipe.to("meta")
     with pytest.raises(ValueError, match="places its stages itself"):
-        pipe.to("cpu")
-    with pytest.raises(ValueError, match="places its stages itself"):
-        pipe.cpu()
+        pipe.cuda()
+    assert pipe[0].weight.device.type == "cpu"
     assert pipe.to(torch.float64)[0].weight.dtype == torch.float64
 
 

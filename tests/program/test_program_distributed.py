@@ -21,6 +21,7 @@ from models import transformers_zoo as zoo
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
+SPLITS = {"gpt2": "transformer.h.2", "llama": "model.layers.2", "bert": "bert.encoder.layer.2"}
 SCHEDULES = {
     "gpt2": "1f1b",
     "llama": "gpipe",
@@ -85,6 +86,93 @@ def _replicas(rank: int) -> dict[str, Any]:
     return grads
 
 
+def _padded(name: str, schedule: str) -> tuple[float, dict[str, Any]]:
+    """Two stages; a padded batch whose micro-batches hold different numbers of labels."""
+    import pipepar.distributed as ppd
+
+    torch.manual_seed(0)
+    model = zoo.build(name)
+    pipe = ppd.wrap(model, split=[SPLITS[name]], chunks=3, schedule=schedule)
+    loss = pipe.step(**zoo.padded_sample(name))
+    grads = {k: p.grad.numpy().copy() for k, p in pipe.named_parameters()}
+    pipe.close()
+    return loss, grads
+
+
+def _padded_replicas(rank: int) -> dict[str, Any]:
+    """Two replicas of one stage, each with half of a padded batch (different label counts),
+    for the model's own loss and for a loss_fn over tokens on an nn.Sequential."""
+    import pipepar.distributed as ppd
+
+    torch.manual_seed(0)
+    model = zoo.gpt2()
+    n = len(__import__("pipepar").units(model))
+    pipe = ppd.wrap(model, [n], chunks=2, dp=2)
+    batch = {k: v.chunk(2)[rank] for k, v in zoo.padded_sample("gpt2", batch=8).items()}
+    loss = pipe.step(**batch)
+    grads = {k: p.grad.numpy().copy() for k, p in pipe.named_parameters()}
+    pipe.close()
+    seq = _sequential()
+    pipe = ppd.wrap(seq, [len(seq)], chunks=2, dp=2)
+    x, y = _sequential_batch()
+    seq_loss = pipe.step(x.chunk(2)[rank], y.chunk(2)[rank], torch.nn.functional.cross_entropy)
+    seq_grads = [p.grad.numpy().copy() for p in pipe.parameters()]
+    pipe.close()
+    return {"loss": loss, "grads": grads, "seq_loss": seq_loss, "seq_grads": seq_grads}
+
+
+def _evaluation() -> dict[str, Any]:
+    """GPT-2 (dropout on, tied head) on two ranks validates a padded batch under no_grad
+    (step, then pipe(...)), then trains on it, in eval mode still."""
+    import pipepar.distributed as ppd
+
+    torch.manual_seed(0)
+    model = zoo.gpt2(dropout=0.3)
+    pipe = ppd.wrap(model, split=["transformer.h.2"], chunks=3, schedule="1f1b").eval()
+    batch = zoo.padded_sample("gpt2")
+    seen: list[bool] = []  # every block, the shadow ones too: run with gradients enabled?
+    hooks = [
+        block.register_forward_hook(lambda m, a, out: seen.append(torch.is_grad_enabled()))
+        for block in model.transformer.h
+    ]
+    with torch.no_grad():
+        loss, out = pipe.step(**batch), pipe(**batch)
+    with torch.inference_mode():
+        loss_inference = pipe.step(**batch)
+    for hook in hooks:
+        hook.remove()
+    untouched = all(p.grad is None for p in pipe.parameters())
+    try:
+        pipe(**batch)
+        refused = ""
+    except TypeError as e:
+        refused = str(e)
+    result = {
+        "loss": loss,
+        "loss_inference": loss_inference,
+        "logits": None if out is None else out.logits.numpy().copy(),
+        "out_loss": None if out is None else out.loss.item(),
+        "training": model.training,
+        "no_graph": bool(seen) and not any(seen),
+        "untouched": untouched,
+        "refused": refused,
+        "loss_train": pipe.step(**batch),
+        "grads": {k: p.grad.numpy().copy() for k, p in pipe.named_parameters()},
+    }
+    pipe.close()
+    return result
+
+
+def _sequential() -> torch.nn.Sequential:
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5))
+
+
+def _sequential_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(4))
+    return x, torch.tensor([1, -100, -100, -100, 2, 3, 4, -100])
+
+
 def _rank(rank: int, port: int, results: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -92,6 +180,13 @@ def _rank(rank: int, port: int, results: Any) -> None:
         out = {name: _one_model(name) for name in zoo.NAMES}
         out["tied"] = _tied_over_steps()
         out["replicas"] = _replicas(rank)
+        out["padded"] = {
+            (name, schedule): _padded(name, schedule)
+            for name in SPLITS
+            for schedule in ("gpipe", "1f1b", "zb-h1")
+        }
+        out["padded_replicas"] = _padded_replicas(rank)
+        out["eval"] = _evaluation()
         results.put((rank, out))
     except BaseException:
         results.put((rank, traceback.format_exc()))
@@ -160,4 +255,74 @@ def test_replicas_average_to_the_whole_batch(ranks: dict[int, Any]) -> None:
         for key, g in ranks[r]["replicas"].items():
             ref = dict(plain.named_parameters())[key].grad
             err = ((torch.from_numpy(g) - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+            assert err < RTOL, f"rank {r}: gradient of {key}, relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("name", list(SPLITS))
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_token_losses_across_ranks_equal_the_plain_model(
+    ranks: dict[int, Any], name: str, schedule: str
+) -> None:
+    torch.manual_seed(0)
+    plain = zoo.build(name)
+    loss = plain(**zoo.padded_sample(name)).loss
+    loss.backward()
+    grads = dict(plain.named_parameters())
+    scale = max(p.grad.abs().max().item() for p in plain.parameters())
+    for r in (0, 1):
+        got_loss, got = ranks[r]["padded"][(name, schedule)]
+        assert abs(got_loss - loss.item()) <= RTOL * abs(loss.item()), (r, got_loss, loss.item())
+        for key, g in got.items():
+            err = (torch.from_numpy(g) - grads[key].grad).abs().max().item() / scale
+            assert err < RTOL, f"rank {r}: gradient of {key}, relative error {err:.2e}"
+
+
+def test_replicas_join_token_losses_over_the_global_batch(ranks: dict[int, Any]) -> None:
+    torch.manual_seed(0)
+    plain = zoo.gpt2()
+    loss = plain(**zoo.padded_sample("gpt2", batch=8)).loss
+    loss.backward()
+    seq = _sequential()
+    x, y = _sequential_batch()
+    seq_loss = torch.nn.functional.cross_entropy(seq(x), y)
+    seq_loss.backward()
+    for r in (0, 1):
+        got = ranks[r]["padded_replicas"]
+        assert abs(got["loss"] - loss.item()) <= RTOL * loss.item()
+        assert abs(got["seq_loss"] - seq_loss.item()) <= RTOL * seq_loss.item()
+        for key, g in got["grads"].items():
+            ref = dict(plain.named_parameters())[key].grad
+            err = ((torch.from_numpy(g) - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+            assert err < RTOL, f"rank {r}: gradient of {key}, relative error {err:.2e}"
+        for g, p in zip(got["seq_grads"], seq.parameters()):
+            torch.testing.assert_close(torch.from_numpy(g), p.grad, rtol=RTOL, atol=1e-7)
+
+
+def test_evaluation_across_ranks_runs_forwards_only_and_gives_the_output_on_the_last_stage(
+    ranks: dict[int, Any],
+) -> None:
+    torch.manual_seed(0)
+    plain = zoo.gpt2(dropout=0.3).eval()
+    out = plain(**zoo.padded_sample("gpt2"))
+    out.loss.backward()  # the training step after the evaluation must find these gradients
+    grads = dict(plain.named_parameters())
+    scale = max(p.grad.abs().max().item() for p in plain.parameters())
+    expected = out.loss.item()
+    for r in (0, 1):
+        got = ranks[r]["eval"]
+        assert abs(got["loss"] - expected) <= RTOL * expected, (r, got["loss"], expected)
+        assert got["loss_inference"] == got["loss"]
+        assert got["no_graph"], f"rank {r}: a block ran with gradients enabled"
+        assert got["untouched"], f"rank {r}: evaluation wrote .grad"
+        assert not got["training"], "pipe.eval() left the model's own flag in training mode"
+        assert "under torch.no_grad()" in got["refused"]
+        if r == 1:  # the last stage: the model's output, joined over the micro-batches
+            logits = torch.from_numpy(got["logits"])
+            torch.testing.assert_close(logits, out.logits.detach(), rtol=RTOL, atol=1e-6)
+            assert abs(got["out_loss"] - expected) <= RTOL * expected
+        else:
+            assert got["logits"] is None
+        assert abs(got["loss_train"] - expected) <= RTOL * expected
+        for key, g in got["grads"].items():
+            err = (torch.from_numpy(g) - grads[key].grad).abs().max().item() / scale
             assert err < RTOL, f"rank {r}: gradient of {key}, relative error {err:.2e}"

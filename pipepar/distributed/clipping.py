@@ -1,0 +1,77 @@
+"""Gradient clipping over a model split across ranks: the whole model's norm, clipped alike.
+
+``torch.nn.utils.clip_grad_norm_(pipe.parameters(), ...)`` on a rank sees only that rank's
+stage, so every stage would clip by its own factor. Here each rank computes its part of the
+norm (``sum |g|^p``, or ``max |g|`` for the infinity norm) over the gradients it owns, the parts
+are reduced over the ranks of the pipeline, and every rank scales its gradients by the same
+factor. A weight tied across stages is counted once (by the first stage that uses it); data-
+parallel replicas hold the same averaged gradients, so they are counted once too (the
+reduction spans one pipeline, not the replicas).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from pipepar.distributed.failure import comm, wait
+
+__all__ = ["clip_grad_norm_"]
+
+
+def clip_grad_norm_(
+    owned: Iterable[Tensor],
+    scaled: Iterable[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    *,
+    group: dist.ProcessGroup | None,
+    device: torch.device,
+) -> Tensor:
+    """Clip like ``torch.nn.utils.clip_grad_norm_`` on the plain model; return its total norm.
+
+    Args:
+        owned: the parameters whose gradients this rank counts in the norm.
+        scaled: the parameters whose gradients this rank scales (its own, tied copies too).
+        max_norm: the largest norm allowed.
+        norm_type: ``p`` of the p-norm, ``inf`` for the largest absolute value.
+        error_if_nonfinite: raise if the total norm is ``nan`` or ``inf``.
+        group: the ranks of this pipeline (``None`` when one rank holds the whole model).
+        device: where this rank computes.
+
+    Raises:
+        RuntimeError: the total norm is not finite and ``error_if_nonfinite`` is set.
+    """
+    p = float(norm_type)
+    part = _local_part([q.grad for q in owned if q.grad is not None], p, device)
+    if group is not None:
+        what = "summing the gradient norm over the pipeline's ranks"
+        op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+        with comm(what):
+            work = dist.all_reduce(part, op=op, group=group, async_op=True)
+        wait(work, what)
+    total = part if math.isinf(p) else part.pow(1.0 / p)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"the total norm of order {p} of the gradients is non-finite, so they cannot be "
+            "clipped; pass error_if_nonfinite=False to clip them anyway"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for q in scaled:
+            if q.grad is not None:
+                q.grad.mul_(coef.to(q.grad.device))
+    return total
+
+
+def _local_part(grads: list[Tensor], p: float, device: torch.device) -> Tensor:
+    """``sum |g|^p`` over this rank's gradients (``max |g|`` for the infinity norm)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    norms = torch.stack([torch.linalg.vector_norm(g, p).float().to(device) for g in grads])
+    return norms.max() if math.isinf(p) else norms.pow(p).sum()

@@ -1,0 +1,116 @@
+"""The shares that join micro-batch losses into the whole batch's loss (pipepar.core.losses)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipepar.core.losses import loss_shares, nothing, split_target
+
+ROWS = [3, 3, 2]
+
+
+def _joined(loss_fn, output, target, rows, items=None):
+    """The pipe's rule by hand: each micro-batch's loss times its share, summed."""
+    outs, targets = list(output.split(rows)), split_target(target, rows)
+    shares = loss_shares(loss_fn, targets, rows, items)
+    head = shares.head(targets)
+    return sum(w * head(o, i) for i, (o, w) in enumerate(zip(outs, shares.weights)))
+
+
+@pytest.mark.parametrize(
+    "loss_fn",
+    [
+        F.cross_entropy,
+        nn.CrossEntropyLoss(),
+        nn.CrossEntropyLoss(weight=torch.rand(5) + 0.1, label_smoothing=0.2),
+        functools.partial(F.cross_entropy, ignore_index=4),
+        nn.CrossEntropyLoss(reduction="sum"),
+        lambda o, t: F.nll_loss(o.log_softmax(-1), t.clamp(min=0)),
+    ],
+    ids=["F.ce", "CELoss", "weighted-smoothed", "partial-ignore4", "sum", "custom-rows"],
+)
+def test_class_losses_join_to_the_whole_batch(loss_fn) -> None:
+    out = torch.randn(8, 5, requires_grad=True)
+    y = torch.tensor([1, -100, -100, 4, 4, -100, 2, 0])
+    if isinstance(loss_fn, functools.partial):  # its own ignored class
+        y = torch.where(y < 0, 4, y)
+    expected = loss_fn(out, y)
+    (g_expected,) = torch.autograd.grad(expected, out)
+    got = _joined(loss_fn, out, y, ROWS)
+    (g_got,) = torch.autograd.grad(got, out)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(g_got, g_expected, rtol=1e-6, atol=1e-7)
+
+
+def test_a_micro_batch_of_ignored_targets_adds_nothing_and_no_nan() -> None:
+    out = torch.randn(6, 5, requires_grad=True)
+    y = torch.tensor([-100, -100, -100, 1, 2, -100])
+    got = _joined(F.cross_entropy, out, y, [3, 3])
+    (g,) = torch.autograd.grad(got, out)
+    torch.testing.assert_close(got, F.cross_entropy(out, y))
+    assert torch.isfinite(g).all() and (g[:3] == 0).all()
+
+
+def test_custom_loss_with_items_joins_exactly_and_skips_empty_micro_batches() -> None:
+    def masked_mse(o, t):  # averages over the rows whose mask is set
+        y, mask = t
+        return ((o - y).pow(2).sum(1) * mask).sum() / mask.sum()
+
+    out = torch.randn(8, 4, requires_grad=True)
+    y, mask = torch.randn(8, 4), torch.tensor([1.0, 0, 0, 0, 0, 0, 1, 1])
+    expected = masked_mse(out, (y, mask))
+    got = _joined(masked_mse, out, (y, mask), [2, 4, 2], items=lambda t: t[1].sum())
+    (g,) = torch.autograd.grad(got, out)
+    (g_expected,) = torch.autograd.grad(expected, out)
+    torch.testing.assert_close(got, expected)
+    torch.testing.assert_close(g, g_expected)
+    assert not torch.isnan(got)
+
+
+def test_losses_over_rows_are_weighted_by_rows() -> None:
+    out, y = torch.randn(8, 3), torch.randn(8, 3)
+    torch.testing.assert_close(_joined(F.mse_loss, out, y, ROWS), F.mse_loss(out, y))
+    shares = loss_shares(F.mse_loss, split_target(y, ROWS), ROWS)
+    assert shares.weights == [3 / 8, 3 / 8, 2 / 8] and shares.total == 8
+
+
+def test_spread_over_replicas_gives_the_global_mean() -> None:
+    # Two replicas with 1 and 3 real targets: averaged gradients must be the global mean's.
+    out = torch.randn(8, 5, requires_grad=True)
+    y = torch.tensor([1, -100, -100, -100, 2, 3, 4, -100])
+    halves = [(out[:4], y[:4]), (out[4:], y[4:])]
+    parts = []
+    for o, t in halves:
+        targets = split_target(t, [2, 2])
+        shares = loss_shares(F.cross_entropy, targets, [2, 2]).spread(4.0, replicas=2)
+        head = shares.head(targets)
+        pieces = zip(o.split(2), shares.weights)
+        parts.append(sum(w * head(p, i) for i, (p, w) in enumerate(pieces)))
+    mean_of_replicas = (parts[0] + parts[1]) / 2
+    torch.testing.assert_close(mean_of_replicas, F.cross_entropy(out, y))
+
+
+def test_split_target_errors_and_structures() -> None:
+    with pytest.raises(ValueError, match="target has 5 rows but the input has 8"):
+        split_target(torch.zeros(5), ROWS)
+    parts = split_target({"y": torch.arange(8), "scale": 2.0}, ROWS)
+    assert [p["y"].tolist() for p in parts] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert all(p["scale"] == 2.0 for p in parts)
+    assert split_target(None, ROWS) == [None, None, None]
+
+
+def test_items_must_be_callable() -> None:
+    with pytest.raises(TypeError, match="items must be callable"):
+        loss_shares(F.mse_loss, [torch.zeros(1)], [1], items=3)  # type: ignore[arg-type]
+
+
+def test_nothing_is_a_zero_loss_with_zero_gradients() -> None:
+    out = torch.randn(3, 2, requires_grad=True)
+    loss = nothing((out, {"b": out * 2}))
+    (g,) = torch.autograd.grad(loss, out)
+    assert loss.item() == 0 and (g == 0).all()
