@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipepar.distributed.failure import comm, wait
+from pipepar.distributed.mesh import Mesh
 
 __all__ = ["clip_grad_norm_"]
 
@@ -30,7 +30,7 @@ def clip_grad_norm_(
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     *,
-    group: dist.ProcessGroup | None,
+    mesh: Mesh,
     device: torch.device,
 ) -> Tensor:
     """Clip like ``torch.nn.utils.clip_grad_norm_`` on the plain model; return its total norm.
@@ -41,7 +41,8 @@ def clip_grad_norm_(
         max_norm: the largest norm allowed.
         norm_type: ``p`` of the p-norm, ``inf`` for the largest absolute value.
         error_if_nonfinite: raise if the total norm is ``nan`` or ``inf``.
-        group: the ranks of this pipeline (``None`` when one rank holds the whole model).
+        mesh: this rank's grid (the norm is reduced over its pipeline's ranks, waiting at most
+            the pipe's timeout).
         device: where this rank computes.
 
     Raises:
@@ -49,12 +50,9 @@ def clip_grad_norm_(
     """
     p = float(norm_type)
     part = _local_part([q.grad for q in owned if q.grad is not None], p, device)
-    if group is not None:
-        what = "summing the gradient norm over the pipeline's ranks"
+    if mesh.ctl is not None:
         op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
-        with comm(what):
-            work = dist.all_reduce(part, op=op, group=group, async_op=True)
-        wait(work, what)
+        mesh.progress.all_reduce(part, mesh.ctl, "the gradient norm", op)
     total = part if math.isinf(p) else part.pow(1.0 / p)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(

@@ -353,7 +353,7 @@ class DistributedPipe(nn.Module):
                 max_norm,
                 norm_type,
                 error_if_nonfinite,
-                group=self.mesh.ctl,
+                mesh=self.mesh,
                 device=self.device,
             )
         )

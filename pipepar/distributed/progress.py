@@ -111,12 +111,18 @@ class Progress:
             self.wait(*pending[0])
             pending.pop(0)
 
-    def all_reduce(self, t: Tensor, group: dist.ProcessGroup | None, name: str) -> None:
-        """Sum ``t`` in place over ``group``, waiting as :meth:`wait` does; ``name`` says
-        what is summed, e.g. ``"the gradient all-reduce"``."""
+    def all_reduce(
+        self,
+        t: Tensor,
+        group: dist.ProcessGroup | None,
+        name: str,
+        op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    ) -> None:
+        """Reduce ``t`` in place over ``group`` (a sum, or ``op``), waiting as :meth:`wait`
+        does; ``name`` says what is reduced, e.g. ``"the gradient all-reduce"``."""
         what = f"{name} over ranks {dist.get_process_group_ranks(group or dist.group.WORLD)}"
         with comm(what):
-            work = dist.all_reduce(t, group=group, async_op=True)
+            work = dist.all_reduce(t, op=op, group=group, async_op=True)
         self.wait(work, what)
 
     # -- reading ------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ from pipepar.distributed.guard import Guard
 from pipepar.distributed.mesh import build_mesh, check_grid
 from pipepar.distributed.pipe import _ensure_process_group, _resolve_device
 from pipepar.distributed.progress import describe
-from pipepar.distributed.replicas import spread_over_replicas
+from pipepar.distributed.replicas import broadcast_from_first, spread_over_replicas
 from pipepar.distributed.runtime import fewer_microbatches
 from pipepar.program import units as units_
 from pipepar.program.autograd import joined
@@ -137,9 +137,8 @@ class DistributedModelPipe(nn.Module):
         self._link = Link(self.mesh, self.device)
         self._guarded = Guard(self, self.mesh, self.close)
         self._drivers: ThreadPoolExecutor | None = None
-        if self.mesh.dp_group is not None and state_dict is None:
-            for p in self._held:
-                dist.broadcast(p.data, self.mesh.replica_ranks[0], group=self.mesh.dp_group)
+        if state_dict is None:  # replicas start from replica 0's weights
+            self._guarded(lambda: broadcast_from_first([p.data for p in self._held], self.mesh))
 
     # -- what this rank holds -------------------------------------------------------------------
     def parameters(self, recurse: bool = True) -> Any:  # type: ignore[override]
@@ -368,14 +367,16 @@ class DistributedModelPipe(nn.Module):
         """
         elsewhere = {id(q) for first, _, params in self._tied if first != self._own for q in params}
         owned = [q for q in self._held if id(q) not in elsewhere]
-        return clipping.clip_grad_norm_(
-            owned,
-            self._held,
-            max_norm,
-            norm_type,
-            error_if_nonfinite,
-            group=self.mesh.ctl,
-            device=self.device,
+        return self._guarded(
+            lambda: clipping.clip_grad_norm_(
+                owned,
+                self._held,
+                max_norm,
+                norm_type,
+                error_if_nonfinite,
+                mesh=self.mesh,
+                device=self.device,
+            )
         )
 
     def close(self) -> None:
