@@ -146,9 +146,16 @@ class Runtime:
         self.mesh.progress.begin("start of the mini-batch")
         self._reported: set[int] = set()  # parameters whose final gradient went out
         first = 0 in self.stages
-        signature, m = self.transport.exchange_header(
-            self._signature(x) if first else None, self._microbatches(x) if first else 0
+        call = 0 if grad else 1 if loss_fn is not None else 2
+        signature, m, theirs = self.transport.exchange_header(
+            self._signature(x) if first else None, self._microbatches(x) if first else 0, call
         )
+        if theirs != call:
+            raise ValueError(
+                f"this rank was called for {_CALLS[call]} but the rank of stage 0 for "
+                f"{_CALLS[theirs]}; every rank of a pipeline must make the same call (to "
+                "evaluate, call pipe.step(...) under torch.no_grad() on every rank)"
+            )
         if m != self.m:  # a batch with fewer rows than chunks runs fewer micro-batches
             self._use(fewer_microbatches(self._full, m))
         known = self._shapes.get(signature)
@@ -418,6 +425,10 @@ def _show(metas: Sequence[TensorMeta]) -> str:
 
 def _grad_metas(metas: Sequence[TensorMeta]) -> list[TensorMeta]:
     return [m for m in metas if m.requires_grad]
+
+
+_CALLS = ("a training step", "an evaluation", "a forward")
+"""What a mini-batch runs: every rank of the pipeline must run the same (checked)."""
 
 
 @functools.lru_cache(maxsize=16)

@@ -162,13 +162,15 @@ class Transport:
         self._grad_sends: deque[tuple[list[dist.Work | None], str]] = deque()
 
     # -- mini-batch header: lets every stage know the input signature ------------------------
-    def exchange_header(self, signature: int | None, microbatches: int = 0) -> tuple[int, int]:
-        """Position 0 (which holds stage 0) passes ``signature`` and the mini-batch's number
-        of micro-batches; every rank gets them from the previous position and hands them to
-        the next."""
+    def exchange_header(
+        self, signature: int | None, microbatches: int = 0, call: int = 0
+    ) -> tuple[int, int, int]:
+        """Position 0 (which holds stage 0) passes ``signature``, the mini-batch's number of
+        micro-batches and which call it runs (a training step, an evaluation...); every rank
+        gets them from the previous position and hands them to the next."""
         m = self.mesh
         header = torch.tensor(
-            [-1 if signature is None else signature, microbatches], device=self.device
+            [-1 if signature is None else signature, microbatches, call], device=self.device
         )
         if m.prev_rank is not None:
             work = self._irecv(header, m.prev_rank, m.fwd, _HEADER, "the header")
@@ -179,7 +181,8 @@ class Transport:
                 self._isend(header, m.next_rank, m.fwd, _HEADER, "the header")
             )
             self._trace("send header", int(header[0].item()), m.next_rank, ())
-        return int(header[0].item()), int(header[1].item())
+        signature, microbatches, call = (int(v) for v in header.tolist())
+        return signature, microbatches, call
 
     # -- activations, stage s-1 -> s (stage: the receiving one) ------------------------------
     def send_activation(

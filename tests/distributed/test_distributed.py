@@ -349,6 +349,21 @@ def case_short_batches(rank: int, schedule: str) -> dict:
     return {"errors": errors, "empty": empty}
 
 
+def case_mixed_calls(rank: int) -> str:
+    """The ranks of a pipeline disagree: stage 0 trains while stage 1 evaluates."""
+    pipe = ppd.wrap(tiny_model(), [4, 4], chunks=CHUNKS, group=_subgroup(2), timeout=30)
+    x, y = batches(1, 1)[0]
+    evaluating = rank % 2 == 1
+    try:
+        with torch.set_grad_enabled(not evaluating):
+            pipe.step(x[0], y[0], nn.functional.mse_loss)
+    except Exception as e:  # the error itself is what is checked
+        return f"{type(e).__name__}: {e}"
+    finally:
+        pipe.close()
+    return "no error"
+
+
 def case_memory(rank: int, m: int) -> dict:
     """Peak saved-activation bytes of each stage for GPipe, 1F1B and ZB-H1, pp=4, no
     checkpointing."""
@@ -618,6 +633,15 @@ def test_training_matches_one_plain_process(
             # makes them, and a rank's later stage's while its earlier stage runs.
             assert early > 0, r
     assert {r["stage"] for r in results} == set(range(pp))
+
+
+@pytest.mark.slow
+def test_ranks_that_make_different_calls_fail_at_once_saying_so(pool: Pool) -> None:
+    start = time.monotonic()
+    for message in pool.run(case_mixed_calls):
+        assert "called for an evaluation but the rank of stage 0 for a training step" in message
+        assert "every rank of a pipeline must make the same call" in message, message
+    assert time.monotonic() - start < 25  # well before the timeout: the header tells at once
 
 
 @pytest.mark.slow
