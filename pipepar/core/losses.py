@@ -39,9 +39,11 @@ __all__ = [
     "LossFn",
     "LossShares",
     "loss_shares",
+    "joined_loss",
     "nothing",
     "scalar_loss",
     "split_target",
+    "weighted_sum",
 ]
 
 LossFn = Callable[[Any, Any], Tensor]
@@ -123,6 +125,20 @@ def loss_shares(
         return LossShares([summed] * m, [1.0 / max(total, 1e-30)] * m, total)
     total_rows = sum(rows)
     return LossShares([loss_fn] * m, [r / total_rows for r in rows], float(total_rows))
+
+
+def weighted_sum(values: Sequence[Tensor], shares: Sequence[float]) -> Tensor:
+    """``sum(share * value)`` over the micro-batches whose share is not 0 (a value there may be
+    ``nan``: a mean over nothing)."""
+    terms = [v * w for v, w in zip(values, shares) if w != 0]
+    return sum(terms[1:], terms[0]) if terms else torch.zeros_like(values[0])
+
+
+def joined_loss(values: Sequence[Any], shares: Sequence[float]) -> Tensor:
+    """The batch's loss: each micro-batch's loss value (a one-element tensor or a number, as
+    the last stage returned it) times its share, as a detached float scalar."""
+    losses = [torch.as_tensor(v).reshape(()).detach().float() for v in values]
+    return weighted_sum(losses, shares)
 
 
 def split_target(target: Any, rows: Sequence[int], device: torch.device | None = None) -> list[Any]:

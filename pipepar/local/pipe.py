@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from pipepar.core import validation
 from pipepar.core.batchnorm import commit_all, convert_deferred_batch_norm, reset_all
 from pipepar.core.devices import DeviceSpec, resolve_devices
-from pipepar.core.losses import Items, LossFn, loss_shares, split_target
+from pipepar.core.losses import Items, LossFn, joined_loss, loss_shares, split_target
 from pipepar.core.microbatch import Value, check_value, gather, scatter, tensors
 from pipepar.core.randomness import DrawLog
 from pipepar.core.recompute import should_checkpoint
@@ -276,7 +276,7 @@ class Pipe(nn.Module):
         run.execute(self._workers(backward=True), EVERY)
         if run.training:
             commit_all(list(self))
-        return _joined_loss(run, weights)
+        return joined_loss(run.outputs(), weights)
 
     def _evaluate(self, run: Run, weights: list[float]) -> Tensor:
         """The schedule's forward actions only (``step`` under no_grad): the joined loss, with
@@ -284,7 +284,7 @@ class Pipe(nn.Module):
         run.execute(self._workers(backward=False), FORWARD)
         if run.training:
             commit_all(list(self))
-        return _joined_loss(run, weights)
+        return joined_loss(run.outputs(), weights)
 
     # -- workers ------------------------------------------------------------------------------
     def _workers(self, *, backward: bool) -> WorkerPool | None:
@@ -372,12 +372,6 @@ def _n_workers(schedule: object, balance: Sequence[int], devices: DeviceSpec) ->
 
 def _stage_module(stage: Stage) -> nn.Module:
     return stage.module
-
-
-def _joined_loss(run: Run, weights: list[float]) -> Tensor:
-    """The batch's loss: the micro-batch losses (the last stage's outputs) times their shares."""
-    losses = [torch.as_tensor(v).reshape(()).float() for v in run.outputs()]
-    return sum((w * v for w, v in zip(weights[1:], losses[1:])), weights[0] * losses[0])
 
 
 class _PipeFunction(torch.autograd.Function):

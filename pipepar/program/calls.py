@@ -25,9 +25,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from pipepar.core.losses import weighted_sum
 from pipepar.program import caches
 
-__all__ = ["Call", "as_call", "join", "split_call", "weighted_sum"]
+__all__ = ["Call", "as_call", "join", "split_call"]
 
 
 @dataclass
@@ -156,13 +157,6 @@ def _join_leaf(col: Sequence[Any], rows: Sequence[int], shares: Sequence[float],
         "transformers caches and equal plain values can); leave it out of the output or use "
         "chunks=1 (for a cache of a kind of the model's own, pass use_cache=False)"
     )
-
-
-def weighted_sum(values: Sequence[Tensor], shares: Sequence[float]) -> Tensor:
-    """``sum(share * value)`` over the micro-batches whose share is not 0 (a value there may be
-    ``nan``: a mean over nothing)."""
-    terms = [v * w for v, w in zip(values, shares) if w != 0]
-    return sum(terms[1:], terms[0]) if terms else torch.zeros_like(values[0])
 
 
 def _same(a: Any, b: Any) -> bool:

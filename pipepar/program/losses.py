@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from pipepar.core.losses import LossFn, LossShares, loss_shares, nothing, scalar_loss
 from pipepar.program.calls import Call
 
-__all__ = ["LossFn", "ModelLoss", "loss_head", "own_loss"]
+__all__ = ["LossFn", "ModelLoss", "callers", "loss_head", "own_loss", "step_shares"]
 
 _IGNORE = -100  # transformers' label for "no target here"
 
@@ -94,6 +94,12 @@ class ModelLoss(Sequence[float]):
         return {"num_items_in_batch": _Watched.of(n, self._used[i])}
 
     # -- the shares -----------------------------------------------------------------------------
+    @property
+    def weights(self) -> ModelLoss:
+        """The shares, as :attr:`LossShares.weights <pipepar.core.losses.LossShares>`: this
+        sequence itself (each read once its micro-batch's forward has run)."""
+        return self
+
     def weight(self, i: int) -> float:
         if self._used[i].is_set():
             return float(self._replicas)  # the model divided its sum by the whole count
@@ -118,6 +124,19 @@ class ModelLoss(Sequence[float]):
 
     def __iter__(self) -> Iterator[float]:
         return (self.weight(i) for i in range(len(self.rows)))
+
+
+def callers(
+    model: nn.Module, calls: Sequence[Call], shares: LossShares | ModelLoss | None
+) -> list[Callable[[], Any]]:
+    """Each micro-batch's call of the model, with what the model's own loss needs added
+    (``num_items_in_batch``: see :class:`ModelLoss`)."""
+
+    def caller(i: int, c: Call) -> Callable[[], Any]:
+        extra = shares.call_kwargs(i) if isinstance(shares, ModelLoss) else {}
+        return lambda: model(*c.args, **{**c.kwargs, **extra})
+
+    return [caller(i, c) for i, c in enumerate(calls)]
 
 
 def own_loss(output: Any) -> Any:

@@ -16,7 +16,7 @@ lacks is the model's (``__getattr__``), ``hf_device_map`` says where its units s
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from pipepar.core import validation
 from pipepar.core.devices import DeviceSpec, resolve_devices
-from pipepar.core.losses import Items, LossShares, split_target
+from pipepar.core.losses import Items, LossShares, joined_loss, split_target
 from pipepar.core.randomness import DrawLog
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
@@ -46,10 +46,10 @@ from pipepar.local.worker import WorkerPool
 from pipepar.program import generation, hf
 from pipepar.program import units as units_
 from pipepar.program.autograd import ProgramFunction, as_tuple, joined
-from pipepar.program.calls import Call, split_call, weighted_sum
+from pipepar.program.calls import Call, split_call
 from pipepar.program.cut import Cut, Ledger
 from pipepar.program.driver import driver_pool, mark_boundaries
-from pipepar.program.losses import LossFn, ModelLoss, loss_head, step_shares
+from pipepar.program.losses import LossFn, ModelLoss, callers, loss_head, step_shares
 from pipepar.program.run import ProgramRun
 from pipepar.program.step import Batch
 from pipepar.tracing.tracer import Tracer
@@ -293,18 +293,18 @@ class ModelPipe(nn.Module):
         if not torch.is_grad_enabled():
             run = self._run(calls, grad=False, head=loss_head(shares, targets), shares=shares)
             run.execute(self._workers(), FORWARD)
-            return _joined_loss(run, shares.weights if isinstance(shares, LossShares) else shares)
+            return joined_loss(run.results(), shares.weights)
         run = self._run(calls, grad=True, head=loss_head(shares, targets), shares=shares)
         params = [p for held in self._params for p in held]
         flat_in = [t for c in calls for t in c.tensors()]
-        loss = _StepFunction.apply(self, run, _weights(shares), len(flat_in), *flat_in, *params)
+        loss = _StepFunction.apply(self, run, shares.weights, len(flat_in), *flat_in, *params)
         loss.backward()
         return loss.detach()
 
     def _step_all(self, run: ProgramRun, shares: Sequence[float]) -> Tensor:
         run.open_backward()
         run.execute(self._workers(), EVERY)
-        return _joined_loss(run, shares)
+        return joined_loss(run.results(), shares)
 
     def _run(
         self,
@@ -314,20 +314,14 @@ class ModelPipe(nn.Module):
         head: Any = None,
         shares: LossShares | ModelLoss | None = None,
     ) -> ProgramRun:
-        model = self._model
-
-        def caller(i: int, c: Call) -> Callable[[], Any]:
-            extra = shares.call_kwargs(i) if isinstance(shares, ModelLoss) else {}
-            return lambda: model(*c.args, **{**c.kwargs, **extra})
-
         inputs = [c.tensors() for c in calls]
         cuts = [Cut(Ledger(), self._owner, self.devices, {id(t): t for t in xs}) for xs in inputs]
         batch = functools.partial(
             Batch,
-            [caller(i, c) for i, c in enumerate(calls)],
+            callers(self._model, calls, shares),
             cuts,
             head=head,
-            weights=_weights(shares) if head is not None else None,
+            weights=shares.weights if head is not None and shares is not None else None,
         )
         if any(d.type == "cpu" for d in self.devices) and grad:
             cpu_malloc.tune()
@@ -396,17 +390,6 @@ class ModelPipe(nn.Module):
 def _new_pipe(model_class: type[nn.Module]) -> ModelPipe:
     """An empty pipe of ``model_class`` for unpickling to fill in."""
     return ModelPipe.__new__(hf.class_for(ModelPipe, model_class))
-
-
-def _weights(shares: LossShares | ModelLoss | None) -> Sequence[float] | None:
-    """The micro-batches' shares of the loss (a model's own are known as its forwards run)."""
-    return shares.weights if isinstance(shares, LossShares) else shares
-
-
-def _joined_loss(run: ProgramRun, shares: Sequence[float]) -> Tensor:
-    """The batch's loss: each micro-batch's (what the head returned) times its share."""
-    losses = [torch.as_tensor(v).reshape(()).detach().float() for v in run.results()]
-    return weighted_sum(losses, shares)
 
 
 # -- building -------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipepar.core import validation
-from pipepar.core.losses import Items, LossShares, split_target
+from pipepar.core.losses import Items, LossShares, joined_loss, split_target
 from pipepar.core.schedule import VIRTUAL, Schedule, make
 from pipepar.core.stage import Stage
 from pipepar.distributed import clipping
@@ -30,10 +30,10 @@ from pipepar.distributed.replicas import broadcast_from_first, spread_over_repli
 from pipepar.distributed.runtime import fewer_microbatches
 from pipepar.program import units as units_
 from pipepar.program.autograd import joined
-from pipepar.program.calls import Call, split_call, weighted_sum
+from pipepar.program.calls import Call, split_call
 from pipepar.program.cut import Ledger
 from pipepar.program.driver import driver_pool, mark_boundaries
-from pipepar.program.losses import LossFn, ModelLoss, loss_head, step_shares
+from pipepar.program.losses import LossFn, ModelLoss, callers, loss_head, step_shares
 from pipepar.program.meta_values import MetaScalars
 from pipepar.program.pipe import _sizes
 from pipepar.program.ranks import Link, RankCut, RankStep, held_here, shadow_context
@@ -232,12 +232,11 @@ class DistributedModelPipe(nn.Module):
             mesh=self.mesh,
             device=self.device,
         )
-        weights = shares.weights if isinstance(shares, LossShares) else shares
         grad = torch.is_grad_enabled()
         batch, step = self._walk(calls, schedule, shares, loss_head(shares, targets), grad=grad)
         if grad:
             self._write_grads(step)
-        return self._loss(batch, weights)
+        return self._loss(batch, shares.weights)
 
     def _walk(
         self,
@@ -251,7 +250,7 @@ class DistributedModelPipe(nn.Module):
         """Run this rank's actions of ``schedule`` on the micro-batch ``calls``: the own
         stage's for real, the others in shadow; without ``grad`` the forward ones only, and
         nothing is kept for a backward."""
-        weights = shares.weights if isinstance(shares, LossShares) else shares
+        weights = shares.weights if shares is not None else None
         values = [MetaScalars() for _ in calls]
         cuts = [
             RankCut(
@@ -272,7 +271,7 @@ class DistributedModelPipe(nn.Module):
             return step.segment_context(stage, i) if stage == self._own else shadow(stage, i)
 
         batch = Batch(
-            [_caller(self._model, c, shares, i) for i, c in enumerate(calls)],
+            callers(self._model, calls, shares),
             cuts,
             context,
             head=head,
@@ -341,7 +340,7 @@ class DistributedModelPipe(nn.Module):
         last = self.schedule.n_stages - 1
         value = torch.zeros(1, device=self.device)
         if self._own == last:
-            value += weighted_sum([d.result.detach().float() for d in batch.drivers], weights)
+            value += joined_loss([d.result for d in batch.drivers], weights)
         if self.mesh.ctl is not None:
             self.mesh.progress.all_reduce(value, self.mesh.ctl, "sharing the loss")
         if self.mesh.dp_group is not None:
@@ -386,11 +385,6 @@ class DistributedModelPipe(nn.Module):
         self._link.drop()
         self._guarded.stop()
         self.mesh.close()
-
-
-def _caller(model: nn.Module, call: Call, shares: object, i: int) -> Any:
-    extra = shares.call_kwargs(i) if isinstance(shares, ModelLoss) else {}
-    return lambda: model(*call.args, **{**call.kwargs, **extra})
 
 
 def _keep_only(
