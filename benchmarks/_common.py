@@ -3,6 +3,11 @@
 A *workload* is a model with its batch, target and loss. Every script times contenders in
 alternating rounds (the order rotates each round) so that a load change on the shared machine
 hits all contenders alike, and reports the median over rounds with the min-max spread.
+
+Against a limit (``bench_schedules.py``, ``bench_models.py``): each contender runs a *block* of
+steps per round (:func:`local_block`, :func:`remote_block` on spawned ranks), an error drops
+only its contender (:func:`guard`, :func:`run_blocks`), and every step becomes a rate compared
+with the same run's one-core reference and limit (:func:`against_limit`, :func:`limit_table`).
 """
 
 from __future__ import annotations
@@ -15,17 +20,17 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from benchmarks._results import RESULTS
+from benchmarks._results import RESULTS, markdown_table
 
 Loss = Callable[[Tensor, Tensor], Tensor]
 Step = Callable[[], None]
@@ -254,6 +259,129 @@ def alternate(contenders: dict[str, Callable[[], T]], rounds: int) -> dict[str, 
         for name in names[r % len(names) :] + names[: r % len(names)]:
             out[name].append(contenders[name]())
     return out
+
+
+# -- blocks of timed steps against a limit (bench_schedules.py, bench_models.py) ----------------
+Block = Callable[[], list[float]]
+
+
+class RemoteError(RuntimeError):
+    """An error text that came back from spawned ranks (its type is named in the text)."""
+
+
+def local_block(step: Step, block: int, warmup: int) -> Block:
+    """A block timer for :func:`run_blocks`: ``warmup`` untimed calls of ``step``, then the
+    seconds of each of ``block`` calls."""
+
+    def timed() -> list[float]:
+        for _ in range(warmup):
+            step()
+        return step_times(step, block)
+
+    return timed
+
+
+def remote_block(group: Any, key: str, m: int, block: int, warmup: int) -> Block:
+    """A block timer of contender ``key`` on a :class:`benchmarks._procs.ProcessGroup`: every
+    step started after a barrier, the slowest rank's seconds; an error raises
+    :class:`RemoteError`."""
+
+    def timed() -> list[float]:
+        answer = group.step_times(key, m, block, warmup)
+        if isinstance(answer, str):
+            raise RemoteError(answer)
+        return list(answer)
+
+    return timed
+
+
+def why(error: Exception) -> str:
+    """``n/a: <the error's last line naming an error>``, for a table's row."""
+    text = str(error) if isinstance(error, RemoteError) else f"{type(error).__name__}: {error}"
+    lines = text.strip().splitlines() or [type(error).__name__]
+    line = next((t for t in reversed(lines) if "Error" in t), lines[-1])
+    return "n/a: " + line.removeprefix("error: ")[:160]
+
+
+def guard(key: str, timer: Block, skipped: dict[str, str]) -> Block:
+    """``timer``, but an error drops the contender (noted in ``skipped``) and the rest go on."""
+
+    def call() -> list[float]:
+        if key in skipped:
+            return []
+        try:
+            return timer()
+        except Exception as error:
+            skipped[key] = why(error)
+            return []
+
+    return call
+
+
+def run_blocks(
+    timers: dict[str, Block], skipped: dict[str, str], rounds: int, order: Sequence[str]
+) -> dict[str, list[float] | str]:
+    """Every timer once per round (:func:`alternate`, each :func:`guard`-ed); per key of
+    ``order``: the seconds of all its timed steps, or why it has none (from ``skipped``)."""
+    runs = alternate({k: guard(k, t, skipped) for k, t in timers.items()}, rounds)
+    steps = {k: [t for r in v for t in r] for k, v in runs.items()}
+    return {k: skipped.get(k) or steps.get(k) or "n/a: no steps" for k in order}
+
+
+def against_limit(
+    times: dict[str, list[float] | str], samples: Mapping[str, float], unit: str, limit: str
+) -> dict[str, dict[str, Any]]:
+    """Per key of ``times`` (seconds of each step, or an error's text): the rates
+    (``samples[key]`` per step / step time) as quantiles, x ``unit`` and the fraction of
+    ``limit`` (p90 against p90, medians, and a bootstrap interval of the p90 ratio), or
+    ``{"steps": 0, "error": text}``."""
+    rates = {
+        k: [samples[k] / t for t in v] for k, v in times.items() if not isinstance(v, str) and v
+    }
+    ref, top = (Quantiles.of(rates[k]) if rates.get(k) else None for k in (unit, limit))
+    out: dict[str, dict[str, Any]] = {}
+    for key, value in times.items():
+        if key not in rates:
+            out[key] = {"steps": 0, "error": value if isinstance(value, str) else "n/a: no steps"}
+            continue
+        q = Quantiles.of(rates[key])
+        out[key] = {
+            "steps": len(rates[key]),
+            "error": None,
+            "median": q.median,
+            "p10": q.p10,
+            "p90": q.p90,
+            "spread": q.spread(),
+            "x_one_core": q.p90 / ref.p90 if ref else None,
+            "of_limit": q.p90 / top.p90 if top else None,
+            "of_limit_median": q.median / top.median if top else None,
+            "of_limit_interval": (
+                ratio_interval(rates[key], rates[limit]) if top and key != limit else None
+            ),
+            "rates": rates[key],
+        }
+    return out
+
+
+def limit_table(result: list[dict[str, Any]], notes: Callable[[dict[str, Any]], str]) -> str:
+    """Markdown, one line per row of :func:`against_limit` (with ``contender``, ``schedule``,
+    ``processes``): rates, x one core and the fraction of the limit; ``notes(row)`` last."""
+    lines = []
+    for r in result:
+        head = [r["contender"], r["schedule"], r["processes"]]
+        if r["error"]:
+            lines.append([*head, "-", "-", "-", "-", "-", "-", r["error"]])
+            continue
+        x = "-" if r["x_one_core"] is None else f"{r['x_one_core']:.2f}x"
+        frac = "-" if r["of_limit"] is None else f"{r['of_limit']:.2f} ({r['of_limit_median']:.2f})"
+        lo_hi = r["of_limit_interval"]
+        sure = "-" if lo_hi is None else f"{lo_hi[0]:.2f}-{lo_hi[1]:.2f}"
+        cells = [f"{r['median']:.0f}", f"{r['p90']:.0f}", f"{r['spread']:.0%}", x, frac, sure]
+        lines.append([*head, *cells, notes(r)])
+    headers = ["contender", "schedule", "processes", "samples/s median", "samples/s p90"]
+    headers += ["spread p10-p90", "x one core (p90)", "of limit p90 (median)"]
+    headers += ["of limit p90, 90% interval", "notes"]
+    return markdown_table(headers, lines)
 
 
 def load() -> str:

@@ -1,181 +1,438 @@
-"""What running a model as it is costs: transformers' GPT-2 through ``pipepar.wrap``.
+"""Real models against the same run's limit: transformers' GPT-2 and Llama through pipepar.
 
-A pipe of any model runs the model's own forward on a thread per micro-batch and passes every
-torch operation through a torch-function mode that cuts it into stages. This measures what that
-costs and how well two stages overlap, against the same micro-batches run one after another on
-one thread (gradient accumulation: the one-core unit):
+The job, per model: transformers' ``GPT2LMHeadModel`` or ``LlamaForCausalLM`` as the library
+builds it (``models/transformers_zoo.py``: 8 blocks x hidden 256, 4 heads, vocabulary 2048;
+GPT-2 with its tied head, Llama with 2 key-value heads and an intermediate size of 768, Llama's
+own rule of 8/3 x hidden rounded up to a multiple of 256), random weights (seeded), a batch of
+16 x 64 seeded random token ids with ``labels`` = the ids (the model's own loss), M = 8
+micro-batches, forward + backward, gradients set to None each step (no optimizer), one math
+thread per stage or process.
 
-* ``overhead``: a one-stage pipe (``balance=[all units]``, one worker) over the one-core run;
-* ``of ideal``: the one-core time over two workers, against a two-stage pipe (one math thread
-  per stage, stages planned by ``wrap(..., sample=batch)``), for the program route (GPT-2 as
-  transformers builds it) and, for reference, for pipepar's own ``nn.Sequential`` GPT of the
-  same sizes (``models.gpt``).
+Two references, measured in the same run as everything else:
 
-Contenders alternate in rotating rounds; medians, with the min-max spread over rounds.
+- **one core**: the same 8 micro-batches one after another in this process, one thread,
+  ``(model(input_ids=part, labels=part).loss / 8).backward()`` each (1.0x);
+- **limit**: that job in each of two processes at once, a barrier around each step; twice its
+  rate is what the two cores do together while they share caches and memory bandwidth.
 
-    python benchmarks/bench_models.py [--quick] [--rounds 5] [--steps 3] [--write]
+The contenders differ only in how the model is run (all call ``pipe.step(input_ids=ids,
+labels=ids)``, the pipe joining the micro-batches' losses into the whole batch's):
+
+- ``pipepar-1stage``: ``pipepar.wrap(model, [all units], devices=["cpu"], chunks=8,
+  threads=1)``: one stage, one worker: what the pipe costs over the plain model;
+- ``pipepar:<schedule>``: ``pipepar.wrap(model, split=[middle block], devices=["cpu", "cpu"],
+  chunks=8, schedule=..., threads=1)`` in this process for gpipe, 1f1b, zb-h1, and four
+  stages (split at blocks 2, 4 and 6, two per worker) for interleaved-1f1b and zb-v;
+- ``pipepar.distributed:<schedule>``: ``pipepar.distributed.wrap(model, split=[...], chunks=8,
+  schedule=...)`` on two spawned gloo ranks (the model built whole on each), same splits.
+
+A contender that cannot be built or run is reported ``n/a: <error>`` and the rest go on.
+
+Method (as ``bench_schedules.py``, whose machinery this shares through ``_common``): per model,
+contenders alternate in rounds, each running a block of steps after an untimed one, the order
+rotating from round to round; multi-process ones stay alive in their process groups
+(``_procs.ProcessGroup``). Every step is timed on its own (on two ranks: all start it after a
+barrier and its time is the slower rank's) and turned into samples/s. The table gives the
+median and 90th-percentile rate, the p10-p90 spread, x one core and the fraction of the limit
+(p90 against p90, medians in brackets) with a bootstrap 90% interval (2000 redraws of both
+contenders' steps). Under each table: the one-stage overhead (the median step of the one-stage
+pipe over the one-core run's, with a bootstrap interval), and the team's targets (a real
+model in one process >= 0.90 of the limit, across ranks >= 0.85, one stage <= +5%), each
+met, missed, or within the uncertainty of the interval.
+
+Default: 3 rounds x 8 timed steps per contender (24 steps, each block after one untimed step),
+both models, 11 contenders each (the ranks' interleaved-1f1b and zb-v are n/a today): about 8
+minutes on a quiet 2-core CPU, about 15 under a load average of 5 (a round of every contender's
+step takes ~7 s quiet, ~15 s loaded, plus ~30-45 s per model to spawn the ranks and build).
+
+    python benchmarks/bench_models.py --write          # both models, every contender
+    python benchmarks/bench_models.py --models gpt2 --rounds 2 --steps 6 \\
+        --contenders pipepar-1stage:gpipe,pipepar:zb-v,pipepar.distributed:zb-h1
+    python benchmarks/bench_models.py --quick          # seconds; CI smoke test
 """
 
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core per thread, in every process
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
 import argparse
+import copy
+import math
+import statistics
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import models
 import pipepar
-from benchmarks._common import Stats, alternate, load, timer
-from benchmarks._results import markdown_table, record
-from models import transformers_zoo as zoo
+from benchmarks import _common as common
+from benchmarks._procs import ProcessGroup
+from benchmarks._results import record
+from pipepar.local import cpu_malloc
 
-CHUNKS = 8
+TITLE = "Real models as they are: what the cut costs"  # the section --write replaces
+MODELS = {"gpt2": "GPT-2", "llama": "Llama"}
+BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers"}  # module path of the block list
+UNIT, LIMIT, ONE_STAGE = "one core:", "limit:", "pipepar-1stage:gpipe"
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
+LIBRARIES = {  # library: (label, processes, notes)
+    "one core": ("one core (reference)", 1, "the micro-batches one after another"),
+    "limit": ("limit: one-core job x 2 processes", 2, "physical limit of the 2 cores"),
+    "pipepar-1stage": ("pipepar.wrap, 1 stage", 1, "balance=[all units], one worker"),
+    "pipepar": ("pipepar.wrap, pipe.step", 1, "one thread per core"),
+    "pipepar.distributed": ("pipepar.distributed", 2, "gloo, model built whole on each rank"),
+}
+REMOTE = ("limit", "pipepar.distributed")
+CHOSEN_BY_USER = ("pipepar-1stage", "pipepar", "pipepar.distributed")
+CONTENDERS = (
+    ONE_STAGE,
+    *(f"pipepar:{s}" for s in SCHEDULES),
+    *(f"pipepar.distributed:{s}" for s in SCHEDULES),
+)
+QUICK = (ONE_STAGE, "pipepar:1f1b", "pipepar:zb-v", "pipepar.distributed:1f1b")
+TARGETS = {"pipepar": 0.90, "pipepar.distributed": 0.85}  # of the limit, p90; one stage: +5%
+OVERHEAD_TARGET = 0.05
 
 
-def _sizes(quick: bool) -> dict[str, int]:
+# -- the job -----------------------------------------------------------------------------------
+@dataclass
+class Job:
+    """A model as transformers builds it, its token ids (also its labels) and its sizes."""
+
+    name: str
+    model: nn.Module
+    ids: Tensor
+    layers: int
+    description: str
+
+    @property
+    def batch(self) -> int:
+        """Rows (sequences) in the mini-batch."""
+        return int(self.ids.shape[0])
+
+
+def sizes(quick: bool) -> dict[str, int]:
+    """The models' sizes and the batch: the benchmark's, or tiny ones for CI."""
     if quick:
-        return dict(layers=2, hidden=32, heads=2, vocab=64, seq=16, batch=16)
-    return dict(layers=8, hidden=256, heads=4, vocab=2048, seq=64, batch=32)
+        return dict(layers=2, hidden=32, heads=2, vocab=64, seq=16, batch=8)
+    return dict(layers=8, hidden=256, heads=4, vocab=2048, seq=64, batch=16)
 
 
-def _tokens(size: dict[str, int]) -> Tensor:
-    return torch.randint(
-        size["vocab"], (size["batch"], size["seq"]), generator=torch.Generator().manual_seed(0)
-    )
+def intermediate(hidden: int) -> int:
+    """Llama's MLP width: 8/3 x hidden rounded up to a multiple of 256 (of hidden if less)."""
+    step = min(256, hidden)
+    return step * math.ceil(8 * hidden / 3 / step)
 
 
-def _gpt2(size: dict[str, int]) -> torch.nn.Module:
+def job(name: str, *, quick: bool = False) -> Job:
+    """Model ``name`` (``"gpt2"`` or ``"llama"``), seeded, with seeded random token ids."""
+    from models import transformers_zoo as zoo
+
+    size = sizes(quick)
+    common_sizes: dict[str, Any] = {k: size[k] for k in ("layers", "hidden", "heads")}
     torch.manual_seed(0)
-    return zoo.gpt2(
-        layers=size["layers"], hidden=size["hidden"], heads=size["heads"], vocab=size["vocab"],
-        positions=size["seq"],
-    )  # fmt: skip
+    if name == "gpt2":
+        model = zoo.gpt2(**common_sizes, vocab=size["vocab"], positions=size["seq"])
+        extra = "tied head"
+    elif name == "llama":
+        width = intermediate(size["hidden"])
+        model = zoo.llama(**common_sizes, vocab=size["vocab"], intermediate=width)
+        extra = f"2 key-value heads, intermediate {width}"
+    else:
+        raise ValueError(f"model {name!r} is not one of {list(MODELS)}")
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(size["vocab"], (size["batch"], size["seq"]), generator=gen)
+    text = (
+        f"{MODELS[name]} {size['layers']} blocks x hidden {size['hidden']}, {size['heads']} "
+        f"heads ({extra}), vocab {size['vocab']}, {size['batch']} x {size['seq']} tokens"
+    )
+    return Job(name, model, ids, size["layers"], text)
 
 
-def _one_core(size: dict[str, int]) -> Callable[[], None]:
-    model, ids = _gpt2(size), _tokens(size)
+def stages(schedule: str) -> int:
+    """Stages of a two-worker pipe: two, or four for the virtual-stage schedules."""
+    from pipepar.core.schedule import VIRTUAL
+
+    return 4 if schedule in VIRTUAL else 2
+
+
+def split(work: Job, n_stages: int) -> list[str]:
+    """Module paths where stages 2..n begin: equal runs of blocks (8 blocks, 2 stages: block 4)."""
+    if work.layers % n_stages:
+        raise ValueError(
+            f"{work.layers} blocks do not split into {n_stages} equal stages (a virtual-stage "
+            "schedule needs 4 stages; run without --quick)"
+        )
+    paths = [f"{BLOCKS[work.name]}.{work.layers * i // n_stages}" for i in range(1, n_stages)]
+    units = {unit.path for unit in pipepar.units(work.model)}
+    missing = [p for p in paths if p not in units]
+    if missing:
+        raise ValueError(f"{missing} are not units of {work.name}: {sorted(units)}")
+    return paths
+
+
+def one_core(work: Job, m: int) -> common.Step:
+    """The reference: the m micro-batches one after another on a copy of the model."""
+    model = copy.deepcopy(work.model)
+    parts = work.ids.tensor_split(m)
 
     def step() -> None:
-        for part in ids.tensor_split(CHUNKS):
-            (model(input_ids=part, labels=part).loss / CHUNKS).backward()
+        for part in parts:
+            (model(input_ids=part, labels=part).loss / m).backward()
         model.zero_grad(set_to_none=True)
 
     return step
 
 
-def _program_pipe(size: dict[str, int], stages: int, schedule: str) -> Callable[[], None]:
-    model, ids = _gpt2(size), _tokens(size)
-    n = len(pipepar.units(model))
-    # Two stages: planned from a profile of the batch (times included), as a user would.
-    balance = [n] if stages == 1 else None
-    pipe = pipepar.wrap(
-        model, balance, devices=["cpu"] * stages, chunks=CHUNKS, schedule=schedule, threads=1,
-        sample=dict(input_ids=ids, labels=ids),
-    )  # fmt: skip
-
+def _stepped(pipe: Any, ids: Tensor) -> common.Step:
     def step() -> None:
         pipe.step(input_ids=ids, labels=ids)
-        model.zero_grad(set_to_none=True)
+        pipe.zero_grad(set_to_none=True)
 
     return step
 
 
-def _loss(out: Tensor, y: Tensor) -> Tensor:
-    return F.cross_entropy(out.flatten(0, 1), y.flatten())
+def one_process(library: str, schedule: str, work: Job, m: int) -> tuple[common.Step, Any]:
+    """``(step, pipe)`` of ``"pipepar-1stage"`` or ``"pipepar"`` (two CPU workers)."""
+    model = copy.deepcopy(work.model)
+    if library == "pipepar-1stage":
+        balance = [len(pipepar.units(model))]
+        pipe = pipepar.wrap(
+            model, balance, devices=["cpu"], chunks=m, schedule=schedule, threads=1,
+            checkpoint="never",
+        )  # fmt: skip
+    elif library == "pipepar":
+        pipe = pipepar.wrap(
+            model, split=split(work, stages(schedule)), devices=["cpu", "cpu"], chunks=m,
+            schedule=schedule, threads=1, checkpoint="never",
+        )  # fmt: skip
+    else:
+        raise ValueError(f"library {library!r} is not pipepar-1stage or pipepar")
+    return _stepped(pipe, work.ids), pipe
 
 
-def _sequential_one_core(size: dict[str, int]) -> Callable[[], None]:
-    model, ids = _sequential_gpt(size), _tokens(size)
+def rank_builder(spec: dict[str, Any], rank: int, world: int) -> Callable[[str, int], common.Step]:
+    """Factory run on every rank of a ProcessGroup: ``build("library:schedule", m) -> step``
+    for ``"limit:"`` (this rank alone runs the one-core job) and
+    ``"pipepar.distributed:<schedule>"``. Every rank gets pipepar's malloc thresholds, as the
+    benchmark's own process does."""
+    cpu_malloc.tune()
+    work = job(spec["model"], quick=spec["quick"])
 
-    def step() -> None:
-        for part in ids.tensor_split(CHUNKS):
-            (_loss(model(part), part) / CHUNKS).backward()
-        model.zero_grad(set_to_none=True)
+    def build(contender: str, m: int) -> common.Step:
+        library, _, schedule = contender.partition(":")
+        if library == "limit":
+            return one_core(work, m)
+        if library != "pipepar.distributed":
+            raise ValueError(f"library {library!r} is not limit or pipepar.distributed")
+        import pipepar.distributed as ppd
 
-    return step
+        paths = split(work, stages(schedule))
+        model = copy.deepcopy(work.model)
+        pipe = ppd.wrap(model, split=paths, chunks=m, schedule=schedule, checkpoint="never")
+        return _stepped(pipe, work.ids)
+
+    return build
 
 
-def _sequential_gpt(size: dict[str, int]) -> torch.nn.Sequential:
-    torch.manual_seed(0)
-    return models.gpt(size["layers"], size["hidden"], size["heads"], size["vocab"], size["seq"])
+# -- measuring ---------------------------------------------------------------------------------
+def _blocks(
+    work: Job, groups: dict[str, ProcessGroup], args: argparse.Namespace
+) -> tuple[dict[str, common.Block], dict[str, str], list[Any]]:
+    """A block timer per contender (the references first), the contenders that could not be
+    built (with why), and the in-process pipes (to close)."""
+    block, m = math.ceil(args.steps / args.rounds), args.chunks
+    unit = one_core(work, m)
+    unit()  # warm-up
+    timers = {UNIT: common.local_block(unit, block, args.warmup)}
+    skipped: dict[str, str] = {}
+    pipes = []
+    for key in (LIMIT, *args.contenders):
+        library, _, schedule = key.partition(":")
+        if library in REMOTE:
+            timers[key] = common.remote_block(groups[library], key, m, block, args.warmup)
+            continue
+        try:
+            step, pipe = one_process(library, schedule, work, m)
+            pipes.append(pipe)
+            step()  # warm-up (and worker start)
+        except Exception as error:
+            skipped[key] = common.why(error)
+            continue
+        timers[key] = common.local_block(step, block, args.warmup)
+    return timers, skipped, pipes
 
 
-def _sequential_pipe(size: dict[str, int], schedule: str) -> Callable[[], None]:
-    model, ids = _sequential_gpt(size), _tokens(size)
-    pipe = pipepar.wrap(
-        model, devices=["cpu", "cpu"], chunks=CHUNKS, schedule=schedule, checkpoint="never",
-        threads=1, sample=ids,
-    )  # fmt: skip
+def measure(work: Job, args: argparse.Namespace) -> dict[str, list[float] | str]:
+    """Per contender of one model: the seconds of every timed step, or why it has none."""
+    spec = {"model": work.name, "quick": args.quick}
+    wanted = {"limit"} | {k.partition(":")[0] for k in args.contenders}
+    groups = {
+        lib: ProcessGroup(2, "benchmarks.bench_models:rank_builder", spec)
+        for lib in REMOTE
+        if lib in wanted
+    }
+    pipes: list[Any] = []
+    try:
+        timers, skipped, pipes = _blocks(work, groups, args)
+        return common.run_blocks(timers, skipped, args.rounds, (UNIT, LIMIT, *args.contenders))
+    finally:
+        for group in groups.values():
+            group.close()
+        for pipe in pipes:
+            getattr(pipe, "close", lambda: None)()
 
-    def step() -> None:
-        pipe.step(ids, ids, _loss)
-        model.zero_grad(set_to_none=True)
 
-    return step
+# -- report ------------------------------------------------------------------------------------
+def rows(name: str, times: dict[str, list[float] | str], batch: int) -> list[dict[str, Any]]:
+    """One row per contender of model ``name``: rate quantiles, x one core, fraction of the
+    limit; the one-stage row also has the overhead (median step time over one core's)."""
+    samples = {k: batch * (2 if k == LIMIT else 1) for k in times}
+    stats = common.against_limit(times, samples, UNIT, LIMIT)
+    out = []
+    for key in times:
+        library, _, schedule = key.partition(":")
+        label, processes, _ = LIBRARIES[library]
+        row: dict[str, Any] = {"model": name, "key": key, "contender": label}
+        row |= {"schedule": schedule or "-", "processes": processes} | stats[key]
+        mine, unit = times[key], times[UNIT]
+        if library == "pipepar-1stage" and isinstance(mine, list) and isinstance(unit, list):
+            ratio = statistics.median(mine) / statistics.median(unit)
+            lo, hi = common.ratio_interval(mine, unit, statistics.median)
+            row |= {"overhead": ratio - 1, "overhead_interval": (lo - 1, hi - 1)}
+        out.append(row)
+    return out
+
+
+def _verdict(low: float, high: float, target: float, *, at_most: bool = False) -> str:
+    if at_most:
+        low, high, target = -high, -low, -target
+    if low >= target:
+        return "met"
+    return "missed" if high < target else "within the uncertainty"
+
+
+def summary(result: list[dict[str, Any]]) -> str:
+    """The targets, one line each: best schedule in one process and across ranks (p90 of the
+    limit) and the one-stage overhead, each with its interval and verdict."""
+    lines = []
+    for library, target in TARGETS.items():
+        mine = [r for r in result if r["key"].startswith(library + ":") and not r["error"]]
+        if not mine:
+            continue
+        best = max(mine, key=lambda r: r["of_limit"] or 0.0)
+        if best["of_limit"] is None:
+            continue
+        lo, hi = best["of_limit_interval"]
+        lines.append(
+            f"- {LIBRARIES[library][0]}, best schedule {best['schedule']}: "
+            f"{best['of_limit']:.2f} of the limit (90% interval {lo:.2f}-{hi:.2f}; median "
+            f"{best['of_limit_median']:.2f}); target >= {target:.2f}: "
+            f"{_verdict(lo, hi, target)}."
+        )
+    one = next((r for r in result if "overhead" in r), None)
+    if one is not None:
+        lo, hi = one["overhead_interval"]
+        verdict = _verdict(lo, hi, OVERHEAD_TARGET, at_most=True)
+        lines.append(
+            f"- one-stage pipe over the one-core run (median step times): "
+            f"{one['overhead']:+.1%} (90% interval {lo:+.1%} to {hi:+.1%}); target <= "
+            f"+{OVERHEAD_TARGET:.0%}: {verdict}."
+        )
+    return "\n".join(lines)
+
+
+def report(name: str, result: list[dict[str, Any]], description: str) -> str:
+    """The model's heading, table and summary."""
+    table = common.limit_table(result, lambda r: LIBRARIES[r["key"].partition(":")[0]][2])
+    return f"### {MODELS[name]}: {description}\n\n{table}\n\n{summary(result)}".rstrip()
+
+
+def notes(args: argparse.Namespace, before: str) -> str:
+    block = math.ceil(args.steps / args.rounds)
+    return (
+        f"M={args.chunks}, the model's own loss (labels = input ids), forward + backward, "
+        "gradients set to None each step, no optimizer, one math thread per stage or process "
+        "(threads=1; torch.set_num_threads(1) in each rank). Two stages split at the middle "
+        "block; interleaved-1f1b and zb-v four equal stages (8 blocks: split at blocks 2, 4 "
+        f"and 6), two per worker. Per model: {args.rounds} round(s) x {block} timed steps per "
+        f"contender after {args.warmup} untimed step(s) per block, order rotating; a step's "
+        "time on two processes is the slower rank's, every step started after a barrier. "
+        "Rate = samples "
+        "per step / step time (limit: 2 x batch). x one core and of limit compare p90 rates "
+        "(medians in brackets) with the same run's one core and limit; intervals are "
+        "bootstraps (2000 redraws of both contenders' steps). Every process runs with "
+        "pipepar's malloc thresholds (pipepar.local.cpu_malloc). Machine load before: "
+        f"{before}; after: {common.load()}."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, 2 rounds (CI)")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=3, help="steps timed per round")
-    parser.add_argument("--schedule", default="1f1b")
-    parser.add_argument("--write", action="store_true", help="append the table to RESULTS.md")
-    args = parser.parse_args(argv)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # the one-core references run here; pipe workers set their own
-    try:
-        return _run(args)
-    finally:
-        torch.set_num_threads(before)
-
-
-def _run(args: argparse.Namespace) -> int:
-    size = _sizes(args.quick)
-    rounds, steps = (2, 1) if args.quick else (args.rounds, args.steps)
-    builders = {
-        "one core": lambda: _one_core(size),
-        "pipe, 1 stage": lambda: _program_pipe(size, 1, "gpipe"),
-        "pipe, 2 stages": lambda: _program_pipe(size, 2, args.schedule),
-        "Sequential one core": lambda: _sequential_one_core(size),
-        "Sequential pipe, 2 stages": lambda: _sequential_pipe(size, args.schedule),
-    }
-    contenders = {}
-    for name, build in builders.items():
-        step = build()
-        step()  # warm-up
-        contenders[name] = timer(step, steps)
-    times = alternate(contenders, rounds)
-    stats = {name: Stats.of(values) for name, values in times.items()}
-    med = {name: s.median for name, s in stats.items()}
-    rows = [[name, f"{s.median * 1e3:.0f}", f"{s.spread():.0%}"] for name, s in stats.items()]
-    table = markdown_table(["contender", "ms/step (median)", "spread"], rows)
-    overhead = med["pipe, 1 stage"] / med["one core"] - 1
-    program = med["one core"] / (2 * med["pipe, 2 stages"])
-    sequential = med["Sequential one core"] / (2 * med["Sequential pipe, 2 stages"])
-    summary = (
-        f"one-stage pipe over the one-core run: {overhead:+.1%}; two stages ({args.schedule}): "
-        f"{program:.2f} of ideal for transformers' GPT-2, {sequential:.2f} for the "
-        "nn.Sequential GPT of the same sizes"
-    )
-    print(table)
-    print(summary)
-    if args.write and not args.quick:
-        record(
-            "Real models as they are: what the cut costs",
-            table + "\n\n" + summary + ".",
-            notes=f"GPT-2 {size['layers']} layers x {size['hidden']}, vocab {size['vocab']}, "
-            f"{size['batch']} x {size['seq']} tokens, M={CHUNKS}, one math thread per worker; "
-            f"{rounds} alternating rounds of {steps} steps; {load()}.",
-        )
+    """Measure, print the tables; write them to RESULTS.md with --write. 0 on success."""
+    args = _parse(argv)
+    cpu_malloc.tune()  # the same allocator settings in every process (the ranks do the same)
+    torch.set_num_threads(1)
+    before = common.load()
+    sections, result = [], []
+    for name in args.models:
+        work = job(name, quick=args.quick)
+        mine = rows(name, measure(work, args), work.batch)
+        sections.append(report(name, mine, work.description))
+        print(sections[-1], end="\n\n", flush=True)
+        result += mine
+    note = notes(args, before)
+    print(note)
+    if args.write:
+        text = "\n\n".join(sections)
+        record(TITLE, text, notes=note, path=common.results_path(args, "models"))
+    common.write_json(args.json, [{k: v for k, v in r.items() if k != "rates"} for r in result])
     return 0
 
 
+def _listed(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_options(parser, rounds=3)
+    parser.add_argument("--steps", type=int, default=24, help="timed steps per contender")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per block")
+    parser.add_argument("--chunks", type=int, default=8, help="micro-batches (M)")
+    parser.add_argument("--write", action="store_true", help="write the section (--results)")
+    parser.add_argument(
+        "--models", type=_listed, default=list(MODELS), help="comma list of: gpt2, llama"
+    )
+    parser.add_argument(
+        "--contenders",
+        type=_listed,
+        default=None,
+        help=f"library:schedule list (libraries: {', '.join(CHOSEN_BY_USER)}; no schedule: "
+        "gpipe); the references (one core, limit) always run; unknown schedules are reported "
+        "n/a. Default: " + ",".join(CONTENDERS),
+    )
+    args = parser.parse_args(argv)
+    args.contenders = args.contenders or list(QUICK if args.quick else CONTENDERS)
+    args.contenders = [c if ":" in c else f"{c}:gpipe" for c in args.contenders]
+    bad = [c for c in args.contenders if c.partition(":")[0] not in CHOSEN_BY_USER]
+    if bad:
+        parser.error(f"unknown library in {bad}; use e.g. pipepar:1f1b or pipepar-1stage:gpipe")
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown or not args.models:
+        parser.error(f"unknown models {unknown}; choose from {', '.join(MODELS)}")
+    if args.quick:
+        args.rounds, args.steps = 1, min(args.steps, 2)
+    return args
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -38,7 +38,6 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 import argparse
 import math
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import _common as common
 from benchmarks import _contenders as contenders
 from benchmarks._procs import ProcessGroup
-from benchmarks._results import markdown_table, record
+from benchmarks._results import record
 from pipepar.local import cpu_malloc
 
 TITLE = "Schedules: pipepar vs torch.distributed.pipelining vs torchgpipe (MLP, 2 cores, M=8)"
@@ -74,31 +73,11 @@ CONTENDERS = (
     *(f"torch:{s}" for s in contenders.TORCH_SCHEDULES),
 )
 QUICK = ("pipepar:1f1b", "pipepar.distributed:1f1b", "torch:1F1B")
-Block = Callable[[], list[float]]
 
 
 # -- contenders --------------------------------------------------------------------------------
-def _local(step: common.Step, block: int, warmup: int) -> Block:
-    def timed() -> list[float]:
-        for _ in range(warmup):
-            step()
-        return common.step_times(step, block)
-
-    return timed
-
-
-class _RemoteError(RuntimeError):
-    """An error text that came back from the ranks (its type is named in the text)."""
-
-
-def _remote(group: ProcessGroup, key: str, m: int, block: int, warmup: int) -> Block:
-    def timed() -> list[float]:
-        answer = group.step_times(key, m, block, warmup)
-        if isinstance(answer, str):
-            raise _RemoteError(answer)
-        return answer
-
-    return timed
+Block = common.Block
+_local, _remote, _guard = common.local_block, common.remote_block, common.guard  # shared
 
 
 def _blocks(
@@ -128,27 +107,7 @@ def _blocks(
     return timers, skipped, pipes
 
 
-def _why(error: Exception) -> str:
-    """``n/a: <the error's last line naming an error>``, for the table."""
-    text = str(error) if isinstance(error, _RemoteError) else f"{type(error).__name__}: {error}"
-    lines = text.strip().splitlines()
-    line = next((t for t in reversed(lines) if "Error" in t), lines[-1])
-    return "n/a: " + line.removeprefix("error: ")[:160]
-
-
-def _guard(key: str, timer: Block, skipped: dict[str, str]) -> Block:
-    """``timer``, but an error drops the contender (noted in ``skipped``) and the rest go on."""
-
-    def call() -> list[float]:
-        if key in skipped:
-            return []
-        try:
-            return timer()
-        except Exception as error:
-            skipped[key] = _why(error)
-            return []
-
-    return call
+_why = common.why
 
 
 def measure(work: common.Workload, args: argparse.Namespace) -> dict[str, list[float] | str]:
@@ -162,45 +121,26 @@ def measure(work: common.Workload, args: argparse.Namespace) -> dict[str, list[f
     }
     try:
         timers, skipped, pipes = _blocks(work, groups, args)
-        guarded = {k: _guard(k, t, skipped) for k, t in timers.items()}
-        runs = common.alternate(guarded, args.rounds)
+        times = common.run_blocks(timers, skipped, args.rounds, (UNIT, LIMIT, *args.contenders))
     finally:
         for group in groups.values():
             group.close()
     for pipe in pipes:
         getattr(pipe, "close", lambda: None)()
-    steps = {k: [t for r in v for t in r] for k, v in runs.items()}
-    return {k: skipped.get(k) or steps[k] for k in (UNIT, LIMIT, *args.contenders)}
+    return times
 
 
 # -- report ------------------------------------------------------------------------------------
 def rows(times: dict[str, list[float] | str], batch: int) -> list[dict[str, Any]]:
     """One row per contender: rate quantiles, x one core and fraction of the limit."""
-    rates = {
-        k: [batch * (2 if k == LIMIT else 1) / t for t in v]
-        for k, v in times.items()
-        if not isinstance(v, str)
-    }
-    unit, limit = (common.Quantiles.of(rates[k]) if rates.get(k) else None for k in (UNIT, LIMIT))
+    samples = {k: batch * (2 if k == LIMIT else 1) for k in times}
+    stats = common.against_limit(times, samples, UNIT, LIMIT)
     out = []
-    for key, value in times.items():
+    for key in times:
         library, _, schedule = key.partition(":")
         label, processes, _ = LIBRARIES[library]
         row: dict[str, Any] = {"key": key, "contender": label, "schedule": schedule or "-"}
-        row |= {"processes": processes, "steps": 0, "error": None}
-        if isinstance(value, str) or not value:
-            out.append(row | {"error": value or "n/a: no steps"})
-            continue
-        q = common.Quantiles.of(rates[key])
-        row |= {"median": q.median, "p10": q.p10, "p90": q.p90, "spread": q.spread()}
-        row |= {"steps": len(value), "x_one_core": q.p90 / unit.p90 if unit else None}
-        row["of_limit"] = q.p90 / limit.p90 if limit else None
-        row["of_limit_median"] = q.median / limit.median if limit else None
-        row["of_limit_interval"] = (
-            common.ratio_interval(rates[key], rates[LIMIT]) if limit and key != LIMIT else None
-        )
-        row["rates"] = rates[key]
-        out.append(row)
+        out.append(row | {"processes": processes} | stats[key])
     return out
 
 
@@ -224,23 +164,7 @@ def lead(result: list[dict[str, Any]]) -> str:
 
 def table(result: list[dict[str, Any]]) -> str:
     """The markdown table, one line per contender."""
-    lines = []
-    for r in result:
-        head = [r["contender"], r["schedule"], r["processes"]]
-        if r["error"]:
-            lines.append([*head, "-", "-", "-", "-", "-", "-", r["error"]])
-            continue
-        x = "-" if r["x_one_core"] is None else f"{r['x_one_core']:.2f}x"
-        frac = "-" if r["of_limit"] is None else f"{r['of_limit']:.2f} ({r['of_limit_median']:.2f})"
-        lo_hi = r["of_limit_interval"]
-        sure = "-" if lo_hi is None else f"{lo_hi[0]:.2f}-{lo_hi[1]:.2f}"
-        note = LIBRARIES[r["key"].partition(":")[0]][2]
-        cells = [f"{r['median']:.0f}", f"{r['p90']:.0f}", f"{r['spread']:.0%}", x, frac, sure]
-        lines.append([*head, *cells, note])
-    headers = ["contender", "schedule", "processes", "samples/s median", "samples/s p90"]
-    headers += ["spread p10-p90", "x one core (p90)", "of limit p90 (median)"]
-    headers += ["of limit p90, 90% interval", "notes"]
-    return markdown_table(headers, lines)
+    return common.limit_table(result, lambda r: LIBRARIES[r["key"].partition(":")[0]][2])
 
 
 def notes(work: common.Workload, args: argparse.Namespace, before: str) -> str:

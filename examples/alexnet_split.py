@@ -35,7 +35,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     import models
 
 import pipepar
-from pipepar.render import timeline
+from pipepar import timeline
 
 MIN_IMAGE_SIZE = 63  # AlexNet's three 3x3/2 max pools need at least this many pixels
 

@@ -76,7 +76,7 @@ def build_pipe(args: argparse.Namespace, model: torch.nn.Module, sample: dict) -
         prof, devices=len(devices), chunks=args.chunks, checkpoint="never",
         schedule=args.schedule, optimizer="adamw",
     )  # fmt: skip
-    print(plan.report(width=120))
+    print(pipepar.report.table(plan, width=120))
     return pipepar.wrap(model, list(plan.balance), **options)
 
 

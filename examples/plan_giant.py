@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"does not fit: {err}", file=sys.stderr)
         return 1
     seconds = time.perf_counter() - start
-    print(plan.report(width=150))
-    path = plan.save_html(args.html)
+    print(pipepar.report.table(plan, width=150))
+    path = pipepar.report.save_html(plan, args.html)
     print(
         f"planned in {seconds:.1f} s; largest stage {format_bytes(plan.peak_bytes)} of "
         f"{args.capacity}; report: {path}"

@@ -18,8 +18,8 @@ from torch import nn
 
 import pipepar
 from models.mlp import mlp
+from pipepar import timeline
 from pipepar.core.schedule import NAMES, VIRTUAL
-from pipepar.render import timeline
 
 
 def draw(name: str, out: Path, steps: int) -> Path:

@@ -9,16 +9,17 @@ plan the split from a memory profile.
     >>> loss_fn(pipe(x), y).backward()
 """
 
-from pipepar import io, timeline
+from pipepar import io, report, timeline
 from pipepar.core.sequential import sequentialize
 from pipepar.local.gpipe import GPipe, from_torchgpipe_state_dict
-from pipepar.local.pipe import Pipe, wrap
+from pipepar.local.pipe import Pipe
 from pipepar.planner.partition import partition
 from pipepar.planner.plan import Plan, StagePlan, plan
 from pipepar.planner.profile import LayerProfile, Profile, profile
 from pipepar.program.pipe import ModelPipe
 from pipepar.program.units import Unit, units
 from pipepar.tracing.tracer import Timeline, tracing
+from pipepar.wrapping import wrap
 
 __version__ = "0.1.0"
 
@@ -36,6 +37,7 @@ __all__ = [
     "partition",
     "plan",
     "profile",
+    "report",
     "sequentialize",
     "timeline",
     "tracing",

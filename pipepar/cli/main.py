@@ -179,7 +179,9 @@ def _plan_and_write(args: argparse.Namespace, options: _Options, prof: Any) -> i
         else:
             _write(args.json, text)
     if args.html:
-        _guard(lambda: plan.save_html(args.html))
+        from pipepar.render.report_html import write_html
+
+        _guard(lambda: write_html(plan, args.html))
     return 0 if all(s.fits for s in plan.stages) else 1
 
 

@@ -1,7 +1,7 @@
 """One stage's work on the micro-batches of one mini-batch: F, B and W, the one implementation.
 
 Every runtime calls these and nothing else to compute: the threaded executor of one process
-(:mod:`pipepar.local.executor`), the rank executor (:mod:`pipepar.distributed.runtime`) and the
+(:mod:`pipepar.local.executor`), the rank executor (:mod:`pipepar.ranks.runtime`) and the
 planner's measuring tool. Who calls them, when, and how values travel between stages is the
 caller's business; a :class:`StageStep` only computes:
 

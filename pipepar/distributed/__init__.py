@@ -5,21 +5,19 @@ replicas, launched by torchrun.
     >>> pipe = ppd.wrap(model, [4, 4], chunks=8, schedule="1f1b", dp=2)  # doctest: +SKIP
     >>> loss = pipe.step(x, y, loss_fn)  # doctest: +SKIP
 
-Modules: :mod:`~pipepar.distributed.mesh` (the pp x dp grid of ranks),
+Modules: :mod:`~pipepar.distributed.wrapping` (``wrap``: an ``nn.Sequential`` or any model),
+:mod:`~pipepar.distributed.pipe` (the ``nn.Sequential`` pipe),
 :mod:`~pipepar.distributed.stage` (materializing the local layers),
-:mod:`~pipepar.distributed.transport` (point-to-point activations and gradients),
-:mod:`~pipepar.distributed.runtime` (running a schedule), :mod:`~pipepar.distributed.replicas`
-(dp sync), :mod:`~pipepar.distributed.arguments` (one rank's arguments checked alone),
-:mod:`~pipepar.distributed.handshake` (ranks agree on the arguments at wrap time),
-:mod:`~pipepar.distributed.failure` (fault reporting), :mod:`~pipepar.distributed.progress`
-(what each rank runs and waits for; every wait bounded by ``timeout``),
-:mod:`~pipepar.distributed.guard` (a step's failure or stall ends every rank) and
-:mod:`~pipepar.distributed.snapshot` (training checkpoints).
+:mod:`~pipepar.distributed.handshake` (ranks agree on the arguments at wrap time) and
+:mod:`~pipepar.distributed.snapshot` (training checkpoints). What both pipes across ranks share
+(this and :mod:`pipepar.program.rank_pipe`) is in :mod:`pipepar.ranks`: the pp x dp grid,
+transport, the rank executor, dp sync, failures, progress and the guard.
 """
 
-from pipepar.distributed.failure import PipelineError
-from pipepar.distributed.pipe import SCHEDULES, DistributedPipe, wrap
+from pipepar.distributed.pipe import SCHEDULES, DistributedPipe
 from pipepar.distributed.snapshot import load_checkpoint, save_checkpoint
+from pipepar.distributed.wrapping import wrap
+from pipepar.ranks.failure import PipelineError
 
 __all__ = [
     "SCHEDULES",

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipepar.core.schedule import Schedule
-from pipepar.distributed.failure import PipelineError
+from pipepar.ranks.failure import PipelineError
 
 __all__ = ["agree", "fingerprint", "refuse"]
 

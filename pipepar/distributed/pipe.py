@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -33,22 +32,24 @@ from pipepar.core.losses import Items, LossFn
 from pipepar.core.microbatch import Value, gather
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
-from pipepar.distributed import clipping, handshake
-from pipepar.distributed.arguments import SCHEDULES, check_model, check_schedule, check_timeout
-from pipepar.distributed.failure import comm
-from pipepar.distributed.guard import Guard
-from pipepar.distributed.mesh import Mesh, build_mesh, check_grid
-from pipepar.distributed.replicas import (
+from pipepar.distributed import handshake
+from pipepar.distributed.stage import build_stage, in_model_order
+from pipepar.ranks import clipping
+from pipepar.ranks.arguments import SCHEDULES, check_model, check_schedule, check_timeout
+from pipepar.ranks.failure import comm
+from pipepar.ranks.guard import Guard
+from pipepar.ranks.mesh import Mesh, build_mesh, check_grid
+from pipepar.ranks.process import ensure_process_group, resolve_device
+from pipepar.ranks.replicas import (
     GradientSync,
     broadcast_from_first,
     check_replica_inputs,
     spread_over_replicas,
 )
-from pipepar.distributed.runtime import Runtime
-from pipepar.distributed.stage import build_stage, in_model_order
-from pipepar.distributed.transport import Transport
+from pipepar.ranks.runtime import Runtime
+from pipepar.ranks.transport import Transport
 
-__all__ = ["SCHEDULES", "DistributedPipe", "wrap"]
+__all__ = ["SCHEDULES", "DistributedPipe"]
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -99,7 +100,7 @@ class DistributedPipe(nn.Module):
             group=group,
             timeout=self.timeout,
         )
-        self.device = _resolve_device(device, group)
+        self.device = resolve_device(device, group)
         self.mesh: Mesh = build_mesh(
             self.schedule.n_workers,
             self.dp,
@@ -137,7 +138,7 @@ class DistributedPipe(nn.Module):
         self.checkpoint = validation.check_checkpoint(checkpoint)
         self.schedule = check_schedule(schedule, len(self.balance), self.chunks)
         self.timeout = check_timeout(timeout)
-        _ensure_process_group()
+        ensure_process_group()
         self.dp = check_grid(
             dist.get_world_size(group), self.schedule.n_workers, dp, n_stages=len(self.balance)
         )
@@ -378,127 +379,3 @@ class DistributedPipe(nn.Module):
             f"replica={self.dp_rank}/{self.dp}, "
             f"chunks={self.chunks}, schedule={self.schedule.name!r}, checkpoint={self.checkpoint!r}"
         )
-
-
-def wrap(
-    model: nn.Module,
-    balance: list[int] | None = None,
-    *,
-    split: Sequence[str] | None = None,
-    chunks: int = 1,
-    schedule: str | Schedule = "gpipe",
-    dp: int = 1,
-    checkpoint: str = "except_last",
-    device: torch.device | str | None = None,
-    group: dist.ProcessGroup | None = None,
-    state_dict: Mapping[str, Tensor] | None = None,
-    timeout: float | None = 300.0,
-) -> DistributedPipe:
-    """Split ``model`` over the ranks of ``group``: ``len(balance)`` stages x ``dp`` replicas.
-
-    Call it on every rank (under torchrun) with the same arguments. Group rank ``g`` takes
-    position ``g % pp`` of replica ``g // pp`` (``pp``: ranks per pipeline, ``len(balance)``,
-    or ``len(balance) // 2`` for the virtual-stage schedules) and runs the stages the schedule
-    places there. Each rank keeps and materializes only its own layers:
-    build the model on the meta device so it never exists whole, and either let each layer's
-    ``reset_parameters()`` initialise it (replica 0's weights are broadcast to the others) or
-    pass ``state_dict`` (the whole model's, same keys as the plain model).
-
-    Any other model (a transformers GPT-2, Llama or BERT, a ViT, ...) runs its own forward code
-    on every rank, the rank's stage for real and the others in shadow on the meta device
-    (:mod:`pipepar.program.ranks`); pass the same batch on every rank of a pipeline to
-    ``step(**batch)``. It keeps only its stage's weights (weights tied across stages on each
-    rank using them, their gradients summed). Schedules with one stage per rank; no recompute.
-
-    Args:
-        model: an ``nn.Sequential`` or any ``nn.Module``, real or on the meta device (then
-            with ``state_dict``).
-        balance: layers (units, see :func:`pipepar.units`) per stage; its length is the number
-            of stages.
-        split: for other models, module paths where stages begin (instead of ``balance``).
-        chunks: micro-batches per mini-batch (M).
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"zb-h1"``, ``"interleaved-1f1b"``, ``"zb-v"`` or a
-            :class:`~pipepar.core.schedule.Schedule`; for the last two, ``balance`` lists two
-            stages per rank (``len(balance) // 2`` ranks per pipeline).
-        dp: data-parallel replicas; the group must have ``pp * dp`` ranks (pp: ranks per
-            pipeline).
-        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` (recompute, non-reentrant).
-        device: this rank's device; default ``cuda:LOCAL_RANK`` on NCCL, else CPU.
-        group: parent process group (default: the world); initialized from torchrun's
-            environment if no process group exists yet.
-        state_dict: weights to load into the local layers.
-        timeout: seconds any wait for a peer may take, at ``wrap`` and in every step (a
-            receive, a send, a collective). A rank that waits longer (its peer skipped a step,
-            or is stuck in its own code) raises :class:`PipelineError` on every rank it can
-            reach, naming itself, its stage, the action it is in, what it waits for and from
-            whom, and the last action each other rank finished. ``None``: no limit of
-            pipepar's (the process groups' default timeout still applies). Under NCCL the
-            process groups' timeout ends a stall (waits there only order CUDA streams), after
-            the rank logged where it stands.
-
-    Raises:
-        ValueError, TypeError: for inconsistent arguments, before any pipeline group exists.
-            Ranks check each other's arguments (balance, chunks, schedule, dp, checkpoint,
-            the model's layers, whether state_dict is given) through the c10d store, so one
-            rank's bad or different arguments fail every rank with a ValueError naming the
-            ranks and both values, instead of a hang.
-        PipelineError: when a rank of the group does not call ``wrap`` within ``timeout``.
-
-    Example:
-        >>> pipe = wrap(model, [4, 4], chunks=8, schedule="1f1b", dp=2)  # doctest: +SKIP
-        >>> loss = pipe.step(x, y, nn.functional.cross_entropy)  # doctest: +SKIP
-    """
-    if not isinstance(model, nn.Sequential) or split is not None:
-        from pipepar.program.rank_pipe import DistributedModelPipe
-
-        return DistributedModelPipe(  # type: ignore[return-value]
-            model,
-            balance,
-            split=split,
-            chunks=chunks,
-            schedule=schedule,
-            dp=dp,
-            device=device,
-            group=group,
-            state_dict=state_dict,
-            timeout=timeout,
-        )
-    return DistributedPipe(
-        model,
-        balance,  # type: ignore[arg-type]  # None is refused there, with the way out
-        chunks=chunks,
-        schedule=schedule,
-        dp=dp,
-        checkpoint=checkpoint,
-        device=device,
-        group=group,
-        state_dict=state_dict,
-        timeout=timeout,
-    )
-
-
-def _ensure_process_group() -> None:
-    if dist.is_initialized():
-        return
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise ValueError(
-            "torch.distributed is not initialized and RANK/WORLD_SIZE are not set; launch with "
-            "torchrun, or call torch.distributed.init_process_group(...) before wrap()"
-        )
-    dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-
-
-def _resolve_device(
-    device: torch.device | str | None, group: dist.ProcessGroup | None
-) -> torch.device:
-    if device is not None:
-        resolved = torch.device(device)
-    elif "nccl" in str(dist.get_backend(group)):
-        resolved = torch.device(
-            "cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device()))
-        )
-    else:
-        resolved = torch.device("cpu")
-    if resolved.type == "cuda":
-        torch.cuda.set_device(resolved)
-    return resolved

@@ -30,10 +30,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import pipepar.persist.files
-from pipepar.distributed.failure import comm
-from pipepar.distributed.mesh import Mesh
 from pipepar.distributed.pipe import DistributedPipe
 from pipepar.distributed.stage import in_model_order
+from pipepar.ranks.failure import comm
+from pipepar.ranks.mesh import Mesh
 
 __all__ = [
     "load_checkpoint",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from functools import lru_cache
 from typing import Any
 
 import torch
@@ -16,29 +15,32 @@ from pipepar.core.losses import Items, LossFn, joined_loss, loss_shares, split_t
 from pipepar.core.microbatch import Value, check_value, gather, scatter, tensors
 from pipepar.core.randomness import DrawLog
 from pipepar.core.recompute import should_checkpoint
-from pipepar.core.schedule import NAMES, VIRTUAL, Schedule, make, n_workers
+from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage, iter_layers, split_stages
 from pipepar.core.step import check_output
 from pipepar.local import cpu_malloc
+from pipepar.local.autograd import StepFunction, unalias
 from pipepar.local.executor import BACKWARD, EVERY, FORWARD, Run
+from pipepar.local.pipe_args import check_threads, count_workers, schedule_for, schedule_of_batch
+from pipepar.local.placement import check_staying, cuda_device
 from pipepar.local.transfer import move
 from pipepar.local.worker import WorkerPool
 from pipepar.tracing.tracer import Tracer
 
-__all__ = ["Pipe", "wrap"]
+__all__ = ["Pipe"]
 
 
 class Pipe(nn.Module):
     """A model whose layers are split into stages on several devices.
 
-    Use :func:`wrap` to build one. The pipe has the wrapped model's layers as its own children,
-    under the same names, so ``parameters()``, ``state_dict()`` and ``load_state_dict()`` use
-    exactly the keys of the plain model. Calling it splits the batch into ``chunks``
-    micro-batches, runs their forwards through the stages concurrently (one worker thread per
-    device), and returns the joined output on the last stage's device; ``backward()`` runs the
-    stages' backward actions concurrently too. :meth:`step` runs forward and backward together
-    in the schedule's own order, so 1F1B and zero-bubble schedules keep their memory bound and
-    fill their bubbles.
+    Use :func:`pipepar.wrap` to build one. The pipe has the wrapped model's layers as its own
+    children, under the same names, so ``parameters()``, ``state_dict()`` and
+    ``load_state_dict()`` use exactly the keys of the plain model. Calling it splits the batch
+    into ``chunks`` micro-batches, runs their forwards through the stages concurrently (one
+    worker thread per device), and returns the joined output on the last stage's device;
+    ``backward()`` runs the stages' backward actions concurrently too. :meth:`step` runs forward
+    and backward together in the schedule's own order, so 1F1B and zero-bubble schedules keep
+    their memory bound and fill their bubbles.
     """
 
     def __init__(
@@ -61,9 +63,9 @@ class Pipe(nn.Module):
         balance = validation.check_balance(balance, len(module))
         validation.check_unique_layers(module)
         validation.check_shared_parameters(module, balance)
-        workers = resolve_devices(devices, _n_workers(schedule, balance, devices))
+        workers = resolve_devices(devices, count_workers(schedule, balance, devices))
         # Built for one micro-batch to check the layout now; the real one per batch size.
-        self._layout = _schedule_for(schedule, len(balance), self.chunks, len(workers))
+        self._layout = schedule_for(schedule, len(balance), self.chunks, len(workers))
         if deferred_batch_norm:
             module = convert_deferred_batch_norm(module)  # type: ignore[assignment]
         for name, layer in module.named_children():
@@ -73,7 +75,7 @@ class Pipe(nn.Module):
         self._stages = split_stages(list(module), balance, placed, names)
         self._workers_devices = workers
         self._draws = DrawLog()  # which stages draw random numbers, across mini-batches
-        self.threads = _check_threads(threads, workers, self.chunks)
+        self.threads = check_threads(threads, workers, self.chunks)
         self.tracer: Tracer | None = Tracer() if trace else None
         self._pool: WorkerPool | None = None
 
@@ -121,17 +123,17 @@ class Pipe(nn.Module):
         that device already and a ValueError otherwise (the pipe places its stages)."""
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
         if device is not None:
-            _check_staying("to(device)", self.devices, device)
+            check_staying("to(device)", self.devices, device)
         return super().to(*args, **kwargs)
 
     def cuda(self, device: Any = None) -> Pipe:  # type: ignore[override]
         """A no-op where every stage is on that CUDA device already; a ValueError otherwise."""
-        _check_staying("cuda()", self.devices, _cuda_device(device))
+        check_staying("cuda()", self.devices, cuda_device(device))
         return super().cuda(device)
 
     def cpu(self) -> Pipe:  # type: ignore[override]
         """A no-op where every stage is on the CPU already; a ValueError otherwise."""
-        _check_staying("cpu()", self.devices, torch.device("cpu"))
+        check_staying("cpu()", self.devices, torch.device("cpu"))
         return super().cpu()
 
     # -- running: forward now, backward when autograd reaches the pipe ------------------------
@@ -265,7 +267,7 @@ class Pipe(nn.Module):
         run = self._run(microbatches, grad=True, input=input, head=shares.head(targets))
         self._tune_heap()
         weights = shares.weights
-        loss = _StepFunction.apply(
+        loss = StepFunction.apply(
             self, run, weights, len(tensors(input)), *tensors(input), *params
         )
         loss.backward()
@@ -330,46 +332,6 @@ class Pipe(nn.Module):
         return state
 
 
-@lru_cache(maxsize=64)
-def _cached(name: str, n_stages: int, m: int, n_workers: int) -> Schedule:
-    return make(name, n_stages, m, n_workers=n_workers)
-
-
-def schedule_of_batch(layout: Schedule, m: int, chunks: int) -> Schedule:
-    """The schedule of a batch that splits into ``m`` micro-batches: a named schedule is built
-    for ``m`` (a short batch gives fewer than ``chunks``); a Schedule object must fit ``m``."""
-    if layout.name not in NAMES or layout.n_microbatches == m:
-        if layout.n_microbatches != m:
-            raise ValueError(
-                f"the batch gives {m} micro-batches but the schedule was built for "
-                f"{layout.n_microbatches}; pass at least chunks={chunks} rows"
-            )
-        return layout
-    return _cached(layout.name, layout.n_stages, m, layout.n_workers)
-
-
-def _schedule_for(schedule: object, n_stages: int, chunks: int, n_workers: int) -> Schedule:
-    if not isinstance(schedule, (str, Schedule)):
-        raise TypeError(
-            f"schedule must be a name or a pipepar Schedule, but got {type(schedule).__name__}; "
-            "pass e.g. schedule='1f1b'"
-        )
-    if isinstance(schedule, str) and schedule in NAMES:
-        return _cached(schedule, n_stages, 1, n_workers)
-    return make(schedule, n_stages, chunks, n_workers=n_workers)
-
-
-def _n_workers(schedule: object, balance: Sequence[int], devices: DeviceSpec) -> int:
-    """Devices the stages run on: the schedule's count (one per stage, or one per two stages
-    for the virtual-stage schedules), or for those the devices given."""
-    if isinstance(schedule, str) and schedule in VIRTUAL:
-        if isinstance(devices, int) and not isinstance(devices, bool):
-            return devices
-        if isinstance(devices, Sequence) and not isinstance(devices, str):
-            return len(devices)
-    return n_workers(schedule, len(balance))
-
-
 def _stage_module(stage: Stage) -> nn.Module:
     return stage.module
 
@@ -381,7 +343,7 @@ class _PipeFunction(torch.autograd.Function):
     def forward(ctx: Any, pipe: Pipe, run: Run, n_inputs: int, *args: Tensor) -> Any:
         out = pipe._forward(run)
         ctx.pipe, ctx.run, ctx.n_inputs = pipe, run, n_inputs
-        outs = tuple(_unalias(t, args) for t in tensors(out))
+        outs = tuple(unalias(t, args) for t in tensors(out))
         ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
         return outs[0] if isinstance(out, Tensor) else outs
 
@@ -393,192 +355,3 @@ class _PipeFunction(torch.autograd.Function):
             raise RuntimeError("pipepar: backward through a pipe output twice is not supported")
         pipe._backward(run, grads)
         return (None, None, None, *run.input_grads(), *run.take_param_grads())
-
-
-class _StepFunction(torch.autograd.Function):
-    """The autograd node of :meth:`Pipe.step`: forward runs the whole schedule (F, B and W);
-    backward hands the gradients it found to autograd, scaled by the loss's gradient."""
-
-    @staticmethod
-    def forward(ctx: Any, pipe: Pipe, run: Run, weights: list[float], n: int, *args: Tensor) -> Any:
-        loss = pipe._step_all(run, weights)
-        ctx.grads = [*run.input_grads(), *run.take_param_grads()]
-        return loss.detach()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Any:
-        grads, ctx.grads = ctx.grads, None
-        scale = None if bool((grad == 1).all()) else grad
-        scaled = [g if g is None or scale is None else g * scale.to(g.device) for g in grads]
-        return (None, None, None, None, *scaled)
-
-
-def _unalias(t: Tensor, inputs: Sequence[Tensor]) -> Tensor:
-    """Autograd forbids a custom function returning one of its inputs as an output."""
-    return t.clone() if any(t is x or t.data_ptr() == x.data_ptr() for x in inputs) else t
-
-
-def _check_staying(call: str, devices: Sequence[torch.device], target: torch.device) -> None:
-    """``to(device)``, ``cuda()`` and ``cpu()`` on a pipe: nothing to do where every stage is on
-    ``target`` already (HF Trainer and accelerate call them on any model they get), and an
-    error where a stage would move, which only the pipe's own placement may do."""
-    wanted = _exact(target)
-    if any(_exact(d) != wanted for d in devices):
-        raise _moving_denied(call, devices, target)
-
-
-def _moving_denied(call: str, devices: Sequence[torch.device], target: torch.device) -> ValueError:
-    return ValueError(
-        f"pipe.{call} would move the stages on {[str(d) for d in devices]} to {target}; a pipe "
-        f"places its stages itself, so this is a no-op only where every stage is on {target} "
-        "already. Pass devices=[...] to pipepar.wrap to place the stages (or move the model "
-        "before wrapping it); to(dtype) is allowed"
-    )
-
-
-def _exact(device: torch.device) -> torch.device:
-    """``cuda`` names the current CUDA device (where CUDA is available)."""
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
-
-
-def _cuda_device(device: int | str | torch.device | None) -> torch.device:
-    """The device ``nn.Module.cuda(device)`` moves to."""
-    if isinstance(device, int):
-        return torch.device("cuda", device)
-    return torch.device("cuda" if device is None else device)
-
-
-def _check_threads(threads: int | None, devices: list[torch.device], chunks: int) -> list[int]:
-    """Math threads per worker: ``threads``, or the cores shared among the CPU workers that
-    compute at once on average, ``K * M / (M + K - 1)`` under GPipe, rounded (K CPU workers, M
-    micro-batches): with ``chunks=1`` the workers take turns and each gets every core."""
-    if threads is not None and (
-        not isinstance(threads, int) or isinstance(threads, bool) or threads < 1
-    ):
-        raise ValueError(
-            f"threads must be a positive int or None, but got {threads!r}; e.g. threads=1"
-        )
-    k = sum(d.type == "cpu" for d in devices)
-    at_once = max(1, round(k * chunks / (chunks + k - 1))) if k else 1
-    share = threads or max(1, torch.get_num_threads() // at_once)
-    return [share if d.type == "cpu" else 1 for d in devices]
-
-
-def wrap(
-    module: nn.Module,
-    balance: Sequence[int] | None = None,
-    *,
-    devices: DeviceSpec = None,
-    chunks: int = 1,
-    checkpoint: str | None = None,
-    deferred_batch_norm: bool = False,
-    sample: Any = None,
-    split: Sequence[str] | None = None,
-    capacity: Any = None,
-    schedule: str | Schedule = "gpipe",
-    threads: int | None = None,
-    trace: bool = False,
-) -> Any:
-    """Split ``module`` into pipeline stages and return the pipe.
-
-    An ``nn.Sequential`` becomes a :class:`Pipe` (the same arguments as ``torchgpipe.GPipe``);
-    any other model a :class:`~pipepar.program.pipe.ModelPipe`, called with the model's own
-    arguments and returning what the model returns, its forward code cut into stages as it
-    runs. With ``balance=None`` and ``split=None`` the model is profiled on ``sample`` and
-    split by :func:`pipepar.plan` to fit ``capacity``.
-
-    Args:
-        module: the model to split; its layers are moved to their stage's device.
-        balance: layers (units, for other models: see :func:`pipepar.units`) per stage, e.g.
-            ``[3, 3, 2]``; ``None`` to use ``split`` or to plan it from ``sample``.
-        split: module paths where a new stage begins, e.g. ``["transformer.h.6"]``.
-        devices: one device per stage; ``None`` = all CUDA devices, or the CPU for every stage.
-        chunks: micro-batches per mini-batch (M).
-        checkpoint: ``"always"``, ``"except_last"`` (the default for ``nn.Sequential``) or
-            ``"never"`` (the only mode for other models: use the model's own activation
-            checkpointing there) recompute in backward.
-        deferred_batch_norm: track batch-norm statistics over the whole mini-batch.
-        sample: an input batch to profile when ``balance`` is None: a tensor, a tuple of
-            positional arguments, or a dict of keyword arguments (``dict(input_ids=...)``).
-        capacity: bytes per device for planning (int, ``"16GiB"``, or one per device).
-        threads: math threads per CPU stage; default: ``torch.get_num_threads()`` shared among
-            the CPU stages that compute at once on average (``round(K*M/(M+K-1))``).
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"zb-h1"``, ``"interleaved-1f1b"``, ``"zb-v"`` or a
-            :class:`~pipepar.core.schedule.Schedule`. The last two place several stages on
-            each device: ``balance`` then lists 2 (or more) stages per device. Their memory
-            bound and bubble apply to :meth:`Pipe.step`; ``pipe(x)`` runs all forwards first.
-        trace: record a timeline of every action in ``pipe.tracer``.
-
-    Example:
-        >>> model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
-        >>> pipe = pipepar.wrap(model, [4, 4], devices=["cpu", "cpu"], chunks=4)
-        >>> pipe(torch.randn(32, 16)).sum().backward()
-    """
-    if not isinstance(module, nn.Sequential) or split is not None or isinstance(sample, dict):
-        from pipepar.program.wrap import wrap_model
-
-        return wrap_model(
-            module,
-            balance,
-            devices=devices,
-            chunks=chunks,
-            checkpoint=checkpoint,
-            deferred_batch_norm=deferred_batch_norm,
-            sample=sample,
-            split=split,
-            capacity=capacity,
-            schedule=schedule,
-            threads=threads,
-            trace=trace,
-        )
-    checkpoint = "except_last" if checkpoint is None else validation.check_checkpoint(checkpoint)
-    if balance is None:
-        balance = _planned_balance(module, sample, devices, capacity, chunks, checkpoint, schedule)
-    return Pipe(
-        module,
-        balance,
-        devices=devices,
-        chunks=chunks,
-        checkpoint=checkpoint,
-        deferred_batch_norm=deferred_batch_norm,
-        schedule=schedule,
-        threads=threads,
-        trace=trace,
-    )
-
-
-def _planned_balance(
-    module: nn.Sequential,
-    sample: Value | None,
-    devices: DeviceSpec,
-    capacity: Any,
-    chunks: int,
-    checkpoint: str,
-    schedule: str | Schedule,
-) -> list[int]:
-    from pipepar.planner.plan import plan
-    from pipepar.planner.profile import profile
-
-    module = validation.check_model(module)
-    if sample is None:
-        raise ValueError(
-            "balance is None and no sample was given; pass balance=[...] (layers per stage) or "
-            "sample=<an input batch> so pipepar can profile the model and plan the split"
-        )
-    param = next(module.parameters(), None)
-    where = param.device if param is not None else torch.device("cpu")
-    n_devices = devices if devices is not None else (torch.cuda.device_count() or 1)
-    prof = profile(module, sample, device=str(where))
-    return list(
-        plan(
-            prof,
-            devices=n_devices,
-            capacity=capacity,
-            chunks=chunks,
-            checkpoint=checkpoint,
-            schedule=schedule,
-            optimizer=None,
-        ).balance
-    )

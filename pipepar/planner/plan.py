@@ -4,14 +4,14 @@
 predicts each candidate stage's peak with :class:`~pipepar.stage_memory.MemoryModel`, and runs an
 exact dynamic program over (stage, last layer): with measured times it minimizes the slowest
 stage's time among the splits that fit; without times it minimizes the largest stage peak
-relative to its device's capacity. The result, a :class:`Plan`, explains itself: per-stage
-breakdowns, a terminal table, JSON and an HTML report.
+relative to its device's capacity. The result, a :class:`Plan`, is data: per-stage
+breakdowns and JSON; :mod:`pipepar.report` draws it (a terminal table, an HTML page).
 
     >>> model = models.mlp(depth=8, width=1024)        # 16 layers
     >>> plan = pipepar.plan(model, torch.randn(64, 1024), devices=4, capacity="16GiB", chunks=8)
     >>> plan.balance
     [4, 4, 4, 4]
-    >>> print(plan.report())
+    >>> print(pipepar.report.table(plan))
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,14 +34,31 @@ from pipepar.planner.plan_targets import Target, resolve_targets
 from pipepar.planner.profile import LayerProfile, Profile, profile
 from pipepar.planner.stage_memory import MemoryModel, StageMemory
 
-if TYPE_CHECKING:
-    from pipepar.tracing.tracer import Timeline, Tracer
-
 __all__ = ["Plan", "StagePlan", "plan"]
 
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS = ("always", "except_last", "never")
+
+FORMAT_VERSION = 1
+"""The version of :meth:`Plan.to_dict`'s layout (its ``"version"`` entry)."""
+
+UNITS = {
+    "*_bytes": "B",
+    "*_ms": "ms",
+    "bubble": "fraction of the step the pipeline idles, from the schedule with F = B = W",
+    "in_flight": "micro-batches",
+    "micro_batch_rows": "rows",
+    "peak_bytes": "B",
+    "layer activation_bytes": "B, for the whole batch",
+    "stage activation_bytes": "B, for the micro-batches in flight",
+}
+"""The units of :meth:`Plan.to_dict`'s fields (its ``"units"`` entry)."""
+
+_MOVED = {
+    "report": "pipepar.report.table(plan, width=..., color=...)",
+    "save_html": "pipepar.report.save_html(plan, path, timeline=...)",
+}
 
 
 @dataclass(frozen=True)
@@ -162,11 +178,57 @@ class Plan:
         """The stage holding layer ``layer``."""
         return next(s.index for s in self.stages if layer in s.layers)
 
-    def to_dict(self) -> dict[str, Any]:
-        """Everything in the report as plain data (bytes in B, times in ms)."""
-        from pipepar.render.report import plan_dict
+    def totals(self) -> dict[str, Any]:
+        """Sums over the stages (bytes), the largest device peak and the slowest stage's time."""
+        times = [s.time_ms for s in self.stages]
+        return {
+            "params_bytes": sum(s.params_bytes for s in self.stages),
+            "grads_bytes": sum(s.grads_bytes for s in self.stages),
+            "optimizer_bytes": sum(s.optimizer_bytes for s in self.stages),
+            "activation_bytes": sum(s.activation_bytes for s in self.stages),
+            "transient_bytes": sum(s.transient_bytes for s in self.stages),
+            "peak_bytes": sum(s.peak_bytes for s in self.stages),
+            "max_peak_bytes": self.peak_bytes,
+            "max_stage_time_ms": None if None in times else max(times),  # type: ignore[type-var]
+        }
 
-        return plan_dict(self)
+    def to_dict(self) -> dict[str, Any]:
+        """Everything in the report as JSON-ready data, sizes in bytes and times in ms.
+
+        Example:
+            >>> plan.to_dict()["balance"] == plan.balance
+            True
+        """
+        layers = []
+        for layer, data in zip(self.layers, self.profile.to_dict()["layers"]):
+            data["output_shape"] = list(layer.output_shape)
+            data["time_ms"] = layer.time_ms
+            data["stage"] = self.stage_of(layer.index)
+            layers.append(data)
+        return {
+            "format": "pipepar.plan",
+            "version": FORMAT_VERSION,
+            "units": dict(UNITS),
+            "config": {
+                "devices": [s.device for s in self.stages],
+                "capacity_bytes": [s.capacity_bytes for s in self.stages],
+                "chunks": self.chunks,
+                "schedule": self.schedule,
+                "checkpoint": self.checkpoint,
+                "optimizer": self.profile.optimizer,
+                "profile_device": self.profile.device,
+                "batch_size": self.profile.batch_size,
+                "micro_batch_rows": self.micro_batch_rows,
+                "input_shape": list(self.profile.input_shape),
+                "objective": self.objective,
+            },
+            "balance": list(self.balance),
+            "bubble": self.bubble,
+            "fits": all(s.fits for s in self.stages),
+            "stages": [s.to_dict() | {"fits": s.fits} for s in self.stages],
+            "layers": layers,
+            "totals": self.totals(),
+        }
 
     def to_json(self, *, indent: int | None = 2) -> str:
         """The plan as JSON, with a ``units`` entry naming the units of every field.
@@ -177,24 +239,15 @@ class Plan:
         """
         return json.dumps(self.to_dict(), indent=indent)
 
-    def report(self, *, width: int = 200, color: bool = False) -> str:
-        """A terminal table: one row per layer, one per stage, and totals."""
-        from pipepar.render.report import render_report
+    if not TYPE_CHECKING:  # unseen by mypy, which would let any attribute through
 
-        return render_report(self, width=width, color=color)
-
-    def save_html(self, path: str | Path, *, timeline: Timeline | Tracer | None = None) -> Path:
-        """Write a self-contained HTML report (inline SVG charts, no scripts) to ``path``.
-
-        Args:
-            path: the ``.html`` file to write.
-            timeline: a run of the pipe recorded with ``trace=True`` (``pipe.tracer`` or a
-                :class:`~pipepar.trace.Timeline`); its last mini-batch is drawn after the
-                stage table, with the measured bubble beside the predicted one.
-        """
-        from pipepar.render.report_html import write_html
-
-        return write_html(self, Path(path), timeline=timeline)
+        def __getattr__(self, name: str) -> Any:
+            where = _MOVED.get(name)
+            if where is None:
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            raise AttributeError(
+                f"Plan.{name} is gone: a plan is data, the renderers read it; call {where}"
+            )
 
     def __str__(self) -> str:
         peaks = ", ".join(format_bytes(s.peak_bytes) for s in self.stages)

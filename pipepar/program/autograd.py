@@ -14,15 +14,15 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from pipepar.local.autograd import unalias as _unalias
 from pipepar.local.executor import BACKWARD, FORWARD
-from pipepar.local.pipe import _unalias
 from pipepar.program import caches
 from pipepar.program.calls import join
 from pipepar.program.losses import own_loss
 from pipepar.program.run import ProgramRun
 
 if TYPE_CHECKING:
-    from pipepar.program.pipe import ModelPipe
+    from pipepar.program.pipe_view import ModelPipeView as ModelPipe
 
 __all__ = ["ProgramFunction", "as_tuple"]
 

@@ -16,20 +16,37 @@ gradient to the holder, which adds it to the parameter's own.
 
 The :class:`Ledger` of a micro-batch remembers each crossing (the original tensor, the leaf) so
 the backward of a stage knows which of its tensors receive gradients and from where.
+
+The units' hooks (:func:`pipepar.program.driver.watch_units`) make the crossings that happen at
+a unit's arguments themselves, and a tied weight's at the unit that holds a second reference to
+it; the mode only finds the others. When it finds none, the hooks' record is a
+:class:`~pipepar.program.route.Route`, and later calls of the same kind run without the mode,
+the hooks alone making the same crossings (:meth:`Cut.following`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CALLER", "Crossing", "Cut", "Ledger"]
+from pipepar.program.route import (
+    PathChanged,
+    Route,
+    Routes,
+    UnitCall,
+    check_graphs,
+    replaced,
+    tensors_in,
+)
+
+__all__ = ["CALLER", "Crossing", "Cut", "Ledger", "Weight"]
 
 CALLER = -1
 """The producer of the pipe's own tensor arguments (their gradients go back to the caller)."""
@@ -145,6 +162,10 @@ def _is_leaf_param(t: Tensor) -> bool:
     return isinstance(t, torch.nn.Parameter)
 
 
+Weight = tuple[nn.Module, str, nn.Parameter]
+"""A unit's parameter: the module registering it, its name there, the parameter."""
+
+
 class Cut(TorchFunctionMode):
     """The torch-function mode of one micro-batch's forward: tags what each stage makes and
     hands each stage leaves for what earlier stages (or other stages' parameters) give it.
@@ -155,6 +176,8 @@ class Cut(TorchFunctionMode):
         devices: each stage's device.
         inputs: the pipe's own tensor arguments for this micro-batch, by ``id`` (they cross
             from :data:`CALLER` when they need a gradient).
+        routes: where a learned route is kept, under ``key`` (None: always run under the mode).
+        key: this call's :func:`~pipepar.program.route.signature`.
     """
 
     def __init__(
@@ -163,10 +186,135 @@ class Cut(TorchFunctionMode):
         owner: dict[int, int],
         devices: list[torch.device],
         inputs: dict[int, Tensor],
+        routes: Routes | None = None,
+        key: Hashable = None,
     ) -> None:
         super().__init__()
         self.ledger, self.owner, self.devices, self.inputs = ledger, owner, devices, inputs
         self.stage = 0
+        self.routes, self.key = routes, key
+        self.route = routes.get(key) if routes is not None else None
+        self.record = Route()
+        self.loose = False  # the mode made a crossing the hooks did not: the route is not whole
+        self._seen = 0
+        self._swapped: list[list[tuple[Weight, nn.Parameter]]] = []
+
+    @property
+    def following(self) -> bool:
+        """Whether this call follows a learned route (the mode is not entered)."""
+        return self.route is not None
+
+    def running(self) -> contextlib.AbstractContextManager[Any]:
+        """What the micro-batch's forward runs under: the mode, unless it follows a route."""
+        return contextlib.nullcontext() if self.following else self
+
+    # -- at a unit's arguments (its hooks) ------------------------------------------------------
+    def enter_unit(
+        self, unit: int, weights: Sequence[Weight], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        """Before unit ``unit`` runs in the current stage: alias the weights it holds that
+        another stage holds, and give it leaves for the values of other stages in its
+        arguments (those the route names, when following one). Returns the new arguments, or
+        None if none changed."""
+        with torch._C.DisableTorchFunction():  # the hooks' own work is not the model's
+            return self._enter_unit(unit, weights, args, kwargs)
+
+    def _enter_unit(
+        self, unit: int, weights: Sequence[Weight], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+        stage = self.stage
+        self._alias(weights, stage)
+        flat = tensors_in(args, kwargs)
+        if self.route is None:
+            crossings = [(j, p) for j, t in enumerate(flat) if (p := self._producer(t)) is not None]
+            self.record.calls.append(UnitCall(unit, len(flat), tuple(crossings)))
+        else:
+            crossings = self._expected(unit, flat)
+        subs = {j: self._enter(flat[j], p, stage) for j, p in crossings}
+        device = self.devices[stage]
+        for j, t in enumerate(flat):
+            if j not in subs and t.device != device and not _cpu_scalar(t):
+                subs[j] = t.to(device)
+        return replaced(args, kwargs, subs) if subs else None
+
+    def leave_unit(self, output: Any) -> None:
+        """After a unit ran (or failed): its weights back, its outputs tagged with the stage."""
+        for (module, name, _), param in self._swapped.pop() if self._swapped else ():
+            module._parameters[name] = param
+        if self.route is not None:
+            self._tag(output if isinstance(output, (Tensor, tuple, list)) else ())
+
+    def finish(self, output: Any) -> None:
+        """After the micro-batch's forward: keep what it took as the route of its kind (when
+        the hooks made every crossing), or check that it took the route it followed and tag
+        its outputs with their stages."""
+        leaves = pytree.tree_leaves(output)
+        if self.route is None:
+            if self.routes is not None and not self.loose:
+                stages = (
+                    (k, s)
+                    for k, t in enumerate(leaves)
+                    if isinstance(t, Tensor) and (s := self.ledger.stage_of(t)) is not None
+                )
+                self.record.outputs = tuple(stages)
+                self.routes.learned(self.key, self.record)
+            return
+        if self._seen != len(self.route.calls):
+            self._changed(f"{self._seen} unit calls where the route has {len(self.route.calls)}")
+        roots = []
+        for k, s in self.route.outputs:
+            if k >= len(leaves) or not isinstance(leaves[k], Tensor):
+                self._changed(f"output leaf {k} is not a tensor")
+            _set_tag(leaves[k], (self.ledger.token, s))
+            roots.append((leaves[k], s))
+        if torch.is_grad_enabled():
+            crossings = self.ledger.crossings
+            roots += [(c.original, c.producer) for c in crossings if c.producer != CALLER]
+            entering = {id(c.leaf): c.consumer for c in crossings}
+            check_graphs(roots, entering, self.owner, self.key)
+
+    def _alias(self, weights: Sequence[Weight], stage: int) -> None:
+        swapped = []
+        for weight in weights:
+            module, name, param = weight
+            holder = self.owner.get(id(param), stage)
+            if holder != stage:
+                leaf = self.ledger.leaf(param, holder, stage, self.devices[stage], is_param=True)
+                module._parameters[name] = leaf  # type: ignore[assignment]
+                swapped.append((weight, param))
+        self._swapped.append(swapped)
+
+    def _producer(self, t: Tensor) -> int | None:
+        """The stage ``t`` crosses from into the current stage, or None if it does not cross."""
+        if isinstance(t, nn.Parameter):
+            return None
+        made = self.ledger.stage_of(t)
+        if made is None:
+            return CALLER if t.requires_grad and id(t) in self.inputs else None
+        return made if made != self.stage else None
+
+    def _expected(self, unit: int, flat: list[Tensor]) -> list[tuple[int, int]]:
+        """The crossings the route has at this unit call, checking the call is the route's."""
+        assert self.route is not None
+        k = self._seen
+        self._seen += 1
+        calls = self.route.calls
+        if k >= len(calls) or calls[k].unit != unit or calls[k].n_tensors != len(flat):
+            self._changed(f"unit call {k} is unit {unit} with {len(flat)} tensor arguments")
+        crossings = calls[k].crossings
+        planned = {j for j, _ in crossings}
+        for j, t in enumerate(flat):
+            made = self.ledger.stage_of(t)
+            if j not in planned and made is not None and made != self.stage:
+                self._changed(f"unit {unit} is given an output of stage {made}")
+        return list(crossings)
+
+    def _enter(self, t: Tensor, producer: int, stage: int) -> Tensor:
+        """The leaf standing for ``t`` of stage ``producer`` in ``stage``."""
+        return self.ledger.leaf(t, producer, stage, self.devices[stage], is_param=False)
+
+    def _changed(self, why: str) -> None:
+        raise PathChanged(self.key, why)
 
     def __torch_function__(
         self,
@@ -184,11 +332,17 @@ class Cut(TorchFunctionMode):
 
     def _sub(self, value: Any) -> Any:
         if isinstance(value, Tensor):
-            return self._cross(value)
+            return self._crossed(value)
         if isinstance(value, (list, tuple)) and value and isinstance(value[0], Tensor):
-            items = [self._cross(v) if isinstance(v, Tensor) else v for v in value]
+            items = [self._crossed(v) if isinstance(v, Tensor) else v for v in value]
             return type(value)(items) if isinstance(value, list) else tuple(items)
         return value
+
+    def _crossed(self, t: Tensor) -> Tensor:
+        out = self._cross(t)
+        if out is not t:
+            self.loose = True
+        return out
 
     def _cross(self, t: Tensor) -> Tensor:
         s = self.stage
@@ -204,11 +358,7 @@ class Cut(TorchFunctionMode):
                 return self.ledger.leaf(t, CALLER, s, device, is_param=False)
             if t.grad_fn is not None and torch.is_grad_enabled():
                 raise _untracked(t, s)
-            return (
-                t
-                if t.device == device or (t.dim() == 0 and t.device.type == "cpu")
-                else t.to(device)
-            )
+            return t if t.device == device or _cpu_scalar(t) else t.to(device)
         if made == s:
             return t
         return self.ledger.leaf(t, made, s, device, is_param=False)
@@ -221,6 +371,11 @@ class Cut(TorchFunctionMode):
             for t in out:
                 if isinstance(t, Tensor):
                     _set_tag(t, tag)
+
+
+def _cpu_scalar(t: Tensor) -> bool:
+    """A CPU scalar, which torch lets any device's operation take."""
+    return t.dim() == 0 and t.device.type == "cpu"
 
 
 def _untracked(t: Tensor, stage: int) -> RuntimeError:

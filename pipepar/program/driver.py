@@ -17,7 +17,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -25,12 +25,24 @@ from torch.utils.hooks import RemovableHandle
 
 from pipepar.local.worker import Aborted, _init_thread
 
-__all__ = ["Driver", "active", "driver_pool", "mark_boundaries"]
+__all__ = ["Driver", "Follower", "active", "driver_pool", "watch_units"]
 
 _local = threading.local()
 
 Context = Callable[[int], contextlib.AbstractContextManager[Any]]
 """``context(stage)``: what the driver enters while it computes stage ``stage``."""
+
+Weight = tuple[nn.Module, str, nn.Parameter]
+
+
+class Follower(Protocol):
+    """What a driver's unit hooks tell: the micro-batch's :class:`~pipepar.program.cut.Cut`."""
+
+    def enter_unit(
+        self, unit: int, weights: Sequence[Weight], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]] | None: ...
+
+    def leave_unit(self, output: Any) -> None: ...
 
 
 def active() -> Driver | None:
@@ -58,6 +70,7 @@ class Driver:
         self.result: Any = None
         self.stage = 0
         self._stack: contextlib.ExitStack | None = None
+        self.follower: Follower | None = None  # told of every unit call
 
     # -- the worker's side --------------------------------------------------------------------
     def advance(self, stage: int) -> None:
@@ -148,23 +161,42 @@ class Driver:
             self._cond.notify_all()
 
 
-def mark_boundaries(units: Sequence[Any], stage_of_unit: Sequence[int]) -> list[RemovableHandle]:
-    """Make every unit with parameters a place where a driver stops for its stage's turn (a
-    pre-forward hook; calls outside a driver are untouched)."""
-    return [
-        u.module.register_forward_pre_hook(_boundary(s))
-        for u, s in zip(units, stage_of_unit)
-        if u.has_parameters
-    ]
+def watch_units(units: Sequence[Any], stage_of_unit: Sequence[int]) -> list[RemovableHandle]:
+    """Hooks on every unit, for calls made by a driver (others are untouched): a unit with
+    parameters is a place where the driver stops for its stage's turn; then the driver's
+    follower is told of the call (it may change the arguments) and of its end (even a failed
+    one)."""
+    handles = []
+    for k, (u, s) in enumerate(zip(units, stage_of_unit)):
+        weights = [
+            (module, name, p)
+            for module in u.module.modules()
+            for name, p in module._parameters.items()
+            if p is not None
+        ]
+        pre = _entering(k, s if u.has_parameters else None, weights)
+        handles.append(u.module.register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(u.module.register_forward_hook(_leaving, always_call=True))
+    return handles
 
 
-def _boundary(stage: int) -> Callable[[nn.Module, Any], None]:
-    def hook(module: nn.Module, args: Any) -> None:
+def _entering(unit: int, stage: int | None, weights: list[Weight]) -> Callable[..., Any]:
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         driver = active()
-        if driver is not None:
+        if driver is None:
+            return None
+        if stage is not None:
             driver.boundary(stage)
+        follower = driver.follower
+        return None if follower is None else follower.enter_unit(unit, weights, args, kwargs)
 
     return hook
+
+
+def _leaving(module: nn.Module, args: Any, output: Any) -> None:
+    driver = active()
+    if driver is not None and driver.follower is not None:
+        driver.follower.leave_unit(output)
 
 
 def driver_pool(

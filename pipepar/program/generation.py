@@ -24,7 +24,7 @@ from torch import nn
 from pipepar.program import driver
 
 if TYPE_CHECKING:
-    from pipepar.program.pipe import ModelPipe
+    from pipepar.program.pipe_view import ModelPipeView as ModelPipe
 
 __all__ = ["generate", "routed"]
 

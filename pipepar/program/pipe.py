@@ -16,9 +16,9 @@ lacks is the model's (``__getattr__``), ``hf_device_map`` says where its units s
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.utils._pytree as pytree
@@ -31,30 +31,32 @@ from pipepar.core.randomness import DrawLog
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.local import cpu_malloc
+from pipepar.local.autograd import StepFunction as _StepFunction
 from pipepar.local.executor import EVERY, FORWARD
-from pipepar.local.pipe import (
-    Pipe,
-    _check_staying,
-    _check_threads,
-    _cuda_device,
-    _n_workers,
-    _schedule_for,
-    _StepFunction,
-    schedule_of_batch,
-)
+from pipepar.local.pipe import Pipe
+from pipepar.local.pipe_args import check_threads as _check_threads
+from pipepar.local.pipe_args import count_workers as _n_workers
+from pipepar.local.pipe_args import schedule_for as _schedule_for
+from pipepar.local.pipe_args import schedule_of_batch
+from pipepar.local.placement import check_staying as _check_staying
+from pipepar.local.placement import cuda_device as _cuda_device
 from pipepar.local.worker import WorkerPool
 from pipepar.program import generation, hf
 from pipepar.program import units as units_
 from pipepar.program.autograd import ProgramFunction, as_tuple, joined
 from pipepar.program.calls import Call, split_call
 from pipepar.program.cut import Cut, Ledger
-from pipepar.program.driver import driver_pool, mark_boundaries
+from pipepar.program.driver import driver_pool, watch_units
 from pipepar.program.losses import LossFn, ModelLoss, callers, loss_head, step_shares
+from pipepar.program.route import PathChanged, Routes, signature
 from pipepar.program.run import ProgramRun
 from pipepar.program.step import Batch
+from pipepar.program.units import sizes_of as _sizes
 from pipepar.tracing.tracer import Tracer
 
 __all__ = ["ModelPipe"]
+
+T = TypeVar("T")
 
 
 class ProgramStage(Stage):
@@ -145,9 +147,10 @@ class ModelPipe(nn.Module):
         self._stages = _stages(lay, stage_of_unit, placed)
         self._params = _held(model, self._owner, len(sizes))
         self._units = lay
-        self._hooks = mark_boundaries(lay.units, stage_of_unit)
+        self._hooks = watch_units(lay.units, stage_of_unit)
         self._devices_of_workers = workers
         self._draws = DrawLog()  # which stages draw random numbers, across mini-batches
+        self._routes = Routes()  # where values cross, by kind of call
         self.threads = _check_threads(threads, workers, self.chunks)
         self.tracer: Tracer | None = Tracer() if trace else None
         self._pool: WorkerPool | None = None
@@ -241,12 +244,15 @@ class ModelPipe(nn.Module):
         """Run the model on the batch, micro-batch by micro-batch through the stages, and
         return what the model returns (joined over the micro-batches)."""
         calls = split_call(args, kwargs, self.chunks)
+        shares = ModelLoss(self._model, calls) if "labels" in kwargs else None
+        return self._retrying(lambda: self._forward(calls, shares))
+
+    def _forward(self, calls: list[Call], shares: ModelLoss | None) -> Any:
         params = [p for held in self._params for p in held]
         flat_in = [t for c in calls for t in c.tensors()]
         needs_grad = torch.is_grad_enabled() and (
             bool(params) or any(t.requires_grad for t in flat_in)
         )
-        shares = ModelLoss(self._model, calls) if "labels" in kwargs else None
         run = self._run(calls, grad=needs_grad, shares=shares)
         if not needs_grad:
             run.execute(self._workers(), FORWARD)
@@ -290,6 +296,11 @@ class ModelPipe(nn.Module):
         calls = split_call(args, kwargs, self.chunks)
         targets = split_target(target, [c.rows for c in calls])
         shares = step_shares(loss_fn, self._model, calls, targets, items)
+        return self._retrying(lambda: self._step(calls, targets, shares))
+
+    def _step(
+        self, calls: list[Call], targets: Sequence[Any], shares: LossShares | ModelLoss
+    ) -> Tensor:
         if not torch.is_grad_enabled():
             run = self._run(calls, grad=False, head=loss_head(shares, targets), shares=shares)
             run.execute(self._workers(), FORWARD)
@@ -300,6 +311,21 @@ class ModelPipe(nn.Module):
         loss = _StepFunction.apply(self, run, shares.weights, len(flat_in), *flat_in, *params)
         loss.backward()
         return loss.detach()
+
+    def _retrying(self, attempt: Callable[[], T]) -> T:
+        """``attempt()``; if a micro-batch left the route it followed, again from the same
+        random state and batch-norm statistics with that route forgotten (the call then runs
+        under the cut's mode). Nothing was written to ``.grad`` before the forward ended."""
+        states = _random_states(self.devices)
+        running = [(b, b.clone()) for b in _running_stats(self._model)]
+        try:
+            return attempt()
+        except PathChanged as changed:
+            self._routes.distrust(changed.key)
+            _restore_random(states)
+            for buffer, value in running:
+                buffer.copy_(value)
+            return attempt()
 
     def _step_all(self, run: ProgramRun, shares: Sequence[float]) -> Tensor:
         run.open_backward()
@@ -315,7 +341,18 @@ class ModelPipe(nn.Module):
         shares: LossShares | ModelLoss | None = None,
     ) -> ProgramRun:
         inputs = [c.tensors() for c in calls]
-        cuts = [Cut(Ledger(), self._owner, self.devices, {id(t): t for t in xs}) for xs in inputs]
+        context = (self._model.training, grad, head is not None, isinstance(shares, ModelLoss))
+        cuts = [
+            Cut(
+                Ledger(),
+                self._owner,
+                self.devices,
+                {id(t): t for t in xs},
+                self._routes,
+                signature(c.args, c.kwargs, *context),
+            )
+            for c, xs in zip(calls, inputs)
+        ]
         batch = functools.partial(
             Batch,
             callers(self._model, calls, shares),
@@ -387,6 +424,31 @@ class ModelPipe(nn.Module):
         return _new_pipe, (made_for,), self.__getstate__()
 
 
+def _random_states(devices: Sequence[torch.device]) -> list[tuple[torch.device, Tensor]]:
+    """The random states a mini-batch draws from: the CPU's and each CUDA device's."""
+    cuda = {d for d in devices if d.type == "cuda"}
+    states = [(torch.device("cpu"), torch.get_rng_state())]
+    return states + [(d, torch.cuda.get_rng_state(d)) for d in cuda]
+
+
+def _running_stats(model: nn.Module) -> list[Tensor]:
+    """The buffers a forward in training mode updates: batch norms' running statistics."""
+    return [
+        b
+        for m in model.modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+        for b in m.buffers(recurse=False)
+    ]
+
+
+def _restore_random(states: list[tuple[torch.device, Tensor]]) -> None:
+    for device, state in states:
+        if device.type == "cpu":
+            torch.set_rng_state(state)
+        else:
+            torch.cuda.set_rng_state(state, device)
+
+
 def _new_pipe(model_class: type[nn.Module]) -> ModelPipe:
     """An empty pipe of ``model_class`` for unpickling to fill in."""
     return ModelPipe.__new__(hf.class_for(ModelPipe, model_class))
@@ -395,28 +457,6 @@ def _new_pipe(model_class: type[nn.Module]) -> ModelPipe:
 # -- building -------------------------------------------------------------------------------
 def _call_order(model: nn.Module, sample: Any) -> list[str]:
     return [u.path for u in units_.units(model, sample)]
-
-
-def _sizes(
-    lay: units_.Layout, balance: Sequence[int] | None, split: Sequence[str] | None
-) -> list[int]:
-    paths = lay.paths()
-    if split is not None and balance is not None:
-        raise ValueError(
-            f"pass balance or split, not both (got balance={list(balance)}, split={list(split)})"
-        )
-    if split is not None:
-        return units_.stages_from_split(paths, split)
-    if balance is None:
-        raise ValueError("balance, split or sample is needed to split the model into stages")
-    total = sum(balance) if all(isinstance(b, int) for b in balance) else None
-    if total is not None and total != len(paths):
-        raise ValueError(
-            f"balance {list(balance)} counts {total} units but the model lays out in "
-            f"{len(paths)}: {units_.shown(paths)}; give every unit a stage, or pass "
-            f"split=[module paths where stages begin] instead"
-        )
-    return validation.check_balance(balance, len(paths))
 
 
 def _place(

@@ -20,24 +20,25 @@ from pipepar.core import validation
 from pipepar.core.losses import Items, LossShares, joined_loss, split_target
 from pipepar.core.schedule import VIRTUAL, Schedule, make
 from pipepar.core.stage import Stage
-from pipepar.distributed import clipping
-from pipepar.distributed.arguments import check_timeout
-from pipepar.distributed.guard import Guard
-from pipepar.distributed.mesh import build_mesh, check_grid
-from pipepar.distributed.pipe import _ensure_process_group, _resolve_device
-from pipepar.distributed.progress import describe
-from pipepar.distributed.replicas import broadcast_from_first, spread_over_replicas
-from pipepar.distributed.runtime import fewer_microbatches
 from pipepar.program import units as units_
 from pipepar.program.autograd import joined
 from pipepar.program.calls import Call, split_call
 from pipepar.program.cut import Ledger
-from pipepar.program.driver import driver_pool, mark_boundaries
+from pipepar.program.driver import driver_pool, watch_units
 from pipepar.program.losses import LossFn, ModelLoss, callers, loss_head, step_shares
 from pipepar.program.meta_values import MetaScalars
-from pipepar.program.pipe import _sizes
 from pipepar.program.ranks import Link, RankCut, RankStep, held_here, shadow_context
 from pipepar.program.step import Batch
+from pipepar.program.units import sizes_of as _sizes
+from pipepar.ranks import clipping
+from pipepar.ranks.arguments import check_timeout
+from pipepar.ranks.guard import Guard
+from pipepar.ranks.mesh import build_mesh, check_grid
+from pipepar.ranks.process import ensure_process_group as _ensure_process_group
+from pipepar.ranks.process import resolve_device as _resolve_device
+from pipepar.ranks.progress import describe
+from pipepar.ranks.replicas import broadcast_from_first, spread_over_replicas
+from pipepar.ranks.runtime import fewer_microbatches
 
 __all__ = ["DistributedModelPipe"]
 
@@ -124,7 +125,7 @@ class DistributedModelPipe(nn.Module):
             self.add_module(name, child)
         for name, p in model.named_parameters(recurse=False):
             self.register_parameter(name, p)
-        self._hooks = mark_boundaries(lay.units, self.stage_of_unit)
+        self._hooks = watch_units(lay.units, self.stage_of_unit)
         self._tied = _tied_groups(model, lay, self.stage_of_unit, self.mesh.pipeline_ranks)
         mine = [u for u, s in zip(lay.units, self.stage_of_unit) if s == own]
         self._stage = Stage(

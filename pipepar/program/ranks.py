@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from pipepar.distributed.failure import comm
-from pipepar.distributed.mesh import Mesh
 from pipepar.program.cut import Crossing, Cut, Ledger
 from pipepar.program.meta_values import SHADOW_LIMIT, MetaScalars
 from pipepar.program.step import SegmentContext, SegmentStep
+from pipepar.ranks.failure import comm
+from pipepar.ranks.mesh import Mesh
 
 __all__ = ["Link", "RankCut", "RankStep"]
 
@@ -122,6 +122,16 @@ class RankCut(Cut):
         self.own, self.link, self.values = own, link, values
         self._metas: dict[int, tuple[Tensor, Tensor]] = {}
         self.exports: list[Crossing] = []
+
+    # The crossings of a rank are the mode's alone (no route, nothing at units' arguments).
+    def enter_unit(self, *args: Any) -> None:
+        return None
+
+    def leave_unit(self, output: Any) -> None:
+        return None
+
+    def finish(self, output: Any) -> None:
+        return None
 
     def _cross(self, t: Tensor) -> Tensor:
         if self.stage != self.own:

@@ -56,12 +56,15 @@ class Batch:
         self.drivers = [
             Driver(self._call(i, call), self._stage_context(i)) for i, call in enumerate(calls)
         ]
+        for driver, cut in zip(self.drivers, self.cuts):
+            driver.follower = cut
 
     def _call(self, i: int, call: Callable[[], Any]) -> Callable[[], Any]:
         def run() -> Any:
             cut = self.cuts[i]
-            with cut:
+            with cut.running():
                 out = call()
+                cut.finish(out)
                 if self.head is None:
                     return out
                 loss = self.head(out, i)

@@ -25,7 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Layout", "Unit", "layout", "stages_from_split", "units"]
+from pipepar.core import validation
+
+__all__ = ["Layout", "Unit", "layout", "sizes_of", "stages_from_split", "units"]
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,33 @@ def shown(paths: Sequence[str]) -> str:
     """A short listing of unit paths for messages (the first four and the last three)."""
     shown = list(paths) if len(paths) <= 8 else [*paths[:4], "...", *paths[-3:]]
     return "[" + ", ".join(shown) + "]"
+
+
+def sizes_of(lay: Layout, balance: Sequence[int] | None, split: Sequence[str] | None) -> list[int]:
+    """Units per stage from ``balance`` (units per stage, checked against the layout) or
+    ``split`` (module paths where stages begin); exactly one of them.
+
+    Example:
+        >>> sizes_of(layout(nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])), None, ["2"])
+        [2, 2]
+    """
+    paths = lay.paths()
+    if split is not None and balance is not None:
+        raise ValueError(
+            f"pass balance or split, not both (got balance={list(balance)}, split={list(split)})"
+        )
+    if split is not None:
+        return stages_from_split(paths, split)
+    if balance is None:
+        raise ValueError("balance, split or sample is needed to split the model into stages")
+    total = sum(balance) if all(isinstance(b, int) for b in balance) else None
+    if total is not None and total != len(paths):
+        raise ValueError(
+            f"balance {list(balance)} counts {total} units but the model lays out in "
+            f"{len(paths)}: {shown(paths)}; give every unit a stage, or pass "
+            f"split=[module paths where stages begin] instead"
+        )
+    return validation.check_balance(balance, len(paths))
 
 
 def owners(lay: Layout, stage_of_unit: Sequence[int]) -> dict[int, int]:

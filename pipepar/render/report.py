@@ -1,9 +1,7 @@
-"""A plan as a terminal table (rich) and as plain data (JSON).
+"""A plan as a terminal table (rich); the plan's plain data (JSON) is its own
+(:meth:`pipepar.Plan.to_dict`).
 
->>> print(plan.report())          # one row per layer, one per stage, totals
->>> data = json.loads(plan.to_json())
->>> data["units"]["peak_bytes"]
-'B'
+>>> print(pipepar.report.table(plan))    # one row per layer, one per stage, totals
 """
 
 from __future__ import annotations
@@ -20,9 +18,7 @@ from pipepar.core.units import format_bytes
 if TYPE_CHECKING:
     from pipepar.planner.plan import Plan
 
-__all__ = ["plan_dict", "render_report", "shape_text"]
-
-FORMAT_VERSION = 1
+__all__ = ["render_report", "shape_text"]
 
 
 def shape_text(shape: Any) -> str:
@@ -82,7 +78,7 @@ def _stage_table(plan: Plan) -> Table:
         f"checkpoint={plan.checkpoint}, optimizer={plan.profile.optimizer})"
     )
     table = Table(title=title, box=box.SIMPLE_HEAD, show_footer=True)
-    totals = _totals(plan)
+    totals = plan.totals()
     columns = [
         ("stage", "right", "total"),
         ("device", "left", ""),
@@ -153,68 +149,3 @@ def _summary(plan: Plan) -> str:
         f"predicted bubble of {plan.schedule} (from its schedule, F = B = W) {plan.bubble:.1%}; "
         f"balanced by {plan.objective}"
     )
-
-
-def _totals(plan: Plan) -> dict[str, Any]:
-    times = [s.time_ms for s in plan.stages]
-    return {
-        "params_bytes": sum(s.params_bytes for s in plan.stages),
-        "grads_bytes": sum(s.grads_bytes for s in plan.stages),
-        "optimizer_bytes": sum(s.optimizer_bytes for s in plan.stages),
-        "activation_bytes": sum(s.activation_bytes for s in plan.stages),
-        "transient_bytes": sum(s.transient_bytes for s in plan.stages),
-        "peak_bytes": sum(s.peak_bytes for s in plan.stages),
-        "max_peak_bytes": plan.peak_bytes,
-        "max_stage_time_ms": None if None in times else max(times),  # type: ignore[type-var]
-    }
-
-
-_UNITS = {
-    "*_bytes": "B",
-    "*_ms": "ms",
-    "bubble": "fraction of the step the pipeline idles, from the schedule with F = B = W",
-    "in_flight": "micro-batches",
-    "micro_batch_rows": "rows",
-    "peak_bytes": "B",
-    "layer activation_bytes": "B, for the whole batch",
-    "stage activation_bytes": "B, for the micro-batches in flight",
-}
-
-
-def plan_dict(plan: Plan) -> dict[str, Any]:
-    """Everything in the report as JSON-ready data, sizes in bytes and times in ms.
-
-    Example:
-        >>> plan_dict(plan)["balance"] == plan.balance
-        True
-    """
-    layers = []
-    for layer, data in zip(plan.layers, plan.profile.to_dict()["layers"]):
-        data["output_shape"] = list(layer.output_shape)
-        data["time_ms"] = layer.time_ms
-        data["stage"] = plan.stage_of(layer.index)
-        layers.append(data)
-    return {
-        "format": "pipepar.plan",
-        "version": FORMAT_VERSION,
-        "units": _UNITS,
-        "config": {
-            "devices": [s.device for s in plan.stages],
-            "capacity_bytes": [s.capacity_bytes for s in plan.stages],
-            "chunks": plan.chunks,
-            "schedule": plan.schedule,
-            "checkpoint": plan.checkpoint,
-            "optimizer": plan.profile.optimizer,
-            "profile_device": plan.profile.device,
-            "batch_size": plan.profile.batch_size,
-            "micro_batch_rows": plan.micro_batch_rows,
-            "input_shape": list(plan.profile.input_shape),
-            "objective": plan.objective,
-        },
-        "balance": list(plan.balance),
-        "bubble": plan.bubble,
-        "fits": all(s.fits for s in plan.stages),
-        "stages": [s.to_dict() | {"fits": s.fits} for s in plan.stages],
-        "layers": layers,
-        "totals": _totals(plan),
-    }

@@ -4,7 +4,7 @@ Charts: per stage, stacked bars of parameters / gradients / optimizer state / ac
 temporaries against a dashed line at the device's capacity; per layer, memory bars and times,
 with the stages as coloured bands.
 
-    >>> plan.save_html("report.html")   # open it in any browser, offline
+    >>> pipepar.report.save_html(plan, "report.html")   # open it in any browser, offline
 """
 
 from __future__ import annotations
@@ -58,9 +58,25 @@ _CSS = (
 )
 
 
-def write_html(plan: Plan, path: Path, *, timeline: Timeline | Tracer | None = None) -> Path:
-    """Write :func:`render_html` to ``path`` (parents created) and return the path."""
+def write_html(
+    plan: Plan, path: str | Path, *, timeline: Timeline | Tracer | None = None
+) -> Path:
+    """Write a self-contained HTML report (inline SVG charts, no scripts) to ``path``.
+
+    Users call it as :func:`pipepar.report.save_html`.
+
+    Args:
+        plan: the plan to show.
+        path: the ``.html`` file to write (parents created).
+        timeline: a run of the pipe recorded with ``trace=True`` (``pipe.tracer`` or a
+            :class:`~pipepar.tracing.tracer.Timeline`); its last mini-batch is drawn after the
+            stage table, with the measured bubble beside the predicted one.
+
+    Returns:
+        The path written.
+    """
     page = render_html(plan, timeline=timeline)  # before touching the file: errors leave it
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(page, encoding="utf-8")
     return path

@@ -9,6 +9,9 @@ and the PNG (drawn with Pillow, imported only when a PNG is asked for).
     >>> from pipepar import timeline
     >>> timeline.save(pipe.tracer, "pipeline.png")    # .svg, .html, or .json for ui.perfetto.dev
     >>> html = f"<h2>Pipeline</h2>{timeline.to_svg(pipe.tracer)}"
+
+Writing a file by its suffix (:func:`pipepar.timeline.save`) is in
+:mod:`pipepar.render.timeline_files`, which reads this module and the HTML page's.
 """
 
 from __future__ import annotations
@@ -24,9 +27,7 @@ from pipepar.tracing.tracer import Timeline, Tracer
 
 __all__ = [
     "COLORS",
-    "SUFFIXES",
     "as_timeline",
-    "save",
     "save_chrome_trace",
     "save_png",
     "save_svg",
@@ -44,9 +45,6 @@ COLORS = {
     "idle": "#FBE3E3",
 }
 """Fill colour of each event kind, and of idle time (the bubble)."""
-
-SUFFIXES = (".svg", ".png", ".html", ".json")
-"""The file names :func:`save` understands."""
 
 _LANE, _GAP, _LEFT, _RIGHT, _TOP, _BOTTOM = 34, 8, 70, 20, 46, 62
 _FONT = 11
@@ -377,37 +375,3 @@ def save_chrome_trace(source: Timeline | Tracer, path: str | Path) -> Path:
     path = Path(path)
     path.write_text(json.dumps(to_chrome_trace(source)), encoding="utf-8")
     return path
-
-
-def save(source: Timeline | Tracer, path: str | Path, **options: Any) -> Path:
-    """Write the timeline in the format its suffix names: .svg, .png, .html or .json.
-
-    Args:
-        source: a :class:`~pipepar.trace.Timeline` or the pipe's :class:`~pipepar.trace.Tracer`.
-        path: where to write; ``.json`` is a Chrome trace (Perfetto), ``.html`` a page with the
-            last mini-batch's chart and a table per stage, the others a Gantt chart.
-        **options: ``width=`` and ``title=`` for the charts and the page.
-
-    Example:
-        >>> save(pipe.tracer, "out.png")
-        PosixPath('out.png')
-    """
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix == ".svg":
-        return save_svg(source, path, **options)
-    if suffix == ".png":
-        return save_png(source, path, **options)
-    if suffix == ".html":
-        from pipepar.render.timeline_html import save_html
-
-        return save_html(source, path, **options)
-    if suffix == ".json":
-        if options:
-            raise TypeError(f"a Chrome trace takes no drawing options, got {sorted(options)}")
-        return save_chrome_trace(source, path)
-    raise ValueError(
-        f"cannot tell the format of {str(path)!r} from its suffix {suffix or '(none)'!r}; "
-        "name it .svg or .png (Gantt chart), .html (chart and table) or .json (Chrome trace "
-        "for Perfetto)"
-    )

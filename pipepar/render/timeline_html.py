@@ -2,11 +2,11 @@
 
 The section holds the Gantt chart (inline SVG from :func:`pipepar.timeline.to_svg`) and a table
 of busy, wait and idle time per stage, with the measured bubble beside the schedule's bound.
-:meth:`pipepar.Plan.save_html` embeds it next to the planner's prediction; ``.html`` in
+:func:`pipepar.report.save_html` embeds it next to the planner's prediction; ``.html`` in
 :func:`pipepar.timeline.save` writes it as a self-contained page (no scripts, no fetches).
 
     >>> timeline.save(pipe.tracer, "pipeline.html")
-    >>> plan.save_html("report.html", timeline=pipe.tracer)
+    >>> pipepar.report.save_html(plan, "report.html", timeline=pipe.tracer)
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ per mini-batch) and draws them (:mod:`pipepar.timeline`).
     ...     pipe(x).sum().backward()
     >>> timeline = tracer.timeline()
     >>> print(timeline.summary())
-    >>> timeline.save("pipeline.svg")
+    >>> pipepar.timeline.save(timeline, "pipeline.svg")
 """
 
 from __future__ import annotations

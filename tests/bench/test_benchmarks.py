@@ -116,6 +116,38 @@ def test_schedules_quick_table_shape(tmp_path: Path) -> None:
     assert "pipepar's best (1f1b) / torch's best (1F1B), p90 rates:" in text
 
 
+def test_models_quick_table_shape(tmp_path: Path) -> None:
+    from benchmarks import bench_models
+
+    rows, text = _run("bench_models.py", tmp_path, "--write")
+    assert "## Real models as they are: what the cut costs" in text
+    assert "### GPT-2: GPT-2 2 blocks" in text and "### Llama: Llama 2 blocks" in text
+    keys = ["one core:", "limit:", *bench_models.QUICK]
+    assert [(r["model"], r["key"]) for r in rows] == [
+        (m, k) for m in ("gpt2", "llama") for k in keys
+    ]
+    for model in ("gpt2", "llama"):
+        by = {r["key"]: r for r in rows if r["model"] == model}
+        # two blocks do not make four stages: reported, not fatal
+        assert by["pipepar:zb-v"]["error"].startswith("n/a: ") and by["pipepar:zb-v"]["steps"] == 0
+        measured = [r for r in by.values() if r["error"] is None]
+        assert [r["processes"] for r in measured] == [1, 2, 1, 1, 2], by
+        for row in measured:
+            assert row["steps"] == 2 and 0 < row["p10"] <= row["median"] <= row["p90"]
+            assert row["x_one_core"] > 0 and row["of_limit"] > 0
+            if row["key"] != "limit:":
+                low, high = row["of_limit_interval"]
+                assert 0 < low <= high
+        assert by["one core:"]["x_one_core"] == pytest.approx(1.0)
+        assert by["limit:"]["of_limit"] == pytest.approx(1.0)
+        one_stage = by["pipepar-1stage:gpipe"]
+        low, high = one_stage["overhead_interval"]
+        assert -1 < low <= high and one_stage["overhead"] > -1
+    table = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(table) == 2 + len(rows) and all(line.count("|") == 11 for line in table)
+    assert text.count("one-stage pipe over the one-core run (median step times):") == 2
+
+
 def test_overhead_quick(tmp_path: Path) -> None:
     rows, text = _run("bench_overhead.py", tmp_path)
     assert "## Overhead on one device" in text and "Target: wrap([L], chunks=1)" in text

@@ -24,12 +24,12 @@ from torch import nn
 
 import pipepar.distributed as ppd
 from pipepar.core.schedule import NAMES, VIRTUAL, parse
-from pipepar.distributed import replicas
-from pipepar.distributed.arguments import check_schedule
-from pipepar.distributed.mesh import check_grid
-from pipepar.distributed.replicas import BUCKET_BYTES
 from pipepar.distributed.stage import build_stage, load_local_state
-from pipepar.distributed.transport import TensorMeta, decode_meta, encode_meta
+from pipepar.ranks import replicas
+from pipepar.ranks.arguments import check_schedule
+from pipepar.ranks.mesh import check_grid
+from pipepar.ranks.replicas import BUCKET_BYTES
+from pipepar.ranks.transport import TensorMeta, decode_meta, encode_meta
 
 WORLD = 4
 TOL = 1e-5
@@ -908,7 +908,7 @@ def test_meta_layers_without_reset_parameters_need_a_state_dict() -> None:
 
 
 def test_gradient_buckets_run_from_the_last_layer_and_split_by_size() -> None:
-    from pipepar.distributed.replicas import _buckets
+    from pipepar.ranks.replicas import _buckets
 
     model = tiny_model()  # 4 Linear(6, 6): 36 + 6 floats each
     one_layer = (36 + 6) * 4
@@ -923,7 +923,7 @@ def test_gradient_buckets_run_from_the_last_layer_and_split_by_size() -> None:
 
 
 def test_failure_board_keeps_the_first_report_and_names_it_everywhere() -> None:
-    from pipepar.distributed.failure import CommError, FailureBoard, Where, guarded
+    from pipepar.ranks.failure import CommError, FailureBoard, Where, guarded
 
     store = dist.HashStore()
     first = FailureBoard(store, "p/", Where(rank=3, stage=1, replica=1))

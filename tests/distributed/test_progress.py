@@ -1,4 +1,4 @@
-"""pipepar.distributed.progress without a process group: a rank's line, bounded waits, the
+"""pipepar.ranks.progress without a process group: a rank's line, bounded waits, the
 store board (on a HashStore) and, for NCCL's unbounded waits, the log of a rank standing still.
 
 The stalls themselves, across processes, are in test_distributed_faults."""
@@ -13,9 +13,9 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from pipepar.distributed.arguments import check_timeout
-from pipepar.distributed.failure import CommError, StallError, Where, wait
-from pipepar.distributed.progress import Progress, ProgressBoard
+from pipepar.ranks.arguments import check_timeout
+from pipepar.ranks.failure import CommError, StallError, Where, wait
+from pipepar.ranks.progress import Progress, ProgressBoard
 
 HERE, PEER = Where(rank=1, stage=1, replica=0), Where(rank=0, stage=0, replica=0)
 
@@ -136,7 +136,7 @@ def test_under_nccl_a_rank_standing_still_is_logged_before_the_watchdog(
         ProgressBoard(peer, store, "p/", PEER, peers=[1]),
     ]
     progress.begin("backward of micro-batch 3")
-    with caplog.at_level(logging.WARNING, logger="pipepar.distributed.progress"):
+    with caplog.at_level(logging.WARNING, logger="pipepar.ranks.progress"):
         time.sleep(0.8)  # over 0.8 x the timeout
     for board in boards:
         board.stop()

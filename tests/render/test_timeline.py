@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import pipepar
+from pipepar import timeline as drawing
 from pipepar.core.schedule import gpipe
-from pipepar.render import timeline as drawing
 from pipepar.tracing.tracer import COMPUTE, Event, Timeline, tracing
 
 MODES = ["always", "except_last", "never"]

@@ -16,7 +16,7 @@ the process; its peers see "Connection closed by peer" from that rank and report
 A rank that waits longer than the pipe's ``timeout`` for a peer that neither answers nor fails
 (it skipped a step, or is stuck in its own code) raises :class:`StallError` naming what it
 waited for; its report adds what the other ranks were doing
-(:mod:`~pipepar.distributed.progress`) and spreads like any other.
+(:mod:`~pipepar.ranks.progress`) and spreads like any other.
 """
 
 from __future__ import annotations
@@ -61,7 +61,13 @@ _STALL_FIX = (
 #: How backends say that a wait ran out of time (gloo, the c10d work, NCCL).
 _TIMED_OUT = ("timed out", "timeout", "timing out")
 #: Frames whose locals may hold communication works (see release_works).
-_COMM_DIRS = (os.path.dirname(__file__), os.path.dirname(dist.__file__))
+_PACKAGE = os.path.dirname(os.path.dirname(__file__))
+_COMM_DIRS = (
+    *(os.path.join(_PACKAGE, sub) + os.sep for sub in ("ranks", "distributed", "program")),
+    os.path.dirname(dist.__file__),
+)
+"""Where the frames that hold communication works live: the pipes across ranks (both routes),
+what they share, and torch.distributed."""
 
 
 @dataclass(frozen=True)
@@ -245,9 +251,9 @@ def release_works(error: BaseException) -> None:
 
     A gloo work, even a finished one, keeps its group's connections open after the group is
     destroyed, so a peer blocked on this rank would wait out its timeout instead of seeing the
-    connection close. The works live in the locals of pipepar.distributed and torch.distributed
-    frames on the traceback (of the error and of its causes); those frames are cleared. The
-    user's frames (layers, loss_fn) keep their locals for post-mortem debugging.
+    connection close. The works live in the locals of the frames of pipepar's pipes across ranks
+    and of torch.distributed on the traceback (of the error and of its causes); those frames are
+    cleared. The user's frames (layers, loss_fn) keep their locals for post-mortem debugging.
     """
     pending: list[BaseException | None] = [error]
     seen: set[int] = set()

@@ -14,7 +14,7 @@ back), ``ctl`` (collectives along the pipeline: loss sharing, state gathering) a
 (gradient all-reduce among the replicas of a position). Forward and backward traffic get their
 own groups so that, on NCCL, a posted gradient receive never queues behind an activation send
 on the same communicator. The groups time out after the pipe's ``timeout``, and every wait on
-them goes through the mesh's :class:`~pipepar.distributed.progress.Progress`, which gives up
+them goes through the mesh's :class:`~pipepar.ranks.progress.Progress`, which gives up
 after as long and says what it waited for.
 """
 
@@ -28,8 +28,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from pipepar.distributed.failure import Where
-from pipepar.distributed.progress import Progress
+from pipepar.ranks.failure import Where
+from pipepar.ranks.progress import Progress
 
 __all__ = ["Mesh", "build_mesh", "check_grid"]
 

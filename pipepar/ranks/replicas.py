@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from pipepar.distributed.failure import comm
-from pipepar.distributed.mesh import Mesh
-from pipepar.distributed.transport import TensorMeta, decode_meta, encode_meta
+from pipepar.ranks.failure import comm
+from pipepar.ranks.mesh import Mesh
+from pipepar.ranks.transport import TensorMeta, decode_meta, encode_meta
 
 __all__ = [
     "BUCKET_BYTES",
@@ -237,6 +237,7 @@ class GradientSync:
 
     def _post_tensors(self, tensors: list[Tensor]) -> None:
         flat = _flatten_dense_tensors(tensors) if tensors else torch.zeros(0)
+        self.mesh.progress.check_failures()  # a replica that left would not end this one
         with comm(f"gradient all-reduce over ranks {self.mesh.replica_ranks}"):
             work = dist.all_reduce(flat, group=self.mesh.dp_group, async_op=True)
         self._posted.append((work, flat, tensors))

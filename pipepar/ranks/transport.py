@@ -16,7 +16,7 @@ own), so boundaries that share a pair of ranks (virtual stages) never mix. Messa
 order within a group, pair of ranks and tag, and both sides walk each stage's micro-batches in
 the same order (checked when the schedule is), so receives match sends without per-message
 bookkeeping. Every wait goes through the mesh's
-:class:`~pipepar.distributed.progress.Progress`: it gives up after the pipe's timeout, naming
+:class:`~pipepar.ranks.progress.Progress`: it gives up after the pipe's timeout, naming
 the message and the peer (rank and stage) it waited for.
 With ``PIPEPAR_DEBUG=1`` every send and receive is logged at DEBUG level.
 """
@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipepar.distributed.failure import comm
-from pipepar.distributed.mesh import Mesh
+from pipepar.ranks.failure import comm
+from pipepar.ranks.mesh import Mesh
 
 __all__ = ["Incoming", "TensorMeta", "Transport", "debug_enabled", "decode_meta", "encode_meta"]
 

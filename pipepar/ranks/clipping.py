@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipepar.distributed.mesh import Mesh
+from pipepar.ranks.mesh import Mesh
 
 __all__ = ["clip_grad_norm_"]
 

@@ -4,8 +4,8 @@ A rank that waits for a peer that never comes (a rank that skipped a step, a dat
 ran dry on one rank, a rank stuck in its own code) must neither wait forever nor end with a bare
 socket error. Every wait of a pipe (a receive, a send, a collective) goes through
 :meth:`Progress.wait`, which gives up after the pipe's ``timeout`` with a
-:class:`~pipepar.distributed.failure.StallError` naming what it waited for; the pipe posts it
-(:mod:`~pipepar.distributed.failure`) with what each other rank was doing, so every rank ends
+:class:`~pipepar.ranks.failure.StallError` naming what it waited for; the pipe posts it
+(:mod:`~pipepar.ranks.failure`) with what each other rank was doing, so every rank ends
 with one report that says where the pipeline stopped.
 
 Knowing what the other ranks do costs the step nothing measurable: the step only sets
@@ -25,14 +25,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch.distributed as dist
 from torch import Tensor
 
 from pipepar.core.schedule import Action
-from pipepar.distributed.failure import Where, comm, wait
+from pipepar.ranks.failure import CommError, Where, comm, wait
 
 __all__ = ["Progress", "ProgressBoard", "describe"]
 
@@ -83,6 +83,8 @@ class Progress:
         """What the rank ran before :attr:`doing`: its last finished action."""
         self.waiting: str | None = None
         """The transfer or collective the rank blocks in, if any."""
+        self.posted: Callable[[], str | None] = lambda: None
+        """The failure another rank posted, if any (set by the pipe's guard)."""
 
     # -- the step's side: attribute writes only ----------------------------------------------
     def begin(self, doing: str) -> None:
@@ -96,13 +98,20 @@ class Progress:
             self.steps += 1
 
     def wait(self, work: dist.Work | None, what: str) -> None:
-        """Wait for ``work`` at most ``timeout`` seconds (see :func:`~pipepar.distributed.
-        failure.wait`); ``what`` names it in errors and in the rank's line meanwhile."""
+        """Wait for ``work`` at most ``timeout`` seconds (see :func:`~pipepar.ranks.failure.
+        wait`); ``what`` names it in errors and in the rank's line meanwhile."""
         if work is None:
             return
         self.waiting = what
         wait(work, what, self._within)
         self.waiting = None
+
+    def check_failures(self) -> None:
+        """Raise :class:`~pipepar.ranks.failure.CommError` if a rank posted a failure: a
+        collective started after a peer left would only end at the timeout."""
+        report = self.posted()
+        if report is not None:
+            raise CommError(f"another rank failed: {report}")
 
     def wait_all(self, pending: list[tuple[dist.Work | None, str]]) -> None:
         """:meth:`wait` for each ``(work, what)`` of ``pending`` in order, taking it off the
@@ -121,6 +130,7 @@ class Progress:
         """Reduce ``t`` in place over ``group`` (a sum, or ``op``), waiting as :meth:`wait`
         does; ``name`` says what is reduced, e.g. ``"the gradient all-reduce"``."""
         what = f"{name} over ranks {dist.get_process_group_ranks(group or dist.group.WORLD)}"
+        self.check_failures()
         with comm(what):
             work = dist.all_reduce(t, op=op, group=group, async_op=True)
         self.wait(work, what)

@@ -2,7 +2,7 @@
 
 Scheduling (what to run) comes from :mod:`pipepar.core.schedule`, computing each action from
 :mod:`pipepar.core.step` (the same step the threads of one process use), transport (how bytes
-move) from :mod:`pipepar.distributed.transport`. This module only walks the rank's actions in
+move) from :mod:`pipepar.ranks.transport`. This module only walks the rank's actions in
 order and moves values:
 
 * ``F(s, i)``: take stage ``s``'s input of micro-batch ``i`` (a chunk of ``x`` on stage 0, the
@@ -35,9 +35,9 @@ from pipepar.core.randomness import Recorded
 from pipepar.core.schedule import NAMES, Action, Schedule, make
 from pipepar.core.stage import Stage
 from pipepar.core.step import StageStep
-from pipepar.distributed.mesh import Mesh
-from pipepar.distributed.progress import describe
-from pipepar.distributed.transport import Incoming, TensorMeta, Transport
+from pipepar.ranks.mesh import Mesh
+from pipepar.ranks.progress import describe
+from pipepar.ranks.transport import Incoming, TensorMeta, Transport
 
 __all__ = ["Runtime", "fewer_microbatches"]
 Metas = tuple[TensorMeta, ...]
@@ -104,7 +104,7 @@ class Runtime:
     @property
     def doing(self) -> str | None:
         """What the rank runs now, e.g. ``"backward of micro-batch 2"``, for error reports
-        (kept by the mesh's :class:`~pipepar.distributed.progress.Progress`)."""
+        (kept by the mesh's :class:`~pipepar.ranks.progress.Progress`)."""
         return self.mesh.progress.doing
 
     @doing.setter

@@ -3,12 +3,12 @@ rank of the grid with one report.
 
 Both distributed pipes (``nn.Sequential`` and any model) run each ``step`` (and every other call
 that talks to peers) through their :class:`Guard`: on an error it posts the report to the
-pipeline's :class:`~pipepar.distributed.failure.FailureBoard` (or adopts the one posted
+pipeline's :class:`~pipepar.ranks.failure.FailureBoard` (or adopts the one posted
 first), with what every peer was doing when the error is a stall
-(:class:`~pipepar.distributed.progress.ProgressBoard`), and closes the pipeline's groups so
+(:class:`~pipepar.ranks.progress.ProgressBoard`), and closes the pipeline's groups so
 that blocked peers wake up and raise the same report. Once closed, the pipe refuses every call
 with that report. The guard does not know what a step is; the pipes' runtimes tell the mesh's
-:class:`~pipepar.distributed.progress.Progress`.
+:class:`~pipepar.ranks.progress.Progress`.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import TypeVar
 
 import torch.distributed as dist
 
-from pipepar.distributed.failure import FailureBoard, PipelineError, guarded
-from pipepar.distributed.mesh import Mesh
-from pipepar.distributed.progress import ProgressBoard
+from pipepar.ranks.failure import FailureBoard, PipelineError, guarded
+from pipepar.ranks.mesh import Mesh
+from pipepar.ranks.progress import ProgressBoard
 
 __all__ = ["Guard"]
 
@@ -32,7 +32,7 @@ _built: Counter[tuple[int, ...]] = Counter()  # pipes built per grid, to keep st
 
 
 class Guard:
-    """Runs ``fn`` under :func:`~pipepar.distributed.failure.guarded` for a pipe; refuses once
+    """Runs ``fn`` under :func:`~pipepar.ranks.failure.guarded` for a pipe; refuses once
     the pipe is closed.
 
     Args:
@@ -49,6 +49,7 @@ class Guard:
         store, prefix = dist.distributed_c10d._get_default_store(), _prefix(mesh)
         self.mesh, self._close = mesh, close
         self.board = FailureBoard(store, prefix, mesh.where)
+        mesh.progress.posted = self.board.read
         peers = sorted(set(mesh.pipeline_ranks + mesh.replica_ranks) - {mesh.where.rank})
         self.progress = ProgressBoard(mesh.progress, store, prefix, mesh.where, peers)
         weakref.finalize(owner, self.progress.stop)  # a pipe dropped without close()
@@ -56,7 +57,7 @@ class Guard:
         """Why the pipe is closed: the report of the failure that closed it, if one did."""
 
     def __call__(self, fn: Callable[[], T]) -> T:
-        """``fn()``; raises :class:`~pipepar.distributed.failure.PipelineError` on every rank
+        """``fn()``; raises :class:`~pipepar.ranks.failure.PipelineError` on every rank
         when any rank fails or stalls."""
         if self.mesh.closed:
             raise PipelineError(f"{self.failure} (the pipeline is closed; build a new one)")

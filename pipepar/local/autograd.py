@@ -1,0 +1,38 @@
+"""The autograd node of ``pipe.step`` for both pipes of one process
+(:class:`~pipepar.local.pipe.Pipe`, :class:`~pipepar.program.pipe.ModelPipe`), and
+:func:`unalias` for any custom function returning what it was given."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["StepFunction", "unalias"]
+
+
+class StepFunction(torch.autograd.Function):
+    """The autograd node of ``pipe.step``: forward runs the whole schedule (F, B and W) through
+    the pipe's ``_step_all(run, weights)``; backward hands the gradients it found to autograd,
+    scaled by the loss's gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, pipe: Any, run: Any, weights: list[float], n: int, *args: Tensor) -> Any:
+        loss = pipe._step_all(run, weights)
+        ctx.grads = [*run.input_grads(), *run.take_param_grads()]
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Any:
+        grads, ctx.grads = ctx.grads, None
+        scale = None if bool((grad == 1).all()) else grad
+        scaled = [g if g is None or scale is None else g * scale.to(g.device) for g in grads]
+        return (None, None, None, None, *scaled)
+
+
+def unalias(t: Tensor, inputs: Sequence[Tensor]) -> Tensor:
+    """``t``, or a copy where it is one of ``inputs``: autograd forbids a custom function
+    returning one of its inputs as an output."""
+    return t.clone() if any(t is x or t.data_ptr() == x.data_ptr() for x in inputs) else t

@@ -1,0 +1,235 @@
+"""Learned routes: after the first call of a kind, a pipe of any model runs without the cut's
+torch-function mode, with the same results as the plain model, and a call that goes another
+way is still right."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import pipepar
+from models import transformers_zoo as zoo
+from pipepar.program.cut import Cut
+
+RTOL = 1e-5
+
+SPLITS = {  # two stages, and four for the virtual-stage schedules
+    "gpt2": ["transformer.h.1", "transformer.h.2", "transformer.h.3"],
+    "llama": ["model.layers.1", "model.layers.2", "model.layers.3"],
+    "bert": ["bert.encoder.layer.1", "bert.encoder.layer.2", "bert.encoder.layer.3"],
+    "vit_timm": ["blocks.1", "blocks.2", "blocks.3"],
+    "vit_torchvision": [f"encoder.layers.encoder_layer_{k}" for k in (1, 2, 3)],
+}
+SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v"]
+
+
+@contextmanager
+def mode_calls() -> Iterator[list[int]]:
+    """Counts the operations that pass through the cut's torch-function mode."""
+    count = [0]
+    original = Cut.__torch_function__
+
+    def counting(self: Cut, *args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(self, *args, **kwargs)
+
+    Cut.__torch_function__ = counting  # type: ignore[method-assign]
+    try:
+        yield count
+    finally:
+        Cut.__torch_function__ = original  # type: ignore[method-assign]
+
+
+def _close(a: Tensor, b: Tensor, what: str) -> None:
+    scale = b.abs().max().clamp_min(1e-6)
+    err = ((a - b).abs().max() / scale).item()
+    assert err < RTOL, f"{what}: relative error {err:.2e}"
+
+
+def _batch(name: str, seed: int) -> tuple[dict[str, Tensor], Tensor | None]:
+    if name.startswith("vit"):
+        gen = torch.Generator().manual_seed(seed)
+        return zoo.sample(name, batch=4, seed=seed), torch.randint(10, (4,), generator=gen)
+    return zoo.padded_sample(name, batch=4, seq=8, seed=seed), None
+
+
+def _plain_step(model: nn.Module, batch: dict[str, Tensor], y: Tensor | None) -> Tensor:
+    loss = F.cross_entropy(model(**batch), y) if y is not None else model(**batch).loss
+    loss.backward()
+    return loss.detach()
+
+
+def _pipe_step(pipe: nn.Module, batch: dict[str, Tensor], y: Tensor | None) -> Tensor:
+    if y is not None:
+        return pipe.step(**batch, loss_fn=F.cross_entropy, target=y)
+    return pipe.step(**batch)
+
+
+def _same_grads(pipe: nn.Module, plain: nn.Module) -> None:
+    grads = dict(plain.named_parameters())
+    for name, p in pipe.named_parameters():
+        expected = grads[name].grad
+        if expected is None:
+            assert p.grad is None, name
+            continue
+        assert p.grad is not None, f"{name} got no gradient"
+        _close(p.grad, expected, f"gradient of {name}")
+
+
+@pytest.mark.parametrize(("name", "schedule"), list(itertools.product(SPLITS, SCHEDULES)))
+def test_following_a_route_equals_the_plain_model(name: str, schedule: str) -> None:
+    torch.manual_seed(0)
+    plain = zoo.build(name)
+    split = SPLITS[name] if schedule in ("interleaved-1f1b", "zb-v") else SPLITS[name][1:2]
+    pipe = pipepar.wrap(
+        copy.deepcopy(plain), split=split, devices=["cpu", "cpu"], chunks=2, schedule=schedule
+    )
+    for step in range(3):
+        batch, y = _batch(name, seed=step % 2)  # the same kind of call each step
+        with mode_calls() as ops:
+            loss = _pipe_step(pipe, batch, y)
+        _close(loss, _plain_step(plain, batch, y), f"loss of step {step}")
+        _same_grads(pipe, plain)
+        if step > 0:
+            assert ops[0] == 0, f"step {step} ran {ops[0]} operations under the mode"
+        else:
+            assert ops[0] > 0
+
+
+def test_a_call_of_another_kind_learns_its_own_route() -> None:
+    torch.manual_seed(0)
+    plain = zoo.gpt2()
+    pipe = pipepar.wrap(copy.deepcopy(plain), split=["transformer.h.2"], devices=["cpu"] * 2)
+    for seq, learns in [(8, True), (8, False), (6, True), (8, False), (6, False)]:
+        ids = torch.randint(1, 64, (2, seq))
+        with mode_calls() as ops:
+            out = pipe(input_ids=ids, labels=ids)
+        assert (ops[0] > 0) == learns, (seq, ops[0])
+        expected = plain(input_ids=ids, labels=ids)
+        _close(out.logits.detach(), expected.logits.detach(), "logits")
+        out.loss.backward()
+        expected.loss.backward()
+        _same_grads(pipe, plain)
+
+
+class Branching(nn.Module):
+    """Skips block 2 when the first input value is positive: a path that depends on data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.drop = nn.Dropout(0.25)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x
+        for k, block in enumerate(self.blocks):
+            if k == 2 and bool(x[0, 0] > 0):
+                continue
+            h = self.drop(torch.tanh(block(h)))
+        return h
+
+
+class Shortcut(nn.Module):
+    """Adds block 0's output to the last one's in its own code (not a unit's argument) when
+    the first input value is positive: a value crossing stages only on some calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        first = h = torch.tanh(self.blocks[0](x))
+        for block in self.blocks[1:]:
+            h = torch.tanh(block(h))
+        if bool(x[0, 0] > 0):
+            h = h + first
+        return h
+
+
+def _signed(sign: float) -> Tensor:
+    x = torch.randn(4, 8)
+    x[:, 0] = sign * x[:, 0].abs()  # every row: each micro-batch takes the same path
+    return x
+
+
+@pytest.mark.parametrize("model_class", [Branching, Shortcut])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_a_call_that_leaves_the_route_is_still_right(
+    model_class: Callable[[], nn.Module], schedule: str
+) -> None:
+    torch.manual_seed(0)
+    plain = model_class().eval()  # no dropout: the plain model draws in another order
+    pipe = pipepar.wrap(
+        copy.deepcopy(plain), split=["blocks.2"], devices=["cpu"] * 2, chunks=2, schedule=schedule
+    ).eval()
+    for sign in (-1.0, -1.0, 1.0, 1.0, -1.0):
+        x = _signed(sign)
+        loss = pipe.step(x, loss_fn=lambda out, t: out.square().mean(), target=x)
+        expected = plain(x).square().mean()
+        expected.backward()
+        _close(loss, expected.detach(), "loss")
+        _same_grads(pipe, plain)
+
+
+def test_a_step_run_again_draws_the_same_random_numbers() -> None:
+    """A step that left its route runs again from the same random state: the same dropout
+    masks, and the same generator state after it, as a pipe that never follows a route."""
+    torch.manual_seed(0)
+    model = Branching().train()
+    following = pipepar.wrap(
+        copy.deepcopy(model), split=["blocks.2"], devices=["cpu"] * 2, chunks=2
+    )
+    learning = pipepar.wrap(copy.deepcopy(model), split=["blocks.2"], devices=["cpu"] * 2, chunks=2)
+    for step, sign in enumerate((-1.0, -1.0, 1.0)):
+        x = _signed(sign)
+        losses, states = [], []
+        for pipe in (following, learning):
+            if pipe is learning:
+                pipe._routes.__init__()  # forget every route: each step under the mode
+            torch.manual_seed(10 + step)
+            losses.append(pipe.step(x, loss_fn=lambda out, t: out.sum(), target=x))
+            states.append(torch.get_rng_state())
+        assert torch.equal(losses[0], losses[1]), step
+        assert torch.equal(states[0], states[1]), step
+    for a, b in zip(following.parameters(), learning.parameters()):
+        assert torch.equal(a.grad, b.grad)
+
+
+class NormedBranching(nn.Module):
+    """Batch norm in training mode, and a block skipped when the inputs are positive."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)) for _ in range(4)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x
+        for k, block in enumerate(self.blocks):
+            if k == 1 and bool(x[0, 0] > 0):
+                continue
+            h = torch.tanh(block(h))
+        return h
+
+
+def test_a_step_run_again_updates_batch_norm_statistics_once() -> None:
+    torch.manual_seed(0)
+    plain = NormedBranching()
+    pipe = pipepar.wrap(copy.deepcopy(plain), split=["blocks.2"], devices=["cpu"] * 2)
+    for sign in (-1.0, -1.0, 1.0, -1.0):
+        x = _signed(sign)
+        pipe.step(x, loss_fn=lambda out, t: out.sum(), target=x)
+        plain(x).sum().backward()
+    expected = dict(plain.named_buffers())
+    for name, b in pipe.named_buffers():
+        _close(b.float(), expected[name].float(), name)
+    _same_grads(pipe, plain)
