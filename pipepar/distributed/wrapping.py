@@ -33,6 +33,7 @@ def wrap(
     group: dist.ProcessGroup | None = None,
     state_dict: Mapping[str, Tensor] | None = None,
     timeout: float | None = 300.0,
+    routes: bool = True,
 ) -> DistributedPipe:
     """Split ``model`` over the ranks of ``group``: ``len(balance)`` stages x ``dp`` replicas.
 
@@ -75,6 +76,12 @@ def wrap(
             pipepar's (the process groups' default timeout still applies). Under NCCL the
             process groups' timeout ends a stall (waits there only order CUDA streams), after
             the rank logged where it stands.
+        routes: for a model other than an ``nn.Sequential``: after the first call of a kind,
+            each rank runs its own stage without per-operation interception and skips the
+            other stages' units (see README, "Learned once, then free"). A model whose units
+            run in an order that depends on the data (skipping a block for some inputs) ends
+            the step with :class:`PipelineError` naming the change: pass ``False`` to run
+            every call under the cut's mode.
 
     Raises:
         ValueError, TypeError: for inconsistent arguments, before any pipeline group exists.
@@ -100,6 +107,7 @@ def wrap(
             group=group,
             state_dict=state_dict,
             timeout=timeout,
+            routes=routes,
         )
     return DistributedPipe(
         model,

@@ -46,7 +46,7 @@ from pipepar.program.route import (
     tensors_in,
 )
 
-__all__ = ["CALLER", "Crossing", "Cut", "Ledger", "Weight"]
+__all__ = ["CALLER", "Crossing", "Cut", "Ledger", "Weight", "tag_stage"]
 
 CALLER = -1
 """The producer of the pipe's own tensor arguments (their gradients go back to the caller)."""
@@ -198,6 +198,7 @@ class Cut(TorchFunctionMode):
         self.loose = False  # the mode made a crossing the hooks did not: the route is not whole
         self._seen = 0
         self._swapped: list[list[tuple[Weight, nn.Parameter]]] = []
+        self._open: list[int] = []  # the unit calls entered and not left, by route index
 
     @property
     def following(self) -> bool:
@@ -230,17 +231,19 @@ class Cut(TorchFunctionMode):
             self.record.calls.append(UnitCall(unit, len(flat), tuple(crossings)))
         else:
             crossings = self._expected(unit, flat)
+        self._open.append(len(self.record.calls) - 1 if self.route is None else self._seen - 1)
         subs = {j: self._enter(flat[j], p, stage) for j, p in crossings}
-        device = self.devices[stage]
         for j, t in enumerate(flat):
-            if j not in subs and t.device != device and not _cpu_scalar(t):
-                subs[j] = t.to(device)
+            if j not in subs and (placed := self._placed(t, stage)) is not t:
+                subs[j] = placed
         return replaced(args, kwargs, subs) if subs else None
 
     def leave_unit(self, output: Any) -> None:
         """After a unit ran (or failed): its weights back, its outputs tagged with the stage."""
         for (module, name, _), param in self._swapped.pop() if self._swapped else ():
             module._parameters[name] = param
+        if self._open:
+            self._open.pop()
         if self.route is not None:
             self._tag(output if isinstance(output, (Tensor, tuple, list)) else ())
 
@@ -268,10 +271,14 @@ class Cut(TorchFunctionMode):
             _set_tag(leaves[k], (self.ledger.token, s))
             roots.append((leaves[k], s))
         if torch.is_grad_enabled():
-            crossings = self.ledger.crossings
-            roots += [(c.original, c.producer) for c in crossings if c.producer != CALLER]
-            entering = {id(c.leaf): c.consumer for c in crossings}
-            check_graphs(roots, entering, self.owner, self.key)
+            self._check_graph(roots)
+
+    def _check_graph(self, outputs: list[tuple[Tensor, int]]) -> None:
+        """Each stage's graph is its own (:func:`~pipepar.program.route.check_graphs`)."""
+        crossings = self.ledger.crossings
+        roots = outputs + [(c.original, c.producer) for c in crossings if c.producer != CALLER]
+        entering = {id(c.leaf): c.consumer for c in crossings}
+        check_graphs(roots, entering, self.owner, self.key)
 
     def _alias(self, weights: Sequence[Weight], stage: int) -> None:
         swapped = []
@@ -312,6 +319,11 @@ class Cut(TorchFunctionMode):
     def _enter(self, t: Tensor, producer: int, stage: int) -> Tensor:
         """The leaf standing for ``t`` of stage ``producer`` in ``stage``."""
         return self.ledger.leaf(t, producer, stage, self.devices[stage], is_param=False)
+
+    def _placed(self, t: Tensor, stage: int) -> Tensor:
+        """``t`` on ``stage``'s device (a value that crosses no stage: the caller's)."""
+        device = self.devices[stage]
+        return t if t.device == device or _cpu_scalar(t) else t.to(device)
 
     def _changed(self, why: str) -> None:
         raise PathChanged(self.key, why)
@@ -389,6 +401,11 @@ def _untracked(t: Tensor, stage: int) -> RuntimeError:
         "torch's Python API. pipepar cannot route its gradient; compute it inside the model's "
         "forward, or .detach() it if it needs none"
     )
+
+
+def tag_stage(t: Tensor, ledger: Ledger, stage: int) -> None:
+    """Mark ``t`` as made by ``stage`` in ``ledger``'s micro-batch."""
+    _set_tag(t, (ledger.token, stage))
 
 
 def _set_tag(t: Tensor, tag: tuple[object, int]) -> None:

@@ -27,7 +27,15 @@ from pipepar.program.cut import Ledger
 from pipepar.program.driver import driver_pool, watch_units
 from pipepar.program.losses import LossFn, ModelLoss, callers, loss_head, step_shares
 from pipepar.program.meta_values import MetaScalars
-from pipepar.program.ranks import Link, RankCut, RankStep, held_here, shadow_context
+from pipepar.program.ranks import (
+    Link,
+    RankCut,
+    RankStep,
+    held_here,
+    shadow_context,
+    skip_elsewhere,
+)
+from pipepar.program.route import Routes, signature
 from pipepar.program.step import Batch
 from pipepar.program.units import sizes_of as _sizes
 from pipepar.ranks import clipping
@@ -85,6 +93,7 @@ class DistributedModelPipe(nn.Module):
         group: dist.ProcessGroup | None = None,
         state_dict: Mapping[str, Tensor] | None = None,
         timeout: float | None = 300.0,
+        routes: bool = True,
     ) -> None:
         super().__init__()
         self.chunks = validation.check_chunks(chunks)
@@ -126,6 +135,9 @@ class DistributedModelPipe(nn.Module):
         for name, p in model.named_parameters(recurse=False):
             self.register_parameter(name, p)
         self._hooks = watch_units(lay.units, self.stage_of_unit)
+        skip_elsewhere(lay.units, self.stage_of_unit, own)
+        # Where values cross, by kind of call (None: every call under the cut's mode).
+        self._routes = Routes() if routes else None
         self._tied = _tied_groups(model, lay, self.stage_of_unit, self.mesh.pipeline_ranks)
         mine = [u for u, s in zip(lay.units, self.stage_of_unit) if s == own]
         self._stage = Stage(
@@ -252,7 +264,7 @@ class DistributedModelPipe(nn.Module):
         stage's for real, the others in shadow; without ``grad`` the forward ones only, and
         nothing is kept for a backward."""
         weights = shares.weights if shares is not None else None
-        values = [MetaScalars() for _ in calls]
+        flags = (self._model.training, grad, head is not None, isinstance(shares, ModelLoss))
         cuts = [
             RankCut(
                 Ledger(),
@@ -261,11 +273,13 @@ class DistributedModelPipe(nn.Module):
                 {},
                 own=self._own,
                 link=self._link,
-                values=vals,
+                values=MetaScalars(),
+                routes=self._routes,
+                key=signature(c.args, c.kwargs, *flags),
             )
-            for vals in values
+            for c in calls
         ]
-        shadow = shadow_context(values, grad)
+        shadow = shadow_context(cuts, grad)
 
         def context(stage: int, i: int) -> contextlib.AbstractContextManager[Any]:
             # ``step`` is made below, before any driver runs.

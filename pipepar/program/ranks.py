@@ -24,15 +24,19 @@ them; their gradients are summed over those ranks after each step, so the copies
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
-from pipepar.program.cut import Crossing, Cut, Ledger
+from pipepar.program.cut import Crossing, Cut, Ledger, tag_stage
+from pipepar.program.driver import active
 from pipepar.program.meta_values import SHADOW_LIMIT, MetaScalars
+from pipepar.program.route import Routes, check_graphs
 from pipepar.program.step import SegmentContext, SegmentStep
 from pipepar.ranks.failure import comm
 from pipepar.ranks.mesh import Mesh
@@ -117,26 +121,83 @@ class RankCut(Cut):
         own: int,
         link: Link,
         values: MetaScalars,
+        routes: Routes | None = None,
+        key: Hashable = None,
     ) -> None:
-        super().__init__(ledger, owner, devices, inputs)
+        super().__init__(ledger, owner, devices, inputs, routes, key)
         self.own, self.link, self.values = own, link, values
         self._metas: dict[int, tuple[Tensor, Tensor]] = {}
+        self._stand_ins: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
         self.exports: list[Crossing] = []
 
-    # The crossings of a rank are the mode's alone (no route, nothing at units' arguments).
-    def enter_unit(self, *args: Any) -> None:
-        return None
+    # -- at units' arguments --------------------------------------------------------------------
+    def _enter(self, t: Tensor, producer: int, stage: int) -> Tensor:
+        """A value of ``producer`` given to a unit of ``stage``: received from its rank into a
+        leaf of the own stage, or (another stage's unit) a stand-in on ``meta``, sent first to
+        that stage's rank when the own stage made it."""
+        if stage == self.own:
+            return self.ledger.leaf_from(t, producer, stage, lambda: self._recv(t, producer))
+        found = self._stand_ins.get((id(t), stage))
+        if found is None or found[0] is not t:
+            if producer == self.own and self.ledger.first_use(t, stage):
+                self.exports.append(Crossing(self.own, stage, t, t))
+                self.link.send(t, stage, ACTIVATION)
+            stand_in = (t if t.is_meta else self._meta_of(t)).detach()
+            if t.requires_grad and stand_in.is_floating_point():
+                stand_in.requires_grad_()
+            tag_stage(stand_in, self.ledger, stage)
+            found = self._stand_ins[(id(t), stage)] = (t, stand_in)
+        return found[1]
+
+    def _placed(self, t: Tensor, stage: int) -> Tensor:
+        return t if stage != self.own or t.is_meta else super()._placed(t, stage)
 
     def leave_unit(self, output: Any) -> None:
-        return None
+        if self.route is None and self._open and self.stage != self.own:
+            self.record.templates[self._open[-1]] = template(output)
+        super().leave_unit(output)
 
-    def finish(self, output: Any) -> None:
-        return None
+    def stub(self) -> Callable[[], Any] | None:
+        """What stands in for the output of the unit call just entered, when it is another
+        stage's and the route knows its shape: it is not run here."""
+        if self.route is None or self.stage == self.own or not self._open:
+            return None
+        shape = self.route.templates.get(self._open[-1])
+        return None if shape is None else lambda: from_template(shape)
+
+    def shadowing(self) -> contextlib.AbstractContextManager[Any]:
+        """What another stage's code runs under when following a route: its tensors on
+        ``meta`` (the cut's mode does it otherwise)."""
+        return ToMeta(self) if self.following else contextlib.nullcontext()
+
+    def _check_graph(self, outputs: list[tuple[Tensor, int]]) -> None:
+        """The own stage's graph is its own: from what it returns and sends back to its
+        parameters and the leaves it received."""
+        roots = [(t, s) for t, s in outputs if s == self.own and not t.is_meta]
+        roots += [(c.original, self.own) for c in self.exports if not c.original.is_meta]
+        leaves = {id(c.leaf): self.own for c in self.ledger.crossings if c.consumer == self.own}
+        check_graphs(roots, leaves, self.owner, self.key)
+
+    def _changed(self, why: str) -> None:
+        super()._changed(
+            f"{why}; across ranks a step cannot be run again, so pass routes=False to "
+            "pipepar.distributed.wrap for a model whose units run in an order that depends on "
+            "the data"
+        )
+
+    # -- under the mode (learning a route, or a model whose values cross elsewhere) -------------
+    def _crossed(self, t: Tensor) -> Tensor:
+        return self._cross(t)  # what is a crossing is decided below, not by identity
 
     def _cross(self, t: Tensor) -> Tensor:
+        made = self.ledger.stage_of(t)
         if self.stage != self.own:
+            own_value = made == self.own and not t.is_meta
+            if own_value or (t.is_meta and made not in (None, self.stage)):
+                self.loose = True  # a crossing in the model's own code: no route
             return self._shadow(t)
         if t.is_meta:
+            self.loose = True
             return self._receive(t)
         return t
 
@@ -176,6 +237,69 @@ class RankCut(Cut):
         return leaf
 
 
+class ToMeta(TorchFunctionMode):
+    """Another stage's code on a rank that follows a route: every real tensor an operation
+    is given becomes its ``meta`` twin (small integer values kept for the model's reads)."""
+
+    def __init__(self, cut: RankCut) -> None:
+        super().__init__()
+        self.cut = cut
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        args = tuple(self._meta(a) for a in args)
+        kwargs = {k: self._meta(v) for k, v in (kwargs or {}).items()}
+        return func(*args, **kwargs)
+
+    def _meta(self, value: Any) -> Any:
+        if isinstance(value, Tensor):
+            return value if value.is_meta else self.cut._meta_of(value)
+        if isinstance(value, (list, tuple)) and value and isinstance(value[0], Tensor):
+            items = [self._meta(v) for v in value]
+            return items if isinstance(value, list) else tuple(items)
+        return value
+
+
+def template(output: Any) -> tuple[Any, list[Any]]:
+    """The shape of a unit's output: its structure, and each tensor's shape and dtype."""
+    leaves, spec = pytree.tree_flatten(output)
+    described = [
+        (tuple(t.shape), t.dtype, t.requires_grad) if isinstance(t, Tensor) else t for t in leaves
+    ]
+    return spec, described
+
+
+def from_template(shape: tuple[Any, list[Any]]) -> Any:
+    """An output of that shape on ``meta``."""
+    spec, described = shape
+    leaves = [
+        torch.empty(d[0], dtype=d[1], device="meta", requires_grad=d[2] and d[1].is_floating_point)
+        if isinstance(d, tuple) and len(d) == 3 and isinstance(d[1], torch.dtype)
+        else d
+        for d in described
+    ]
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def skip_elsewhere(units: Sequence[Any], stage_of_unit: Sequence[int], own: int) -> None:
+    """Let every unit with parameters of another stage than ``own`` be skipped by a rank that
+    follows a route (its output stood in on ``meta``; run as usual otherwise)."""
+    for unit, s in zip(units, stage_of_unit):
+        if s != own and unit.has_parameters:
+            unit.module.forward = _skippable(unit.module.forward)
+
+
+def _skippable(forward: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        driver = active()
+        follower = driver.follower if driver is not None else None
+        stand_in = follower.stub() if isinstance(follower, RankCut) else None
+        return forward(*args, **kwargs) if stand_in is None else stand_in()
+
+    return run
+
+
 class RankStep(SegmentStep):
     """The own stage's F, B and W on a rank: F runs the whole forward (the others in shadow),
     B receives the gradients of what the stage sent and sends those of what it received."""
@@ -210,14 +334,15 @@ class RankStep(SegmentStep):
         return ()
 
 
-def shadow_context(values: Sequence[MetaScalars], grad: bool) -> SegmentContext:
+def shadow_context(cuts: Sequence[RankCut], grad: bool) -> SegmentContext:
     """What a driver enters while it follows a stage of another rank (micro-batch ``i`` reads
-    the values of ``values[i]``)."""
+    the values of ``cuts[i].values``)."""
 
     def enter(stage: int, i: int) -> contextlib.AbstractContextManager[Any]:
         stack = contextlib.ExitStack()
         stack.enter_context(torch.set_grad_enabled(grad))
-        stack.enter_context(values[i])
+        stack.enter_context(cuts[i].values)
+        stack.enter_context(cuts[i].shadowing())
         return stack
 
     return enter

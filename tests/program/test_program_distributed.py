@@ -173,6 +173,96 @@ def _sequential_batch() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tensor([1, -100, -100, -100, 2, 3, 4, -100])
 
 
+FOLLOW_SPLITS = {
+    **SPLITS,
+    "vit_timm": "blocks.2",
+    "vit_torchvision": "encoder.layers.encoder_layer_2",
+}
+
+
+def _follow_batch(name: str, step: int) -> dict[str, Any]:
+    if name.startswith("vit"):
+        return zoo.sample(name, batch=4, seed=step % 2)
+    return zoo.padded_sample(name, batch=4, seq=8, seed=step % 2)
+
+
+def _following(name: str, schedule: str) -> list[tuple[int, float, dict[str, Any]]]:
+    """Three steps of the same kind: the first learns the route, the others follow it (the
+    count of operations that passed the cut's mode, the loss, the gradients of each step)."""
+    import pipepar.distributed as ppd
+    from pipepar.program.cut import Cut
+
+    torch.manual_seed(0)
+    pipe = ppd.wrap(zoo.build(name), split=[FOLLOW_SPLITS[name]], chunks=2, schedule=schedule)
+    count = [0]
+    original = Cut.__torch_function__
+
+    def counting(self: Cut, *args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(self, *args, **kwargs)
+
+    steps = []
+    Cut.__torch_function__ = counting  # type: ignore[method-assign]
+    try:
+        for step in range(3):
+            count[0] = 0
+            loss = pipe.step(**_follow_batch(name, step), loss_fn=_loss_fn(name))
+            grads = {k: p.grad.numpy().copy() for k, p in pipe.named_parameters()}
+            pipe.zero_grad()
+            steps.append((count[0], loss, grads))
+    finally:
+        Cut.__torch_function__ = original  # type: ignore[method-assign]
+    pipe.close()
+    return steps
+
+
+class _Skipping(torch.nn.Module):
+    """Skips block 1 when ``skip`` is set: the units it runs depend on the data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        for k, block in enumerate(self.blocks):
+            if not (k == 1 and bool(skip[0])):
+                x = torch.tanh(block(x))
+        return x
+
+
+def _path_change() -> str:
+    """A step that leaves the route its kind of call learned ends every rank with the cause."""
+    import pipepar.distributed as ppd
+
+    torch.manual_seed(0)
+    pipe = ppd.wrap(_Skipping(), split=["blocks.2"], chunks=2, timeout=30)
+    x = torch.rand(4, 4)
+    for _ in range(2):
+        pipe.step(x, torch.zeros(4, dtype=torch.long), loss_fn=lambda out, t: out.sum(), target=x)
+    try:
+        pipe.step(x, torch.ones(4, dtype=torch.long), loss_fn=lambda out, t: out.sum(), target=x)
+    except ppd.PipelineError as error:
+        return str(error)
+    finally:
+        pipe.close()
+    return "no error"
+
+
+def _without_routes() -> list[float]:
+    """``routes=False``: every call under the cut's mode, whatever path it takes."""
+    import pipepar.distributed as ppd
+
+    torch.manual_seed(0)
+    pipe = ppd.wrap(_Skipping(), split=["blocks.2"], chunks=2, routes=False)
+    x = torch.rand(4, 4)
+    losses = [
+        pipe.step(x, torch.full((4,), k), loss_fn=lambda out, t: out.square().mean())
+        for k in (0, 0, 1, 0)
+    ]
+    pipe.close()
+    return losses
+
+
 def _rank(rank: int, port: int, results: Any) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -187,6 +277,13 @@ def _rank(rank: int, port: int, results: Any) -> None:
         }
         out["padded_replicas"] = _padded_replicas(rank)
         out["eval"] = _evaluation()
+        out["path_change"] = _path_change()
+        out["without_routes"] = _without_routes()
+        out["following"] = {
+            (name, schedule): _following(name, schedule)
+            for name in zoo.NAMES
+            for schedule in ("gpipe", "1f1b", "zb-h1")
+        }
         results.put((rank, out))
     except BaseException:
         results.put((rank, traceback.format_exc()))
@@ -326,3 +423,48 @@ def test_evaluation_across_ranks_runs_forwards_only_and_gives_the_output_on_the_
         for key, g in got["grads"].items():
             err = (torch.from_numpy(g) - grads[key].grad).abs().max().item() / scale
             assert err < RTOL, f"rank {r}: gradient of {key}, relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("name", zoo.NAMES)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_ranks_following_a_route_equal_the_plain_model(
+    ranks: dict[int, Any], name: str, schedule: str
+) -> None:
+    """After the first step, each rank runs its own stage without the cut's mode and skips the
+    other stage's units; every step's loss and gradients are the plain model's."""
+    torch.manual_seed(0)
+    plain = zoo.build(name)
+    for step in range(3):
+        out = plain(**_follow_batch(name, step))
+        loss = out.float().logsumexp(-1).mean() if name.startswith("vit") else out.loss
+        loss.backward()
+        grads = dict(plain.named_parameters())
+        for r in (0, 1):
+            ops, got_loss, got = ranks[r]["following"][(name, schedule)][step]
+            assert (ops == 0) == (step > 0), (r, step, ops)
+            assert abs(got_loss - loss.item()) <= RTOL * abs(loss.item()), (r, step)
+            for key, g in got.items():
+                ref = grads[key].grad
+                scale = ref.abs().max().clamp_min(1e-6)
+                err = ((torch.from_numpy(g) - ref).abs().max() / scale).item()
+                assert err < RTOL, f"rank {r} step {step}: gradient of {key}, error {err:.2e}"
+        plain.zero_grad()
+
+
+def test_a_step_that_leaves_the_route_ends_every_rank_with_the_cause(
+    ranks: dict[int, Any],
+) -> None:
+    for r in (0, 1):
+        message = ranks[r]["path_change"]
+        assert "took another path than the learned route" in message, (r, message)
+        assert "pass routes=False to pipepar.distributed.wrap" in message, (r, message)
+
+
+def test_without_routes_every_path_is_right(ranks: dict[int, Any]) -> None:
+    torch.manual_seed(0)
+    plain = _Skipping()
+    x = torch.rand(4, 4)
+    expected = [plain(x, torch.full((4,), k)).square().mean().item() for k in (0, 0, 1, 0)]
+    for r in (0, 1):
+        got = ranks[r]["without_routes"]
+        assert got == pytest.approx(expected, rel=RTOL), (r, got, expected)
