@@ -16,7 +16,11 @@ program on every rank, each value that crosses into or out of the rank's stage:
   the own stage's graph (its shape and dtype come from the fake value).
 
 Both sides meet the crossings in program order, so sends and receives pair up without any
-message describing them. Backward sends each received leaf's gradient back the same way.
+message describing them. The crossings at units' arguments are made by the units' hooks, at the
+same point of the program on every rank; once a kind of call has a learned route
+(:mod:`pipepar.program.route`), a rank runs its own stage without the mode, skips the units of
+the other stages (:func:`skip_elsewhere`: their outputs stand in on ``meta``, shaped as the
+route learned) and runs the few operations between those units under :class:`ToMeta`. Backward sends each received leaf's gradient back the same way.
 Weights tied across stages (GPT-2's embedding and head) are held by every rank whose stage uses
 them; their gradients are summed over those ranks after each step, so the copies stay equal.
 """
