@@ -20,7 +20,8 @@ message describing them. The crossings at units' arguments are made by the units
 same point of the program on every rank; once a kind of call has a learned route
 (:mod:`pipepar.program.route`), a rank runs its own stage without the mode, skips the units of
 the other stages (:func:`skip_elsewhere`: their outputs stand in on ``meta``, shaped as the
-route learned) and runs the few operations between those units under :class:`ToMeta`. Backward sends each received leaf's gradient back the same way.
+route learned) and runs the few operations between those units under :class:`ToMeta`.
+Backward sends each received leaf's gradient back the same way.
 Weights tied across stages (GPT-2's embedding and head) are held by every rank whose stage uses
 them; their gradients are summed over those ranks after each step, so the copies stay equal.
 """
