@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
-__all__ = ["MODES", "is_recomputing", "recomputing", "should_checkpoint"]
+__all__ = ["MODES", "batch_norms", "is_recomputing", "recomputing", "should_checkpoint"]
 
 MODES = ("always", "except_last", "never")
 
@@ -44,7 +44,8 @@ def is_recomputing() -> bool:
     return getattr(_local, "recomputing", False)
 
 
-def _batch_norms(layers: Iterable[nn.Module]) -> list[nn.modules.batchnorm._BatchNorm]:
+def batch_norms(layers: Iterable[nn.Module]) -> list[nn.modules.batchnorm._BatchNorm]:
+    """The batch-norm layers in ``layers`` (at any depth) that keep running statistics."""
     return [
         sub
         for layer in layers
@@ -60,7 +61,7 @@ def recomputing(layers: Iterable[nn.Module]) -> Iterator[None]:
     A batch-norm layer with ``track_running_stats=False`` normalizes with the batch statistics in
     training mode, exactly as the first forward did, but leaves its buffers alone.
     """
-    frozen = _batch_norms(layers)
+    frozen = batch_norms(layers)
     for bn in frozen:
         bn.track_running_stats = False
     _local.recomputing = True

@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from pipepar.program.driver import Weight
 from pipepar.program.route import (
     PathChanged,
     Route,
@@ -46,7 +47,7 @@ from pipepar.program.route import (
     tensors_in,
 )
 
-__all__ = ["CALLER", "Crossing", "Cut", "Ledger", "Weight", "tag_stage"]
+__all__ = ["CALLER", "Crossing", "Cut", "Ledger", "map_arguments", "tag_stage"]
 
 CALLER = -1
 """The producer of the pipe's own tensor arguments (their gradients go back to the caller)."""
@@ -160,10 +161,6 @@ def _detached(t: Tensor, device: torch.device) -> Tensor:
 
 def _is_leaf_param(t: Tensor) -> bool:
     return isinstance(t, torch.nn.Parameter)
-
-
-Weight = tuple[nn.Module, str, nn.Parameter]
-"""A unit's parameter: the module registering it, its name there, the parameter."""
 
 
 class Cut(TorchFunctionMode):
@@ -343,12 +340,7 @@ class Cut(TorchFunctionMode):
         return out
 
     def _sub(self, value: Any) -> Any:
-        if isinstance(value, Tensor):
-            return self._crossed(value)
-        if isinstance(value, (list, tuple)) and value and isinstance(value[0], Tensor):
-            items = [self._crossed(v) if isinstance(v, Tensor) else v for v in value]
-            return type(value)(items) if isinstance(value, list) else tuple(items)
-        return value
+        return map_arguments(value, self._crossed)
 
     def _crossed(self, t: Tensor) -> Tensor:
         out = self._cross(t)
@@ -383,6 +375,17 @@ class Cut(TorchFunctionMode):
             for t in out:
                 if isinstance(t, Tensor):
                     _set_tag(t, tag)
+
+
+def map_arguments(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """``fn`` applied to an operation's argument ``value``: a tensor, or each tensor of a list
+    or tuple of tensors (``torch.cat``'s); anything else as it is."""
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], Tensor):
+        items = [fn(v) if isinstance(v, Tensor) else v for v in value]
+        return type(value)(items) if isinstance(value, list) else tuple(items)
+    return value
 
 
 def _cpu_scalar(t: Tensor) -> bool:

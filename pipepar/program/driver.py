@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from pipepar.local.worker import Aborted, _init_thread
 
-__all__ = ["Driver", "Follower", "active", "driver_pool", "watch_units"]
+__all__ = ["Driver", "Follower", "Weight", "active", "driver_pool", "watch_units"]
 
 _local = threading.local()
 
@@ -33,6 +33,7 @@ Context = Callable[[int], contextlib.AbstractContextManager[Any]]
 """``context(stage)``: what the driver enters while it computes stage ``stage``."""
 
 Weight = tuple[nn.Module, str, nn.Parameter]
+"""A unit's parameter: the module registering it, its name there, the parameter."""
 
 
 class Follower(Protocol):

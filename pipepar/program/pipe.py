@@ -48,6 +48,7 @@ from pipepar.program.calls import Call, split_call
 from pipepar.program.cut import Cut, Ledger
 from pipepar.program.driver import driver_pool, watch_units
 from pipepar.program.losses import LossFn, ModelLoss, callers, loss_head, step_shares
+from pipepar.program.rerun import Rerun
 from pipepar.program.route import PathChanged, Routes, signature
 from pipepar.program.run import ProgramRun
 from pipepar.program.step import Batch
@@ -151,6 +152,7 @@ class ModelPipe(nn.Module):
         self._devices_of_workers = workers
         self._draws = DrawLog()  # which stages draw random numbers, across mini-batches
         self._routes = Routes()  # where values cross, by kind of call
+        self._rerun = Rerun(model, placed)  # what a call run again starts from
         self.threads = _check_threads(threads, workers, self.chunks)
         self.tracer: Tracer | None = Tracer() if trace else None
         self._pool: WorkerPool | None = None
@@ -316,15 +318,12 @@ class ModelPipe(nn.Module):
         """``attempt()``; if a micro-batch left the route it followed, again from the same
         random state and batch-norm statistics with that route forgotten (the call then runs
         under the cut's mode). Nothing was written to ``.grad`` before the forward ended."""
-        states = _random_states(self.devices)
-        running = [(b, b.clone()) for b in _running_stats(self._model)]
+        start = self._rerun.start()
         try:
             return attempt()
         except PathChanged as changed:
             self._routes.distrust(changed.key)
-            _restore_random(states)
-            for buffer, value in running:
-                buffer.copy_(value)
+            start.restore()
             return attempt()
 
     def _step_all(self, run: ProgramRun, shares: Sequence[float]) -> Tensor:
@@ -422,31 +421,6 @@ class ModelPipe(nn.Module):
         if made_for is None:
             return super().__reduce_ex__(protocol)
         return _new_pipe, (made_for,), self.__getstate__()
-
-
-def _random_states(devices: Sequence[torch.device]) -> list[tuple[torch.device, Tensor]]:
-    """The random states a mini-batch draws from: the CPU's and each CUDA device's."""
-    cuda = {d for d in devices if d.type == "cuda"}
-    states = [(torch.device("cpu"), torch.get_rng_state())]
-    return states + [(d, torch.cuda.get_rng_state(d)) for d in cuda]
-
-
-def _running_stats(model: nn.Module) -> list[Tensor]:
-    """The buffers a forward in training mode updates: batch norms' running statistics."""
-    return [
-        b
-        for m in model.modules()
-        if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
-        for b in m.buffers(recurse=False)
-    ]
-
-
-def _restore_random(states: list[tuple[torch.device, Tensor]]) -> None:
-    for device, state in states:
-        if device.type == "cpu":
-            torch.set_rng_state(state)
-        else:
-            torch.cuda.set_rng_state(state, device)
 
 
 def _new_pipe(model_class: type[nn.Module]) -> ModelPipe:

@@ -38,7 +38,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from pipepar.program.cut import Crossing, Cut, Ledger, tag_stage
+from pipepar.program.cut import Crossing, Cut, Ledger, map_arguments, tag_stage
 from pipepar.program.driver import active
 from pipepar.program.meta_values import SHADOW_LIMIT, MetaScalars
 from pipepar.program.route import Routes, check_graphs
@@ -253,17 +253,12 @@ class ToMeta(TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
-        args = tuple(self._meta(a) for a in args)
-        kwargs = {k: self._meta(v) for k, v in (kwargs or {}).items()}
+        args = tuple(map_arguments(a, self._meta) for a in args)
+        kwargs = {k: map_arguments(v, self._meta) for k, v in (kwargs or {}).items()}
         return func(*args, **kwargs)
 
-    def _meta(self, value: Any) -> Any:
-        if isinstance(value, Tensor):
-            return value if value.is_meta else self.cut._meta_of(value)
-        if isinstance(value, (list, tuple)) and value and isinstance(value[0], Tensor):
-            items = [self._meta(v) for v in value]
-            return items if isinstance(value, list) else tuple(items)
-        return value
+    def _meta(self, t: Tensor) -> Tensor:
+        return t if t.is_meta else self.cut._meta_of(t)
 
 
 def template(output: Any) -> tuple[Any, list[Any]]:
