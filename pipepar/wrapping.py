@@ -54,9 +54,11 @@ def wrap(
         split: module paths where a new stage begins, e.g. ``["transformer.h.6"]``.
         devices: one device per stage; ``None`` = all CUDA devices, or the CPU for every stage.
         chunks: micro-batches per mini-batch (M).
-        checkpoint: ``"always"``, ``"except_last"`` (the default for ``nn.Sequential``) or
-            ``"never"`` (the only mode for other models: use the model's own activation
-            checkpointing there) recompute in backward.
+        checkpoint: which micro-batches recompute their activations in backward:
+            ``"always"``, ``"except_last"`` (the default for ``nn.Sequential``, as in
+            torchgpipe) or ``"never"`` (the default for other models, which then recompute
+            unit by unit: each unit keeps its arguments and runs again in backward, drawing
+            the same random numbers).
         deferred_batch_norm: track batch-norm statistics over the whole mini-batch.
         sample: an input batch to profile when ``balance`` is None: a tensor, a tuple of
             positional arguments, or a dict of keyword arguments (``dict(input_ids=...)``).

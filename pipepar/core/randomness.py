@@ -39,11 +39,12 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["DrawLog", "Randomness", "Recorded", "Streams"]
+__all__ = ["DrawLog", "DrawPoint", "Randomness", "Recorded", "Streams", "draw_point"]
 
 _SEEDED = torch.Tag.nondeterministic_seeded
 _LOCKS: dict[tuple[str, int], threading.Lock] = {}
 _LOCKS_GUARD = threading.Lock()
+_streaming = threading.local()  # .mode: the stream this thread draws from, if any
 
 
 def _lock(device: torch.device) -> threading.Lock:
@@ -263,7 +264,7 @@ class Streams:
         under ``flags`` runs a block that will not be replayed without the mode, checked."""
         log = self.log
         if log is None:
-            with _StreamMode(self, 1_000_003 * stage + microbatch):
+            with _drawing_from(_StreamMode(self, 1_000_003 * stage + microbatch)):
                 yield
             return
         if not replay and (stage, flags) in self._quiet and log.quiet(stage, flags):
@@ -272,9 +273,79 @@ class Streams:
                 yield
             return
         mode = _StreamMode(self, 1_000_003 * stage + microbatch)
-        with mode:
+        with _drawing_from(mode):
             yield
         log.saw(stage, flags, drew=mode.drew)
+
+
+@contextmanager
+def _drawing_from(mode: _StreamMode) -> Iterator[None]:
+    """Enter ``mode``, known to :func:`draw_point` on this thread while it is entered."""
+    outer = getattr(_streaming, "mode", None)
+    _streaming.mode = mode
+    try:
+        with mode:
+            yield
+    finally:
+        _streaming.mode = outer
+
+
+class DrawPoint:
+    """Where this thread's random draws stand at one moment; :meth:`replaying` draws again
+    from there. Take one with :func:`draw_point`.
+
+    Inside :meth:`Streams.drawing` the point is a position in the block's stream (the
+    recompute of a part of the block draws what that part drew, whatever the block drew
+    before it); elsewhere it is the state of the default generators (CPU, and each CUDA
+    generator in use), which :meth:`replaying` sets and puts back after.
+
+    Example:
+        >>> point = draw_point()
+        >>> a = torch.rand(2)
+        >>> with point.replaying():
+        ...     b = torch.rand(2)
+        >>> bool((a == b).all())
+        True
+    """
+
+    def __init__(self) -> None:
+        mode: _StreamMode | None = getattr(_streaming, "mode", None)
+        self._stream = None if mode is None else (mode.streams, mode.offset, dict(mode.states))
+        self._generators = (
+            None if mode is not None else [(g, g.get_state()) for g in _generators_in_use()]
+        )
+
+    @contextmanager
+    def replaying(self) -> Iterator[None]:
+        """Draw from this point during the block."""
+        if self._stream is not None:
+            streams, offset, states = self._stream
+            mode = _StreamMode(streams, offset)
+            mode.states = dict(states)
+            with mode:
+                yield
+            return
+        assert self._generators is not None
+        saved = [(g, g.get_state()) for g, _ in self._generators]
+        for g, state in self._generators:
+            g.set_state(state)
+        try:
+            yield
+        finally:
+            for g, state in saved:
+                g.set_state(state)
+
+
+def draw_point() -> DrawPoint:
+    """Where this thread's random draws stand now (see :class:`DrawPoint`)."""
+    return DrawPoint()
+
+
+def _generators_in_use() -> list[torch.Generator]:
+    gens = [torch.default_generator]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        gens.extend(torch.cuda.default_generators)
+    return gens
 
 
 class _Watch:

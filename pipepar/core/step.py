@@ -205,8 +205,9 @@ class StageStep:
         self, i: int, pairs: list[tuple[Tensor, Tensor]], inputs: list[Tensor]
     ) -> Sequence[Tensor | None]:
         outs, gouts = [t for t, _ in pairs], [g for _, g in pairs]
+        readable = self._saved_readable(i)
         with self._device():
-            if self.split(i) and all(t.grad_fn is not None for t in outs):
+            if readable and self.split(i) and all(t.grad_fn is not None for t in outs):
                 if not inputs:  # B has nothing to compute: W runs the whole backward
                     self._weights[i] = _Later(outs, gouts)
                     return []
@@ -215,7 +216,14 @@ class StageStep:
                 if work is not None:
                     self._weights[i] = work
                     return grads_in
-            return self._whole(outs, gouts, inputs, last=self._closing())
+            return self._whole(outs, gouts, inputs, last=self._closing(), readable=readable)
+
+    def _saved_readable(self, i: int) -> bool:
+        """Whether micro-batch ``i``'s graph holds what its operations saved, so that the
+        B/W split and the direct weight products may read it. Not so where reading it
+        recomputes a part of the forward (checkpointed units); the backward then runs whole,
+        in one engine pass."""
+        return True
 
     def _whole(
         self,
@@ -225,10 +233,13 @@ class StageStep:
         *,
         last: bool,
         retain: bool = False,
+        readable: bool = True,
     ) -> list[Tensor | None]:
         """The whole backward in one engine pass, parameter gradients summed as they come;
-        a large stage's weight products are direct terms (:func:`backward_whole`)."""
-        plan = plan_backward(outs, gouts, inputs, self.params, reach=True) if self._large else None
+        a large stage's weight products are direct terms (:func:`backward_whole`) where what
+        they read is ``readable`` (see :meth:`_saved_readable`)."""
+        large = self._large and readable
+        plan = plan_backward(outs, gouts, inputs, self.params, reach=True) if large else None
         direct = {id(p) for p in plan.direct_params()} if plan is not None else set()
         with self._summing(gouts, last=last) as fresh:
             if plan is not None and direct:

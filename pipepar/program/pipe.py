@@ -25,6 +25,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from pipepar.core import validation
+from pipepar.core.batchnorm import commit_all, convert_deferred_batch_norm, reset_all
 from pipepar.core.devices import DeviceSpec, resolve_devices
 from pipepar.core.losses import Items, LossShares, joined_loss, split_target
 from pipepar.core.randomness import DrawLog
@@ -48,6 +49,7 @@ from pipepar.program.calls import Call, split_call
 from pipepar.program.cut import Cut, Ledger
 from pipepar.program.driver import driver_pool, watch_units
 from pipepar.program.losses import LossFn, ModelLoss, callers, loss_head, step_shares
+from pipepar.program.recompute import checkpoint_units
 from pipepar.program.rerun import Rerun
 from pipepar.program.route import PathChanged, Routes, signature
 from pipepar.program.run import ProgramRun
@@ -89,6 +91,10 @@ class ModelPipe(nn.Module):
         sample: an example call (a tensor, a tuple of positional arguments, or a dict of
             keyword arguments): units are then ordered as the model calls them.
         schedule: a schedule name or object (:mod:`pipepar.core.schedule`).
+        checkpoint: ``"never"``, ``"always"`` or ``"except_last"``: stages recompute their
+            units in backward for those micro-batches (:mod:`pipepar.program.recompute`).
+        deferred_batch_norm: batch-norm layers track their running statistics over the whole
+            mini-batch, once per call (:mod:`pipepar.core.batchnorm`), not per micro-batch.
         threads: math threads per CPU stage.
         trace: record a timeline in ``pipe.tracer``.
     """
@@ -118,6 +124,8 @@ class ModelPipe(nn.Module):
         chunks: int = 1,
         sample: Any = None,
         schedule: str | Schedule = "gpipe",
+        checkpoint: str = "never",
+        deferred_batch_norm: bool = False,
         threads: int | None = None,
         trace: bool = False,
     ) -> None:
@@ -128,6 +136,9 @@ class ModelPipe(nn.Module):
                 "pass the model to split"
             )
         self.chunks = validation.check_chunks(chunks)
+        self.checkpoint = validation.check_checkpoint(checkpoint)
+        if deferred_batch_norm:
+            _deferred_batch_norm(model)
         order = _call_order(model, sample) if sample is not None else None
         lay = units_.layout(model, order)
         sizes = _sizes(lay, balance, split)
@@ -149,6 +160,8 @@ class ModelPipe(nn.Module):
         self._params = _held(model, self._owner, len(sizes))
         self._units = lay
         self._hooks = watch_units(lay.units, stage_of_unit)
+        if self.checkpoint != "never":
+            checkpoint_units([u.module for u in lay.units if u.has_parameters])
         self._devices_of_workers = workers
         self._draws = DrawLog()  # which stages draw random numbers, across mini-batches
         self._routes = Routes()  # where values cross, by kind of call
@@ -190,7 +203,10 @@ class ModelPipe(nn.Module):
 
     def extra_repr(self) -> str:
         starts = [paths[0] for paths in self.stage_paths]
-        return f"stages start at {starts}, chunks={self.chunks}, schedule={self._layout.name!r}"
+        return (
+            f"stages start at {starts}, chunks={self.chunks}, "
+            f"schedule={self._layout.name!r}, checkpoint={self.checkpoint!r}"
+        )
 
     def train(self, mode: bool = True) -> ModelPipe:
         super().train(mode)
@@ -320,11 +336,18 @@ class ModelPipe(nn.Module):
         under the cut's mode). Nothing was written to ``.grad`` before the forward ended."""
         start = self._rerun.start()
         try:
-            return attempt()
-        except PathChanged as changed:
-            self._routes.distrust(changed.key)
-            start.restore()
-            return attempt()
+            try:
+                result = attempt()
+            except PathChanged as changed:
+                self._routes.distrust(changed.key)
+                reset_all([self._model])
+                start.restore()
+                result = attempt()
+        except BaseException:
+            reset_all([self._model])  # what got through must not count towards the next call
+            raise
+        commit_all([self._model])  # deferred batch norms: the mini-batch's statistics
+        return result
 
     def _step_all(self, run: ProgramRun, shares: Sequence[float]) -> Tensor:
         run.open_backward()
@@ -372,6 +395,7 @@ class ModelPipe(nn.Module):
             grad=grad,
             tracer=self.tracer,
             draws=self._draws,
+            checkpoint=self.checkpoint,
         )
 
     def _schedule(self, m: int) -> Schedule:
@@ -429,6 +453,15 @@ def _new_pipe(model_class: type[nn.Module]) -> ModelPipe:
 
 
 # -- building -------------------------------------------------------------------------------
+def _deferred_batch_norm(model: nn.Module) -> None:
+    if isinstance(model, nn.modules.batchnorm._BatchNorm):
+        raise TypeError(
+            f"deferred_batch_norm=True replaces the batch-norm layers inside the model, and the "
+            f"model is one ({type(model).__name__}); wrap the model that holds it"
+        )
+    convert_deferred_batch_norm(model)
+
+
 def _call_order(model: nn.Module, sample: Any) -> list[str]:
     return [u.path for u in units_.units(model, sample)]
 

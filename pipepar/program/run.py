@@ -44,6 +44,8 @@ class ProgramRun(Run):
         tracer: where to record a timeline, if any.
         draws: the pipe's record of which stages draw random numbers (see
             :class:`~pipepar.core.randomness.DrawLog`).
+        checkpoint: which micro-batches the stages recompute (``"always"``,
+            ``"except_last"``, ``"never"``; :mod:`pipepar.program.recompute`).
 
     Each W runs where the schedule lists it (no early W on an idle worker, unlike
     :class:`~pipepar.local.executor.Run`): a stage's forward state lives on its drivers.
@@ -62,13 +64,14 @@ class ProgramRun(Run):
         grad: bool,
         tracer: Tracer | None = None,
         draws: DrawLog | None = None,
+        checkpoint: str = "never",
     ) -> None:
         self.batch = batch(self._segment_context)
         self.stages, self.schedule, self.m = list(stages), schedule, len(self.batch.drivers)
         self.tracer, self.inputs = tracer, inputs
         self.training = any(u.training for s in stages for u in s.layers)
         # Several workers race for the generator: a stream per (stage, micro-batch) keeps runs
-        # repeatable. One worker draws in order (nothing is recomputed here).
+        # repeatable. One worker draws in order (a recompute replays the default generators).
         flags = {s.index: tuple(u.training for u in s.layers) for s in stages}
         streams: Randomness | None = (
             Streams(log=draws, flags=flags) if schedule.n_workers > 1 else None
@@ -80,7 +83,7 @@ class ProgramRun(Run):
                 self.m,
                 batch=self.batch,
                 params=params[stage.index],
-                checkpoint="never",
+                checkpoint=checkpoint,
                 grad=grad,
                 input_grad=True,
                 streams=streams,

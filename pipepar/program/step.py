@@ -5,7 +5,8 @@ the model's own forward code (run by the micro-batch's :class:`~pipepar.program.
 rather than a call of its layers, and whose inputs and outputs are the values the cut found
 crossing into and out of the stage. Backward and the deferred weight gradients are the step's
 own: the same gradient sums, B/W split and hand-off of final sums as for ``nn.Sequential``
-stages.
+stages. A stage that recomputes a micro-batch runs its units checkpointed
+(:mod:`pipepar.program.recompute`).
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from pipepar.core.recompute import should_checkpoint
 from pipepar.core.step import Grads, StageStep
 from pipepar.program.cut import Crossing, Cut, Ledger
 from pipepar.program.driver import Driver
+from pipepar.program.recompute import recomputing_units
 
 __all__ = ["Batch", "SegmentContext", "SegmentStep"]
 
@@ -113,9 +116,18 @@ class SegmentStep(StageStep):
 
     def segment_context(self, stage: int, i: int) -> contextlib.AbstractContextManager[Any]:
         """What the driver enters while it computes this stage of micro-batch ``i``."""
-        stack = self._context(i, replay=False)  # the program route never recomputes
+        ckpt = self._recomputes(i)
+        stack = self._context(i, replay=ckpt)
         stack.enter_context(torch.set_grad_enabled(self.grad))
+        stack.enter_context(recomputing_units(ckpt))
         return stack
+
+    def _recomputes(self, i: int) -> bool:
+        """Whether micro-batch ``i``'s units run checkpointed on this stage."""
+        return self.grad and self.training and should_checkpoint(self.checkpoint, i, self.m)
+
+    def _saved_readable(self, i: int) -> bool:
+        return not self._recomputes(i)
 
     # -- F ------------------------------------------------------------------------------------
     def forward(self, i: int, x: Any) -> tuple[()]:

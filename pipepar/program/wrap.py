@@ -1,5 +1,5 @@
-"""``pipepar.wrap`` for any model: check what only ``nn.Sequential`` pipes support, plan the
-stages from a sample when none are given, build the :class:`~pipepar.program.pipe.ModelPipe`."""
+"""``pipepar.wrap`` for any model: plan the stages from a sample when none are given, build the
+:class:`~pipepar.program.pipe.ModelPipe`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipepar.core import validation
 from pipepar.core.devices import DeviceSpec
 from pipepar.core.schedule import Schedule
 from pipepar.program.pipe import ModelPipe
@@ -33,22 +34,9 @@ def wrap_model(
 ) -> ModelPipe:
     """:func:`pipepar.wrap` for any model that is not an ``nn.Sequential`` (or is split by
     module paths): see there."""
-    if checkpoint not in (None, "never"):
-        raise ValueError(
-            f"checkpoint={checkpoint!r} recomputes whole stages, which pipepar does only for "
-            f"nn.Sequential models, and {type(model).__name__} is not one; pass "
-            "checkpoint='never' and use the model's own activation checkpointing (for "
-            "transformers models: model.gradient_checkpointing_enable())"
-        )
-    if deferred_batch_norm:
-        raise ValueError(
-            f"deferred_batch_norm=True works on nn.Sequential models, and "
-            f"{type(model).__name__} is not one; pass deferred_batch_norm=False (batch norm "
-            "then tracks statistics per micro-batch), or lay the model out with "
-            "pipepar.sequentialize first"
-        )
+    checkpoint = "never" if checkpoint is None else validation.check_checkpoint(checkpoint)
     if balance is None and split is None:
-        balance = _planned_units(model, sample, devices, capacity, chunks, schedule)
+        balance = _planned_units(model, sample, devices, capacity, chunks, schedule, checkpoint)
     return ModelPipe(
         model,
         balance,
@@ -57,6 +45,8 @@ def wrap_model(
         chunks=chunks,
         sample=sample,
         schedule=schedule,
+        checkpoint=checkpoint,
+        deferred_batch_norm=deferred_batch_norm,
         threads=threads,
         trace=trace,
     )
@@ -69,6 +59,7 @@ def _planned_units(
     capacity: Any,
     chunks: int,
     schedule: str | Schedule,
+    checkpoint: str,
 ) -> list[int]:
     if sample is None:
         raise ValueError(
@@ -88,7 +79,7 @@ def _planned_units(
         devices=n_devices,
         capacity=capacity,
         chunks=chunks,
-        checkpoint="never",
+        checkpoint=checkpoint,
         schedule=schedule,
         optimizer=None,
     )

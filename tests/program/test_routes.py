@@ -6,82 +6,25 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 import pipepar
 from models import transformers_zoo as zoo
-from pipepar.program.cut import Cut
+from tests.program._real import (
+    SPLITS,
+    _batch,
+    _close,
+    _pipe_step,
+    _plain_step,
+    _same_grads,
+    mode_calls,
+)
 
-RTOL = 1e-5
-
-SPLITS = {  # two stages, and four for the virtual-stage schedules
-    "gpt2": ["transformer.h.1", "transformer.h.2", "transformer.h.3"],
-    "llama": ["model.layers.1", "model.layers.2", "model.layers.3"],
-    "bert": ["bert.encoder.layer.1", "bert.encoder.layer.2", "bert.encoder.layer.3"],
-    "vit_timm": ["blocks.1", "blocks.2", "blocks.3"],
-    "vit_torchvision": [f"encoder.layers.encoder_layer_{k}" for k in (1, 2, 3)],
-}
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v"]
-
-
-@contextmanager
-def mode_calls() -> Iterator[list[int]]:
-    """Counts the operations that pass through the cut's torch-function mode."""
-    count = [0]
-    original = Cut.__torch_function__
-
-    def counting(self: Cut, *args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return original(self, *args, **kwargs)
-
-    Cut.__torch_function__ = counting  # type: ignore[method-assign]
-    try:
-        yield count
-    finally:
-        Cut.__torch_function__ = original  # type: ignore[method-assign]
-
-
-def _close(a: Tensor, b: Tensor, what: str) -> None:
-    scale = b.abs().max().clamp_min(1e-6)
-    err = ((a - b).abs().max() / scale).item()
-    assert err < RTOL, f"{what}: relative error {err:.2e}"
-
-
-def _batch(name: str, seed: int) -> tuple[dict[str, Tensor], Tensor | None]:
-    if name.startswith("vit"):
-        gen = torch.Generator().manual_seed(seed)
-        return zoo.sample(name, batch=4, seed=seed), torch.randint(10, (4,), generator=gen)
-    return zoo.padded_sample(name, batch=4, seq=8, seed=seed), None
-
-
-def _plain_step(model: nn.Module, batch: dict[str, Tensor], y: Tensor | None) -> Tensor:
-    loss = F.cross_entropy(model(**batch), y) if y is not None else model(**batch).loss
-    loss.backward()
-    return loss.detach()
-
-
-def _pipe_step(pipe: nn.Module, batch: dict[str, Tensor], y: Tensor | None) -> Tensor:
-    if y is not None:
-        return pipe.step(**batch, loss_fn=F.cross_entropy, target=y)
-    return pipe.step(**batch)
-
-
-def _same_grads(pipe: nn.Module, plain: nn.Module) -> None:
-    grads = dict(plain.named_parameters())
-    for name, p in pipe.named_parameters():
-        expected = grads[name].grad
-        if expected is None:
-            assert p.grad is None, name
-            continue
-        assert p.grad is not None, f"{name} got no gradient"
-        _close(p.grad, expected, f"gradient of {name}")
 
 
 @pytest.mark.parametrize(("name", "schedule"), list(itertools.product(SPLITS, SCHEDULES)))
