@@ -480,14 +480,30 @@ def simulate(schedule: Schedule) -> list[list[Action | None]]:
     return steps
 
 
-def timed(schedule: Schedule, cost: Callable[[Action, bool], float]) -> dict[Action, float]:
+def timed(
+    schedule: Schedule,
+    cost: Callable[[Action, bool], float],
+    *,
+    transfer: Callable[[Action, Action], float] | None = None,
+) -> dict[Action, float]:
     """Finish time of every action when each takes ``cost(action, split)`` and workers start
     an action as soon as it is next in their list and what it waits for has finished.
+
+    Args:
+        schedule: the schedule to time.
+        cost: how long an action runs on its worker.
+        transfer: ``transfer(dep, action)``, the delay from the end of ``dep`` (an action of
+            another stage, or the same stage's earlier F or B) until ``action`` may start: the
+            time to move its result. It occupies no worker. None: no delay.
 
     Example:
         >>> max(timed(gpipe(2, 2), lambda a, split: 1.0).values())
         6.0
+        >>> send = lambda dep, a: 0.5 if dep.stage != a.stage else 0.0
+        >>> max(timed(gpipe(2, 2), lambda a, split: 1.0, transfer=send).values())
+        7.0
     """
+    delay = transfer or _no_delay
     finish: dict[Action, float] = {}
     key: dict[tuple[int, str, int], Action] = {
         (a.stage, a.kind, a.microbatch): a for work in schedule.actions for a in work
@@ -503,7 +519,8 @@ def timed(schedule: Schedule, cost: Callable[[Action, bool], float]) -> dict[Act
                 deps = [key.get(d) for d in _deps(a, schedule)]
                 if any(d is None or d not in finish for d in deps if d != a):
                     break
-                start = max([clock[w], *(finish[d] for d in deps if d is not None)])
+                ready = [finish[d] + delay(d, a) for d in deps if d is not None]
+                start = max([clock[w], *ready])
                 clock[w] = finish[a] = start + cost(
                     a, schedule.splits_backward(a.stage, a.microbatch)
                 )
@@ -512,6 +529,10 @@ def timed(schedule: Schedule, cost: Callable[[Action, bool], float]) -> dict[Act
     if any(cursor[w] < len(work) for w, work in enumerate(schedule.actions)):
         raise _deadlock(schedule, cursor, 0)
     return finish
+
+
+def _no_delay(dep: Action, action: Action) -> float:
+    return 0.0
 
 
 def validate(schedule: Schedule) -> None:
