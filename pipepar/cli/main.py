@@ -5,6 +5,7 @@
     pipepar plan models.transformers_zoo:llama3_70b --tokens 8,4096 --dtype bfloat16 \\
         --devices 8 --capacity 80GiB --chunks 8 --checkpoint always --schedule 1f1b
     pipepar plan --hf-config path/to/config.json --tokens 8,4096 --devices 8 --capacity 80GiB
+    pipepar convert CKPT_DIR OUT.pt
 
 MODEL is a zoo builder (``models.alexnet``), a torchvision model (``torchvision.models.resnet50``
 or just ``resnet50``) or any ``package.module:function`` returning an ``nn.Module``. ``profile``
@@ -12,8 +13,11 @@ flattens models that are not an ``nn.Sequential`` with :func:`pipepar.sequential
 takes any model as it is and plans over its units (:func:`pipepar.units`: what
 ``pipepar.wrap(model, balance=...)`` counts), building it on meta by default, and feeds it
 ``--tokens B,T`` as ``input_ids=`` and ``labels=`` (a language model's own loss) or an
-``--input-shape`` tensor. Exit status: 0 when the plan fits, 1 when no split fits, 2 for bad
-arguments (one line on stderr).
+``--input-shape`` tensor. ``convert`` turns a sharded checkpoint directory (what
+``pipepar.distributed.save_checkpoint`` writes) into one file, ``{"model": state_dict,
+"optimizer": ..., ...}`` (:func:`pipepar.persist.sharded.to_single_file`). Exit status: 0 when
+the plan fits (or the file is written), 1 when no split fits, 2 for bad arguments (one line on
+stderr).
 """
 
 from __future__ import annotations
@@ -80,6 +84,9 @@ def _parser() -> argparse.ArgumentParser:
         help="cast the model's floating-point weights (an HF config's own dtype by default)",
     )
     _common(q)
+    c = sub.add_parser("convert", help="turn a sharded checkpoint directory into one .pt file")
+    c.add_argument("checkpoint", help="the directory pipepar.distributed.save_checkpoint wrote")
+    c.add_argument("out", help="the file to write, e.g. model.pt")
     return parser
 
 
@@ -117,7 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv: the arguments after the program name; None reads ``sys.argv``.
 
     Returns:
-        0 when the plan fits, 1 when nothing fits, 2 for bad arguments.
+        0 when the plan fits (or convert wrote its file), 1 when nothing fits, 2 for bad
+        arguments.
 
     Example:
         >>> main(["profile", "models.mlp", "--input-shape", "32,1024", "--devices", "2"])
@@ -125,7 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     try:
         args = _parser().parse_args(argv)
-        return _plan_units(args) if args.command == "plan" else _profile(args)
+        commands = {"plan": _plan_units, "profile": _profile, "convert": _convert}
+        return commands[args.command](args)
     except UsageError as err:
         print(f"pipepar: error: {err}", file=sys.stderr)
         return 2
@@ -136,6 +145,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 class PlanError(Exception):
     """No split fits: exit status 1."""
+
+
+def _convert(args: argparse.Namespace) -> int:
+    from pipepar.persist.sharded import to_single_file
+
+    out = _guard(lambda: to_single_file(args.checkpoint, args.out))
+    print(f"wrote {out} (torch.load(path, weights_only=True)['model'] is the model's state_dict)")
+    return 0
 
 
 def _profile(args: argparse.Namespace) -> int:

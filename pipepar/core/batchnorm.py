@@ -10,13 +10,23 @@ result equals what the plain layer would have tracked on the whole mini-batch.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipepar.core.recompute import is_recomputing
 
-__all__ = ["DeferredBatchNorm", "commit_all", "convert_deferred_batch_norm", "reset_all"]
+__all__ = [
+    "DeferredBatchNorm",
+    "commit_all",
+    "committing",
+    "convert_deferred_batch_norm",
+    "convert_inside",
+    "reset_all",
+]
 
 
 class DeferredBatchNorm(nn.modules.batchnorm._BatchNorm):
@@ -105,6 +115,28 @@ def convert_deferred_batch_norm(module: nn.Module) -> nn.Module:
         if new is not child:
             setattr(module, name, new)
     return module
+
+
+def convert_inside(model: nn.Module) -> None:
+    """Replace every tracking batch norm inside ``model`` (in place) by a deferred one."""
+    if isinstance(model, nn.modules.batchnorm._BatchNorm):
+        raise TypeError(
+            f"deferred_batch_norm=True replaces the batch-norm layers inside the model, and the "
+            f"model is one ({type(model).__name__}); wrap the model that holds it"
+        )
+    convert_deferred_batch_norm(model)
+
+
+@contextmanager
+def committing(modules: Sequence[nn.Module]) -> Iterator[None]:
+    """Commit the deferred batch norms in ``modules`` when the block (one mini-batch) ends;
+    drop what they gathered if it fails (a failed step must not count towards the next)."""
+    try:
+        yield
+    except BaseException:
+        reset_all(list(modules))
+        raise
+    commit_all(list(modules))
 
 
 def commit_all(modules: list[nn.Module]) -> None:

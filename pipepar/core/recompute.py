@@ -13,9 +13,17 @@ import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 
-__all__ = ["MODES", "batch_norms", "is_recomputing", "recomputing", "should_checkpoint"]
+__all__ = [
+    "MODES",
+    "batch_norms",
+    "is_recomputing",
+    "recomputing",
+    "recomputing_as_before",
+    "should_checkpoint",
+]
 
 MODES = ("always", "except_last", "never")
 
@@ -71,3 +79,26 @@ def recomputing(layers: Iterable[nn.Module]) -> Iterator[None]:
         _local.recomputing = False
         for bn in frozen:
             bn.track_running_stats = True
+
+
+@contextmanager
+def recomputing_as_before(layers: Iterable[nn.Module]) -> Iterator[None]:
+    """Mark this thread as recomputing; the layers' batch norms run exactly as in the first
+    forward (torch's checkpoint checks that the recompute saves the same tensors) and their
+    running statistics are put back afterwards, so they count the micro-batch once."""
+    norms = batch_norms(layers)
+    saved = [[b.clone() for b in _statistics(bn)] for bn in norms]
+    _local.recomputing = True
+    try:
+        yield
+    finally:
+        _local.recomputing = False
+        for bn, values in zip(norms, saved):
+            for buffer, value in zip(_statistics(bn), values):
+                # through .data: the batch-norm kernel updates them without a version bump,
+                # and a bump would fail the backward of a micro-batch that saved them
+                buffer.data.copy_(value)
+
+
+def _statistics(bn: nn.modules.batchnorm._BatchNorm) -> list[torch.Tensor]:
+    return [b for b in (bn.running_mean, bn.running_var, bn.num_batches_tracked) if b is not None]

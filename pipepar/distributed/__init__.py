@@ -9,8 +9,9 @@ Modules: :mod:`~pipepar.distributed.wrapping` (``wrap``: an ``nn.Sequential`` or
 :mod:`~pipepar.distributed.pipe` (the ``nn.Sequential`` pipe),
 :mod:`~pipepar.distributed.stage` (materializing the local layers),
 :mod:`~pipepar.distributed.handshake` (ranks agree on the arguments at wrap time) and
-:mod:`~pipepar.distributed.snapshot` (training checkpoints). What both pipes across ranks share
-(this and :mod:`pipepar.program.rank_pipe`) is in :mod:`pipepar.ranks`: the pp x dp grid,
+:mod:`~pipepar.distributed.snapshot` (training checkpoints: a directory each rank writes its
+part of through ``torch.distributed.checkpoint``, or one file). What both pipes across ranks
+share (this and :mod:`pipepar.program.rank_pipe`) is in :mod:`pipepar.ranks`: the pp x dp grid,
 transport, the rank executor, dp sync, failures, progress and the guard.
 """
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipepar.core import validation
+from pipepar.core.batchnorm import committing, convert_deferred_batch_norm
 from pipepar.core.losses import Items, LossFn
 from pipepar.core.microbatch import Value, gather
 from pipepar.core.schedule import Schedule
@@ -76,12 +77,15 @@ class DistributedPipe(nn.Module):
         group: dist.ProcessGroup | None = None,
         state_dict: Mapping[str, Tensor] | None = None,
         timeout: float | None = 300.0,
+        deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
         try:
             model = self._configure(
                 model, balance, chunks, schedule, dp, checkpoint, timeout, group
             )
+            if deferred_batch_norm:
+                model = convert_deferred_batch_norm(model)  # type: ignore[assignment]
         except (ValueError, TypeError) as error:
             if dist.is_initialized():  # peers must not wait for this rank: tell them why
                 handshake.refuse(error, group=group)
@@ -229,9 +233,10 @@ class DistributedPipe(nn.Module):
         Example:
             >>> loss = pipe.step(x, y, nn.functional.mse_loss)  # doctest: +SKIP
         """
-        if not torch.is_grad_enabled():
-            return self._guard(lambda: self._evaluate(x, target, loss_fn, items))
-        return self._guard(lambda: self._step(x, target, loss_fn, items))
+        with committing(list(self.children())):
+            if not torch.is_grad_enabled():
+                return self._guard(lambda: self._evaluate(x, target, loss_fn, items))
+            return self._guard(lambda: self._step(x, target, loss_fn, items))
 
     def _evaluate(
         self, x: Tensor | None, target: Tensor | None, loss_fn: LossFn, items: Items | None
@@ -306,7 +311,8 @@ class DistributedPipe(nn.Module):
                 "backward; call pipe.step(x, target, loss_fn) for a training step, or pipe(x) "
                 "under torch.no_grad() to evaluate (the last stage's ranks get the output)"
             )
-        outputs = self._guard(lambda: self._runtime.forward(x))
+        with committing(list(self.children())):
+            outputs = self._guard(lambda: self._runtime.forward(x))
         return None if outputs is None else gather(outputs)
 
     # -- state --------------------------------------------------------------------------------

@@ -1,28 +1,42 @@
-"""Training checkpoints of a pp x dp pipeline: one file, written atomically, loadable anywhere.
+"""Training checkpoints of a pipe across ranks: saved sharded or in one file, loadable anywhere.
 
 (Not to be confused with activation checkpointing, the ``checkpoint=`` option of ``wrap``.)
 
-:func:`save_checkpoint` is called on every rank of the grid. The stages of replica 0 gather
-their layers' state and their optimizer's state onto stage 0, which writes one file with
-:func:`pipepar.io.save` (a temporary file in the same folder, flushed to disk, then renamed over
-``path``: a crash mid-write leaves the previous checkpoint intact). Every rank returns once the
-file is in place. The file is a plain dict that ``torch.load(path, weights_only=True)`` reads::
+:func:`save_checkpoint` is called on every rank of the grid, for either pipe across ranks (an
+``nn.Sequential``'s :class:`~pipepar.distributed.pipe.DistributedPipe` or any model's
+:class:`~pipepar.program.rank_pipe.DistributedModelPipe`); in one process it also saves a
+``pipepar.wrap`` pipe or the plain model. Two formats, told apart by the path:
+
+- **A directory** (the default: any path not ending in ``.pt`` or ``.pth``), written with
+  ``torch.distributed.checkpoint`` (:mod:`pipepar.persist.sharded`). The ranks of replica 0
+  write in parallel, each the tensors its stage computes and their optimizer state, under the
+  plain model's names (a weight tied across stages once, by the first stage using it; the
+  other replicas hold the same values and write nothing). Nothing is gathered on one rank. The
+  writers fill ``.<name>.tmp`` next to the directory; once DCP's last collective has seen all
+  of them done, stage 0 renames it to ``<name>``: a crash mid-save leaves the previous
+  checkpoint in place (:mod:`pipepar.persist.directories`). ``pipepar convert CKPT_DIR OUT.pt``
+  turns it into one file of the format below.
+- **One file** (``.pt``, ``.pth`` or ``sharded=False``): the stages of replica 0 gather their
+  state onto stage 0, which writes it with :func:`pipepar.io.save` (atomic as well). A plain
+  dict that ``torch.load(path, weights_only=True)`` reads::
 
     {"format": "pipepar/1", "model": <the whole model's state_dict, original keys>,
      "optimizer": {"state": {param name: state}, "param_groups": [{..., "params": [names]}]},
      "balance": [...], "dp": 2, "extra": {...}}
 
-Optimizer state is keyed by parameter *name*, not by position, so :func:`load_checkpoint`
-restores it into any split of the same model: another balance or stage count, a
-single-process ``pipepar.wrap`` pipe or the plain model (each with its own optimizer of the
-same kind). RNG states are not saved: seed per step if a layer draws random numbers.
+Optimizer state is keyed by parameter *name*, not by position
+(:mod:`pipepar.persist.named_state`), so :func:`load_checkpoint` restores either format into
+any split of the same model: another balance, stage count or ``dp``, a single-process
+``pipepar.wrap`` pipe or the plain model (each with its own optimizer of the same kind). RNG
+states are not saved: seed per step if a layer draws random numbers. Ranks wait for each other
+on the pipe's process groups, so a save must end within the pipe's ``timeout``.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +46,18 @@ from torch import Tensor, nn
 import pipepar.persist.files
 from pipepar.distributed.pipe import DistributedPipe
 from pipepar.distributed.stage import in_model_order
+from pipepar.persist import directories
+from pipepar.persist import sharded as sharded_
+from pipepar.persist.named_state import (
+    grouped,
+    load_named_optimizer_state,
+    named_optimizer_state,
+    parameter_names,
+    per_parameter,
+)
+from pipepar.persist.outcome import NotSaved
+from pipepar.program import units
+from pipepar.program.rank_pipe import DistributedModelPipe
 from pipepar.ranks.failure import comm
 from pipepar.ranks.mesh import Mesh
 
@@ -42,45 +68,57 @@ __all__ = [
     "save_checkpoint",
 ]
 
-logger = logging.getLogger(__name__)
-
-FORMAT = "pipepar/1"
+FORMAT = sharded_.FILE_FORMAT
 PathLike = str | os.PathLike[str]
+Pipe = DistributedPipe | DistributedModelPipe
+_PIPES = (DistributedPipe, DistributedModelPipe)
+Writer = Callable[[str, nn.Module, torch.optim.Optimizer | None, dict[str, Any], Mesh | None], None]
 
 
 # -- saving -------------------------------------------------------------------------------------
 def save_checkpoint(
     path: PathLike,
-    pipe: DistributedPipe,
+    module: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
     *,
     extra: Mapping[str, Any] | None = None,
+    sharded: bool | None = None,
 ) -> None:
     """Write the whole model and its optimizer state to ``path``; call it on every rank.
 
     Args:
-        path: the file to (over)write, on the filesystem of the grid's first rank.
-        pipe: this rank's pipeline.
-        optimizer: the optimizer over ``pipe.parameters()``, or ``None`` for weights only.
+        path: the checkpoint directory (sharded), or a file ending in ``.pt``/``.pth``; on a
+            file system every writing rank sees (a file: the grid's first rank).
+        module: this rank's pipe (``DistributedPipe`` or ``DistributedModelPipe``), or, in
+            one process, a ``pipepar.wrap`` pipe or the plain model.
+        optimizer: the optimizer over ``module.parameters()``, or ``None`` for weights only.
         extra: small picklable values to keep alongside (step count, data position ...);
             plain types and tensors only, so that ``weights_only`` loading works.
+        sharded: ``True`` for a directory, ``False`` for one file; ``None`` (default): one
+            file if ``path`` ends in ``.pt`` or ``.pth``, else a directory.
 
     Raises:
-        OSError: on the writing rank when the file cannot be written (the other ranks raise
-            ``RuntimeError`` with its message; the previous file is untouched and the pipe
-            stays usable).
+        OSError: on the rank that could not write (the other ranks raise ``RuntimeError``
+            with its message; the previous checkpoint is untouched and the pipe stays usable).
+        ValueError: a directory is asked for where a file is (pass another path).
         PipelineError: on every rank when a rank fails while the state is gathered.
 
     Example:
-        >>> save_checkpoint("run/last.pt", pipe, opt, extra={"step": step})  # doctest: +SKIP
+        >>> save_checkpoint("run/last", pipe, opt, extra={"step": step})  # doctest: +SKIP
     """
     path = _check_path(path)
     if extra is not None and not isinstance(extra, Mapping):
         raise TypeError(f"extra must be a dict or None, but got {type(extra).__name__}")
+    write = _write_sharded if _is_sharded(path, sharded) else _write_file
     if optimizer is not None:
-        _names_of(pipe, optimizer)  # the same user error on every rank, before any message
+        parameter_names(module, optimizer)  # the same user error on every rank, before any message
+    if not isinstance(module, _PIPES):
+        write(path, module, optimizer, dict(extra or {}), None)
+        return
     outcome: list[BaseException | None] = [None]
-    failure = pipe._guard(lambda: _save(path, pipe, optimizer, dict(extra or {}), outcome))
+    failure = module._guarded(
+        lambda: _save(write, path, module, optimizer, dict(extra or {}), outcome)
+    )
     if outcome[0] is not None:
         raise outcome[0]
     if failure is not None:
@@ -88,29 +126,69 @@ def save_checkpoint(
 
 
 def _save(
+    write: Writer,
     path: str,
-    pipe: DistributedPipe,
+    pipe: Pipe,
     optimizer: torch.optim.Optimizer | None,
     extra: dict[str, Any],
     outcome: list[BaseException | None],
 ) -> str | None:
-    """Gather on replica 0, write on its stage 0, tell every rank how it went."""
+    """Replica 0 writes; every rank learns how it went."""
     mesh, failure = pipe.mesh, None
     if mesh.where.replica == 0:
-        local = {
-            "model": {k: v.detach().cpu() for k, v in pipe.state_dict().items()},
-            "optimizer": None if optimizer is None else named_optimizer_state(pipe, optimizer),
-        }
-        parts = _gather_on_first(local, mesh)
-        if mesh.stage == 0:
-            payload = _merge(parts, balance=pipe.balance, dp=pipe.dp, extra=extra)
-            payload["model"] = in_model_order(payload["model"], pipe.layer_names)
-            try:
-                pipepar.io.save(payload, path)
-            except Exception as error:  # reported to every rank; the pipe stays usable
-                outcome[0] = error
-                failure = f"{mesh.where} could not write it: {type(error).__name__}: {error}"
+        try:
+            write(path, pipe, optimizer, extra, mesh)
+        except Exception as error:  # reported to every rank; the pipe stays usable
+            outcome[0] = error
+            failure = (
+                error.reason
+                if isinstance(error, NotSaved)
+                else f"{mesh.where} could not write it: {type(error).__name__}: {error}"
+            )
     return _announce(failure, mesh)
+
+
+def _write_sharded(
+    path: str,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: dict[str, Any],
+    mesh: Mesh | None,
+) -> None:
+    """This rank's share into the directory, with the other writers of its pipeline."""
+    model, aliases = _share(module)
+    sharded_.save(
+        path,
+        model,
+        None if optimizer is None else _optimizer_share(module, optimizer, model),
+        aliases=aliases,
+        extra=extra,
+        layout=_layout(module),
+        group=None if mesh is None else mesh.ctl,
+    )
+
+
+def _write_file(
+    path: str,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    extra: dict[str, Any],
+    mesh: Mesh | None,
+) -> None:
+    """Gather the shares of the pipeline on its stage 0, which writes them."""
+    model, aliases = _share(module)
+    local = {
+        "model": {k: v.detach().cpu() for k, v in model.items()},
+        "aliases": aliases,
+        "optimizer": None if optimizer is None else _optimizer_share(module, optimizer, model),
+    }
+    parts = [local] if mesh is None else _gather_on_first(local, mesh)
+    if mesh is not None and mesh.stage != 0:
+        return
+    payload = _merge(parts, extra=extra, **_layout(module))
+    if isinstance(module, DistributedPipe):
+        payload["model"] = in_model_order(payload["model"], module.layer_names)
+    pipepar.persist.files.save(payload, path)
 
 
 def _gather_on_first(local: dict[str, Any], mesh: Mesh) -> list[dict[str, Any]]:
@@ -136,100 +214,177 @@ def _announce(failure: str | None, mesh: Mesh) -> str | None:
 
 
 def _merge(
-    parts: list[dict[str, Any]], *, balance: list[int], dp: int, extra: dict[str, Any]
+    parts: list[dict[str, Any]], *, balance: list[int] | None, dp: int, extra: dict[str, Any]
 ) -> dict[str, Any]:
     model = {k: v for part in parts for k, v in part["model"].items()}
+    for part in parts:  # a tied weight under each of its names, one tensor in the file
+        model.update({alias: model[name] for alias, name in part["aliases"].items()})
     optimizer = None
     if parts[0]["optimizer"] is not None:
-        optimizer = {
+        per = {
             "state": {k: v for p in parts for k, v in p["optimizer"]["state"].items()},
-            "param_groups": _merge_groups(
-                [g for p in parts for g in p["optimizer"]["param_groups"]]
-            ),
+            "param_groups": {
+                k: v for p in parts for k, v in p["optimizer"]["param_groups"].items()
+            },
         }
+        optimizer = grouped(per)
     return {
         "format": FORMAT,
         "model": model,
         "optimizer": optimizer,
-        "balance": list(balance),
+        "balance": balance,
         "dp": dp,
         "extra": extra,
     }
 
 
-def _merge_groups(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One group per distinct set of hyperparameters: each stage had its own copy of each."""
-    merged: list[dict[str, Any]] = []
-    for group in groups:
-        same = next((m for m in merged if _same_hyperparameters(m, group)), None)
-        if same is None:
-            merged.append({**group, "params": list(group["params"])})
+# -- what each rank writes ----------------------------------------------------------------------
+def _entries(module: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """``module``'s state_dict entries, each tensor once under its first name (a pipe across
+    ranks: those it holds), and the other names of tied tensors -> the first."""
+    first: dict[int, str] = {}
+    entries: dict[str, Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) in first:
+            aliases[name] = first[id(t)]
         else:
-            same["params"] += group["params"]
-    return merged
+            first[id(t)] = name
+            entries[name] = t
+    return entries, aliases
 
 
-def _same_hyperparameters(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
-    keys = set(a) - {"params"}
-    if keys != set(b) - {"params"}:
-        return False
-    for key in keys:
-        x, y = a[key], b[key]
-        if isinstance(x, Tensor) or isinstance(y, Tensor):
-            if not (isinstance(x, Tensor) and isinstance(y, Tensor) and torch.equal(x, y)):
-                return False
-        elif x != y:
-            return False
-    return True
+def _share(module: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
+    """The entries this rank writes: none on replicas but the first (they hold the same
+    values); of a DistributedModelPipe, those its stage computes (see :func:`_stage_share`)."""
+    entries, aliases = _entries(module)
+    if isinstance(module, _PIPES) and module.mesh.where.replica != 0:
+        return {}, {}
+    if isinstance(module, DistributedModelPipe):
+        entries = _stage_share(module, entries)
+    return entries, aliases
+
+
+def _stage_share(pipe: DistributedModelPipe, entries: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Of the entries a rank holds, those its stages are the source of: their parameters, a
+    tied one only on the rank of the first stage using it (``units.owners``, as the pipe
+    placed them), and the buffers of their units (every rank keeps every buffer, but only the
+    rank running a unit updates its buffers; a buffer outside every unit goes with stage 0)."""
+    lay = units.layout(pipe)  # the pipe's children are the model's
+    mine = set(pipe.stages)
+    owner = units.owners(lay, pipe.stage_of_unit)
+    held = {id(p) for p in pipe.parameters()}
+    spans = [(u.path, s) for u, s in zip(lay.units, pipe.stage_of_unit)]
+
+    def source(name: str, t: Tensor) -> int:
+        if id(t) in held:
+            return owner.get(id(t), pipe.stages[0])
+        return next((s for path, s in spans if not path or name.startswith(path + ".")), 0)
+
+    return {k: t for k, t in entries.items() if source(k, t) in mine}
+
+
+def _optimizer_share(
+    module: nn.Module, optimizer: torch.optim.Optimizer, model: Mapping[str, Tensor]
+) -> dict[str, Any]:
+    """The optimizer state of the parameters among ``model``, per parameter (CPU)."""
+    per = per_parameter(named_optimizer_state(module, optimizer))
+    return {part: {k: v for k, v in per[part].items() if k in model} for part in per}
+
+
+def _layout(module: nn.Module) -> dict[str, Any]:
+    if isinstance(module, DistributedPipe):
+        return {"balance": list(module.balance), "dp": module.dp}
+    if isinstance(module, DistributedModelPipe):
+        sizes = [module.stage_of_unit.count(s) for s in range(module.schedule.n_stages)]
+        return {"balance": sizes, "dp": module.dp}
+    return {"balance": None, "dp": 1}
 
 
 # -- loading ------------------------------------------------------------------------------------
 def load_checkpoint(
     path: PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None
 ) -> dict[str, Any]:
-    """Load a :func:`save_checkpoint` file into ``module`` (and ``optimizer``); return ``extra``.
+    """Load a :func:`save_checkpoint` directory or file into ``module`` (and ``optimizer``);
+    return ``extra``.
 
-    ``module`` may be a :class:`DistributedPipe` (each rank loads its own layers; call it on
-    every rank, ``path`` readable by all), a ``pipepar.wrap`` pipe or the plain model, with any
-    balance. The optimizer must be of the same kind as the saved one, over ``module``'s
-    parameters.
+    ``module`` may be a pipe across ranks of any balance, stage count or ``dp`` (each rank
+    reads only what it holds; call it on every rank, ``path`` readable by all), a
+    ``pipepar.wrap`` pipe or the plain model. The optimizer must be of the same kind as the
+    saved one, over ``module``'s parameters. A directory that an interrupted save left as
+    ``.<name>.tmp`` is never read in place of ``<name>``.
 
     Args:
-        path: the checkpoint file.
+        path: the checkpoint directory, or a one-file checkpoint (``"pipepar/1"``, also what
+            ``pipepar convert`` writes).
         module: where the weights go (keys as in the plain model).
         optimizer: where the optimizer state goes; ``None`` to load weights only.
 
     Raises:
-        ValueError: when the file lacks optimizer state, or names parameters that differ.
-        PipelineError: on every rank of a DistributedPipe when one rank cannot load.
+        FileNotFoundError: nothing at ``path`` (the message names what an interrupted save left).
+        ValueError: when the checkpoint lacks optimizer state, or names parameters that differ.
+        PipelineError: on every rank of a pipe across ranks when one rank cannot load.
 
     Example:
-        >>> extra = load_checkpoint("run/last.pt", pipe, opt)  # doctest: +SKIP
+        >>> extra = load_checkpoint("run/last", pipe, opt)  # doctest: +SKIP
         >>> start = extra["step"] + 1  # doctest: +SKIP
     """
     path = _check_path(path)
     extra: dict[str, Any] = {}
 
     def load() -> None:
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"no checkpoint at {path!r}; check the path on every rank")
-        # mmap: each rank pages in only the tensors of its own stage
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
-            raise ValueError(
-                f"{path} is not a pipepar checkpoint (no format {FORMAT!r}); for a bare "
-                "state_dict use module.load_state_dict(torch.load(path))"
-            )
-        module.load_state_dict(checkpoint["model"])
-        if optimizer is not None:
-            load_named_optimizer_state(module, optimizer, _optimizer_part(checkpoint, path))
-        extra.update(checkpoint.get("extra") or {})
+        read = _read_sharded if os.path.isdir(path) else _read_file
+        extra.update(read(path, module, optimizer))
 
-    if isinstance(module, DistributedPipe):
-        module._guard(load)
+    if isinstance(module, _PIPES):
+        module._guarded(load)
     else:
         load()
     return extra
+
+
+def _read_sharded(
+    path: str, module: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any]:
+    entries, _ = _entries(module)
+    names = None if optimizer is None else list(parameter_names(module, optimizer).values())
+    state, extra = sharded_.load(path, entries, parameters=names)
+    if optimizer is not None and state is not None:
+        load_named_optimizer_state(module, optimizer, state)
+    return extra
+
+
+def _read_file(
+    path: str, module: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        left = directories.interrupted(Path(os.path.abspath(path)))
+        hint = f" ({left})" if left else ""
+        raise FileNotFoundError(f"no checkpoint at {path!r}{hint}; check the path on every rank")
+    # mmap: each rank pages in only the tensors of its own stage
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != FORMAT:
+        raise ValueError(
+            f"{path} is not a pipepar checkpoint (no format {FORMAT!r}); for a bare "
+            "state_dict use module.load_state_dict(torch.load(path))"
+        )
+    _load_weights(module, checkpoint["model"], path)
+    if optimizer is not None:
+        load_named_optimizer_state(module, optimizer, _optimizer_part(checkpoint, path))
+    return dict(checkpoint.get("extra") or {})
+
+
+def _load_weights(module: nn.Module, model: Mapping[str, Tensor], path: str) -> None:
+    if not isinstance(module, DistributedModelPipe):
+        module.load_state_dict(model)
+        return
+    # its state_dict() holds only this rank's tensors: fill those in place
+    for name, t in _entries(module)[0].items():
+        if name not in model:
+            raise ValueError(
+                f"{path} has no entry for {name!r}; load a checkpoint of the same model"
+            )
+        t.detach().copy_(model[name])
 
 
 def _optimizer_part(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
@@ -241,103 +396,16 @@ def _optimizer_part(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:
     return checkpoint["optimizer"]
 
 
-# -- optimizer state by parameter name ---------------------------------------------------------
-def named_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``optimizer.state_dict()`` keyed by ``module``'s parameter names (CPU tensors).
-
-    Example:
-        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # doctest: +SKIP
-        >>> named_optimizer_state(model, opt)["param_groups"][0]["params"][:2]  # doctest: +SKIP
-        ['0.weight', '0.bias']
-    """
-    names = _names_of(module, optimizer)
-    saved = optimizer.state_dict()
-    return {
-        "state": {names[k]: _to_cpu(v) for k, v in saved["state"].items()},
-        "param_groups": [
-            {**g, "params": [names[k] for k in g["params"]]} for g in saved["param_groups"]
-        ],
-    }
-
-
-def load_named_optimizer_state(
-    module: nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]
-) -> None:
-    """Load what :func:`named_optimizer_state` returned, for ``module``'s parameters only.
-
-    Each of the optimizer's groups takes its hyperparameters (``lr`` ...) from the saved group
-    that held its parameters; entries of parameters that ``module`` lacks are ignored.
-
-    Example:
-        >>> saved = torch.load("ckpt.pt")["optimizer"]  # doctest: +SKIP
-        >>> load_named_optimizer_state(pipe, opt, saved)  # doctest: +SKIP
-    """
-    names = _names_of(module, optimizer)
-    group_of = {name: g for g in saved["param_groups"] for name in g["params"]}
-    state: dict[int, Any] = {}
-    groups = []
-    for k, group in enumerate(optimizer.state_dict()["param_groups"]):
-        mine = [names[i] for i in group["params"]]
-        source = _saved_group(mine, group_of, k)
-        for i, name in zip(group["params"], mine, strict=True):
-            if name in saved["state"]:
-                state[i] = _clone(saved["state"][name])
-        hyper = {h: v for h, v in source.items() if h != "params"}
-        groups.append({**hyper, "params": group["params"]})
-    optimizer.load_state_dict({"state": state, "param_groups": groups})
-
-
-def _saved_group(mine: list[str], group_of: dict[str, Any], k: int) -> dict[str, Any]:
-    missing = [n for n in mine if n not in group_of]
-    if missing:
-        raise ValueError(
-            f"the saved optimizer state has no entry for parameter(s) {missing[:3]} of group "
-            f"{k}; load a checkpoint of the same model, or pass optimizer=None"
-        )
-    sources = list({id(group_of[n]): group_of[n] for n in mine}.values())
-    if any(not _same_hyperparameters(sources[0], other) for other in sources[1:]):
-        raise ValueError(
-            f"optimizer group {k} holds parameters that were in {len(sources)} saved groups "
-            "with different hyperparameters; build the optimizer's groups as when the "
-            "checkpoint was saved"
-        )
-    return sources[0] if sources else {}
-
-
-def _names_of(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[int, str]:
-    """Position in ``optimizer.state_dict()`` -> parameter name in ``module``."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer, but got {type(optimizer).__name__}"
-        )
-    by_id = {id(p): name for name, p in module.named_parameters()}
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    strangers = [tuple(p.shape) for p in params if id(p) not in by_id]
-    if strangers:
-        raise ValueError(
-            f"the optimizer holds {len(strangers)} parameter(s) (shapes {strangers[:3]}) that "
-            f"are not {type(module).__name__}'s; build it over this module's parameters()"
-        )
-    return {k: by_id[id(p)] for k, p in enumerate(params)}
+def _is_sharded(path: str, sharded: object) -> bool:
+    """By the name alone, so that every rank decides alike whatever its file system holds."""
+    if sharded is None:
+        return not path.lower().endswith((".pt", ".pth"))
+    if not isinstance(sharded, bool):
+        raise TypeError(f"sharded must be True, False or None, but got {sharded!r}")
+    return sharded
 
 
 def _check_path(path: object) -> str:
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"path must be a str or os.PathLike, but got {type(path).__name__}")
     return os.fspath(path)
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.detach().cpu()
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    return value
-
-
-def _clone(value: Any) -> Any:
-    if isinstance(value, Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    return value

@@ -28,7 +28,8 @@ def wrap(
     chunks: int = 1,
     schedule: str | Schedule = "gpipe",
     dp: int = 1,
-    checkpoint: str = "except_last",
+    checkpoint: str | None = None,
+    deferred_batch_norm: bool = False,
     device: torch.device | str | None = None,
     group: dist.ProcessGroup | None = None,
     state_dict: Mapping[str, Tensor] | None = None,
@@ -48,8 +49,10 @@ def wrap(
     Any other model (a transformers GPT-2, Llama or BERT, a ViT, ...) runs its own forward code
     on every rank, the rank's stage for real and the others in shadow on the meta device
     (:mod:`pipepar.program.ranks`); pass the same batch on every rank of a pipeline to
-    ``step(**batch)``. It keeps only its stage's weights (weights tied across stages on each
-    rank using them, their gradients summed). Schedules with one stage per rank; no recompute.
+    ``step(**batch)``. It keeps only its stages' weights (weights tied across stages on each
+    rank using them, their gradients summed). Every schedule, the virtual-stage ones too (a
+    rank computes its stages in the schedule's order and hands values between them without
+    communication); recompute unit by unit as in :func:`pipepar.wrap`.
 
     Args:
         model: an ``nn.Sequential`` or any ``nn.Module``, real or on the meta device (then
@@ -63,7 +66,11 @@ def wrap(
             stages per rank (``len(balance) // 2`` ranks per pipeline).
         dp: data-parallel replicas; the group must have ``pp * dp`` ranks (pp: ranks per
             pipeline).
-        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` (recompute, non-reentrant).
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` (recompute, non-reentrant;
+            the default is ``"except_last"`` for an ``nn.Sequential`` and ``"never"`` for other
+            models, which recompute unit by unit, as :func:`pipepar.wrap` does).
+        deferred_batch_norm: batch norms track their running statistics over each replica's
+            whole mini-batch, once per step (:mod:`pipepar.core.batchnorm`).
         device: this rank's device; default ``cuda:LOCAL_RANK`` on NCCL, else CPU.
         group: parent process group (default: the world); initialized from torchrun's
             environment if no process group exists yet.
@@ -108,6 +115,8 @@ def wrap(
             state_dict=state_dict,
             timeout=timeout,
             routes=routes,
+            checkpoint="never" if checkpoint is None else checkpoint,
+            deferred_batch_norm=deferred_batch_norm,
         )
     return DistributedPipe(
         model,
@@ -115,9 +124,10 @@ def wrap(
         chunks=chunks,
         schedule=schedule,
         dp=dp,
-        checkpoint=checkpoint,
+        checkpoint="except_last" if checkpoint is None else checkpoint,
         device=device,
         group=group,
         state_dict=state_dict,
         timeout=timeout,
+        deferred_batch_norm=deferred_batch_norm,
     )

@@ -25,7 +25,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from pipepar.core import validation
-from pipepar.core.batchnorm import commit_all, convert_deferred_batch_norm, reset_all
+from pipepar.core.batchnorm import committing, convert_inside, reset_all
 from pipepar.core.devices import DeviceSpec, resolve_devices
 from pipepar.core.losses import Items, LossShares, joined_loss, split_target
 from pipepar.core.randomness import DrawLog
@@ -138,7 +138,7 @@ class ModelPipe(nn.Module):
         self.chunks = validation.check_chunks(chunks)
         self.checkpoint = validation.check_checkpoint(checkpoint)
         if deferred_batch_norm:
-            _deferred_batch_norm(model)
+            convert_inside(model)
         order = _call_order(model, sample) if sample is not None else None
         lay = units_.layout(model, order)
         sizes = _sizes(lay, balance, split)
@@ -335,19 +335,14 @@ class ModelPipe(nn.Module):
         random state and batch-norm statistics with that route forgotten (the call then runs
         under the cut's mode). Nothing was written to ``.grad`` before the forward ended."""
         start = self._rerun.start()
-        try:
+        with committing([self._model]):  # deferred batch norms: the mini-batch's statistics
             try:
-                result = attempt()
+                return attempt()
             except PathChanged as changed:
                 self._routes.distrust(changed.key)
                 reset_all([self._model])
                 start.restore()
-                result = attempt()
-        except BaseException:
-            reset_all([self._model])  # what got through must not count towards the next call
-            raise
-        commit_all([self._model])  # deferred batch norms: the mini-batch's statistics
-        return result
+                return attempt()
 
     def _step_all(self, run: ProgramRun, shares: Sequence[float]) -> Tensor:
         run.open_backward()
@@ -453,15 +448,6 @@ def _new_pipe(model_class: type[nn.Module]) -> ModelPipe:
 
 
 # -- building -------------------------------------------------------------------------------
-def _deferred_batch_norm(model: nn.Module) -> None:
-    if isinstance(model, nn.modules.batchnorm._BatchNorm):
-        raise TypeError(
-            f"deferred_batch_norm=True replaces the batch-norm layers inside the model, and the "
-            f"model is one ({type(model).__name__}); wrap the model that holds it"
-        )
-    convert_deferred_batch_norm(model)
-
-
 def _call_order(model: nn.Module, sample: Any) -> list[str]:
     return [u.path for u in units_.units(model, sample)]
 

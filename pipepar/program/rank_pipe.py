@@ -1,5 +1,7 @@
 """DistributedModelPipe: any model split over the ranks of a pipeline (``pipepar.distributed``).
 
+A rank computes one stage, or several under the virtual-stage schedules (``"interleaved-1f1b"``,
+``"zb-v"``: ``schedule.stages_of(position)``), each stage's actions in the schedule's order.
 See :mod:`pipepar.program.ranks` for how a rank follows the stages it does not compute.
 """
 
@@ -17,8 +19,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipepar.core import validation
+from pipepar.core.batchnorm import committing, convert_inside
 from pipepar.core.losses import Items, LossShares, joined_loss, split_target
-from pipepar.core.schedule import VIRTUAL, Schedule, make
+from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.program import units as units_
 from pipepar.program.autograd import joined
@@ -27,19 +30,14 @@ from pipepar.program.cut import Ledger
 from pipepar.program.driver import driver_pool, watch_units
 from pipepar.program.losses import LossFn, ModelLoss, callers, loss_head, step_shares
 from pipepar.program.meta_values import MetaScalars
-from pipepar.program.ranks import (
-    Link,
-    RankCut,
-    RankStep,
-    held_here,
-    shadow_context,
-    skip_elsewhere,
-)
+from pipepar.program.rank_weights import holders, keep_only, tied_groups
+from pipepar.program.ranks import Link, RankCut, RankStep, shadow_context, skip_elsewhere
+from pipepar.program.recompute import checkpoint_units
 from pipepar.program.route import Routes, signature
 from pipepar.program.step import Batch
 from pipepar.program.units import sizes_of as _sizes
 from pipepar.ranks import clipping
-from pipepar.ranks.arguments import check_timeout
+from pipepar.ranks.arguments import check_schedule, check_timeout
 from pipepar.ranks.guard import Guard
 from pipepar.ranks.mesh import build_mesh, check_grid
 from pipepar.ranks.process import ensure_process_group as _ensure_process_group
@@ -69,10 +67,10 @@ def _stepping(method: F) -> F:
 
 
 class DistributedModelPipe(nn.Module):
-    """This rank's stage of any model split over the ranks of a pipeline, with ``dp`` replicas.
+    """This rank's stages of any model split over the ranks of a pipeline, with ``dp`` replicas.
 
     Build it with :func:`pipepar.distributed.wrap` on every rank, with the same arguments. The
-    rank keeps only the weights its stage uses (a weight tied across stages on every rank that
+    rank keeps only the weights its stages use (a weight tied across stages on every rank that
     uses it): build the model on the ``meta`` device and pass ``state_dict``, or build it real
     and the other stages' weights are dropped. ``parameters()`` and ``state_dict()`` cover the
     rank's own weights under the model's names.
@@ -94,60 +92,52 @@ class DistributedModelPipe(nn.Module):
         state_dict: Mapping[str, Tensor] | None = None,
         timeout: float | None = 300.0,
         routes: bool = True,
+        checkpoint: str = "never",
+        deferred_batch_norm: bool = False,
     ) -> None:
         super().__init__()
         self.chunks = validation.check_chunks(chunks)
+        self.checkpoint = validation.check_checkpoint(checkpoint)
         timeout = check_timeout(timeout)
+        if deferred_batch_norm:
+            convert_inside(model)
         lay = units_.layout(model)
         sizes = _sizes(lay, balance, split)
-        if (isinstance(schedule, str) and schedule in VIRTUAL) or (
-            isinstance(schedule, Schedule) and schedule.n_workers != len(sizes)
-        ):
-            raise ValueError(
-                f"schedule {getattr(schedule, 'name', schedule)!r} puts several stages on a "
-                "rank, which pipepar.distributed runs for nn.Sequential models only; pass "
-                "schedule='gpipe', '1f1b' or 'zb-h1' for this model"
-            )
-        self.schedule = make(schedule, len(sizes), self.chunks, n_workers=len(sizes))
+        self.schedule = check_schedule(schedule, len(sizes), self.chunks)
         _ensure_process_group()
-        self.dp = check_grid(dist.get_world_size(group), len(sizes), dp)
+        pp = self.schedule.n_workers
+        self.dp = check_grid(dist.get_world_size(group), pp, dp, n_stages=len(sizes))
         self.device = _resolve_device(device, group)
         self.mesh = build_mesh(
-            len(sizes),
+            pp,
             self.dp,
             group=group,
             timeout=None if timeout is None else timedelta(seconds=timeout),
             placement=self.schedule.placement,
         )
-        own = self.mesh.stage
+        self._mine = mine = self.schedule.stages_of(self.mesh.stage)
         self.stage_of_unit = [s for s, n in enumerate(sizes) for _ in range(n)]
         object.__setattr__(self, "_model", model)
-        self._own = own
-        self._owner = units_.owners(lay, self.stage_of_unit)
-        held = held_here(model, lay.units, self.stage_of_unit, own)
-        held += [p for _, p in lay.loose if self._owner[id(p)] == own]
-        held = list({id(p): p for p in held}.values())
-        self._held = _keep_only(model, held, self.device, state_dict)
+        held = [p for p, _ in holders(lay, self.stage_of_unit, mine)]
+        self._held = keep_only(model, held, self.device, state_dict)
         lay = self._units = units_.layout(model)  # the same units, with the new parameters
-        self._owner = {id(p): own for p in self._held}
+        # The own stage holding each of this rank's weights (the others are on meta).
+        self._owner = {id(p): s for p, s in holders(lay, self.stage_of_unit, mine)}
         for name, child in model.named_children():
             self.add_module(name, child)
         for name, p in model.named_parameters(recurse=False):
             self.register_parameter(name, p)
         self._hooks = watch_units(lay.units, self.stage_of_unit)
-        skip_elsewhere(lay.units, self.stage_of_unit, own)
+        skip_elsewhere(lay.units, self.stage_of_unit, mine)
+        if self.checkpoint != "never":
+            own = zip(lay.units, self.stage_of_unit)
+            checkpoint_units([u.module for u, s in own if s in mine and u.has_parameters])
         # Where values cross, by kind of call (None: every call under the cut's mode).
         self._routes = Routes() if routes else None
-        self._tied = _tied_groups(model, lay, self.stage_of_unit, self.mesh.pipeline_ranks)
-        mine = [u for u, s in zip(lay.units, self.stage_of_unit) if s == own]
-        self._stage = Stage(
-            own,
-            0,
-            [u.module for u in mine],
-            self.device,
-            names=[u.path.replace(".", "/") for u in mine],
-        )
-        self._link = Link(self.mesh, self.device)
+        ranks = [self.mesh.pipeline_ranks[w] for w in self.schedule.placement]
+        self._tied = tied_groups(lay, self.stage_of_unit, ranks)
+        self._stages = [_stage(lay, self.stage_of_unit, s, self.device) for s in mine]
+        self._link = Link(self.mesh, self.device, self.schedule.placement)
         self._guarded = Guard(self, self.mesh, self.close)
         self._drivers: ThreadPoolExecutor | None = None
         if state_dict is None:  # replicas start from replica 0's weights
@@ -168,7 +158,14 @@ class DistributedModelPipe(nn.Module):
 
     @property
     def stage_index(self) -> int:
-        return self._own
+        """This rank's position in the pipeline, 0 to ``pp - 1`` (the schedule's worker
+        index): its stage, or under the virtual-stage schedules the first of :attr:`stages`."""
+        return self.mesh.stage
+
+    @property
+    def stages(self) -> list[int]:
+        """The stages this rank computes (one, or several for the virtual-stage schedules)."""
+        return list(self._mine)
 
     def train(self, mode: bool = True) -> DistributedModelPipe:
         super().train(mode)
@@ -196,7 +193,7 @@ class DistributedModelPipe(nn.Module):
         """
         if torch.is_grad_enabled():
             raise TypeError(
-                "a rank holds one stage, so pipe(...) cannot run a backward; call "
+                "a rank holds only its own stages, so pipe(...) cannot run a backward; call "
                 "pipe.step(**batch) for a training step, or pipe(**batch) under "
                 "torch.no_grad() to evaluate (the last stage's ranks get the output)"
             )
@@ -204,7 +201,7 @@ class DistributedModelPipe(nn.Module):
         schedule = fewer_microbatches(self.schedule, len(calls))
         shares = ModelLoss(self._model, calls) if "labels" in kwargs else None
         batch, _ = self._guarded(lambda: self._walk(calls, schedule, shares, None, grad=False))
-        if self._own != self.schedule.n_stages - 1:
+        if self.schedule.n_stages - 1 not in self._mine:
             return None
         return joined([d.result for d in batch.drivers], [c.rows for c in calls], shares)
 
@@ -246,9 +243,9 @@ class DistributedModelPipe(nn.Module):
             device=self.device,
         )
         grad = torch.is_grad_enabled()
-        batch, step = self._walk(calls, schedule, shares, loss_head(shares, targets), grad=grad)
+        batch, steps = self._walk(calls, schedule, shares, loss_head(shares, targets), grad=grad)
         if grad:
-            self._write_grads(step)
+            self._write_grads(steps)
         return self._loss(batch, shares.weights)
 
     def _walk(
@@ -259,9 +256,9 @@ class DistributedModelPipe(nn.Module):
         head: Callable[[Any, int], Tensor] | None,
         *,
         grad: bool,
-    ) -> tuple[Batch, RankStep]:
+    ) -> tuple[Batch, list[RankStep]]:
         """Run this rank's actions of ``schedule`` on the micro-batch ``calls``: the own
-        stage's for real, the others in shadow; without ``grad`` the forward ones only, and
+        stages' for real, the others in shadow; without ``grad`` the forward ones only, and
         nothing is kept for a backward."""
         weights = shares.weights if shares is not None else None
         flags = (self._model.training, grad, head is not None, isinstance(shares, ModelLoss))
@@ -271,7 +268,7 @@ class DistributedModelPipe(nn.Module):
                 self._owner,
                 [self.device] * self.schedule.n_stages,
                 {},
-                own=self._own,
+                mine=self._mine,
                 link=self._link,
                 values=MetaScalars(),
                 routes=self._routes,
@@ -282,41 +279,50 @@ class DistributedModelPipe(nn.Module):
         shadow = shadow_context(cuts, grad)
 
         def context(stage: int, i: int) -> contextlib.AbstractContextManager[Any]:
-            # ``step`` is made below, before any driver runs.
-            return step.segment_context(stage, i) if stage == self._own else shadow(stage, i)
+            # ``steps`` are made below, before any driver runs.
+            own = steps.get(stage)
+            return own.segment_context(stage, i) if own is not None else shadow(stage, i)
 
         batch = Batch(
-            callers(self._model, calls, shares),
-            cuts,
-            context,
-            head=head,
-            weights=weights,
+            callers(self._model, calls, shares), cuts, context, head=head, weights=weights
         )
-        step = RankStep(
-            self._stage,
-            len(calls),
-            batch=batch,
-            params=[p for p in self._held if p.requires_grad],
-            checkpoint="never",
-            grad=grad,
-            input_grad=True,
-            streams=None,  # one driver computes at a time: draws in order
-            split=lambda i: schedule.splits_backward(self._own, i),
-            cuts=cuts,
-            link=self._link,
-        )
-        pool = self._driver_threads(len(calls))
+        steps = {
+            stage.index: RankStep(
+                stage,
+                len(calls),
+                batch=batch,
+                params=self._trained(stage.index),
+                checkpoint=self.checkpoint,
+                grad=grad,
+                input_grad=True,
+                streams=None,  # one driver computes at a time: draws in order
+                split=functools.partial(schedule.splits_backward, stage.index),
+                cuts=cuts,
+                link=self._link,
+                mine=self._mine,
+            )
+            for stage in self._stages
+        }
+        with committing([layer for stage in self._stages for layer in stage.layers]):
+            self._run(batch, steps, schedule, grad)
+        return batch, list(steps.values())
+
+    def _run(
+        self, batch: Batch, steps: Mapping[int, RankStep], schedule: Schedule, grad: bool
+    ) -> None:
+        """This rank's actions in the schedule's order (the forward ones only without
+        ``grad``: each waits only on forwards, so they keep their order)."""
+        pool = self._driver_threads(len(batch.drivers))
         for driver in batch.drivers:
             pool.submit(driver.run)
-        # Without a backward the forwards alone keep their order: each waits only on forwards.
-        actions = [a for a in schedule.worker(self._own) if grad or a.kind == "F"]
+        actions = [a for a in schedule.worker(self.mesh.stage) if grad or a.kind == "F"]
         try:
             for action in actions:
-                kind, i = action.kind, action.microbatch
-                self.mesh.progress.begin(describe(action))
-                if kind == "F":
+                step, i = steps[action.stage], action.microbatch
+                self.mesh.progress.begin(describe(action, several=len(steps) > 1))
+                if action.kind == "F":
                     step.forward(i, ())
-                elif kind == "B":
+                elif action.kind == "B":
                     step.backward(i, ())
                 else:
                     step.weight(i)
@@ -325,15 +331,24 @@ class DistributedModelPipe(nn.Module):
             raise
         self.mesh.progress.begin("end of the mini-batch")
         self._link.flush()
-        return batch, step
 
-    def _write_grads(self, step: RankStep) -> None:
+    def _trained(self, s: int) -> list[nn.Parameter]:
+        """The weights own stage ``s`` holds that take a gradient."""
+        return [p for p in self._held if self._owner[id(p)] == s and p.requires_grad]
+
+    def _write_grads(self, steps: Sequence[RankStep]) -> None:
         """Add this step's gradients into ``.grad``: each tied weight's summed over the stages
-        that use it, all averaged over the replicas. Only the step's own gradients are
-        reduced (``.grad`` may hold earlier steps' already: accumulation); a frozen weight
-        gets none."""
-        fresh = {id(p): g for p, g in zip(step.params, step.param_grads())}
-        step.release()
+        that use it (on this rank, then over the ranks), all averaged over the replicas. Only
+        the step's own gradients are reduced (``.grad`` may hold earlier steps' already:
+        accumulation); a frozen weight gets none."""
+        fresh: dict[int, Tensor | None] = {}
+        for step in steps:
+            fresh.update((id(p), g) for p, g in zip(step.params, step.param_grads()))
+        for step in steps:  # the aliases' gradients, added to their holder's
+            for p, part in step.tied:
+                total = fresh.get(id(p))
+                fresh[id(p)] = part if total is None else total + part
+            step.release()
         for _, group, params in self._tied:
             for p in params:
                 if p.requires_grad:  # every user holds it, frozen or not, on every rank alike
@@ -354,7 +369,7 @@ class DistributedModelPipe(nn.Module):
     def _loss(self, batch: Batch, weights: Sequence[float]) -> float:
         last = self.schedule.n_stages - 1
         value = torch.zeros(1, device=self.device)
-        if self._own == last:
+        if last in self._mine:
             value += joined_loss([d.result for d in batch.drivers], weights)
         if self.mesh.ctl is not None:
             self.mesh.progress.all_reduce(value, self.mesh.ctl, "sharing the loss")
@@ -379,7 +394,7 @@ class DistributedModelPipe(nn.Module):
             >>> pipe.step(**batch)  # doctest: +SKIP
             >>> norm = pipe.clip_grad_norm_(1.0)  # doctest: +SKIP
         """
-        elsewhere = {id(q) for first, _, params in self._tied if first != self._own for q in params}
+        elsewhere = {id(q) for first, _, ps in self._tied if first not in self._mine for q in ps}
         owned = [q for q in self._held if id(q) not in elsewhere]
         return self._guarded(
             lambda: clipping.clip_grad_norm_(
@@ -402,88 +417,9 @@ class DistributedModelPipe(nn.Module):
         self.mesh.close()
 
 
-def _keep_only(
-    model: nn.Module,
-    held: list[nn.Parameter],
-    device: torch.device,
-    state_dict: Mapping[str, Tensor] | None,
-) -> list[nn.Parameter]:
-    """Put the weights this rank holds on ``device`` (from ``state_dict`` if given) and the
-    others on ``meta``; return the held ones (new objects, tied ones still shared)."""
-    mine = {id(p) for p in held}
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    new: dict[int, nn.Parameter] = {}
-    for p in model.parameters():
-        new[id(p)] = nn.Parameter(
-            _value(p, names[id(p)], id(p) in mine, device, state_dict), p.requires_grad
-        )
-    for module in model.modules():
-        for name, old in list(module._parameters.items()):
-            if old is not None:
-                module._parameters[name] = new[id(old)]
-    _place_buffers(model, device)
-    return [new[id(p)] for p in held]
-
-
-def _value(
-    p: nn.Parameter,
-    name: str,
-    mine: bool,
-    device: torch.device,
-    state_dict: Mapping[str, Tensor] | None,
-) -> Tensor:
-    if not mine:
-        return torch.empty_like(p.data, device="meta")
-    if state_dict is not None:
-        return state_dict[name].detach().to(device, dtype=p.dtype).clone()
-    if p.is_meta:
-        raise ValueError(
-            f"parameter {name} is on the meta device and no state_dict was given; pass "
-            "state_dict=<the model's weights>, or build the model on a real device"
-        )
-    return p.data.to(device)
-
-
-def _place_buffers(model: nn.Module, device: torch.device) -> None:
-    for module in model.modules():
-        for name, b in module.named_buffers(recurse=False):
-            if b is not None and b.is_meta:
-                raise ValueError(
-                    f"buffer {name} of {type(module).__name__} is on the meta device; build "
-                    "the model on a real device (weights of other stages are dropped) or load "
-                    "the buffer before wrapping"
-                )
-            if b is not None:
-                module._buffers[name] = b.to(device)
-
-
-def _tied_groups(
-    model: nn.Module,
-    lay: units_.Layout,
-    stage_of_unit: Sequence[int],
-    ranks: Sequence[int],
-) -> list[tuple[int, dist.ProcessGroup, list[nn.Parameter]]]:
-    """A process group per set of stages sharing weights that this rank is one of: the first
-    of those stages (which counts the weights in norms), the group and the weights."""
-    users: dict[int, set[int]] = {}
-    params: dict[int, nn.Parameter] = {}
-    for unit, s in zip(lay.units, stage_of_unit):
-        for p in unit.module.parameters():
-            users.setdefault(id(p), set()).add(s)
-            params[id(p)] = p
-    shared: dict[tuple[int, ...], list[nn.Parameter]] = {}
-    for key, using in users.items():
-        if len(using) > 1:
-            shared.setdefault(tuple(sorted(using)), []).append(params[key])
-    me = dist.get_rank()
-    out = []
-    for stages, ps in shared.items():
-        members = [ranks[s] for s in stages]
-        if me not in members:
-            continue
-        # Only the members create it: each replica makes its own groups with its own ranks,
-        # which a world-wide new_group (every rank, the same arguments) would not allow.
-        group = dist.new_group(members, use_local_synchronization=True, group_desc="pipepar-tied")
-        assert isinstance(group, dist.ProcessGroup)
-        out.append((stages[0], group, ps))
-    return out
+def _stage(lay: units_.Layout, stage_of_unit: Sequence[int], s: int, device: torch.device) -> Stage:
+    """Stage ``s``: its units, named by their module paths."""
+    units = list(units_.iter_stage_units(lay, stage_of_unit, s))
+    start = sum(1 for t in stage_of_unit if t < s)
+    names = [u.path.replace(".", "/") for u in units]
+    return Stage(s, start, [u.module for u in units], device, names=names)

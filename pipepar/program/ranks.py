@@ -1,35 +1,40 @@
-"""Any model across ranks: each rank computes its own stage and only follows the others.
+"""Any model across ranks: each rank computes its own stages and only follows the others.
 
 Every rank of a pipeline runs the model's whole ``forward`` for each micro-batch, on its own
-driver thread, as in one process (:mod:`pipepar.program.driver`). Its own stage computes for
-real; the other stages run *in shadow* on the ``meta`` device: no memory, no arithmetic, only
-shapes, dtypes and whether a value needs a gradient, so the rank holds only its own stage's
-weights. Token ids, masks and positions keep a small CPU copy of their value
-(:class:`~pipepar.program.meta_values.MetaScalars`), so the model's data-dependent checks ("is
-the mask all ones?") read what a real run reads and every rank takes the same path through the
-code (a fake-tensor mode would not: transformers treats fake tensors as tracing and builds
-other masks). :class:`RankCut` then knows, at the same point of the
-program on every rank, each value that crosses into or out of the rank's stage:
+driver thread, as in one process (:mod:`pipepar.program.driver`). Its own stages (one, or
+several under the virtual-stage schedules) compute for real; the other stages run *in shadow*
+on the ``meta`` device: no memory, no arithmetic, only shapes, dtypes and whether a value needs
+a gradient, so the rank holds only its own stages' weights. Token ids, masks and positions keep
+a small CPU copy of their value (:class:`~pipepar.program.meta_values.MetaScalars`), so the
+model's data-dependent checks ("is the mask all ones?") read what a real run reads and every
+rank takes the same path through the code (a fake-tensor mode would not: transformers treats
+fake tensors as tracing and builds other masks). :class:`RankCut` then knows, at the same point
+of the program on every rank, each value that crosses into or out of the rank's stages:
 
-* a real value of the own stage used by a shadow stage is sent to that stage's rank;
-* a shadow value used by the own stage is received from the rank that made it, into a leaf of
-  the own stage's graph (its shape and dtype come from the fake value).
+* a real value of an own stage used by a shadow stage is sent to that stage's rank;
+* a shadow value used by an own stage is received from the rank that made it, into a leaf of
+  the own stage's graph (its shape and dtype come from the fake value);
+* a value of an own stage used by another own stage (zb-v's middle stages) is handed over as
+  in one process: a leaf of the later stage, whose gradient goes back through the ledger.
 
 Both sides meet the crossings in program order, so sends and receives pair up without any
-message describing them. The crossings at units' arguments are made by the units' hooks, at the
-same point of the program on every rank; once a kind of call has a learned route
-(:mod:`pipepar.program.route`), a rank runs its own stage without the mode, skips the units of
-the other stages (:func:`skip_elsewhere`: their outputs stand in on ``meta``, shaped as the
-route learned) and runs the few operations between those units under :class:`ToMeta`.
-Backward sends each received leaf's gradient back the same way.
-Weights tied across stages (GPT-2's embedding and head) are held by every rank whose stage uses
-them; their gradients are summed over those ranks after each step, so the copies stay equal.
+message describing them; each (producer, consumer) pair of stages has a channel of its own, as
+a rank's actions of two stages may interleave differently on the two sides. The crossings at
+units' arguments are made by the units' hooks, at the same point of the program on every rank;
+once a kind of call has a learned route (:mod:`pipepar.program.route`), a rank runs its own
+stages without the mode, skips the units of the other stages (:func:`skip_elsewhere`: their
+outputs stand in on ``meta``, shaped as the route learned) and runs the few operations between
+those units under :class:`ToMeta`. Backward sends each received leaf's gradient back the same
+way. Weights tied across stages (GPT-2's embedding and head) are held by every rank whose
+stages use them (:mod:`pipepar.program.rank_weights`); within a rank the later stages use an
+alias whose gradient is added to the holder's, as in one process, and the sums are added over
+the ranks after each step, so the copies stay equal.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -56,33 +61,43 @@ class Link:
     """This rank's point-to-point messages to the ranks of the other stages.
 
     Activations travel on the mesh's ``fwd`` group, gradients on its ``bwd`` group (closing
-    the mesh after a failure wakes a peer blocked on this rank), and every wait goes through
+    the mesh after a failure wakes a peer blocked on this rank), each pair of stages
+    (producer, consumer) on a tag of its own, and every wait goes through
     the mesh's :class:`~pipepar.distributed.progress.Progress`, which gives up after the pipe's
     timeout naming the message and the peer. No frame of this class holds a work while it
     waits (a failure's traceback would keep the groups' connections open).
 
     Args:
-        mesh: this rank's pipeline: the global rank of each stage, the groups, the progress.
+        mesh: this rank's pipeline: the global rank of each position, the groups, the progress.
         device: where received tensors go.
+        placement: the schedule's position of each stage.
     """
 
-    def __init__(self, mesh: Mesh, device: torch.device) -> None:
-        self.ranks, self.device = list(mesh.pipeline_ranks), device
+    def __init__(self, mesh: Mesh, device: torch.device, placement: Sequence[int]) -> None:
+        self.ranks, self.device = [mesh.pipeline_ranks[w] for w in placement], device
         self.groups = {ACTIVATION: mesh.fwd, GRADIENT: mesh.bwd}
         self.progress = mesh.progress
         self._sends: list[tuple[dist.Work | None, str]] = []
         self._buffers: list[Tensor] = []  # alive until sent
 
-    def send(self, t: Tensor, stage: int, kind: int) -> None:
+    def send(self, t: Tensor, kind: int, producer: int, consumer: int) -> None:
+        """Send ``t``: an activation of ``producer`` to ``consumer``'s rank, or the gradient
+        of one back to ``producer``'s."""
         buffer = t.detach().contiguous()
-        what = f"sending {self._what(buffer, kind)} to {self._peer(stage)}"
-        self._sends.append((self._post(dist.isend, buffer, stage, kind, what), what))
+        peer = consumer if kind == ACTIVATION else producer
+        what = f"sending {self._what(buffer, kind)} to {self._peer(peer)}"
+        work = self._post(dist.isend, buffer, peer, self._tag(producer, consumer), kind, what)
+        self._sends.append((work, what))
         self._buffers.append(buffer)
 
-    def recv(self, like: Tensor, stage: int, kind: int) -> Tensor:
+    def recv(self, like: Tensor, kind: int, producer: int, consumer: int) -> Tensor:
+        """Receive a tensor shaped as ``like``: an activation of ``producer`` for
+        ``consumer``, or the gradient of one from ``consumer``'s rank."""
         out = torch.empty(like.shape, dtype=like.dtype, device=self.device)
-        what = f"receiving {self._what(out, kind)} from {self._peer(stage)}"
-        self.progress.wait(self._post(dist.irecv, out, stage, kind, what), what)
+        peer = producer if kind == ACTIVATION else consumer
+        what = f"receiving {self._what(out, kind)} from {self._peer(peer)}"
+        tag = self._tag(producer, consumer)
+        self.progress.wait(self._post(dist.irecv, out, peer, tag, kind, what), what)
         return out
 
     def flush(self) -> None:
@@ -95,9 +110,15 @@ class Link:
         self._sends.clear()
         self._buffers.clear()
 
-    def _post(self, op: Any, t: Tensor, stage: int, kind: int, what: str) -> dist.Work | None:
+    def _tag(self, producer: int, consumer: int) -> int:
+        """The channel of values from ``producer`` to ``consumer`` (and of their gradients)."""
+        return producer * len(self.ranks) + consumer
+
+    def _post(
+        self, op: Any, t: Tensor, stage: int, tag: int, kind: int, what: str
+    ) -> dist.Work | None:
         with comm(what):
-            return op(t, self.ranks[stage], group=self.groups[kind], tag=kind)
+            return op(t, self.ranks[stage], group=self.groups[kind], tag=tag)
 
     def _peer(self, stage: int) -> str:
         return f"rank {self.ranks[stage]} (stage {stage})"
@@ -107,11 +128,12 @@ class Link:
 
 
 class RankCut(Cut):
-    """The cut of one micro-batch on the rank that computes stage ``own``.
+    """The cut of one micro-batch on the rank that computes the stages ``mine``.
 
     Args:
-        ledger, owner, devices, inputs: as for :class:`~pipepar.program.cut.Cut`.
-        own: the stage this rank computes.
+        ledger, owner, devices, inputs: as for :class:`~pipepar.program.cut.Cut` (``owner``:
+            the own stage holding each of the rank's weights).
+        mine: the stages this rank computes.
         link: messages to the other stages' ranks.
         values: the values of the small integer tensors the shadow stages read.
     """
@@ -123,30 +145,31 @@ class RankCut(Cut):
         devices: list[torch.device],
         inputs: dict[int, Tensor],
         *,
-        own: int,
+        mine: Collection[int],
         link: Link,
         values: MetaScalars,
         routes: Routes | None = None,
         key: Hashable = None,
     ) -> None:
         super().__init__(ledger, owner, devices, inputs, routes, key)
-        self.own, self.link, self.values = own, link, values
+        self.mine, self.link, self.values = frozenset(mine), link, values
         self._metas: dict[int, tuple[Tensor, Tensor]] = {}
         self._stand_ins: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
         self.exports: list[Crossing] = []
+        """The own stages' values sent to other ranks (their gradients come back)."""
 
     # -- at units' arguments --------------------------------------------------------------------
     def _enter(self, t: Tensor, producer: int, stage: int) -> Tensor:
-        """A value of ``producer`` given to a unit of ``stage``: received from its rank into a
-        leaf of the own stage, or (another stage's unit) a stand-in on ``meta``, sent first to
-        that stage's rank when the own stage made it."""
-        if stage == self.own:
+        """A value of ``producer`` given to a unit of ``stage``: for an own stage, a leaf
+        (received from the producer's rank, or handed over by an own producer), else a
+        stand-in on ``meta``, sent first to that stage's rank when an own stage made it."""
+        if stage in self.mine and producer in self.mine:
+            return super()._enter(t, producer, stage)
+        if stage in self.mine:
             return self.ledger.leaf_from(t, producer, stage, lambda: self._recv(t, producer))
         found = self._stand_ins.get((id(t), stage))
         if found is None or found[0] is not t:
-            if producer == self.own and self.ledger.first_use(t, stage):
-                self.exports.append(Crossing(self.own, stage, t, t))
-                self.link.send(t, stage, ACTIVATION)
+            self._export(t, producer, stage)
             stand_in = (t if t.is_meta else self._meta_of(t)).detach()
             if t.requires_grad and stand_in.is_floating_point():
                 stand_in.requires_grad_()
@@ -154,34 +177,43 @@ class RankCut(Cut):
             found = self._stand_ins[(id(t), stage)] = (t, stand_in)
         return found[1]
 
+    def _export(self, t: Tensor, producer: int | None, stage: int) -> None:
+        """Send ``t`` to the rank of ``stage`` (not this one's) on that stage's first use of
+        it, if an own stage made it."""
+        if producer in self.mine and self.ledger.first_use(t, stage):
+            self.exports.append(Crossing(producer, stage, t, t))
+            self.link.send(t, ACTIVATION, producer, stage)
+
     def _placed(self, t: Tensor, stage: int) -> Tensor:
-        return t if stage != self.own or t.is_meta else super()._placed(t, stage)
+        return t if stage not in self.mine or t.is_meta else super()._placed(t, stage)
 
     def leave_unit(self, output: Any) -> None:
-        if self.route is None and self._open and self.stage != self.own:
+        if self.route is None and self._open and self.stage not in self.mine:
             self.record.templates[self._open[-1]] = template(output)
         super().leave_unit(output)
 
     def stub(self) -> Callable[[], Any] | None:
         """What stands in for the output of the unit call just entered, when it is another
-        stage's and the route knows its shape: it is not run here."""
-        if self.route is None or self.stage == self.own or not self._open:
+        rank's stage and the route knows its shape: it is not run here."""
+        if self.route is None or self.stage in self.mine or not self._open:
             return None
         shape = self.route.templates.get(self._open[-1])
         return None if shape is None else lambda: from_template(shape)
 
     def shadowing(self) -> contextlib.AbstractContextManager[Any]:
-        """What another stage's code runs under when following a route: its tensors on
+        """What another rank's stage's code runs under when following a route: its tensors on
         ``meta`` (the cut's mode does it otherwise)."""
         return ToMeta(self) if self.following else contextlib.nullcontext()
 
     def _check_graph(self, outputs: list[tuple[Tensor, int]]) -> None:
-        """The own stage's graph is its own: from what it returns and sends back to its
+        """The own stages' graphs are their own: from what each returns and hands on to its
         parameters and the leaves it received."""
-        roots = [(t, s) for t, s in outputs if s == self.own and not t.is_meta]
-        roots += [(c.original, self.own) for c in self.exports if not c.original.is_meta]
-        leaves = {id(c.leaf): self.own for c in self.ledger.crossings if c.consumer == self.own}
-        check_graphs(roots, leaves, self.owner, self.key)
+        mine = self.mine
+        roots = [(t, s) for t, s in outputs if s in mine and not t.is_meta]
+        roots += [(c.original, c.producer) for c in self.exports if not c.original.is_meta]
+        crossings = [c for c in self.ledger.crossings if c.consumer in mine]
+        roots += [(c.original, c.producer) for c in crossings if c.producer in mine]
+        check_graphs(roots, {id(c.leaf): c.consumer for c in crossings}, self.owner, self.key)
 
     def _changed(self, why: str) -> None:
         super()._changed(
@@ -196,24 +228,26 @@ class RankCut(Cut):
 
     def _cross(self, t: Tensor) -> Tensor:
         made = self.ledger.stage_of(t)
-        if self.stage != self.own:
-            own_value = made == self.own and not t.is_meta
+        if self.stage not in self.mine:
+            own_value = made in self.mine and not t.is_meta
             if own_value or (t.is_meta and made not in (None, self.stage)):
                 self.loose = True  # a crossing in the model's own code: no route
             return self._shadow(t)
         if t.is_meta:
             self.loose = True
             return self._receive(t)
+        held = self.owner.get(id(t), self.stage) if isinstance(t, nn.Parameter) else None
+        if (made in self.mine and made != self.stage) or held not in (None, self.stage):
+            self.loose = True  # another own stage's value or weight: handed over here
+            return super()._cross(t)
         return t
 
     def _shadow(self, t: Tensor) -> Tensor:
-        """What a shadow stage computes with: meta tensors. A real value of the own stage is
+        """What a shadow stage computes with: meta tensors. A real value of an own stage is
         sent to the stage's rank the first time that stage uses it."""
         if t.is_meta:
             return t
-        if self.ledger.stage_of(t) == self.own and self.ledger.first_use(t, self.stage):
-            self.exports.append(Crossing(self.own, self.stage, t, t))
-            self.link.send(t, self.stage, ACTIVATION)
+        self._export(t, self.ledger.stage_of(t), self.stage)
         return self._meta_of(t)
 
     def _meta_of(self, t: Tensor) -> Tensor:
@@ -230,13 +264,13 @@ class RankCut(Cut):
         made = self.ledger.stage_of(t)
         if made is None:
             raise RuntimeError(
-                f"stage {self.own} uses a value of shape {tuple(t.shape)} that no stage made in "
-                "this micro-batch (kept from an earlier call?); pipepar cannot send it"
+                f"stage {self.stage} uses a value of shape {tuple(t.shape)} that no stage made "
+                "in this micro-batch (kept from an earlier call?); pipepar cannot send it"
             )
-        return self.ledger.leaf_from(t, made, self.own, lambda: self._recv(t, made))
+        return self.ledger.leaf_from(t, made, self.stage, lambda: self._recv(t, made))
 
     def _recv(self, t: Tensor, made: int) -> Tensor:
-        leaf = self.link.recv(t, made, ACTIVATION)
+        leaf = self.link.recv(t, ACTIVATION, made, self.stage)
         if t.requires_grad and leaf.is_floating_point():
             leaf.requires_grad_()
         return leaf
@@ -271,10 +305,12 @@ def template(output: Any) -> tuple[Any, list[Any]]:
 
 
 def from_template(shape: tuple[Any, list[Any]]) -> Any:
-    """An output of that shape on ``meta``."""
+    """An output of that shape on ``meta``; one that requires grad is made by an operation,
+    as the unit's was (the code after the unit may write into it in place, as
+    ``nn.ReLU(inplace=True)`` does, which a leaf would refuse)."""
     spec, described = shape
     leaves = [
-        torch.empty(d[0], dtype=d[1], device="meta", requires_grad=d[2] and d[1].is_floating_point)
+        _stand_in(*d)
         if isinstance(d, tuple) and len(d) == 3 and isinstance(d[1], torch.dtype)
         else d
         for d in described
@@ -282,11 +318,20 @@ def from_template(shape: tuple[Any, list[Any]]) -> Any:
     return pytree.tree_unflatten(leaves, spec)
 
 
-def skip_elsewhere(units: Sequence[Any], stage_of_unit: Sequence[int], own: int) -> None:
-    """Let every unit with parameters of another stage than ``own`` be skipped by a rank that
+def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool) -> Tensor:
+    t = torch.empty(shape, dtype=dtype, device="meta")
+    if requires_grad and dtype.is_floating_point:
+        return t.requires_grad_().clone()
+    return t
+
+
+def skip_elsewhere(
+    units: Sequence[Any], stage_of_unit: Sequence[int], mine: Collection[int]
+) -> None:
+    """Let every unit with parameters of a stage not in ``mine`` be skipped by a rank that
     follows a route (its output stood in on ``meta``; run as usual otherwise)."""
     for unit, s in zip(units, stage_of_unit):
-        if s != own and unit.has_parameters:
+        if s not in mine and unit.has_parameters:
             unit.module.forward = _skippable(unit.module.forward)
 
 
@@ -301,37 +346,59 @@ def _skippable(forward: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class RankStep(SegmentStep):
-    """The own stage's F, B and W on a rank: F runs the whole forward (the others in shadow),
-    B receives the gradients of what the stage sent and sends those of what it received."""
+    """An own stage's F, B and W on a rank of the stages ``mine``: F runs the forward on to
+    the rank's next own stage (the stages between in shadow), B receives the gradients of what
+    the stage sent, and hands those of what it received to the own stage that made it or sends
+    them to its rank."""
 
-    def __init__(self, *args: Any, cuts: Sequence[RankCut], link: Link, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        cuts: Sequence[RankCut],
+        link: Link,
+        mine: Collection[int],
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
-        self.cuts, self.link = cuts, link
+        self.cuts, self.link, self.mine = cuts, link, frozenset(mine)
+        later = [s for s in self.mine if s > self.stage.index]
+        self.until = min(later) - 1 if later else len(link.ranks) - 1
 
     def forward(self, i: int, x: Any) -> tuple[()]:
-        last = len(self.cuts[i].devices) - 1  # the whole forward, the other stages in shadow
-        self.batch.drivers[i].advance(last)
+        self.batch.drivers[i].advance(self.until)
         return ()
 
     def backward(self, i: int, grads: Any) -> tuple[()]:
-        ledger, cut = self.batch.ledgers[i], self.cuts[i]
-        pairs = [
-            (c.original, self.link.recv(c.original, c.consumer, GRADIENT))
-            for c in cut.exports
-            if c.original.requires_grad
-        ]
-        pairs += [(t, ledger.grads[id(t)]) for s, t in ledger.outputs if s == self.stage.index]
+        ledger = self.batch.ledgers[i]
+        pairs = self._leaving(i)
         entering = ledger.entering(self.stage.index)
-        leaves = [c.leaf for c in entering]
-        grads_in: Sequence[Tensor | None] = [None] * len(leaves)
+        grads_in: Sequence[Tensor | None] = [None] * len(entering)
         if pairs:
-            grads_in = self._backward(i, pairs, leaves)
+            grads_in = self._backward(i, pairs, [c.leaf for c in entering])
         elif self.grad:
             self._closing()
+        here = [(c, g) for c, g in zip(entering, grads_in) if c.producer in self.mine]
+        self._deliver(ledger, [c for c, _ in here], [g for _, g in here])
         for crossing, g in zip(entering, grads_in):
-            sent = g if g is not None else torch.zeros_like(crossing.leaf)
-            self.link.send(sent, crossing.producer, GRADIENT)
+            if crossing.producer not in self.mine:
+                sent = g if g is not None else torch.zeros_like(crossing.leaf)
+                self.link.send(sent, GRADIENT, crossing.producer, self.stage.index)
         return ()
+
+    def _leaving(self, i: int) -> list[tuple[Tensor, Tensor]]:
+        """``(value, gradient)`` for what the stage made that got a gradient: sent to other
+        ranks (their gradients received now), handed to own stages, or the loss."""
+        ledger, s = self.batch.ledgers[i], self.stage.index
+        sent = [c for c in self.cuts[i].exports if c.producer == s and c.original.requires_grad]
+        for c in sent:
+            ledger.add_grad(c.original, self.link.recv(c.original, GRADIENT, s, c.consumer))
+        pairs = ledger.leaving(s)
+        known = {id(t) for t, _ in pairs}
+        for c in sent:
+            if id(c.original) not in known:  # one value may go to several stages
+                known.add(id(c.original))
+                pairs.append((c.original, ledger.grads[id(c.original)]))
+        return pairs
 
 
 def shadow_context(cuts: Sequence[RankCut], grad: bool) -> SegmentContext:
@@ -346,16 +413,3 @@ def shadow_context(cuts: Sequence[RankCut], grad: bool) -> SegmentContext:
         return stack
 
     return enter
-
-
-def held_here(
-    model: nn.Module, units: Sequence[Any], stage_of_unit: Sequence[int], own: int
-) -> list[nn.Parameter]:
-    """The parameters this rank holds: those its stage's units use (tied ones included) and the
-    loose ones its stage owns."""
-    seen: dict[int, nn.Parameter] = {}
-    for unit, s in zip(units, stage_of_unit):
-        if s == own:
-            for p in unit.module.parameters():
-                seen.setdefault(id(p), p)
-    return list(seen.values())

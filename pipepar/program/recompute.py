@@ -15,8 +15,8 @@ The recomputed unit sees what its first run saw:
   and several stages draw at once);
 - **the same weights**: a weight tied to an earlier stage's (held there, used here through a
   stand-in leaf) is the stand-in again;
-- **batch-norm statistics updated once**: the running statistics stay as the first run left
-  them (:func:`pipepar.core.recompute.recomputing`).
+- **batch-norm statistics updated once**: the running statistics are put back as the first
+  run left them (:func:`pipepar.core.recompute.recomputing_as_before`).
 
 Which stage recomputes is decided per stage and micro-batch by the stage's step, which enters
 :func:`recomputing_units` around that stage's stretch of the forward.
@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from pipepar.core.randomness import DrawPoint, draw_point
-from pipepar.core.recompute import recomputing
+from pipepar.core.recompute import recomputing_as_before
 
 __all__ = ["checkpoint_units", "recomputing_units"]
 
@@ -139,7 +139,7 @@ class _Replay:
             failing.push(stack)
             stack.enter_context(_swapped_in(self.stand_ins))
             stack.enter_context(self.point.replaying())
-            stack.enter_context(recomputing([self.module]))
+            stack.enter_context(recomputing_as_before([self.module]))
             failing.pop_all()
         self._stacks.append(stack)
 

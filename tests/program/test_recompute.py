@@ -300,3 +300,30 @@ def test_a_unit_writing_into_its_argument_is_named() -> None:
         checkpoint="never",
     )
     nothing_kept(torch.randn(4, 8)).sum().backward()
+
+
+@pytest.mark.parametrize("checkpoint", MODES)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_batch_norm_under_recompute_counts_each_micro_batch_once(
+    checkpoint: str, schedule: str
+) -> None:
+    """A torchvision ResNet's batch norms (per micro-batch statistics): a recomputing pipe's
+    loss, gradients and running statistics are those of a pipe that keeps its activations."""
+    pipes = [
+        pipepar.wrap(
+            _resnet(),
+            split=["layer3"],
+            devices=["cpu", "cpu"],
+            chunks=4,
+            schedule=schedule,
+            checkpoint=c,
+        )
+        for c in (checkpoint, "never")
+    ]
+    x, y = torch.randn(8, 3, 32, 32), torch.randint(10, (8,))
+    losses = [pipe.step(x, loss_fn=F.cross_entropy, target=y) for pipe in pipes]
+    _close(losses[0], losses[1], "loss")
+    _same_grads(pipes[0], pipes[1])
+    kept = dict(pipes[1].named_buffers())
+    for name, b in pipes[0].named_buffers():
+        torch.testing.assert_close(b, kept[name], rtol=1e-5, atol=1e-6, msg=name)
