@@ -7,16 +7,26 @@ of the ``--pp`` ranks of a pipeline runs two stages (the balance lists ``2 * pp`
 Each rank builds the model on the meta device and materializes only its own stages. CPU ranks
 talk over gloo; with one GPU per rank (``LOCAL_RANK``) the ranks use NCCL. The data is
 synthetic: sequences that count up modulo the vocabulary, so the next token is predictable and
-the loss falls quickly. Rank 0 prints the loss and throughput and, at the end, saves the whole
-model and the optimizer state with ``ppd.save_checkpoint`` (``torch.load(path)["model"]`` is a
-plain state_dict: it loads into the plain model or a ``pipepar.wrap`` pipe); ``--resume PATH``
-goes on from such a file, with any --pp/--dp.
-Multi-node runs use torchrun's usual flags (``--nnodes``, ``--rdzv-endpoint`` ...).
-"""
+the loss falls quickly; each step's batch is drawn from a generator seeded by the step number,
+so a resumed run sees the same data as an uninterrupted one. Rank 0 prints the loss and
+throughput and, at the end, saves the whole model and the optimizer state with
+``ppd.save_checkpoint`` to ``--out`` (a path ending in ``.pt``: one file, ``torch.load(path)
+["model"]`` is a plain state_dict that loads into the plain model or a ``pipepar.wrap`` pipe;
+any other path: a directory each rank writes its part of). ``--resume PATH`` goes on from such
+a checkpoint, with any --pp/--dp.
+
+Surviving faults: ``--save-every K`` also saves to ``--out`` after every K-th step (atomically:
+a rank killed mid-save leaves the previous checkpoint), and ``--resume auto`` goes on from
+``--out`` if it exists, else starts afresh, so that the same command line serves the first
+launch, a relaunch by hand and torchrun's own restarts (``--max-restarts``). After a rank dies
+the others stop within ``--timeout`` seconds (at once when its connections close).
+Multi-node runs use torchrun's usual flags (``--nnodes``, ``--rdzv-endpoint`` ...); see
+``examples/slurm_train.sbatch``."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -58,6 +68,7 @@ def main() -> None:
         model = models.gpt(
             depth=args.depth, width=args.width, heads=4, vocab=args.vocab, seq_len=args.seq_len
         )
+    warn_if_restarts_share_the_store()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     torch.manual_seed(0)  # reset_parameters on replica 0, broadcast to the others
@@ -69,15 +80,20 @@ def main() -> None:
         schedule=args.schedule,
         dp=args.dp,
         checkpoint=args.checkpoint,
+        timeout=args.timeout,
     )
     opt = torch.optim.AdamW(pipe.parameters(), lr=args.lr)
-    first = ppd.load_checkpoint(args.resume, pipe, opt)["step"] + 1 if args.resume else 0
+    resume = resume_path(args)
+    first = ppd.load_checkpoint(resume, pipe, opt)["step"] + 1 if resume else 0
     rank0 = dist.get_rank() == 0
     if rank0:
+        restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # set by torchrun
         print(
             f"{args.pp} ranks ({stages} stages) x {args.dp} replicas, balance {pipe.balance}, "
             f"schedule {args.schedule}, {args.chunks} micro-batches, device {pipe.device}"
-            + (f", resuming at step {first}" if first else "")
+            + (f", resuming at step {first} from {resume}" if resume else "")
+            + (f" (torchrun restart {restarts})" if restarts != "0" else ""),
+            flush=True,
         )
     start = time.perf_counter()
     for step in range(first, args.steps):
@@ -88,11 +104,36 @@ def main() -> None:
         if rank0 and (step % args.log_every == 0 or step == args.steps - 1):
             rate = (step + 1 - first) * args.batch * args.dp / (time.perf_counter() - start)
             print(f"step {step:4d}  loss {loss:.4f}  {rate:.0f} sequences/s", flush=True)
-    # every rank takes part; rank 0 writes the file atomically (weights + AdamW state)
+        if args.save_every and (step + 1) % args.save_every == 0 and step < args.steps - 1:
+            ppd.save_checkpoint(args.out, pipe, opt, extra={"step": step})  # all ranks, atomic
+    # every rank takes part; atomic (weights + AdamW state; a .pt file: rank 0 writes it)
     ppd.save_checkpoint(args.out, pipe, opt, extra={"step": args.steps - 1})
     if rank0:
         print(f"saved the model and optimizer to {args.out} (--resume {args.out} goes on)")
     dist.destroy_process_group()
+
+
+def warn_if_restarts_share_the_store() -> None:
+    """torchrun's restarts keep the store it shares with the ranks (static rendezvous always,
+    c10d by default), and what the first attempt wrote there stays: restarted ranks can read
+    its addresses and fail to connect (pytorch/pytorch#135712)."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    if restarts and shared and os.environ.get("RANK") == "0":
+        print(
+            "warning: --max-restarts with torchrun's shared store: a restart may fail to "
+            "connect; launch with --rdzv-backend c10d and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def resume_path(args: argparse.Namespace) -> str | None:
+    """The checkpoint to go on from: ``--resume``, where ``auto`` means ``--out`` once a save
+    has put it there (a fresh start before)."""
+    if args.resume != "auto":
+        return args.resume
+    return args.out if os.path.exists(args.out) else None
 
 
 def parse() -> argparse.Namespace:
@@ -106,7 +147,12 @@ def parse() -> argparse.Namespace:
         help="pipeline schedule; interleaved-1f1b and zb-v run 2 stages per rank",
     )
     p.add_argument("--chunks", type=int, default=4, help="micro-batches per mini-batch")
-    p.add_argument("--checkpoint", default="never", choices=["always", "except_last", "never"])
+    p.add_argument(
+        "--checkpoint",
+        default="never",
+        choices=["always", "except_last", "never"],
+        help="activation checkpointing: recompute in the backward (saving to disk: --out)",
+    )
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=16, help="sequences per replica per step")
     p.add_argument("--depth", type=int, default=4, help="transformer blocks")
@@ -115,9 +161,32 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=32)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--log-every", type=int, default=5)
-    p.add_argument("--out", default="hybrid_checkpoint.pt", help="where rank 0 saves the model")
-    p.add_argument("--resume", default=None, help="a checkpoint saved by --out to go on from")
-    return p.parse_args()
+    p.add_argument(
+        "--out",
+        default="hybrid_checkpoint.pt",
+        help="where the model and optimizer go: a .pt file (rank 0 writes it) or a directory",
+    )
+    p.add_argument(
+        "--resume",
+        default=None,
+        help="a checkpoint saved by --out to go on from; 'auto': --out if it exists",
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=0,
+        help="also save to --out after every K-th step (0: at the end only)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        help="seconds a rank waits for a peer before every rank stops with an error",
+    )
+    args = p.parse_args()
+    if args.save_every < 0:
+        p.error(f"--save-every must be 0 (save at the end only) or more, not {args.save_every}")
+    return args
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from pipepar import io, report, timeline
 from pipepar.core.sequential import sequentialize
 from pipepar.local.gpipe import GPipe, from_torchgpipe_state_dict
 from pipepar.local.pipe import Pipe
+from pipepar.planner.layout import Layout
+from pipepar.planner.layout_search import search_layouts
 from pipepar.planner.partition import partition
 from pipepar.planner.plan import Plan, StagePlan, plan
 from pipepar.planner.profile import LayerProfile, Profile, profile
@@ -26,6 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "GPipe",
     "LayerProfile",
+    "Layout",
     "ModelPipe",
     "Pipe",
     "Plan",
@@ -38,6 +41,7 @@ __all__ = [
     "plan",
     "profile",
     "report",
+    "search_layouts",
     "sequentialize",
     "timeline",
     "tracing",

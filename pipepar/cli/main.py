@@ -5,6 +5,8 @@
     pipepar plan models.transformers_zoo:llama3_70b --tokens 8,4096 --dtype bfloat16 \\
         --devices 8 --capacity 80GiB --chunks 8 --checkpoint always --schedule 1f1b
     pipepar plan --hf-config path/to/config.json --tokens 8,4096 --devices 8 --capacity 80GiB
+    pipepar plan models.transformers_zoo:llama3_70b --tokens 8,4096 --dtype bfloat16 \\
+        --devices 64 --capacity 80GiB --cluster h100x8 --batch 512 [--top 5]
     pipepar convert CKPT_DIR OUT.pt
 
 MODEL is a zoo builder (``models.alexnet``), a torchvision model (``torchvision.models.resnet50``
@@ -13,8 +15,10 @@ flattens models that are not an ``nn.Sequential`` with :func:`pipepar.sequential
 takes any model as it is and plans over its units (:func:`pipepar.units`: what
 ``pipepar.wrap(model, balance=...)`` counts), building it on meta by default, and feeds it
 ``--tokens B,T`` as ``input_ids=`` and ``labels=`` (a language model's own loss) or an
-``--input-shape`` tensor. ``convert`` turns a sharded checkpoint directory (what
-``pipepar.distributed.save_checkpoint`` writes) into one file, ``{"model": state_dict,
+``--input-shape`` tensor; with ``--cluster`` and ``--batch`` it searches the whole layout
+(:func:`pipepar.search_layouts`: pp x dp, schedule, chunks, recompute, balance) and prints the
+fastest that fit, the best one's plan first. ``convert`` turns a sharded checkpoint directory
+(what ``pipepar.distributed.save_checkpoint`` writes) into one file, ``{"model": state_dict,
 "optimizer": ..., ...}`` (:func:`pipepar.persist.sharded.to_single_file`). Exit status: 0 when
 the plan fits (or the file is written), 1 when no split fits, 2 for bad arguments (one line on
 stderr).
@@ -71,7 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     _common(p)
     q = sub.add_parser("plan", help="plan any model (transformers too) over its units")
     q.add_argument(
-        "model", nargs="?", default=None,
+        "model",
+        nargs="?",
+        default=None,
         help="models.transformers_zoo:llama3_70b, pkg.mod:fn, ... (or --hf-config)",
     )
     q.add_argument("--hf-config", metavar="FILE", help="a transformers config.json (or folder)")
@@ -84,6 +90,13 @@ def _parser() -> argparse.ArgumentParser:
         help="cast the model's floating-point weights (an HF config's own dtype by default)",
     )
     _common(q)
+    q.add_argument(
+        "--cluster",
+        help="search the layout on this cluster (h100x8, a100x8, h200x8, cpu): pp x dp, "
+        "schedule, chunks and recompute are then searched, not taken from the options",
+    )
+    q.add_argument("--batch", type=int, help="with --cluster: the global batch in rows")
+    q.add_argument("--top", type=int, default=5, help="with --cluster: layouts to show")
     c = sub.add_parser("convert", help="turn a sharded checkpoint directory into one .pt file")
     c.add_argument("checkpoint", help="the directory pipepar.distributed.save_checkpoint wrote")
     c.add_argument("out", help="the file to write, e.g. model.pt")
@@ -105,6 +118,12 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--schedule", default="gpipe", choices=list(NAMES))
     p.add_argument(
         "--checkpoint", default="except_last", choices=["always", "except_last", "never"]
+    )
+    p.add_argument(
+        "--shard",
+        type=int,
+        default=1,
+        help="data-parallel ranks each stage's state is split over (dp_shard=True); 1: none",
     )
     p.add_argument(
         "--profile-device", default="meta", help="meta (default, no memory), cpu or cuda:0"
@@ -184,6 +203,7 @@ def _plan_and_write(args: argparse.Namespace, options: _Options, prof: Any) -> i
             chunks=args.chunks,
             schedule=args.schedule,
             checkpoint=args.checkpoint,
+            shard=args.shard,
         )
     except ValueError as err:
         raise PlanError(str(err)) from None
@@ -219,6 +239,7 @@ def _plan_units(args: argparse.Namespace) -> int:
     from pipepar.program.profile import profile_model
 
     options = _options(args)
+    devices = _search_devices(args, options)
     model = _guard(lambda: _unit_model(args, options))
     sample = _unit_sample(args, options, model)
     prof = _guard(
@@ -226,7 +247,65 @@ def _plan_units(args: argparse.Namespace) -> int:
             model, sample, device=args.profile_device, optimizer=options.optimizer
         )
     )
+    if devices is not None:
+        return _search_and_write(args, options, devices, prof, (model, sample))
     return _plan_and_write(args, options, prof)
+
+
+def _search_devices(args: argparse.Namespace, options: _Options) -> int | None:
+    """With ``--cluster`` and ``--batch`` (a layout search), the device count; else None."""
+    if args.cluster is None and args.batch is None:
+        return None
+    from pipepar.planner.cluster import Cluster
+
+    if args.cluster is None or args.batch is None:
+        raise UsageError("--cluster and --batch go together: e.g. --cluster h100x8 --batch 512")
+    _guard(lambda: Cluster.named(args.cluster))
+    for flag, value in (("--batch", args.batch), ("--top", args.top)):
+        if value < 1:
+            raise UsageError(f"{flag} {value} must be at least 1")
+    if not isinstance(options.devices, int) or isinstance(options.capacity, list):
+        raise UsageError(
+            "--cluster searches over a count of identical devices: pass --devices 64 and one "
+            "--capacity, e.g. 80GiB"
+        )
+    return options.devices
+
+
+def _search_and_write(
+    args: argparse.Namespace, options: _Options, devices: int, prof: Any, inputs: tuple[Any, Any]
+) -> int:
+    """Search the layouts, print them (the best one's plan first) and write them."""
+    from pipepar.planner.flop_count import count_flops
+    from pipepar.planner.layout import layouts_json
+    from pipepar.planner.layout_search import search_layouts
+
+    flops = None if prof.timed else _guard(lambda: count_flops(*inputs, prof))
+    try:
+        layouts = search_layouts(
+            prof,
+            devices=devices,
+            batch=args.batch,
+            cluster=args.cluster,
+            capacity=options.capacity,  # type: ignore[arg-type]
+            optimizer=options.optimizer,
+            flops=flops,
+            top=args.top,
+        )
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+    if not args.quiet:
+        _print_table(layouts[0].plan)
+        _print_layouts(layouts)
+    if args.json == "-":
+        print(layouts_json(layouts))
+    elif args.json:
+        _write(args.json, layouts_json(layouts))
+    if args.html:
+        from pipepar.render.report_html import write_html
+
+        _guard(lambda: write_html(layouts[0].plan, args.html))
+    return 0
 
 
 def _unit_model(args: argparse.Namespace, options: _Options) -> torch.nn.Module:
@@ -278,6 +357,8 @@ def _unit_sample(args: argparse.Namespace, options: _Options, model: torch.nn.Mo
 def _options(args: argparse.Namespace) -> _Options:
     if args.chunks < 1:
         raise UsageError(f"--chunks {args.chunks} must be >= 1 (micro-batches)")
+    if args.shard < 1:
+        raise UsageError(f"--shard {args.shard} must be >= 1 (ranks per shard group)")
     try:
         kwargs = json.loads(args.model_kwargs)
     except json.JSONDecodeError as err:
@@ -374,6 +455,15 @@ def _print_table(plan: object) -> None:
 
     width = max(shutil.get_terminal_size((160, 40)).columns, 100)
     sys.stdout.write(render_report(plan, width=width, color=sys.stdout.isatty()))  # type: ignore[arg-type]
+
+
+def _print_layouts(layouts: Any) -> None:
+    import shutil
+
+    from pipepar.render.layout_table import render_layouts
+
+    width = max(shutil.get_terminal_size((160, 40)).columns, 100)
+    sys.stdout.write(render_layouts(layouts, width=width, color=sys.stdout.isatty()))
 
 
 def _write(path: str, text: str) -> None:

@@ -1,4 +1,6 @@
-"""DistributedPipe: this rank's stages of a pipeline over ranks, replicated ``dp`` times (pp x dp).
+"""DistributedPipe: this rank's stages of a pipeline over ranks, replicated ``dp`` times (pp x dp),
+or with ``dp_shard=True`` sharded over the ``dp`` ranks of each position
+(:mod:`pipepar.ranks.sharding`).
 
 A rank runs one stage, or several with the virtual-stage schedules (``"interleaved-1f1b"``,
 ``"zb-v"``: balance lists two stages per rank). Launched with
@@ -48,6 +50,7 @@ from pipepar.ranks.replicas import (
     spread_over_replicas,
 )
 from pipepar.ranks.runtime import Runtime
+from pipepar.ranks.sharding import ShardedSync, check_dp_shard, full_tensors, shard_like
 from pipepar.ranks.transport import Transport
 
 __all__ = ["SCHEDULES", "DistributedPipe"]
@@ -61,7 +64,9 @@ class DistributedPipe(nn.Module):
 
     Build it with :func:`wrap`. Its children are the layers of all its stages under their
     names in the original model, so ``parameters()`` and ``state_dict()`` cover the local
-    stages with the original keys; :meth:`full_state_dict` gathers the whole model.
+    stages with the original keys; :meth:`full_state_dict` gathers the whole model. With
+    ``dp_shard=True`` the parameters are this replica's ``DTensor`` shards of them (see
+    :mod:`pipepar.ranks.sharding`), and so are their gradients and ``state_dict()``'s values.
     """
 
     def __init__(
@@ -78,12 +83,14 @@ class DistributedPipe(nn.Module):
         state_dict: Mapping[str, Tensor] | None = None,
         timeout: float | None = 300.0,
         deferred_batch_norm: bool = False,
+        dp_shard: bool = False,
     ) -> None:
         super().__init__()
         try:
             model = self._configure(
                 model, balance, chunks, schedule, dp, checkpoint, timeout, group
             )
+            self.dp_shard = check_dp_shard(dp_shard, self.dp)
             if deferred_batch_norm:
                 model = convert_deferred_batch_norm(model)  # type: ignore[assignment]
         except (ValueError, TypeError) as error:
@@ -92,15 +99,18 @@ class DistributedPipe(nn.Module):
             raise
         # -- from here on ranks talk to each other ----------------------------------------------
         handshake.agree(
-            handshake.fingerprint(
-                model,
-                self.balance,
-                chunks=self.chunks,
-                schedule=self.schedule,
-                dp=self.dp,
-                checkpoint=self.checkpoint,
-                state_dict=state_dict,
-            ),
+            {
+                **handshake.fingerprint(
+                    model,
+                    self.balance,
+                    chunks=self.chunks,
+                    schedule=self.schedule,
+                    dp=self.dp,
+                    checkpoint=self.checkpoint,
+                    state_dict=state_dict,
+                ),
+                "dp_shard": str(self.dp_shard),
+            },
             group=group,
             timeout=self.timeout,
         )
@@ -119,9 +129,9 @@ class DistributedPipe(nn.Module):
                 self.add_module(name, layer)
             start = sum(self.balance[:s])
             stages.append(Stage(s, start, list(part.children()), self.device))
-        self._assemble(stages)
-        if state_dict is None:  # replicas start from the same weights, like DDP
-            self._guard(lambda: broadcast_from_first(self._tensors(), self.mesh))
+        self.group = group
+        """The parent group of the grid (``None``: the world)."""
+        self._assemble(stages, same_start=state_dict is None)
 
     def _configure(
         self,
@@ -148,12 +158,19 @@ class DistributedPipe(nn.Module):
         )
         return model
 
-    def _assemble(self, stages: list[Stage]) -> None:
-        """Wire the local stages to their transport, gradient sync, runtime and guard."""
+    def _assemble(self, stages: list[Stage], *, same_start: bool) -> None:
+        """Wire the local stages to their transport, gradient sync, runtime and guard;
+        ``same_start``: give every replica replica 0's weights first (like DDP)."""
         self._guarded = Guard(self, self.mesh, self.close)
+        if same_start:  # before sharding: each replica then keeps its shard of the same weights
+            self._guard(lambda: broadcast_from_first(self._tensors(), self.mesh))
         window = self.schedule.worker_in_flight(self.mesh.stage)
         self._transport = Transport(self.mesh, self.device, send_window=window)
-        self._sync = GradientSync(self, self.mesh)
+        self._sync: GradientSync = (
+            ShardedSync(list(self.children()), self.mesh, self.device)
+            if self.dp_shard
+            else GradientSync(self, self.mesh)
+        )
         self._runtime = Runtime(
             stages,
             self.mesh,
@@ -243,7 +260,8 @@ class DistributedPipe(nn.Module):
     ) -> float:
         """``step`` under no_grad: the forwards only, the loss joined as ``step`` joins it."""
         spread = functools.partial(spread_over_replicas, mesh=self.mesh, device=self.device)
-        loss_sum = self._runtime.run(x, target, loss_fn, items=items, spread=spread, grad=False)
+        with self._sync.gathered():
+            loss_sum = self._runtime.run(x, target, loss_fn, items=items, spread=spread, grad=False)
         loss = None if loss_sum is None else self._replica_mean(loss_sum.float().reshape(1))
         return self._share_loss(loss)
 
@@ -265,11 +283,12 @@ class DistributedPipe(nn.Module):
         same_inputs = check_replica_inputs(x, self.mesh, self.device) if first else None
         self._sync.arm()
         spread = functools.partial(spread_over_replicas, mesh=self.mesh, device=self.device)
-        loss_sum = self._runtime.run(x, target, loss_fn, items=items, spread=spread)
-        if same_inputs is not None:  # before the averaged gradients are written back
-            same_inputs()
-        loss = None if loss_sum is None else loss_sum.float().reshape(1)
-        self._sync.finish(extra=loss)  # buckets were posted as their stages finished
+        with self._sync.gathered():  # sharded: all-gathered once for every action of the step
+            loss_sum = self._runtime.run(x, target, loss_fn, items=items, spread=spread)
+            if same_inputs is not None:  # before the averaged gradients are written back
+                same_inputs()
+            loss = None if loss_sum is None else loss_sum.float().reshape(1)
+            self._sync.finish(extra=loss)  # buckets were posted as their stages finished
         return self._share_loss(loss)
 
     def _share_loss(self, loss: Tensor | None) -> float:
@@ -312,41 +331,55 @@ class DistributedPipe(nn.Module):
                 "under torch.no_grad() to evaluate (the last stage's ranks get the output)"
             )
         with committing(list(self.children())):
-            outputs = self._guard(lambda: self._runtime.forward(x))
+            outputs = self._guard(lambda: self._gathered_forward(x))
         return None if outputs is None else gather(outputs)
+
+    def _gathered_forward(self, x: Tensor | None) -> list[Value] | None:
+        with self._sync.gathered():
+            return self._runtime.forward(x)
 
     # -- state --------------------------------------------------------------------------------
     def full_state_dict(self) -> dict[str, Tensor]:
-        """The whole model's state_dict (original keys, CPU tensors), gathered on every rank.
+        """The whole model's state_dict (original keys, CPU tensors), gathered on every rank
+        (with ``dp_shard``, each tensor gathered whole from its shards first).
 
         Example:
             >>> torch.save(pipe.full_state_dict(), "model.pt")  # doctest: +SKIP
         """
-        local = {k: v.detach().cpu() for k, v in self.state_dict().items()}
-        if self.mesh.ctl is None:
-            return local
         parts: list[Any] = [None] * self.pp
-        self._guard(lambda: self._gather(parts, local))
+        self._guard(lambda: self._gather(parts))
         return in_model_order({k: v for part in parts for k, v in part.items()}, self.layer_names)
 
-    def _gather(self, parts: list[Any], local: dict[str, Tensor]) -> None:
-        with comm(f"gathering the state_dict over ranks {self.mesh.pipeline_ranks}"):
-            dist.all_gather_object(parts, local, group=self.mesh.ctl)
+    def _gather(self, parts: list[Any]) -> None:
+        what = f"gathering the state_dict over ranks {self.mesh.grid_ranks}"
+        with comm(what):
+            local = {k: v.detach().cpu() for k, v in full_tensors(self.state_dict()).items()}
+            if self.mesh.ctl is None:
+                parts[:] = [local]
+            else:
+                dist.all_gather_object(parts, local, group=self.mesh.ctl)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
     ) -> Any:
-        """Load the local stages' entries of a whole-model (or local) state_dict."""
-        local = {k: v for k, v in state_dict.items() if k.split(".", 1)[0] in self._modules}
+        """Load the local stages' entries of a whole-model (or local) state_dict (whole
+        tensors; with ``dp_shard``, each replica keeps its shard of them)."""
+        own = dict(self.named_parameters())
+        local = {
+            k: shard_like(v, own[k]) if k in own else v
+            for k, v in state_dict.items()
+            if k.split(".", 1)[0] in self._modules
+        }
         return super().load_state_dict(local, strict=strict, assign=assign)
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> Tensor:
         """Clip the gradients by the whole model's norm (every stage's, reduced over the
-        pipeline's ranks; replicas, which hold the same averaged gradients, count once),
-        exactly as ``torch.nn.utils.clip_grad_norm_`` on the plain model; returns the total
-        norm, the same on every rank. Call it on every rank after ``step``.
+        pipeline's ranks; replicas, which hold the same averaged gradients, count once; with
+        ``dp_shard``, each replica's shards once), exactly as
+        ``torch.nn.utils.clip_grad_norm_`` on the plain model; returns the total norm, the
+        same on every rank. Call it on every rank after ``step``.
 
         Example:
             >>> pipe.step(x, y, loss_fn)  # doctest: +SKIP
@@ -362,6 +395,7 @@ class DistributedPipe(nn.Module):
                 error_if_nonfinite,
                 mesh=self.mesh,
                 device=self.device,
+                sharded=self.dp_shard,
             )
         )
 
@@ -382,6 +416,6 @@ class DistributedPipe(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"stages={self.stages}, position={self.stage_index}/{self.pp}, "
-            f"replica={self.dp_rank}/{self.dp}, "
+            f"replica={self.dp_rank}/{self.dp}{' sharded' if self.dp_shard else ''}, "
             f"chunks={self.chunks}, schedule={self.schedule.name!r}, checkpoint={self.checkpoint!r}"
         )

@@ -15,9 +15,12 @@
   writers fill ``.<name>.tmp`` next to the directory; once DCP's last collective has seen all
   of them done, stage 0 renames it to ``<name>``: a crash mid-save leaves the previous
   checkpoint in place (:mod:`pipepar.persist.directories`). ``pipepar convert CKPT_DIR OUT.pt``
-  turns it into one file of the format below.
+  turns it into one file of the format below. A pipe with ``dp_shard=True`` holds each
+  parameter and its optimizer state in shards over its replicas: every rank of the grid then
+  writes its shards (``DTensor``, which DCP saves in place), under the same keys.
 - **One file** (``.pt``, ``.pth`` or ``sharded=False``): the stages of replica 0 gather their
-  state onto stage 0, which writes it with :func:`pipepar.io.save` (atomic as well). A plain
+  state onto stage 0 (shards are first gathered whole over their replicas), which writes it
+  with :func:`pipepar.io.save` (atomic as well). A plain
   dict that ``torch.load(path, weights_only=True)`` reads::
 
     {"format": "pipepar/1", "model": <the whole model's state_dict, original keys>,
@@ -42,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 import pipepar.persist.files
 from pipepar.distributed.pipe import DistributedPipe
@@ -60,6 +64,7 @@ from pipepar.program import units
 from pipepar.program.rank_pipe import DistributedModelPipe
 from pipepar.ranks.failure import comm
 from pipepar.ranks.mesh import Mesh
+from pipepar.ranks.sharding import full_tensors, shard_state
 
 __all__ = [
     "load_checkpoint",
@@ -133,9 +138,9 @@ def _save(
     extra: dict[str, Any],
     outcome: list[BaseException | None],
 ) -> str | None:
-    """Replica 0 writes; every rank learns how it went."""
+    """Replica 0 writes (every replica, of shards); every rank learns how it went."""
     mesh, failure = pipe.mesh, None
-    if mesh.where.replica == 0:
+    if mesh.where.replica == 0 or _sharded(pipe):
         try:
             write(path, pipe, optimizer, extra, mesh)
         except Exception as error:  # reported to every rank; the pipe stays usable
@@ -164,8 +169,20 @@ def _write_sharded(
         aliases=aliases,
         extra=extra,
         layout=_layout(module),
-        group=None if mesh is None else mesh.ctl,
+        group=None if mesh is None else _writers(module, mesh),
     )
+
+
+def _sharded(module: nn.Module) -> bool:
+    """Whether ``module`` is a pipe holding shards (``dp_shard``): every replica then writes."""
+    return isinstance(module, DistributedPipe) and module.dp_shard
+
+
+def _writers(module: nn.Module, mesh: Mesh) -> dist.ProcessGroup | None:
+    """The ranks writing a sharded checkpoint: replica 0's pipeline, or the grid's with shards."""
+    if not isinstance(module, DistributedPipe) or not module.dp_shard:
+        return mesh.ctl
+    return module.group or dist.group.WORLD
 
 
 def _write_file(
@@ -175,13 +192,18 @@ def _write_file(
     extra: dict[str, Any],
     mesh: Mesh | None,
 ) -> None:
-    """Gather the shares of the pipeline on its stage 0, which writes them."""
+    """Gather the shares of the pipeline on its stage 0, which writes them (shards are first
+    gathered whole, on every replica)."""
     model, aliases = _share(module)
     local = {
-        "model": {k: v.detach().cpu() for k, v in model.items()},
+        "model": {k: v.detach().cpu() for k, v in full_tensors(model).items()},
         "aliases": aliases,
-        "optimizer": None if optimizer is None else _optimizer_share(module, optimizer, model),
+        "optimizer": None
+        if optimizer is None
+        else full_tensors(_optimizer_share(module, optimizer, model)),
     }
+    if mesh is not None and mesh.where.replica != 0:
+        return
     parts = [local] if mesh is None else _gather_on_first(local, mesh)
     if mesh is not None and mesh.stage != 0:
         return
@@ -256,10 +278,13 @@ def _entries(module: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
 
 def _share(module: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
     """The entries this rank writes: none on replicas but the first (they hold the same
-    values); of a DistributedModelPipe, those its stage computes (see :func:`_stage_share`)."""
+    values), but for their shards (``dp_shard``); of a DistributedModelPipe, those its stage
+    computes (see :func:`_stage_share`)."""
     entries, aliases = _entries(module)
     if isinstance(module, _PIPES) and module.mesh.where.replica != 0:
-        return {}, {}
+        if not _sharded(module):
+            return {}, {}
+        return {k: t for k, t in entries.items() if isinstance(t, DTensor)}, {}
     if isinstance(module, DistributedModelPipe):
         entries = _stage_share(module, entries)
     return entries, aliases
@@ -350,7 +375,7 @@ def _read_sharded(
     names = None if optimizer is None else list(parameter_names(module, optimizer).values())
     state, extra = sharded_.load(path, entries, parameters=names)
     if optimizer is not None and state is not None:
-        load_named_optimizer_state(module, optimizer, state)
+        load_named_optimizer_state(module, optimizer, _as_held(module, state))
     return extra
 
 
@@ -370,8 +395,14 @@ def _read_file(
         )
     _load_weights(module, checkpoint["model"], path)
     if optimizer is not None:
-        load_named_optimizer_state(module, optimizer, _optimizer_part(checkpoint, path))
+        saved = _as_held(module, _optimizer_part(checkpoint, path))
+        load_named_optimizer_state(module, optimizer, saved)
     return dict(checkpoint.get("extra") or {})
+
+
+def _as_held(module: nn.Module, saved: dict[str, Any]) -> dict[str, Any]:
+    """Saved (whole) optimizer state as ``module`` holds it: shards where it holds shards."""
+    return shard_state(saved, dict(module.named_parameters())) if _sharded(module) else saved
 
 
 def _load_weights(module: nn.Module, model: Mapping[str, Tensor], path: str) -> None:

@@ -28,6 +28,7 @@ def wrap(
     chunks: int = 1,
     schedule: str | Schedule = "gpipe",
     dp: int = 1,
+    dp_shard: bool = False,
     checkpoint: str | None = None,
     deferred_batch_norm: bool = False,
     device: torch.device | str | None = None,
@@ -66,6 +67,13 @@ def wrap(
             stages per rank (``len(balance) // 2`` ranks per pipeline).
         dp: data-parallel replicas; the group must have ``pp * dp`` ranks (pp: ranks per
             pipeline).
+        dp_shard: shard instead of replicate (an ``nn.Sequential`` only, ``dp >= 2``): the
+            ``dp`` ranks of each pipeline position hold their stage's parameters, gradients
+            and optimizer state in shards (``DTensor``, torch's FSDP2 layout), so each holds
+            about ``1 / dp`` of them between steps. The weights are all-gathered once per
+            step for all its micro-batches and the summed gradients reduce-scattered once
+            (:mod:`pipepar.ranks.sharding`); results equal the replicated pipe's.
+            ``parameters()`` are the shards: build the optimizer over them.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` (recompute, non-reentrant;
             the default is ``"except_last"`` for an ``nn.Sequential`` and ``"never"`` for other
             models, which recompute unit by unit, as :func:`pipepar.wrap` does).
@@ -103,6 +111,13 @@ def wrap(
         >>> loss = pipe.step(x, y, nn.functional.cross_entropy)  # doctest: +SKIP
     """
     if not isinstance(model, nn.Sequential) or split is not None:
+        if dp_shard is not False:
+            raise ValueError(
+                f"dp_shard={dp_shard!r} shards the stages of an nn.Sequential split by balance "
+                f"only, but the model is a {type(model).__name__}"
+                f"{' split by module paths' if split is not None else ''}; pass dp_shard=False "
+                "(replicas hold the whole stage), or wrap the model as an nn.Sequential"
+            )
         return DistributedModelPipe(  # type: ignore[return-value]
             model,
             balance,
@@ -130,4 +145,5 @@ def wrap(
         state_dict=state_dict,
         timeout=timeout,
         deferred_batch_norm=deferred_batch_norm,
+        dp_shard=dp_shard,
     )

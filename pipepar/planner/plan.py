@@ -20,7 +20,7 @@ import json
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,9 +32,11 @@ from pipepar.planner.peak_moments import schedule_for
 from pipepar.planner.plan_search import Candidate, search, unconstrained
 from pipepar.planner.plan_targets import Target, resolve_targets
 from pipepar.planner.profile import LayerProfile, Profile, profile
+from pipepar.planner.sharded_state import sharded
 from pipepar.planner.stage_memory import MemoryModel, StageMemory
+from pipepar.planner.step_time import StepPrediction
 
-__all__ = ["Plan", "StagePlan", "plan"]
+__all__ = ["Plan", "StagePlan", "check_profile", "fit", "plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +49,7 @@ UNITS = {
     "*_bytes": "B",
     "*_ms": "ms",
     "bubble": "fraction of the step the pipeline idles, from the schedule with F = B = W",
+    "prediction bubble": "fraction of the workers' time idle, from the predicted step",
     "in_flight": "micro-batches",
     "micro_batch_rows": "rows",
     "peak_bytes": "B",
@@ -152,6 +155,9 @@ class Plan:
         bubble: predicted idle fraction of the pipeline, from the schedule's own timing with
             unit costs (:meth:`pipepar.core.schedule.Schedule.bubble`); (K-1)/(M+K-1) for
             GPipe and 1F1B.
+        prediction: the predicted step on a cluster
+            (:func:`~pipepar.planner.step_time.predict_step`), when one was made (a layout
+            search makes one for every layout); None otherwise.
     """
 
     balance: list[int]
@@ -163,6 +169,7 @@ class Plan:
     objective: str
     micro_batch_rows: int
     bubble: float
+    prediction: StepPrediction | None = None
 
     @property
     def layers(self) -> list[LayerProfile]:
@@ -216,6 +223,7 @@ class Plan:
                 "schedule": self.schedule,
                 "checkpoint": self.checkpoint,
                 "optimizer": self.profile.optimizer,
+                "shard": self.profile.shard,
                 "profile_device": self.profile.device,
                 "batch_size": self.profile.batch_size,
                 "micro_batch_rows": self.micro_batch_rows,
@@ -224,6 +232,7 @@ class Plan:
             },
             "balance": list(self.balance),
             "bubble": self.bubble,
+            "prediction": None if self.prediction is None else _prediction(self.prediction),
             "fits": all(s.fits for s in self.stages),
             "stages": [s.to_dict() | {"fits": s.fits} for s in self.stages],
             "layers": layers,
@@ -265,6 +274,7 @@ def plan(
     schedule: str | Schedule = "gpipe",
     checkpoint: str = "except_last",
     profile_device: str | torch.device = "meta",
+    shard: int = 1,
 ) -> Plan:
     """Choose how many layers each stage gets so every stage fits and the slowest is fastest.
 
@@ -291,6 +301,10 @@ def plan(
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         profile_device: where to profile a model (``"meta"``: no memory, no times; a real
             device also measures times, and the balance then minimizes time).
+        shard: the data-parallel ranks each stage's parameters, gradients and optimizer state
+            are split over (``pipepar.distributed.wrap(..., dp=shard, dp_shard=True)``); each
+            device is then one rank of its group: the step's gathered weights and gradient
+            sums plus its shards (:mod:`pipepar.planner.sharded_state`).
 
     Returns:
         The :class:`Plan`.
@@ -309,7 +323,8 @@ def plan(
     _check_choice("checkpoint", checkpoint, CHECKPOINTS)
     chunks = _check_chunks(chunks)
     prof = _as_profile(model_or_profile, sample, optimizer, profile_device)
-    _check_profile(prof)
+    prof = sharded(prof, shard) if prof.shard == 1 else prof
+    check_profile(prof)
     targets = resolve_targets(devices, capacity, layers=len(prof))
     m = min(chunks, max(prof.batch_size, 1))
     if m < chunks:
@@ -325,21 +340,52 @@ def plan(
     model = MemoryModel(prof, order, checkpoint=checkpoint, foreach=[t.foreach for t in targets])
     shares = _stage_targets(order, targets)
     _check_cut_points(model.startable, len(shares), prof)
+    found = fit(prof, model, targets)
+    if found is None:
+        raise ValueError(_explain(model, shares, prof, order.n_workers))
+    return found
+
+
+def fit(prof: Profile, model: MemoryModel, targets: list[Target]) -> Plan | None:
+    """The plan of ``prof`` for the schedule and checkpointing of ``model`` (built from
+    ``prof``) over ``targets`` (one per worker), or None when no split fits.
+
+    What :func:`plan` runs once its arguments are checked (``prof`` by :func:`check_profile`);
+    a search trying many layouts calls it directly and moves on when nothing fits.
+    """
+    order = model.schedule
+    shares = _stage_targets(order, targets)
+    if sum(model.startable) < len(shares):
+        return None
     times = [layer.time_ms or 0.0 for layer in prof.layers] if prof.timed else None
     best = search(model, shares, times)
     if best is None:
-        raise ValueError(_explain(model, shares, prof, order.n_workers))
+        return None
     return Plan(
         balance=[len(c.layers) for c in best],
         stages=_stage_plans(model, order, targets, best, prof),
         profile=prof,
-        chunks=m,
+        chunks=order.n_microbatches,
         schedule=order.name,
-        checkpoint=checkpoint,
+        checkpoint=model.checkpoint,
         objective="time" if times is not None else "memory",
-        micro_batch_rows=math.ceil(max(prof.batch_size, 1) / m),
+        micro_batch_rows=math.ceil(max(prof.batch_size, 1) / order.n_microbatches),
         bubble=order.bubble(),
     )
+
+
+def _prediction(pred: StepPrediction) -> dict[str, Any]:
+    """The predicted step as plain data: its totals and each stage's parts (ms)."""
+    names = ("step_ms", "pipeline_ms", "bubble", "exposed_allreduce_ms", "schedule", "chunks")
+    out: dict[str, Any] = {name: getattr(pred, name) for name in names}
+    out |= {"dp": pred.dp, "cluster": pred.cluster, "source": pred.source}
+    out["busy_ms"] = list(pred.busy_ms)
+    out["stages"] = [
+        {f.name: getattr(st, f.name) for f in fields(st) if f.name != "layers"}
+        | {"first_layer": st.layers.start, "last_layer": st.layers.stop - 1}
+        for st in pred.stages
+    ]
+    return out
 
 
 def _stage_targets(order: Schedule, targets: list[Target]) -> list[Target]:
@@ -382,7 +428,7 @@ _BYTE_FIELDS = (
 )
 
 
-def _check_profile(prof: Profile) -> None:
+def check_profile(prof: Profile) -> None:
     """A profile built or edited by hand: NaN or negative figures would mislead the search."""
     if not prof.layers:
         raise ValueError("the profile has no layers; profile a non-empty nn.Sequential")
@@ -503,4 +549,9 @@ def _remedies(prof: Profile) -> str:
     hints = "use more devices or larger capacity, checkpoint='always', more chunks"
     if prof.optimizer != "none":
         hints += f", or an optimizer with less state than {prof.optimizer}"
+    if prof.shard == 1 and prof.total("optimizer_bytes"):
+        hints += (
+            "; with data-parallel replicas, shard each stage's state over them (shard=n here, "
+            "dp_shard=True in pipepar.distributed.wrap)"
+        )
     return hints

@@ -148,6 +148,8 @@ class Profile:
         storages: every storage that is kept for backward or handed between layers, with the
             layer that created it; the planner uses them to count a stage's memory exactly
             (what crosses a stage boundary is held on both sides).
+        shard: the data-parallel ranks each stage's state is split over (1: not split; see
+            :func:`pipepar.planner.sharded_state.sharded`).
     """
 
     layers: list[LayerProfile]
@@ -158,6 +160,7 @@ class Profile:
     input_bytes: int
     storages: list[StorageRecord] = field(default_factory=list, repr=False)
     trained: list[list[ParamSpec]] = field(default_factory=list, repr=False)
+    shard: int = 1
 
     def __len__(self) -> int:
         return len(self.layers)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
@@ -25,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from pipepar.local.worker import Aborted, _init_thread
 
-__all__ = ["Driver", "Follower", "Weight", "active", "driver_pool", "watch_units"]
+__all__ = ["Driver", "Follower", "Weight", "active", "driver_pool", "unit_lock", "watch_units"]
 
 _local = threading.local()
 
@@ -166,7 +167,12 @@ def watch_units(units: Sequence[Any], stage_of_unit: Sequence[int]) -> list[Remo
     """Hooks on every unit, for calls made by a driver (others are untouched): a unit with
     parameters is a place where the driver stops for its stage's turn; then the driver's
     follower is told of the call (it may change the arguments) and of its end (even a failed
-    one)."""
+    one).
+
+    A unit runs one call at a time (:func:`unit_lock`, held from the follower's turn to the
+    call's end): a unit the model calls again in a later stage computes there with stand-ins
+    for its weights swapped into the module, which a call of an earlier stage running at the
+    same moment on another thread must not see."""
     handles = []
     for k, (u, s) in enumerate(zip(units, stage_of_unit)):
         weights = [
@@ -175,13 +181,30 @@ def watch_units(units: Sequence[Any], stage_of_unit: Sequence[int]) -> list[Remo
             for name, p in module._parameters.items()
             if p is not None
         ]
-        pre = _entering(k, s if u.has_parameters else None, weights)
+        lock = unit_lock(u.module)
+        pre = _entering(k, s if u.has_parameters else None, weights, lock)
         handles.append(u.module.register_forward_pre_hook(pre, with_kwargs=True))
-        handles.append(u.module.register_forward_hook(_leaving, always_call=True))
+        leave = _leaving(lock)
+        handles.append(u.module.register_forward_hook(leave, always_call=True))
     return handles
 
 
-def _entering(unit: int, stage: int | None, weights: list[Weight]) -> Callable[..., Any]:
+def unit_lock(module: nn.Module) -> threading.RLock:
+    """The lock a unit's calls made by the pipe hold (one per module)."""
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(module)
+        if lock is None:
+            lock = _LOCKS[module] = threading.RLock()
+        return lock
+
+
+_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def _entering(
+    unit: int, stage: int | None, weights: list[Weight], lock: threading.RLock
+) -> Callable[..., Any]:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         driver = active()
         if driver is None:
@@ -189,15 +212,39 @@ def _entering(unit: int, stage: int | None, weights: list[Weight]) -> Callable[.
         if stage is not None:
             driver.boundary(stage)
         follower = driver.follower
-        return None if follower is None else follower.enter_unit(unit, weights, args, kwargs)
+        if follower is None:
+            return None
+        lock.acquire()
+        _held().append(lock)  # released by the forward hook, which runs even if this raises
+        return follower.enter_unit(unit, weights, args, kwargs)
 
     return hook
 
 
-def _leaving(module: nn.Module, args: Any, output: Any) -> None:
-    driver = active()
-    if driver is not None and driver.follower is not None:
-        driver.follower.leave_unit(output)
+def _leaving(lock: threading.RLock) -> Callable[..., None]:
+    def hook(module: nn.Module, args: Any, output: Any) -> None:
+        driver = active()
+        if driver is None or driver.follower is None:
+            return
+        held = _held()
+        entered = bool(held) and held[-1] is lock  # not if it failed waiting for its turn
+        try:
+            if entered:
+                driver.follower.leave_unit(output)
+        finally:
+            if entered:
+                held.pop()
+                lock.release()
+
+    return hook
+
+
+def _held() -> list[threading.RLock]:
+    """The unit locks this thread holds, innermost last."""
+    held = getattr(_local, "held", None)
+    if held is None:
+        held = _local.held = []
+    return held
 
 
 def driver_pool(

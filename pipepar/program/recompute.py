@@ -36,6 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from pipepar.core.randomness import DrawPoint, draw_point
 from pipepar.core.recompute import recomputing_as_before
+from pipepar.program.driver import unit_lock
 
 __all__ = ["checkpoint_units", "recomputing_units"]
 
@@ -137,6 +138,8 @@ class _Replay:
         stack = contextlib.ExitStack()
         with contextlib.ExitStack() as failing:
             failing.push(stack)
+            if self.stand_ins:  # another stage may run the module now: not with these
+                stack.enter_context(unit_lock(self.module))
             stack.enter_context(_swapped_in(self.stand_ins))
             stack.enter_context(self.point.replaying())
             stack.enter_context(recomputing_as_before([self.module]))

@@ -7,7 +7,8 @@ Modules: :mod:`~pipepar.ranks.process` (the process group, this rank's device),
 :mod:`~pipepar.ranks.mesh` (the pp x dp grid of ranks),
 :mod:`~pipepar.ranks.transport` (point-to-point activations and gradients),
 :mod:`~pipepar.ranks.runtime` (running a schedule), :mod:`~pipepar.ranks.replicas`
-(dp sync), :mod:`~pipepar.ranks.clipping` (the gradient norm over every rank),
+(dp sync), :mod:`~pipepar.ranks.sharding` (dp sharded with FSDP2, ``dp_shard=True``),
+:mod:`~pipepar.ranks.clipping` (the gradient norm over every rank),
 :mod:`~pipepar.ranks.arguments` (one rank's arguments checked alone),
 :mod:`~pipepar.ranks.failure` (fault reporting), :mod:`~pipepar.ranks.progress`
 (what each rank runs and waits for; every wait bounded by ``timeout``) and

@@ -6,7 +6,8 @@ norm (``sum |g|^p``, or ``max |g|`` for the infinity norm) over the gradients it
 are reduced over the ranks of the pipeline, and every rank scales its gradients by the same
 factor. A weight tied across stages is counted once (by the first stage that uses it); data-
 parallel replicas hold the same averaged gradients, so they are counted once too (the
-reduction spans one pipeline, not the replicas).
+reduction spans one pipeline, not the replicas). Sharded replicas (``DTensor`` gradients, each
+replica a shard) add their shards' parts over the replicas first.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from pipepar.ranks.mesh import Mesh
 
@@ -32,6 +34,7 @@ def clip_grad_norm_(
     *,
     mesh: Mesh,
     device: torch.device,
+    sharded: bool = False,
 ) -> Tensor:
     """Clip like ``torch.nn.utils.clip_grad_norm_`` on the plain model; return its total norm.
 
@@ -44,14 +47,18 @@ def clip_grad_norm_(
         mesh: this rank's grid (the norm is reduced over its pipeline's ranks, waiting at most
             the pipe's timeout).
         device: where this rank computes.
+        sharded: the gradients are ``DTensor`` shards over the replicas of ``mesh``: each
+            counts its own rows, and the parts are reduced over the replicas too.
 
     Raises:
         RuntimeError: the total norm is not finite and ``error_if_nonfinite`` is set.
     """
     p = float(norm_type)
-    part = _local_part([q.grad for q in owned if q.grad is not None], p, device)
+    part = _local_part([_local(q.grad) for q in owned if q.grad is not None], p, device)
+    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    if sharded and mesh.dp_group is not None:
+        mesh.progress.all_reduce(part, mesh.dp_group, "the gradient norm of the shards", op)
     if mesh.ctl is not None:
-        op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
         mesh.progress.all_reduce(part, mesh.ctl, "the gradient norm", op)
     total = part if math.isinf(p) else part.pow(1.0 / p)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
@@ -65,6 +72,11 @@ def clip_grad_norm_(
             if q.grad is not None:
                 q.grad.mul_(coef.to(q.grad.device))
     return total
+
+
+def _local(g: Tensor) -> Tensor:
+    """This rank's own values of ``g`` (its shard, for a ``DTensor``)."""
+    return g.to_local() if isinstance(g, DTensor) else g
 
 
 def _local_part(grads: list[Tensor], p: float, device: torch.device) -> Tensor:

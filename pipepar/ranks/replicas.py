@@ -16,7 +16,8 @@ dtype when a step starts and compares them before the averaged gradients are wri
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol, TypeVar
 
 import torch
@@ -173,13 +174,20 @@ class GradientSync:
         self.buckets = _buckets(module, size) if mesh.dp_group is not None else []
         self._bucket_of = {id(p): k for k, bucket in enumerate(self.buckets) for p in bucket}
         self._missing: list[int] = []
-        self._posted: list[tuple[dist.Work | None, Tensor, list[Tensor]]] = []
+        self._posted: list[tuple[dist.Work | None, str, Callable[[], None]]] = []
         self._armed = False
         self.posted_early = 0
         """Buckets of the last mini-batch posted while the rank still had actions to run (their
         all-reduce overlapped computation)."""
         self.posted_before_finish = 0
         """Buckets of the last mini-batch posted by :meth:`ready`, before :meth:`finish`."""
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """The weights whole for the actions of one mini-batch: here they always are (each
+        replica holds them all); :class:`~pipepar.ranks.sharding.ShardedSync` gathers its
+        shards."""
+        yield
 
     def arm(self) -> None:
         """A mini-batch starts: post each bucket once all its gradients are ready."""
@@ -218,12 +226,9 @@ class GradientSync:
         if extra is not None:
             self._post_tensors([extra])
         with torch.no_grad():
-            for work, flat, tensors in self._posted:
-                what = f"gradient all-reduce over ranks {self.mesh.replica_ranks}"
+            for work, what, land in self._posted:
                 self.mesh.progress.wait(work, what)
-                flat.div_(self.mesh.dp)
-                for t, mean in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
-                    t.copy_(mean)
+                land()
         self._posted = []
 
     def drop(self) -> None:
@@ -236,11 +241,19 @@ class GradientSync:
         self._post_tensors([p.grad for p in self.buckets[k] if p.grad is not None])
 
     def _post_tensors(self, tensors: list[Tensor]) -> None:
+        """All-reduce ``tensors`` (flattened); once done, their replicas' mean lands in them."""
         flat = _flatten_dense_tensors(tensors) if tensors else torch.zeros(0)
+        what = f"gradient all-reduce over ranks {self.mesh.replica_ranks}"
         self.mesh.progress.check_failures()  # a replica that left would not end this one
-        with comm(f"gradient all-reduce over ranks {self.mesh.replica_ranks}"):
+        with comm(what):
             work = dist.all_reduce(flat, group=self.mesh.dp_group, async_op=True)
-        self._posted.append((work, flat, tensors))
+
+        def land() -> None:
+            flat.div_(self.mesh.dp)
+            for t, mean in zip(tensors, _unflatten_dense_tensors(flat, tensors), strict=True):
+                t.copy_(mean)
+
+        self._posted.append((work, what, land))
 
 
 def _buckets(module: nn.Module, bucket_bytes: int) -> list[list[Tensor]]:

@@ -18,7 +18,7 @@ from pipepar.core.units import format_bytes
 if TYPE_CHECKING:
     from pipepar.planner.plan import Plan
 
-__all__ = ["render_report", "shape_text"]
+__all__ = ["duration_text", "prediction_text", "render_report", "shape_text"]
 
 
 def shape_text(shape: Any) -> str:
@@ -33,6 +33,34 @@ def shape_text(shape: Any) -> str:
     if all(isinstance(d, int) for d in shape):
         return "x".join(str(d) for d in shape)
     return ", ".join(shape_text(s) for s in shape)
+
+
+def duration_text(ms: float) -> str:
+    """A duration in ms as text: ``"850 ms"``, ``"12.3 s"``.
+
+    Example:
+        >>> duration_text(850.0), duration_text(12345.0)
+        ('850 ms', '12.3 s')
+    """
+    return f"{ms:.3g} ms" if ms < 1000 else f"{ms / 1e3:.3g} s"
+
+
+def prediction_text(plan: Plan) -> str | None:
+    """The plan's predicted step in one line, or None when it has no prediction.
+
+    Example:
+        >>> prediction_text(layouts[0].plan).startswith("predicted step on h100x8 (dp=")
+        True
+    """
+    pred = plan.prediction
+    if pred is None:
+        return None
+    source = "times from FLOPs" if pred.source == "flops" else "measured times"
+    return (
+        f"predicted step on {pred.cluster} (dp={pred.dp}, {source}): "
+        f"{duration_text(pred.step_ms)}, bubble {pred.bubble:.1%}, all-reduce exposed "
+        f"{duration_text(pred.exposed_allreduce_ms)}"
+    )
 
 
 def _ms(value: float | None) -> str:
@@ -75,7 +103,7 @@ def _layer_table(plan: Plan) -> Table:
 def _stage_table(plan: Plan) -> Table:
     title = (
         f"Stages ({plan.schedule}, {plan.chunks} micro-batches of {plan.micro_batch_rows} rows, "
-        f"checkpoint={plan.checkpoint}, optimizer={plan.profile.optimizer})"
+        f"checkpoint={plan.checkpoint}, optimizer={plan.profile.optimizer}{_shard(plan)})"
     )
     table = Table(title=title, box=box.SIMPLE_HEAD, show_footer=True)
     totals = plan.totals()
@@ -117,6 +145,12 @@ def _stage_table(plan: Plan) -> Table:
     return table
 
 
+def _shard(plan: Plan) -> str:
+    """How the state is sharded, if it is: the figures are one rank's of its group."""
+    n = plan.profile.shard
+    return "" if n == 1 else f", state sharded over {n} ranks: gathered for the step + shards"
+
+
 def render_report(plan: Plan, *, width: int = 200, color: bool = False) -> str:
     """The plan as text: the layer table, the stage table and a summary line.
 
@@ -126,7 +160,7 @@ def render_report(plan: Plan, *, width: int = 200, color: bool = False) -> str:
         color: keep ANSI colors (for a terminal) or not (for files and logs).
 
     Returns:
-        The rendered text.
+        The rendered text; with the predicted step when the plan has one (a layout's plan).
 
     Example:
         >>> "bubble" in render_report(plan)
@@ -139,6 +173,9 @@ def render_report(plan: Plan, *, width: int = 200, color: bool = False) -> str:
     console.print(_layer_table(plan))
     console.print(_stage_table(plan))
     console.print(_summary(plan), highlight=False)
+    predicted = prediction_text(plan)
+    if predicted is not None:
+        console.print(predicted, highlight=False)
     return out.getvalue()
 
 

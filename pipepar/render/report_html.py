@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipepar.core.units import format_bytes
-from pipepar.render.report import shape_text
+from pipepar.render.report import prediction_text, shape_text
 
 if TYPE_CHECKING:
     from pipepar.planner.plan import Plan
@@ -100,6 +100,7 @@ def render_html(plan: Plan, *, timeline: Timeline | Tracer | None = None) -> str
         f"optimizer={_e(plan.profile.optimizer)} &middot; predicted bubble of the schedule "
         f"{plan.bubble:.1%} &middot; profiled on {_e(plan.profile.device)}, balanced by "
         f"{plan.objective}</div>",
+        *_predicted(plan),
         "<h2>Memory per stage</h2>",
         _legend(PARTS + [("", "capacity", CAPACITY_COLOR)]),
         _stage_chart(plan),
@@ -125,6 +126,11 @@ def render_html(plan: Plan, *, timeline: Timeline | Tracer | None = None) -> str
         + "\n".join(body)
         + "\n</body></html>\n"
     )
+
+
+def _predicted(plan: Plan) -> list[str]:
+    text = prediction_text(plan)
+    return [] if text is None else [f'<div class="meta">{_e(text)}</div>']
 
 
 def _measured(timeline: Timeline | Tracer | None) -> list[str]:

@@ -281,3 +281,39 @@ def test_gap_analysis_splits_every_workers_step(capsys: pytest.CaptureFixture[st
     assert gap_analysis.main(["--schedule", "1f1b", "--steps", "1"]) == 0
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert len(rows) == 1 + 2  # header and one row per worker
+
+
+def test_plan_time_quick_predicts_every_layout(tmp_path: Path) -> None:
+    rows, text = _run("bench_plan_time.py", tmp_path, "--write")
+    assert "## Planner: predicted against measured step time" in text
+    assert [(r["model"], r["schedule"], r["chunks"], r["checkpoint"]) for r in rows] == [
+        ("mlp", "1f1b", 4, "never"),
+        ("mlp", "zb-v", 4, "except_last"),
+        ("gpt2", "gpipe", 4, "except_last"),
+    ]
+    for row in rows:
+        assert row["error"] is None and row["processes"] == 1 and row["steps"] == 2, row
+        assert 0 < row["p10_ms"] <= row["median_ms"] <= row["p90_ms"]
+        assert row["predicted_ms"] > 0 and row["micro_ms"] > 0 and row["cpu_ms"] > 0
+        measured = row["median_ms"]
+        assert row["error_pct"] == pytest.approx(100 * (row["predicted_ms"] - measured) / measured)
+    table = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(table) == 1 + len(rows) and all(line.count("|") == 11 for line in table)
+    for model in ("mlp", "gpt2"):
+        assert f"{model}, 1 process(es), whole-batch profile: predicted best" in text
+
+
+def test_checkpoint_quick_saves_and_loads_both_formats(tmp_path: Path) -> None:
+    rows, text = _run("bench_checkpoint.py", tmp_path, "--write")
+    assert "## Checkpoints: sharded directory against one gathered file" in text
+    assert [r["format"] for r in rows] == ["directory", "file"]
+    for row in rows:
+        assert row["equal"] and row["ranks"] == 2 and row["rounds"] == 2, row
+        assert row["bytes"] > 3 * 2**20 and row["files"] >= 1  # ~4 MiB of model + AdamW
+        for phase in ("save", "load"):
+            assert len(row[f"{phase}_s"]) == 2 and all(s > 0 for s in row[f"{phase}_s"])
+            assert len(row[f"{phase}_peak_mib"]) == 2
+            assert all(m >= 0 for m in row[f"{phase}_peak_mib"])
+    assert rows[1]["files"] == 1  # one gathered file
+    table = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(table) == 1 + len(rows) and all(line.count("|") == 8 for line in table)

@@ -176,3 +176,37 @@ def test_a_step_run_again_updates_batch_norm_statistics_once() -> None:
     for name, b in pipe.named_buffers():
         _close(b.float(), expected[name].float(), name)
     _same_grads(pipe, plain)
+
+
+class _Reused(nn.Module):
+    """Block 0 runs again after the last block: its weights are used by both stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.blocks[0](x)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_unit_run_by_two_stages_at_once_keeps_their_weights_apart(schedule: str) -> None:
+    """The later stage computes block 0 with a stand-in for its weights; the earlier stage,
+    running block 0 for the next micro-batch on another thread at the same moment, must not
+    see it (many small micro-batches: the calls overlap often)."""
+    torch.manual_seed(0)
+    plain = _Reused()
+    pipe = pipepar.wrap(
+        copy.deepcopy(plain), split=["blocks.2"], devices=["cpu"] * 2, chunks=16, schedule=schedule
+    )
+    for _ in range(5):
+        x = torch.randn(64, 32)
+        loss = pipe.step(x, loss_fn=lambda out, t: out.square().mean(), target=x)
+        expected = torch.stack([plain(c).square().mean() for c in x.chunk(16)]).mean()
+        expected.backward()
+        _close(loss, expected.detach(), "loss")
+        _same_grads(pipe, plain)
+        pipe.zero_grad()
+        plain.zero_grad()

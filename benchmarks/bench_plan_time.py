@@ -1,0 +1,557 @@
+"""Planner validation: predicted step time (pipepar.planner.step_time) against measured.
+
+For every layout this 2-core machine runs: two workers in one process (``pipepar.wrap``,
+``threads=1``) and, with ``--ranks``, two gloo ranks (``pipepar.distributed.wrap``); every
+schedule (gpipe, 1f1b, zb-h1 on 2 stages; interleaved-1f1b and zb-v on 4 stages, two per
+worker); M = 4, 8, 16 micro-batches; recompute ``"except_last"`` and ``"never"``; for two
+models: the MLP of ``bench_schedules.py`` (``_common.workload("mlp")``, MSE loss outside the
+model) and the transformers GPT-2 of ``bench_models.py`` (``bench_models.job("gpt2")``, its
+own loss from ``labels``). Equal stages as those benchmarks cut them.
+
+Measured: per layout, the median step time (``pipe.step`` then gradients set to None, no
+optimizer) with its p10-p90, over ``--steps`` timed steps split into ``--rounds`` blocks, each
+block after one untimed step; the layouts of one model alternate, their order rotating from
+round to round (``_common.run_blocks``), so a drift in the host's load hits all alike. On two
+ranks every step starts after a barrier and its time is the slower rank's.
+
+Predicted: :func:`pipepar.planner.step_time.predict_step` of the layout, from profiles per
+model taken here before any timing, with :func:`pipepar.planner.cluster.measure_local` as the
+cluster. Calibration, the same for every layout (no per-layout factor):
+
+- the profile runs with one math thread (``torch.set_num_threads(1)``), as each stage's worker
+  does with ``threads=1``, so a profiled layer time is one core's time for the whole batch;
+- ``--profiles`` profiles are taken and each layer's forward and backward is the median over
+  them (one profile is a single pass, and the host may be shared);
+- **predicted**: predict_step scales the whole batch's times linearly in rows to each
+  micro-batch (a stage's F of micro-batch i takes ``rows_i / batch`` of its layers' time),
+  adds recompute, and the measured hand-over latency and copy bandwidth per transfer;
+- **from a micro-batch profile**: the same, but each layer's times are those of a profile of
+  one micro-batch (``batch / M`` rows) times M, so what a small micro-batch costs beyond its
+  share of rows (small matrix products; a weight gradient as large as the weight, written
+  once per micro-batch whatever its rows) is measured instead of scaled away;
+- the ranks use the same links as the threads: gloo over loopback is slower than a hand-over
+  in memory, so their transfers are predicted short.
+
+What predict_step leaves out shows as a systematic error: the sum of each parameter's
+gradient over the micro-batches (an add of the gradient's bytes per micro-batch after the
+first, in neither profile), the loss outside the MLP, the runtime's cost per action, and the
+two cores slowing each other (shared caches and memory bandwidth) where the profile ran on an
+idle second core. The last column separates compute from scheduling: the prediction's busy
+time of both workers (F + B + W + recompute) against the CPU seconds the process spent per
+step, which a loaded host does not inflate as it does wall time.
+
+The table: layout, predicted ms, measured median ms (p10-p90), error % ((predicted -
+measured) / measured), the micro-batch profile's prediction and error, and compute predicted
+against CPU time. Under it, per model and process count and for each profile: the layout
+predicted fastest, and whether it is the measured fastest or within 5% of it; then the
+median and spread of each error.
+
+    python benchmarks/bench_plan_time.py                       # 60 layouts, one process
+    python benchmarks/bench_plan_time.py --ranks --steps 6     # also two gloo ranks
+    python benchmarks/bench_plan_time.py --models mlp --schedules 1f1b,zb-v --chunks 8
+    python benchmarks/bench_plan_time.py --quick               # seconds; CI smoke test
+    python benchmarks/bench_plan_time.py --write               # the section in RESULTS.md
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # one core per thread, in every process
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import argparse
+import copy
+import dataclasses
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import pairwise, product
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pipepar
+from benchmarks import _common as common
+from benchmarks import bench_models
+from benchmarks._contenders import pipepar_balance
+from benchmarks._procs import ProcessGroup
+from benchmarks._results import markdown_table, record
+from pipepar.core.schedule import NAMES as SCHEDULES
+from pipepar.local import cpu_malloc
+from pipepar.planner.cluster import Cluster, measure_local
+from pipepar.planner.profile import Profile
+from pipepar.planner.step_time import StepPrediction, predict_step
+from pipepar.program.profile import profile_model
+
+TITLE = "Planner: predicted against measured step time"
+MODELS = ("mlp", "gpt2")
+CHUNKS = (4, 8, 16)
+CHECKPOINTS = ("except_last", "never")
+WITHIN = 0.05  # the predicted best counts as right within 5% of the measured best
+QUICK = (  # model, schedule, M, recompute
+    ("mlp", "1f1b", 4, "never"),
+    ("mlp", "zb-v", 4, "except_last"),
+    ("gpt2", "gpipe", 4, "except_last"),
+)
+
+
+# -- the jobs ----------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """One way to run a model on this machine's two cores."""
+
+    model: str
+    """``"mlp"`` or ``"gpt2"``."""
+    schedule: str
+    """A name of :data:`pipepar.core.schedule.NAMES`."""
+    chunks: int
+    """Micro-batches M."""
+    checkpoint: str
+    """``"except_last"`` (recompute) or ``"never"``."""
+    processes: int
+    """1: two workers in this process; 2: two gloo ranks."""
+
+    @property
+    def key(self) -> str:
+        """The layout's name in the table and in the process group."""
+        where = "ranks" if self.processes == 2 else "threads"
+        return f"{self.model} {where} {self.schedule} M={self.chunks} {self.checkpoint}"
+
+
+@dataclass
+class Model:
+    """A model, its training step's inputs, and how its stages are cut."""
+
+    name: str
+    module: nn.Module
+    step: Callable[[Any], None]
+    """``step(pipe)``: one training step of a pipe of this model."""
+    sample: Callable[[int], Any]
+    """``sample(rows)``: the first ``rows`` rows of the batch, as :func:`profile` takes them."""
+    batch: int
+    """Rows in the batch."""
+    description: str
+    cuts: Callable[[int], dict[str, Any]]
+    """``cuts(n_stages)``: the ``balance=`` or ``split=`` keyword of the wrap."""
+
+
+def build(name: str, *, quick: bool) -> Model:
+    """The benchmark's MLP (``bench_schedules.py``) or GPT-2 (``bench_models.py``)."""
+    if name == "mlp":
+        work = common.workload("mlp", quick=quick)
+        x, y, loss = work.x, work.y, work.loss
+        return Model(
+            name,
+            work.model,
+            lambda pipe: pipe.step(x, y, loss),
+            lambda rows: x[:rows],
+            work.batch,
+            work.description + ", MSE loss outside the model",
+            lambda n: {"balance": pipepar_balance("gpipe", len(work.model), n)},
+        )
+    job = bench_models.job("gpt2", quick=quick)
+    ids = job.ids
+    return Model(
+        name,
+        job.model,
+        lambda pipe: pipe.step(input_ids=ids, labels=ids),
+        lambda rows: {"input_ids": ids[:rows], "labels": ids[:rows]},
+        job.batch,
+        job.description + ", its own loss",
+        lambda n: {"split": bench_models.split(job, n)},
+    )
+
+
+def stages(schedule: str) -> int:
+    """Stages on the two workers: 2, or 4 for the virtual-stage schedules."""
+    return bench_models.stages(schedule)
+
+
+def layouts(args: argparse.Namespace) -> list[Layout]:
+    """Every layout of the run: --quick's few, else the product of all options."""
+    procs = (1, 2) if args.ranks else (1,)
+    every = list(product(args.models, args.schedules, args.chunks, CHECKPOINTS))
+    chosen = QUICK if args.quick else every
+    return [
+        Layout(model=m, schedule=s, chunks=c, checkpoint=k, processes=p)
+        for p in procs
+        for m, s, c, k in chosen
+        if m in args.models
+    ]
+
+
+def wrap(model: Model, layout: Layout) -> Any:
+    """The layout's pipe in this process: two CPU workers, one math thread each."""
+    return pipepar.wrap(
+        copy.deepcopy(model.module),
+        **model.cuts(stages(layout.schedule)),
+        devices=["cpu", "cpu"],
+        chunks=layout.chunks,
+        schedule=layout.schedule,
+        checkpoint=layout.checkpoint,
+        threads=1,
+    )
+
+
+def _stepped(model: Model, pipe: Any) -> common.Step:
+    def step() -> None:
+        model.step(pipe)
+        pipe.zero_grad(set_to_none=True)
+
+    return step
+
+
+def rank_builder(spec: dict[str, Any], rank: int, world: int) -> Callable[[str, int], common.Step]:
+    """Factory run on every rank of a ProcessGroup: ``build(layout key, m) -> step``."""
+    import pipepar.distributed as ppd
+
+    cpu_malloc.tune()
+    model = build(spec["model"], quick=spec["quick"])
+
+    def make(key: str, m: int) -> common.Step:
+        _, _, schedule, _, checkpoint = key.split(" ")
+        pipe = ppd.wrap(
+            copy.deepcopy(model.module),
+            **model.cuts(stages(schedule)),
+            chunks=m,
+            schedule=schedule,
+            checkpoint=checkpoint,
+        )
+        return _stepped(model, pipe)
+
+    return make
+
+
+# -- predicting --------------------------------------------------------------------------------
+def profile(model: Model, repeats: int, rows: int | None = None) -> Profile:
+    """The model's profile with one math thread, each layer's times the median of
+    ``repeats`` profiles; with ``rows``, of a batch of that many rows."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each stage's worker computes (threads=1)
+    try:
+        runs = [_profile_once(model, rows or model.batch) for _ in range(max(1, repeats))]
+    finally:
+        torch.set_num_threads(previous)
+    layers = [
+        dataclasses.replace(
+            layer,
+            forward_ms=statistics.median(r.layers[i].forward_ms or 0.0 for r in runs),
+            backward_ms=statistics.median(r.layers[i].backward_ms or 0.0 for r in runs),
+        )
+        for i, layer in enumerate(runs[0].layers)
+    ]
+    return dataclasses.replace(runs[0], layers=layers)
+
+
+def scaled_to(whole: Profile, part: Profile, chunks: int) -> Profile:
+    """``whole`` with each layer's times ``chunks`` x those of ``part``, a profile of one
+    micro-batch: micro-batch times as measured, where predict_step would scale by rows."""
+    layers = [
+        dataclasses.replace(
+            layer,
+            forward_ms=chunks * (small.forward_ms or 0.0),
+            backward_ms=chunks * (small.backward_ms or 0.0),
+        )
+        for layer, small in zip(whole.layers, part.layers)
+    ]
+    return dataclasses.replace(whole, layers=layers)
+
+
+def _profile_once(model: Model, rows: int) -> Profile:
+    sample = model.sample(rows)
+    if isinstance(model.module, nn.Sequential):
+        return pipepar.profile(model.module, sample, device="cpu", optimizer=None)
+    return profile_model(model.module, sample, device="cpu")
+
+
+def balance(model: Model, prof: Profile, n_stages: int) -> list[int]:
+    """The layout's layers per stage over the profile's layers (units for GPT-2)."""
+    cut = model.cuts(n_stages)
+    if "balance" in cut:
+        return list(cut["balance"])
+    names = [layer.name for layer in prof.layers]
+    starts = [0, *(names.index(path) for path in cut["split"]), len(names)]
+    return [b - a for a, b in pairwise(starts)]
+
+
+def predict(model: Model, prof: Profile, layout: Layout, cluster: Cluster) -> StepPrediction:
+    """The prediction of ``layout``'s step."""
+    return predict_step(
+        prof,
+        balance(model, prof, stages(layout.schedule)),
+        cluster=cluster,
+        schedule=layout.schedule,
+        chunks=layout.chunks,
+        checkpoint=layout.checkpoint,
+    )
+
+
+# -- measuring ---------------------------------------------------------------------------------
+Measured = dict[str, list[float] | str]
+"""Per layout key: the seconds of every timed step, or why it has none."""
+
+
+def measure(
+    model: Model, chosen: list[Layout], args: argparse.Namespace
+) -> tuple[Measured, dict[str, list[float]]]:
+    """Every layout's step times (seconds), and the in-process ones' CPU seconds per step."""
+    block = math.ceil(args.steps / args.rounds)
+    timers: dict[str, common.Block] = {}
+    skipped: dict[str, str] = {}
+    cpu: dict[str, list[float]] = {}
+    group = None
+    if any(layout.processes == 2 for layout in chosen):
+        spec = {"model": model.name, "quick": args.quick}
+        group = ProcessGroup(2, "benchmarks.bench_plan_time:rank_builder", spec)
+    pipes: list[Any] = []
+    try:
+        for layout in chosen:
+            if group is not None and layout.processes == 2:
+                timers[layout.key] = common.remote_block(group, layout.key, layout.chunks, block, 1)
+                continue
+            try:
+                pipes.append(wrap(model, layout))
+                step = _stepped(model, pipes[-1])
+                step()  # warm-up (and worker start)
+            except Exception as error:
+                skipped[layout.key] = common.why(error)
+                continue
+            timers[layout.key] = _block(step, block, cpu.setdefault(layout.key, []))
+        return common.run_blocks(timers, skipped, args.rounds, [x.key for x in chosen]), cpu
+    finally:
+        for pipe in pipes:
+            getattr(pipe, "close", lambda: None)()
+        if group is not None:
+            group.close()
+
+
+def _block(step: common.Step, block: int, cpu: list[float]) -> common.Block:
+    """``common.local_block(step, block, 1)`` that also appends each step's CPU seconds (all
+    of this process's threads) to ``cpu``: what the step computed, however loaded the host."""
+
+    def timed() -> list[float]:
+        step()  # untimed
+        wall = []
+        for _ in range(block):
+            clock, start = time.process_time(), time.perf_counter()
+            step()
+            wall.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - clock)
+        return wall
+
+    return timed
+
+
+# -- predicting every layout -------------------------------------------------------------------
+def predictions(
+    model: Model, chosen: list[Layout], cluster: Cluster, repeats: int
+) -> dict[str, dict[str, float] | str]:
+    """Per layout: the predicted step and compute (ms) from the whole-batch profile, and from
+    a profile of one micro-batch (``micro_``); or why there is none."""
+    whole = profile(model, repeats)
+    micro = {
+        m: scaled_to(whole, profile(model, repeats, max(1, model.batch // m)), m)
+        for m in sorted({x.chunks for x in chosen})
+    }
+    out: dict[str, dict[str, float] | str] = {}
+    for x in chosen:
+        try:
+            p, q = predict(model, whole, x, cluster), predict(model, micro[x.chunks], x, cluster)
+        except ValueError as error:
+            out[x.key] = common.why(error)
+            continue
+        out[x.key] = {
+            "predicted_ms": p.step_ms,
+            "predicted_busy_ms": sum(p.busy_ms),
+            "micro_ms": q.step_ms,
+            "micro_busy_ms": sum(q.busy_ms),
+        }
+    return out
+
+
+# -- report ------------------------------------------------------------------------------------
+def rows(
+    chosen: list[Layout],
+    predicted: dict[str, dict[str, float] | str],
+    times: Measured,
+    cpu: dict[str, list[float]],
+) -> list[dict[str, Any]]:
+    """One row per layout: predictions, measured quantiles (ms), errors (%)."""
+    out = []
+    for layout in chosen:
+        row: dict[str, Any] = dataclasses.asdict(layout) | {"key": layout.key}
+        pred, steps = predicted[layout.key], times[layout.key]
+        if isinstance(pred, str) or isinstance(steps, str):
+            out.append(row | {"error": pred if isinstance(pred, str) else steps, "steps": 0})
+            continue
+        q = common.Quantiles.of([1e3 * t for t in steps])
+        row |= pred | {"error": None, "steps": len(steps)}
+        row |= {"median_ms": q.median, "p10_ms": q.p10, "p90_ms": q.p90}
+        row["error_pct"] = _off(pred["predicted_ms"], q.median)
+        row["micro_error_pct"] = _off(pred["micro_ms"], q.median)
+        used = cpu.get(layout.key)
+        row["cpu_ms"] = 1e3 * statistics.median(used) if used else None
+        row["busy_error_pct"] = _off(pred["predicted_busy_ms"], row["cpu_ms"]) if used else None
+        out.append(row)
+    return out
+
+
+def _off(predicted: float, measured: float) -> float:
+    return 100 * (predicted - measured) / measured
+
+
+def table(result: list[dict[str, Any]]) -> str:
+    """The markdown table, one line per layout."""
+    lines = []
+    for r in result:
+        head = [r["model"], r["processes"], r["schedule"], r["chunks"], r["checkpoint"]]
+        if r["error"]:
+            lines.append([*head, "-", r["error"], "-", "-", "-"])
+            continue
+        spread = f"{r['median_ms']:.1f} ({r['p10_ms']:.1f}-{r['p90_ms']:.1f})"
+        micro = f"{r['micro_ms']:.1f} ({r['micro_error_pct']:+.0f}%)"
+        busy = "-"
+        if r["cpu_ms"] is not None:
+            busy = f"{r['predicted_busy_ms']:.0f} / {r['cpu_ms']:.0f} ({r['busy_error_pct']:+.0f}%)"
+        lines.append(
+            [*head, f"{r['predicted_ms']:.1f}", spread, f"{r['error_pct']:+.0f}%", micro, busy]
+        )
+    headers = ["model", "processes", "schedule", "M", "recompute", "predicted ms"]
+    headers += ["measured ms median (p10-p90)", "error", "from a micro-batch profile ms (error)"]
+    headers += ["compute predicted / CPU measured ms (error)"]
+    return markdown_table(headers, lines)
+
+
+def best(result: list[dict[str, Any]], field: str = "predicted_ms") -> list[dict[str, Any]]:
+    """Per model and process count: the layout predicted fastest (by ``field``) against the
+    measured fastest."""
+    out = []
+    for model, procs in sorted({(r["model"], r["processes"]) for r in result}):
+        mine = [r for r in result if (r["model"], r["processes"]) == (model, procs)]
+        mine = [r for r in mine if not r["error"]]
+        if not mine:
+            continue
+        guess = min(mine, key=lambda r: r[field])
+        fact = min(mine, key=lambda r: r["median_ms"])
+        off = guess["median_ms"] / fact["median_ms"] - 1
+        out.append(
+            {"model": model, "processes": procs, "predicted": guess["key"],
+             "measured": fact["key"], "slower": off, "right": off <= WITHIN}
+        )  # fmt: skip
+    return out
+
+
+def summary(result: list[dict[str, Any]]) -> str:
+    """Under the table: the best-layout verdicts and the errors' median and spread."""
+    lines = []
+    for field, source in (("predicted_ms", "whole-batch"), ("micro_ms", "micro-batch")):
+        for b in best(result, field):
+            verdict = "the measured best" if b["slower"] == 0 else f"{b['slower']:+.1%} over it"
+            ok = "right" if b["right"] else f"wrong (> {WITHIN:.0%})"
+            lines.append(
+                f"{b['model']}, {b['processes']} process(es), {source} profile: predicted best "
+                f"{b['predicted']!r}, measured best {b['measured']!r}; the predicted best is "
+                f"{verdict}: {ok}."
+            )
+    for field, what in (
+        ("error_pct", "step, whole-batch profile"),
+        ("micro_error_pct", "step, micro-batch profile"),
+        ("busy_error_pct", "compute against CPU time"),
+    ):
+        errors = [r[field] for r in result if not r["error"] and r[field] is not None]
+        if errors:
+            q = common.Quantiles.of(errors)
+            lines.append(
+                f"Error of the {what}, {len(errors)} layouts: median {q.median:+.0f}%, p10 "
+                f"{q.p10:+.0f}%, p90 {q.p90:+.0f}%, worst {max(errors, key=abs):+.0f}%."
+            )
+    return "\n".join(lines)
+
+
+def notes(models: list[Model], cluster: Cluster, args: argparse.Namespace, before: str) -> str:
+    block = math.ceil(args.steps / args.rounds)
+    jobs = "; ".join(f"{m.name}: {m.description}" for m in models)
+    return (
+        f"Jobs: {jobs}. Two CPU workers with one math thread each (one process), or two gloo "
+        f"ranks; gradients set to None each step, no optimizer. {args.rounds} rounds x {block} "
+        "timed steps per layout, each block after one untimed step, order rotating. "
+        f"Predicted by predict_step from the median of {args.profiles} one-thread profiles "
+        "per model (of the whole batch; and of one micro-batch, its times x M), cluster "
+        f"{cluster.name!r} (hand-over {1e6 * cluster.intra.latency:.0f} us, "
+        f"{cluster.intra.bandwidth / 1e9:.1f} GB/s). Compute: the prediction's busy time of "
+        "both workers against the process's CPU time per step (median). Error = (predicted - "
+        f"measured) / measured. Machine load before: {before}; after: {common.load()}."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Profile, predict, measure, print the table; write it to RESULTS.md with --write."""
+    args = _parse(argv)
+    cpu_malloc.tune()
+    torch.set_num_threads(1)
+    before = common.load()
+    cluster = measure_local(seconds=0.3 if args.quick else 1.0)
+    chosen, result, models = layouts(args), [], []
+    for name in args.models:
+        mine = [x for x in chosen if x.model == name]
+        if not mine:
+            continue
+        model = build(name, quick=args.quick)
+        models.append(model)
+        predicted = predictions(model, mine, cluster, args.profiles)
+        result += rows(mine, predicted, *measure(model, mine, args))
+    text, note = table(result), "\n\n".join([summary(result), notes(models, cluster, args, before)])
+    print(text, note, sep="\n\n")
+    if args.write:
+        record(TITLE, text, notes=note, path=common.results_path(args, "plan-time"))
+    common.write_json(args.json, result)
+    return 0
+
+
+def _listed(text: str) -> list[str]:
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_options(parser, rounds=2)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per layout")
+    parser.add_argument("--profiles", type=int, default=3, help="profiles per model (median)")
+    parser.add_argument("--ranks", action="store_true", help="also run on two gloo ranks")
+    parser.add_argument("--write", action="store_true", help="write the section (--results)")
+    parser.add_argument(
+        "--models", type=_listed, default=list(MODELS), help="comma list of: mlp, gpt2"
+    )
+    parser.add_argument(
+        "--schedules", type=_listed, default=list(SCHEDULES), help="comma list of schedules"
+    )
+    parser.add_argument(
+        "--chunks", type=_listed, default=[str(m) for m in CHUNKS], help="comma list of M"
+    )
+    args = parser.parse_args(argv)
+    for option, given, known in (
+        ("models", args.models, MODELS),
+        ("schedules", args.schedules, SCHEDULES),
+        ("chunks", args.chunks, [str(m) for m in CHUNKS]),
+    ):
+        unknown = [x for x in given if x not in known]
+        if unknown or not given:
+            parser.error(f"--{option}: unknown {unknown}; choose from {', '.join(known)}")
+    args.chunks = [int(m) for m in args.chunks]
+    if args.steps < 1 or args.rounds < 1 or args.profiles < 1:
+        parser.error("--steps, --rounds and --profiles must be >= 1")
+    if args.quick:
+        args.rounds, args.steps, args.profiles = 1, min(args.steps, 2), 1
+    return args
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,412 @@
+"""Choose the whole layout: pipeline and data-parallel degrees, schedule, micro-batches,
+recompute and balance, ranked by predicted throughput.
+
+For ``N`` devices and a global batch of ``G`` rows, every ``N = pp x dp`` is a candidate: ``dp``
+replicas of a pipeline over ``pp`` devices, each replica taking ``G / dp`` rows per step. For
+each, every schedule (the virtual-stage ones with two stages per device), number of
+micro-batches ``M`` and recompute policy is tried with the balance :func:`pipepar.plan` picks
+(the split with the smallest bottleneck among those that fit, from
+:class:`~pipepar.planner.stage_memory.MemoryModel`) and the step that
+:func:`~pipepar.planner.step_time.predict_step` predicts for it. Layouts that fit are ranked by
+rows per second, ``G / step``.
+
+The profile may be of any batch: it is scaled to each replica's rows
+(:func:`~pipepar.planner.profile_rows.at_rows`), linearly, as the planner scales a batch to its
+micro-batches. A profile without times (on ``meta``) takes them from FLOP counts
+(:func:`~pipepar.planner.flop_count.count_flops`) at the cluster's rate, so the balance
+minimizes the slowest stage's time there too.
+
+How it prunes (``pp`` devices per pipeline):
+
+- exactly: a ``pp`` with more stages than layers, a ``dp`` that does not divide the batch, a
+  ``pp`` whose parameters, gradients and optimizer state alone exceed ``pp`` devices, and a
+  (``pp``, recompute) whose work spread evenly with no bubble cannot beat the ``top``-th
+  layout found are not tried; nor is a step predicted for a layout whose busiest device's
+  work alone cannot;
+- by the memory model's trends: ``M`` is tried from the largest down, and once one does not
+  fit no smaller one is (fewer micro-batches hold more rows at once); recompute policies go
+  from the most frugal, and one recomputing less is not tried with an ``M`` where a more
+  frugal one did not fit. Rows that ``M`` does not divide round the micro-batch up, and
+  recomputing puts a forward's work space in the backward, so these are not proofs.
+
+Schedules are built once per (``pp``, schedule, ``M``) and shared by the recompute policies.
+
+    >>> layouts = search_layouts(prof, devices=64, batch=512, cluster="h100x8",
+    ...                          capacity="80GiB", flops=count_flops(model, sample, prof))
+    >>> best = layouts[0]
+    >>> best.pp, best.dp, best.schedule, best.chunks, best.checkpoint, best.throughput
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from torch import nn
+
+from pipepar.core.schedule import NAMES, VIRTUAL, Schedule
+from pipepar.core.units import format_bytes, parse_bytes
+from pipepar.planner.cluster import Cluster
+from pipepar.planner.layout import Layout
+from pipepar.planner.peak_moments import schedule_for
+from pipepar.planner.plan import CHECKPOINTS, Plan, fit
+from pipepar.planner.plan_search import unconstrained
+from pipepar.planner.plan_targets import Target, resolve_targets
+from pipepar.planner.profile import Profile
+from pipepar.planner.profile_rows import at_rows
+from pipepar.planner.search_inputs import (
+    check_choices,
+    check_count,
+    check_counts,
+    search_cluster,
+    search_profile,
+)
+from pipepar.planner.stage_memory import MemoryModel
+from pipepar.planner.step_time import Flops, StepPrediction, predict_step
+
+__all__ = ["CHUNKS", "Layout", "search_layouts"]
+
+CHUNKS = (1, 2, 4, 8, 16, 32, 64)
+"""Micro-batch counts tried by default (those up to a replica's rows)."""
+
+_FRUGAL = ("never", "except_last", "always")
+"""Recompute policies from the fastest to the one needing the least memory."""
+
+_LEAN = ("1f1b", "gpipe", "zb-h1", "interleaved-1f1b", "zb-v")
+"""Schedules from the one holding the least activations at once (for what nothing fits)."""
+
+
+def search_layouts(
+    model_or_profile: nn.Module | Profile,
+    sample: Any = None,
+    *,
+    devices: int,
+    batch: int,
+    cluster: Cluster | str,
+    capacity: int | str | None = None,
+    optimizer: object = "adam",
+    flops: Flops | None = None,
+    schedules: Sequence[str] = NAMES,
+    chunks: Sequence[int] = CHUNKS,
+    checkpoints: Sequence[str] = CHECKPOINTS,
+    top: int | None = 10,
+    profile_device: str = "meta",
+) -> list[Layout]:
+    """The fastest layouts of the model on ``devices`` devices that fit, fastest first.
+
+    Args:
+        model_or_profile: a :class:`~pipepar.planner.profile.Profile` (of any batch), or a
+            model to profile on ``profile_device`` with ``sample`` (an ``nn.Sequential`` by its
+            layers, any other module by its units, as :func:`pipepar.plan` and
+            ``pipepar plan`` do).
+        sample: an input batch, when a model is given.
+        devices: all devices, N; every ``pp x dp = N`` is tried.
+        batch: the global batch G in rows; a replica takes ``G / dp``.
+        cluster: the machines (a :class:`~pipepar.planner.cluster.Cluster`, or a preset name,
+            given as many nodes as ``devices`` needs).
+        capacity: bytes per device (``"80GiB"``); None for the cluster's device memory.
+        optimizer: whose state to count (see :func:`pipepar.profile`).
+        flops: per layer, the (forward, backward) FLOPs of the profile's batch, for a profile
+            without times; counted here when a model is given.
+        schedules: the schedules to try.
+        chunks: the micro-batch counts to try (those up to a replica's rows).
+        checkpoints: the recompute policies to try.
+        top: how many layouts to return (the rest are pruned early); None for every layout
+            that fits.
+        profile_device: where to profile a model.
+
+    Returns:
+        Up to ``top`` :class:`Layout` s, by throughput, fastest first.
+
+    Raises:
+        ValueError: bad arguments, or nothing fits; the message names the smallest capacity
+            a layout needs, or what rules every layout out.
+
+    Example:
+        >>> layouts = search_layouts(model, torch.randn(8, 1024), devices=8, batch=64,
+        ...                          cluster="h100x8", capacity="16GiB", top=3)
+        >>> [(x.pp, x.dp, x.schedule) for x in layouts]
+    """
+    n = check_count("devices", devices, "e.g. devices=8")
+    rows = check_count("batch", batch, "e.g. batch=512 rows")
+    options = _Options(
+        schedules=check_choices("schedules", schedules, NAMES),
+        chunks=sorted(set(check_counts("chunks", chunks)), reverse=True),
+        checkpoints=sorted(
+            check_choices("checkpoints", checkpoints, CHECKPOINTS), key=_FRUGAL.index
+        ),
+        top=None if top is None else check_count("top", top, "e.g. top=10, or None for all"),
+    )
+    machines = search_cluster(cluster, n)
+    cap = machines.memory_bytes if capacity is None else parse_bytes(capacity, name="capacity")
+    prof, counted = search_profile(
+        model_or_profile, sample, optimizer=optimizer, device=profile_device, flops=flops
+    )
+    found = _Search(prof, counted, machines, cap, n, rows, options)
+    layouts = found.run()
+    if not layouts:
+        raise ValueError(found.explain())
+    return layouts
+
+
+@dataclass(frozen=True)
+class _Options:
+    schedules: list[str]
+    chunks: list[int]  # largest first
+    checkpoints: list[str]  # fastest first, the most frugal last
+    top: int | None
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """One pipeline degree: its replicas, their rows and the profile scaled to them."""
+
+    pp: int
+    dp: int
+    rows: int
+    profile: Profile
+    flops: Flops | None
+    targets: list[Target]
+
+
+class _Search:
+    """The search's state: the layouts kept so far, what was built, what did not fit."""
+
+    def __init__(
+        self,
+        prof: Profile,
+        flops: Flops | None,
+        cluster: Cluster,
+        capacity: int,
+        devices: int,
+        rows: int,
+        options: _Options,
+    ) -> None:
+        self.prof, self.flops, self.cluster, self.capacity = prof, flops, cluster, capacity
+        self.devices, self.rows, self.options = devices, rows, options
+        self.kept: list[Layout] = []
+        self.schedules: dict[tuple[str, int, int], Schedule] = {}
+        self.shapes: dict[int, tuple[int, int]] = {}  # pp -> (dp, rows), tried or too heavy
+        self.skipped: list[str] = []  # why a pp or schedule was not tried
+
+    # -- the search ---------------------------------------------------------------------------
+    def run(self) -> list[Layout]:
+        """Every shape, schedule and recompute policy, the most frugal policy first: where it
+        does not fit, one that recomputes less does not either."""
+        for shape in self._shapes():
+            for name in self.options.schedules:
+                stages = shape.pp * (2 if name in VIRTUAL else 1)
+                if stages > len(self.prof):
+                    self.skipped.append(
+                        f"{name} on pp={shape.pp}: {stages} stages for {len(self.prof)} layers"
+                    )
+                    continue
+                misfit = 0  # the most micro-batches that did not fit with more recompute
+                for checkpoint in reversed(self.options.checkpoints):
+                    if self._work_bound(shape, checkpoint) <= self._threshold():
+                        misfit = self._chunks(shape, name, checkpoint, misfit)
+        return list(self.kept)
+
+    def _shapes(self) -> Iterator[_Shape]:
+        static = sum(x.params_bytes + x.grads_bytes + x.optimizer_bytes for x in self.prof.layers)
+        for pp in (d for d in range(1, self.devices + 1) if self.devices % d == 0):
+            dp = self.devices // pp
+            rows = self.rows // dp
+            if pp > len(self.prof):
+                self.skipped.append(f"pp={pp}: more devices than the {len(self.prof)} layers")
+            elif self.rows % dp:
+                self.skipped.append(f"dp={dp}: does not divide the batch of {self.rows} rows")
+            elif rows < self.options.chunks[-1]:
+                self.skipped.append(f"dp={dp}: {rows} rows per replica, fewer than any chunks")
+            elif static / pp > self.capacity:
+                self.shapes[pp] = (dp, rows)
+                self.skipped.append(
+                    f"pp={pp}: parameters, gradients and optimizer state alone take "
+                    f"{format_bytes(math.ceil(static / pp))} per device"
+                )
+            else:
+                self.shapes[pp] = (dp, rows)
+                yield self._shape(pp, dp, rows)
+
+    def _shape(self, pp: int, dp: int, rows: int) -> _Shape:
+        scaled = at_rows(self.prof, rows)
+        r = rows / self.prof.batch_size
+        flops = None if self.flops is None else [(f * r, b * r) for f, b in self.flops]
+        if flops is not None:  # times for the balance, as predict_step reckons them
+            scaled = _with_times(scaled, flops, self.cluster)
+        targets = resolve_targets(pp, self.capacity, layers=len(scaled))
+        return _Shape(pp, dp, rows, scaled, flops, targets)
+
+    def _chunks(self, shape: _Shape, name: str, checkpoint: str, misfit: int) -> int:
+        """Micro-batch counts above ``misfit`` from the largest down, until one does not fit
+        (fewer hold more rows at once); the most that did not fit, or ``misfit``."""
+        counts = [m for m in self._chunk_counts(shape) if m > misfit]
+        for m in counts:
+            memory = MemoryModel(
+                shape.profile,
+                self._schedule(name, shape.pp, m),
+                checkpoint=checkpoint,
+                foreach=[t.foreach for t in shape.targets],
+            )
+            found = fit(shape.profile, memory, shape.targets)
+            if found is None:
+                return m
+            if _busy_bound(found) <= self._threshold():  # else no step can make the top
+                self._keep(self._layout(shape, found))
+        return misfit
+
+    def _chunk_counts(self, shape: _Shape) -> list[int]:
+        """The micro-batch counts to try for a replica, largest first."""
+        return [c for c in self.options.chunks if c <= shape.rows]
+
+    def _schedule(self, name: str, pp: int, m: int) -> Schedule:
+        key = (name, pp, m)
+        if key not in self.schedules:
+            self.schedules[key] = schedule_for(name, pp, m)
+        return self.schedules[key]
+
+    def _predict(
+        self, shape: _Shape, order: Schedule, balance: list[int], checkpoint: str
+    ) -> StepPrediction:
+        return predict_step(
+            shape.profile,
+            balance,
+            cluster=self.cluster,
+            schedule=order,
+            chunks=order.n_microbatches,
+            checkpoint=checkpoint,
+            dp=shape.dp,
+            flops=shape.flops,
+        )
+
+    def _layout(self, shape: _Shape, found: Plan) -> Layout:
+        order = self.schedules[(found.schedule, shape.pp, found.chunks)]
+        pred = self._predict(shape, order, found.balance, found.checkpoint)
+        peaks = {s.worker: s.device_peak_bytes for s in found.stages}
+        return Layout(
+            pp=shape.pp,
+            dp=shape.dp,
+            schedule=found.schedule,
+            chunks=found.chunks,
+            checkpoint=found.checkpoint,
+            balance=tuple(found.balance),
+            rows=shape.rows,
+            step_ms=pred.step_ms,
+            throughput=1e3 * self.rows / pred.step_ms if pred.step_ms > 0 else math.inf,
+            peak_bytes=tuple(peaks[w] for w in range(shape.pp)),
+            capacity_bytes=self.capacity,
+            prediction=pred,
+            plan=replace(found, prediction=pred),
+        )
+
+    # -- ranking ------------------------------------------------------------------------------
+    def _keep(self, layout: Layout) -> None:
+        """Rank ``layout`` among those kept, keeping the ``top``."""
+        self.kept.append(layout)
+        self.kept.sort(key=self._rank)
+        if self.options.top is not None:
+            del self.kept[self.options.top :]
+
+    def _rank(self, x: Layout) -> tuple[Any, ...]:
+        """Fastest first; then the least memory, the shortest pipeline, the order given."""
+        return (
+            x.step_ms,
+            max(x.peak_bytes),
+            x.pp,
+            self.options.schedules.index(x.schedule),
+            -x.chunks,
+            _FRUGAL.index(x.checkpoint),
+        )
+
+    def _threshold(self) -> float:
+        """The step a layout must beat to be kept: the ``top``-th's, once there are that many."""
+        top = self.options.top
+        if top is None or len(self.kept) < top:
+            return math.inf
+        return self.kept[-1].step_ms
+
+    def _work_bound(self, shape: _Shape, checkpoint: str) -> float:
+        """A replica's work spread evenly over its devices with no bubble (ms), the fewest
+        micro-batches recomputed: a lower bound of the step, as some device does its share."""
+        layers = shape.profile.layers
+        work = sum((x.forward_ms or 0.0) + (x.backward_ms or 0.0) for x in layers)
+        fewest = self._chunk_counts(shape)[-1]
+        share = {"never": 0.0, "except_last": (fewest - 1) / fewest, "always": 1.0}[checkpoint]
+        return (work + share * sum(x.forward_ms or 0.0 for x in layers)) / shape.pp
+
+    # -- nothing fits -------------------------------------------------------------------------
+    def explain(self) -> str:
+        """Why no layout fits: the least capacity one needs, or what ruled each pp out."""
+        what = (
+            f"no layout fits {self.devices} devices of {format_bytes(self.capacity)} with a "
+            f"batch of {self.rows} rows"
+        )
+        fixes = "use larger or more devices, a smaller batch, or an optimizer with less state"
+        least = self._least_needed()
+        if least is None:
+            return f"{what}: {'; '.join(self.skipped) or 'nothing to try'}; {fixes}"
+        need, shape, memory = least
+        order = memory.schedule
+        return (
+            f"{what}: the least any needs is about {format_bytes(need)} per device (pp="
+            f"{shape.pp}, dp={shape.dp}, {order.name}, {order.n_microbatches} micro-batches, "
+            f"checkpoint={memory.checkpoint!r}), {format_bytes(need - self.capacity)} more; "
+            f"{fixes}"
+        )
+
+    def _least_needed(self) -> tuple[int, _Shape, MemoryModel] | None:
+        """About the least capacity a layout needs: with the schedule that holds the least
+        (1F1B, of those searched), the most micro-batches and the most frugal recompute. Each
+        ``pp`` costs a search of its own, so they go from the least parameter bytes per
+        device (a lower bound of the need) up, while that bound is below the least found."""
+        static = sum(x.params_bytes + x.grads_bytes + x.optimizer_bytes for x in self.prof.layers)
+        name = next(n for n in _LEAN if n in self.options.schedules)
+        best: tuple[int, _Shape, MemoryModel] | None = None
+        for pp in sorted(self.shapes, reverse=True):
+            if best is not None and static / pp >= best[0]:
+                break
+            if pp * (2 if name in VIRTUAL else 1) > len(self.prof):
+                continue
+            shape = self._shape(pp, *self.shapes[pp])
+            order = self._schedule(name, pp, self._chunk_counts(shape)[0])
+            foreach = [t.foreach for t in shape.targets]
+            memory = MemoryModel(
+                shape.profile, order, checkpoint=self.options.checkpoints[-1], foreach=foreach
+            )
+            need = _needed(memory, foreach[0])
+            if best is None or need < best[0]:
+                best = (need, shape, memory)
+        return best
+
+
+def _needed(memory: MemoryModel, foreach: bool) -> int:
+    """The least capacity a schedule needs: the split with the smallest largest stage, a
+    device's stages each within its share of it, as :func:`pipepar.plan` requires."""
+    order = memory.schedule
+    bare = [Target(f"stage {s}", 0, foreach) for s in range(order.n_stages)]
+    split = unconstrained(memory, bare)
+    return order.n_stages // order.n_workers * max(c.peak for c in split)
+
+
+def _busy_bound(found: Plan) -> float:
+    """The busiest device's compute over the step (ms), a lower bound of the step: its
+    stages' forward and backward, and the forwards run again for checkpointed micro-batches."""
+    m = found.chunks
+    share = {"never": 0.0, "except_last": (m - 1) / m, "always": 1.0}[found.checkpoint]
+    busy: dict[int, float] = {}
+    for s in found.stages:
+        forward = sum(found.layers[i].forward_ms or 0.0 for i in s.layers)
+        busy[s.worker] = busy.get(s.worker, 0.0) + (s.time_ms or 0.0) + share * forward
+    return max(busy.values())
+
+
+def _with_times(prof: Profile, flops: Flops, cluster: Cluster) -> Profile:
+    """``prof`` with each layer's times from its FLOPs at the cluster's rate."""
+    rate = cluster.flops * cluster.efficiency / 1e3  # FLOP per ms
+    layers = [
+        replace(layer, forward_ms=f / rate, backward_ms=b / rate)
+        for layer, (f, b) in zip(prof.layers, flops)
+    ]
+    return replace(prof, layers=layers)

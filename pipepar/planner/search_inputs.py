@@ -1,0 +1,127 @@
+"""What a layout search starts from, checked: the profile, the FLOPs that time it, the cluster.
+
+:func:`~pipepar.planner.layout_search.search_layouts` takes a model or a profile, and times
+from a measured profile or from FLOP counts; a named cluster gets as many nodes as the devices
+need. Every check here raises at once with the value given and how to fix it.
+
+    >>> prof, flops = search_profile(model, sample, optimizer="adam", device="meta", flops=None)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+
+from pipepar.planner.cluster import Cluster
+from pipepar.planner.flop_count import count_flops
+from pipepar.planner.plan import check_profile
+from pipepar.planner.profile import Profile, profile
+from pipepar.planner.step_time import Flops
+from pipepar.program.profile import profile_model
+
+__all__ = ["check_choices", "check_count", "check_counts", "search_cluster", "search_profile"]
+
+
+def search_profile(
+    model_or_profile: object, sample: object, *, optimizer: object, device: str, flops: object
+) -> tuple[Profile, Flops | None]:
+    """The checked profile, and the FLOPs to time it by (None: it has measured times).
+
+    A model is profiled on ``device`` (an ``nn.Sequential`` by its layers, any other module
+    by its units) and, without times, its FLOPs are counted on ``meta``.
+    """
+    if isinstance(model_or_profile, Profile):
+        prof = model_or_profile.with_optimizer(optimizer)
+    elif isinstance(model_or_profile, nn.Module):
+        if sample is None:
+            raise ValueError(
+                "search_layouts was given a model but no sample; pass sample=<an input batch> "
+                "or a Profile from pipepar.profile"
+            )
+        if isinstance(model_or_profile, nn.Sequential):
+            prof = profile(model_or_profile, sample, device=device, optimizer=optimizer)  # type: ignore[arg-type]
+        else:
+            prof = profile_model(model_or_profile, sample, device=device, optimizer=optimizer)
+        if not prof.timed and flops is None:
+            flops = count_flops(model_or_profile, sample, prof)
+    else:
+        raise TypeError(
+            "search_layouts needs a model or a pipepar Profile, got "
+            f"{type(model_or_profile).__name__}; pass e.g. pipepar.profile(model, sample)"
+        )
+    check_profile(prof)
+    if flops is not None:
+        return prof, _check_flops(flops, len(prof))
+    if not prof.timed:
+        raise ValueError(
+            f"the profile (on {prof.device}) has no layer times; pass flops=count_flops(model, "
+            "sample, profile), the model and sample instead of the profile, or a profile "
+            "measured on a device"
+        )
+    return prof, None
+
+
+def _check_flops(flops: Any, n: int) -> list[tuple[float, float]]:
+    pairs = [tuple(pair) for pair in flops]
+    if len(pairs) != n:
+        raise ValueError(
+            f"flops has {len(pairs)} entries but the profile has {n} layers; pass one "
+            "(forward, backward) pair per layer, e.g. count_flops(model, sample, profile)"
+        )
+    for i, pair in enumerate(pairs):
+        numbers = len(pair) == 2 and all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) for x in pair
+        )
+        if not numbers or not all(math.isfinite(x) and x >= 0 for x in pair):
+            raise ValueError(
+                f"flops[{i}] is {pair!r}; each entry must be two finite FLOP counts >= 0 "
+                "(forward, backward)"
+            )
+    return [(float(f), float(b)) for f, b in pairs]
+
+
+def search_cluster(cluster: object, devices: int) -> Cluster:
+    """The cluster: a preset by name with as many nodes as ``devices`` needs, or one given,
+    which must have that many devices."""
+    if isinstance(cluster, str):
+        per_node = Cluster.named(cluster).devices_per_node
+        return Cluster.named(cluster, nodes=-(-devices // per_node))
+    if not isinstance(cluster, Cluster):
+        raise TypeError(
+            f"cluster must be a Cluster or a preset name, got {type(cluster).__name__}; pass "
+            "e.g. cluster='h100x8'"
+        )
+    if cluster.devices < devices:
+        nodes = -(-devices // cluster.devices_per_node)
+        raise ValueError(
+            f"devices={devices} but cluster {cluster.name!r} has {cluster.devices}; pass "
+            f"dataclasses.replace(cluster, nodes={nodes})"
+        )
+    return cluster
+
+
+def check_count(name: str, value: object, example: str) -> int:
+    """``value`` as an int >= 1, or a ValueError naming ``name`` and ``example``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}; {example}")
+    return value
+
+
+def check_counts(name: str, values: object) -> list[int]:
+    """A non-empty sequence of ints >= 1."""
+    if isinstance(values, (str, int)) or not isinstance(values, Sequence) or not values:
+        raise TypeError(f"{name} must be a non-empty list of ints, got {values!r}; e.g. [8, 16]")
+    return [check_count(f"{name}[{i}]", v, "e.g. 8") for i, v in enumerate(values)]
+
+
+def check_choices(name: str, values: object, known: Sequence[str]) -> list[str]:
+    """A non-empty sequence of names from ``known``, without repeats."""
+    if isinstance(values, str) or not isinstance(values, Sequence) or not values:
+        raise TypeError(f"{name} must be a non-empty list of names, e.g. {list(known)}")
+    for v in values:
+        if v not in known:
+            raise ValueError(f"{name} has {v!r}, not one of {list(known)}; pick from those")
+    return list(dict.fromkeys(values))
