@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `models` lives a
 import models
 import pipepar.distributed as ppd
 from pipepar.core.schedule import VIRTUAL
+from pipepar.persist.directories import readable
 
 
 def even_balance(n_layers: int, n_stages: int) -> list[int]:
@@ -133,7 +134,11 @@ def resume_path(args: argparse.Namespace) -> str | None:
     has put it there (a fresh start before)."""
     if args.resume != "auto":
         return args.resume
-    return args.out if os.path.exists(args.out) else None
+    if os.path.exists(args.out):
+        return args.out
+    # a save killed between its two renames leaves the previous checkpoint aside: load reads it
+    aside = readable(Path(os.path.abspath(args.out)))
+    return args.out if aside is not None and not args.out.endswith((".pt", ".pth")) else None
 
 
 def parse() -> argparse.Namespace:

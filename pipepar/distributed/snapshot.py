@@ -337,7 +337,8 @@ def load_checkpoint(
     reads only what it holds; call it on every rank, ``path`` readable by all), a
     ``pipepar.wrap`` pipe or the plain model. The optimizer must be of the same kind as the
     saved one, over ``module``'s parameters. A directory that an interrupted save left as
-    ``.<name>.tmp`` is never read in place of ``<name>``.
+    ``.<name>.tmp`` is never read in place of ``<name>``; the previous checkpoint a save
+    killed between its two renames left as ``.<name>.old`` is (with a warning).
 
     Args:
         path: the checkpoint directory, or a one-file checkpoint (``"pipepar/1"``, also what
@@ -358,7 +359,8 @@ def load_checkpoint(
     extra: dict[str, Any] = {}
 
     def load() -> None:
-        read = _read_sharded if os.path.isdir(path) else _read_file
+        sharded = directories.readable(Path(os.path.abspath(path))) is not None
+        read = _read_sharded if sharded else _read_file
         extra.update(read(path, module, optimizer))
 
     if isinstance(module, _PIPES):

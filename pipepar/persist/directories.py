@@ -11,8 +11,10 @@ checkpoint or the new one, never a half-written one:
 - a crash while the writers write leaves ``<name>`` as it was, and ``.<name>.tmp`` behind (the
   next save deletes it first);
 - a crash between the two renames (a moment) leaves no ``<name>`` but both ``.<name>.old``
-  (the previous checkpoint, complete) and ``.<name>.tmp`` (the new one, complete): rename
-  either to ``<name>``. :func:`interrupted` says so, for the message of a failed load.
+  (the previous checkpoint, complete) and ``.<name>.tmp`` (complete too, unless a later save
+  died writing it): :func:`readable` then answers ``.<name>.old``, which a load reads (and a
+  resuming job finds) as if it were ``<name>``; :func:`interrupted` says what is left, for
+  the message of a failed load.
 
 Only one job may save to a given ``<name>`` at a time. This module only moves directories; it
 does not know what is in them.
@@ -27,7 +29,7 @@ from pathlib import Path
 
 from pipepar.persist.files import _fsync_directory
 
-__all__ = ["commit", "discard", "interrupted", "staging", "staging_path"]
+__all__ = ["commit", "discard", "interrupted", "readable", "staging", "staging_path"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +84,18 @@ def commit(temp: Path, path: Path, *, fsync: bool = True) -> None:
         _fsync_directory(path.parent)
     shutil.rmtree(old, ignore_errors=True)
     logger.debug("committed %s", path)
+
+
+def readable(path: Path) -> Path | None:
+    """The complete directory to read for ``path``: ``path`` itself, or the previous checkpoint
+    a save killed between its two renames left as ``.<name>.old``; None when neither exists."""
+    if path.is_dir():
+        return path
+    old = _sibling(path, "old")
+    if old.is_dir() and not path.exists():
+        logger.warning("%s is missing: reading %s, which a save interrupted left", path, old)
+        return old
+    return None
 
 
 def discard(temp: Path) -> None:

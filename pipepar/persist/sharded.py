@@ -227,9 +227,10 @@ def to_single_file(checkpoint: PathLike, out: PathLike, *, fsync: bool = True) -
 
 
 def _open(path: PathLike) -> tuple[Path, Metadata]:
-    source = _check_path(path)
-    if not source.is_dir():
-        left = directories.interrupted(source)
+    asked = _check_path(path)
+    source = directories.readable(asked)
+    if source is None:
+        left = directories.interrupted(asked)
         raise FileNotFoundError(
             f"no checkpoint directory at {str(path)!r}{f' ({left})' if left else ''}; check "
             "the path, or start without resuming"

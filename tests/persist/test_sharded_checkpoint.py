@@ -12,6 +12,7 @@ Ranks use one math thread, so pipes of any balance compute the same bits.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -410,9 +411,12 @@ def test_a_save_that_died_half_way_is_ignored_and_cleared(tmp_path: Path) -> Non
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
     ppd.save_checkpoint(path, fresh, extra={"step": 2})  # clears it
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
-    # killed between its two renames: the previous checkpoint is complete under another name
+    # killed between its two renames: the previous checkpoint, complete under another name,
+    # is what a load reads (a resuming job must not start afresh)
     os.replace(path, tmp_path / ".ckpt.old")
-    with pytest.raises(FileNotFoundError, match=r"left the previous checkpoint as \.ckpt\.old"):
+    assert ppd.load_checkpoint(path, _model(seed=4)) == {"step": 2}
+    shutil.rmtree(tmp_path / ".ckpt.old")
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint at"):
         ppd.load_checkpoint(path, fresh)
     # a write that fails leaves the checkpoint and nothing else
     ppd.save_checkpoint(path, fresh, extra={"step": 3})
