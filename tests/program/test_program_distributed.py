@@ -18,6 +18,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("timm")
 
 from models import transformers_zoo as zoo
+from tests.program._real import mode_calls
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
@@ -190,28 +191,16 @@ def _following(name: str, schedule: str) -> list[tuple[int, float, dict[str, Any
     """Three steps of the same kind: the first learns the route, the others follow it (the
     count of operations that passed the cut's mode, the loss, the gradients of each step)."""
     import pipepar.distributed as ppd
-    from pipepar.program.cut import Cut
 
     torch.manual_seed(0)
     pipe = ppd.wrap(zoo.build(name), split=[FOLLOW_SPLITS[name]], chunks=2, schedule=schedule)
-    count = [0]
-    original = Cut.__torch_function__
-
-    def counting(self: Cut, *args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return original(self, *args, **kwargs)
-
     steps = []
-    Cut.__torch_function__ = counting  # type: ignore[method-assign]
-    try:
-        for step in range(3):
-            count[0] = 0
+    for step in range(3):
+        with mode_calls() as count:
             loss = pipe.step(**_follow_batch(name, step), loss_fn=_loss_fn(name))
-            grads = {k: p.grad.numpy().copy() for k, p in pipe.named_parameters()}
-            pipe.zero_grad()
-            steps.append((count[0], loss, grads))
-    finally:
-        Cut.__torch_function__ = original  # type: ignore[method-assign]
+        grads = {k: p.grad.numpy().copy() for k, p in pipe.named_parameters()}
+        pipe.zero_grad()
+        steps.append((count[0], loss, grads))
     pipe.close()
     return steps
 

@@ -20,6 +20,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("timm")
 
 from models import transformers_zoo as zoo
+from tests.program._real import mode_calls
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
@@ -50,24 +51,11 @@ def _batch(name: str, step: int, *, batch: int = 4) -> dict[str, Any]:
 def _counting_mode_calls(run: Callable[[int], Any]) -> list[tuple[int, Any]]:
     """``run(step)`` for three steps, each with the count of operations that passed the cut's
     mode."""
-    from pipepar.program.cut import Cut
-
-    count = [0]
-    original = Cut.__torch_function__
-
-    def counting(self: Cut, *args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return original(self, *args, **kwargs)
-
     out = []
-    Cut.__torch_function__ = counting  # type: ignore[method-assign]
-    try:
-        for step in range(3):
-            count[0] = 0
+    for step in range(3):
+        with mode_calls() as count:
             got = run(step)
-            out.append((count[0], got))
-    finally:
-        Cut.__torch_function__ = original  # type: ignore[method-assign]
+        out.append((count[0], got))
     return out
 
 
