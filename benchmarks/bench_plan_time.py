@@ -22,9 +22,11 @@ cluster. Calibration, the same for every layout (no per-layout factor):
   does with ``threads=1``, so a profiled layer time is one core's time for the whole batch;
 - ``--profiles`` profiles are taken and each layer's forward and backward is the median over
   them (one profile is a single pass, and the host may be shared);
-- **predicted**: predict_step scales the whole batch's times linearly in rows to each
-  micro-batch (a stage's F of micro-batch i takes ``rows_i / batch`` of its layers' time),
-  adds recompute, and the measured hand-over latency and copy bandwidth per transfer;
+- **predicted**: as the layout search and ``pipepar.wrap(model, sample=..., devices=N)`` do,
+  from two profiles, of the whole batch and of one micro-batch of the largest M tried: each
+  layer's time per call and per row (:mod:`pipepar.planner.call_times`), so a micro-batch of
+  ``rows_i`` rows takes ``call + rows_i / batch * (whole - call)``; predict_step adds
+  recompute, and the measured hand-over latency and copy bandwidth per transfer;
 - **from a micro-batch profile**: the same, but each layer's times are those of a profile of
   one micro-batch (``batch / M`` rows) times M, so what a small micro-batch costs beyond its
   share of rows (small matrix products; a weight gradient as large as the weight, written
@@ -86,6 +88,7 @@ from benchmarks._procs import ProcessGroup
 from benchmarks._results import markdown_table, record
 from pipepar.core.schedule import NAMES as SCHEDULES
 from pipepar.local import cpu_malloc
+from pipepar.planner.call_times import with_call_times
 from pipepar.planner.cluster import Cluster, measure_local
 from pipepar.planner.profile import Profile
 from pipepar.planner.step_time import StepPrediction, predict_step
@@ -354,13 +357,16 @@ def _block(step: common.Step, block: int, cpu: list[float]) -> common.Block:
 def predictions(
     model: Model, chosen: list[Layout], cluster: Cluster, repeats: int
 ) -> dict[str, dict[str, float] | str]:
-    """Per layout: the predicted step and compute (ms) from the whole-batch profile, and from
+    """Per layout: the predicted step and compute (ms) from the two-point profile, and from
     a profile of one micro-batch (``micro_``); or why there is none."""
     whole = profile(model, repeats)
-    micro = {
-        m: scaled_to(whole, profile(model, repeats, max(1, model.batch // m)), m)
-        for m in sorted({x.chunks for x in chosen})
+    parts = {
+        m: profile(model, repeats, max(1, model.batch // m)) for m in {x.chunks for x in chosen}
     }
+    micro = {m: scaled_to(whole, part, m) for m, part in parts.items()}
+    smallest = parts[max(parts)]
+    if smallest.batch_size < whole.batch_size:
+        whole = with_call_times(whole, smallest)
     out: dict[str, dict[str, float] | str] = {}
     for x in chosen:
         try:
@@ -452,7 +458,7 @@ def best(result: list[dict[str, Any]], field: str = "predicted_ms") -> list[dict
 def summary(result: list[dict[str, Any]]) -> str:
     """Under the table: the best-layout verdicts and the errors' median and spread."""
     lines = []
-    for field, source in (("predicted_ms", "whole-batch"), ("micro_ms", "micro-batch")):
+    for field, source in (("predicted_ms", "two-point"), ("micro_ms", "micro-batch")):
         for b in best(result, field):
             verdict = "the measured best" if b["slower"] == 0 else f"{b['slower']:+.1%} over it"
             ok = "right" if b["right"] else f"wrong (> {WITHIN:.0%})"
@@ -462,7 +468,7 @@ def summary(result: list[dict[str, Any]]) -> str:
                 f"{verdict}: {ok}."
             )
     for field, what in (
-        ("error_pct", "step, whole-batch profile"),
+        ("error_pct", "step, two-point profile"),
         ("micro_error_pct", "step, micro-batch profile"),
         ("busy_error_pct", "compute against CPU time"),
     ):
@@ -484,7 +490,8 @@ def notes(models: list[Model], cluster: Cluster, args: argparse.Namespace, befor
         f"ranks; gradients set to None each step, no optimizer. {args.rounds} rounds x {block} "
         "timed steps per layout, each block after one untimed step, order rotating. "
         f"Predicted by predict_step from the median of {args.profiles} one-thread profiles "
-        "per model (of the whole batch; and of one micro-batch, its times x M), cluster "
+        "per model (of the whole batch with call times fitted against one micro-batch of the "
+        "largest M; and of one micro-batch, its times x M), cluster "
         f"{cluster.name!r} (hand-over {1e6 * cluster.intra.latency:.0f} us, "
         f"{cluster.intra.bandwidth / 1e9:.1f} GB/s). Compute: the prediction's busy time of "
         "both workers against the process's CPU time per step (median). Error = (predicted - "

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from pipepar.core import validation
@@ -17,8 +16,8 @@ from pipepar.core.devices import DeviceSpec
 from pipepar.core.microbatch import Value
 from pipepar.core.schedule import Schedule
 from pipepar.local.pipe import Pipe
-from pipepar.planner.plan import plan
-from pipepar.planner.profile import profile
+from pipepar.planner.auto_layout import keep_layout, local_layout
+from pipepar.planner.layout import Layout
 from pipepar.program.wrap import wrap_model
 
 __all__ = ["wrap"]
@@ -29,13 +28,13 @@ def wrap(
     balance: Sequence[int] | None = None,
     *,
     devices: DeviceSpec = None,
-    chunks: int = 1,
+    chunks: int | None = None,
     checkpoint: str | None = None,
     deferred_batch_norm: bool = False,
     sample: Any = None,
     split: Sequence[str] | None = None,
     capacity: Any = None,
-    schedule: str | Schedule = "gpipe",
+    schedule: str | Schedule | None = None,
     threads: int | None = None,
     trace: bool = False,
 ) -> Any:
@@ -44,8 +43,12 @@ def wrap(
     An ``nn.Sequential`` becomes a :class:`Pipe` (the same arguments as ``torchgpipe.GPipe``);
     any other model a :class:`~pipepar.program.pipe.ModelPipe`, called with the model's own
     arguments and returning what the model returns, its forward code cut into stages as it
-    runs. With ``balance=None`` and ``split=None`` the model is profiled on ``sample`` and
-    split by :func:`pipepar.plan` to fit ``capacity``.
+    runs. With ``balance=None`` and ``split=None`` the model is profiled on ``sample`` where
+    its parameters are and the layout is chosen (:func:`pipepar.search_layouts` with one
+    pipeline over the devices): what you pass is fixed, what you leave unset (``chunks``,
+    ``schedule``, ``checkpoint``) is chosen, with the balance, for the fastest predicted step
+    that fits ``capacity``. The chosen :class:`~pipepar.planner.layout.Layout` is
+    ``pipe.layout`` (``print(pipe.layout)``); it is None when ``balance`` or ``split`` is given.
 
     Args:
         module: the model to split; its layers are moved to their stage's device.
@@ -53,28 +56,39 @@ def wrap(
             ``[3, 3, 2]``; ``None`` to use ``split`` or to plan it from ``sample``.
         split: module paths where a new stage begins, e.g. ``["transformer.h.6"]``.
         devices: one device per stage; ``None`` = all CUDA devices, or the CPU for every stage.
-        chunks: micro-batches per mini-batch (M).
+            A searched layout runs one pipeline over all of them.
+        chunks: micro-batches per mini-batch (M); ``None``: chosen by the search, or 1 when
+            ``balance`` or ``split`` is given.
         checkpoint: which micro-batches recompute their activations in backward:
             ``"always"``, ``"except_last"`` (the default for ``nn.Sequential``, as in
             torchgpipe) or ``"never"`` (the default for other models, which then recompute
             unit by unit: each unit keeps its arguments and runs again in backward, drawing
-            the same random numbers).
+            the same random numbers). ``None``: chosen by the search, or that default when
+            ``balance`` or ``split`` is given.
         deferred_batch_norm: track batch-norm statistics over the whole mini-batch.
         sample: an input batch to profile when ``balance`` is None: a tensor, a tuple of
             positional arguments, or a dict of keyword arguments (``dict(input_ids=...)``).
-        capacity: bytes per device for planning (int, ``"16GiB"``, or one per device).
+            It stands for one step's batch: the search chooses ``chunks`` up to its rows.
+        capacity: bytes per device for planning (int, ``"16GiB"``, or one per device, of
+            which the search plans with the smallest); default: a CUDA device's memory, or
+            this machine's memory shared among the CPU stages.
         threads: math threads per CPU stage; default: ``torch.get_num_threads()`` shared among
             the CPU stages that compute at once on average (``round(K*M/(M+K-1))``).
         schedule: ``"gpipe"``, ``"1f1b"``, ``"zb-h1"``, ``"interleaved-1f1b"``, ``"zb-v"`` or a
             :class:`~pipepar.core.schedule.Schedule`. The last two place several stages on
             each device: ``balance`` then lists 2 (or more) stages per device. Their memory
             bound and bubble apply to :meth:`Pipe.step`; ``pipe(x)`` runs all forwards first.
+            ``None``: chosen by the search, or ``"gpipe"`` when ``balance`` or ``split`` is
+            given.
         trace: record a timeline of every action in ``pipe.tracer``.
 
     Example:
         >>> model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
         >>> pipe = pipepar.wrap(model, [4, 4], devices=["cpu", "cpu"], chunks=4)
         >>> pipe(torch.randn(32, 16)).sum().backward()
+        >>> pipe = pipepar.wrap(model, sample=torch.randn(32, 16), devices=2)  # chosen
+        >>> print(pipe.layout)  # doctest: +SKIP
+        pp=2 dp=1 1f1b M=4 recompute=never: ...
     """
     if not isinstance(module, nn.Sequential) or split is not None or isinstance(sample, dict):
         return wrap_model(
@@ -91,49 +105,49 @@ def wrap(
             threads=threads,
             trace=trace,
         )
-    checkpoint = "except_last" if checkpoint is None else validation.check_checkpoint(checkpoint)
+    layout = None
     if balance is None:
-        balance = _planned_balance(module, sample, devices, capacity, chunks, checkpoint, schedule)
-    return Pipe(
+        layout = _planned_layout(module, sample, devices, capacity, chunks, checkpoint, schedule)
+        balance = list(layout.balance)
+        chunks, checkpoint = layout.chunks, layout.checkpoint
+        schedule = schedule if isinstance(schedule, Schedule) else layout.schedule
+    pipe = Pipe(
         module,
         balance,
         devices=devices,
-        chunks=chunks,
-        checkpoint=checkpoint,
+        chunks=1 if chunks is None else chunks,
+        checkpoint="except_last" if checkpoint is None else validation.check_checkpoint(checkpoint),
         deferred_batch_norm=deferred_batch_norm,
-        schedule=schedule,
+        schedule="gpipe" if schedule is None else schedule,
         threads=threads,
         trace=trace,
     )
+    keep_layout(pipe, layout)
+    return pipe
 
 
-def _planned_balance(
+def _planned_layout(
     module: nn.Sequential,
     sample: Value | None,
     devices: DeviceSpec,
     capacity: Any,
-    chunks: int,
-    checkpoint: str,
-    schedule: str | Schedule,
-) -> list[int]:
+    chunks: int | None,
+    checkpoint: str | None,
+    schedule: str | Schedule | None,
+) -> Layout:
+    """The searched layout of one pipeline over ``devices``; the values given are fixed."""
     module = validation.check_model(module)
     if sample is None:
         raise ValueError(
             "balance is None and no sample was given; pass balance=[...] (layers per stage) or "
-            "sample=<an input batch> so pipepar can profile the model and plan the split"
+            "sample=<an input batch> so pipepar can profile the model and choose the layout"
         )
-    param = next(module.parameters(), None)
-    where = param.device if param is not None else torch.device("cpu")
-    n_devices = devices if devices is not None else (torch.cuda.device_count() or 1)
-    prof = profile(module, sample, device=str(where))
-    return list(
-        plan(
-            prof,
-            devices=n_devices,
-            capacity=capacity,
-            chunks=chunks,
-            checkpoint=checkpoint,
-            schedule=schedule,
-            optimizer=None,
-        ).balance
+    return local_layout(
+        module,
+        sample,
+        devices=devices,
+        capacity=capacity,
+        schedule=schedule,
+        chunks=chunks,
+        checkpoint=checkpoint,
     )

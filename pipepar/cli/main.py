@@ -6,7 +6,7 @@
         --devices 8 --capacity 80GiB --chunks 8 --checkpoint always --schedule 1f1b
     pipepar plan --hf-config path/to/config.json --tokens 8,4096 --devices 8 --capacity 80GiB
     pipepar plan models.transformers_zoo:llama3_70b --tokens 8,4096 --dtype bfloat16 \\
-        --devices 64 --capacity 80GiB --cluster h100x8 --batch 512 [--top 5]
+        --devices 64 --capacity 80GiB --cluster h100x8 --batch 512 [--top 5] [--dp-shard both]
     pipepar convert CKPT_DIR OUT.pt
 
 MODEL is a zoo builder (``models.alexnet``), a torchvision model (``torchvision.models.resnet50``
@@ -16,8 +16,9 @@ takes any model as it is and plans over its units (:func:`pipepar.units`: what
 ``pipepar.wrap(model, balance=...)`` counts), building it on meta by default, and feeds it
 ``--tokens B,T`` as ``input_ids=`` and ``labels=`` (a language model's own loss) or an
 ``--input-shape`` tensor; with ``--cluster`` and ``--batch`` it searches the whole layout
-(:func:`pipepar.search_layouts`: pp x dp, schedule, chunks, recompute, balance) and prints the
-fastest that fit, the best one's plan first. ``convert`` turns a sharded checkpoint directory
+(:func:`pipepar.search_layouts`: pp x dp, the replicas' state sharded or replicated, schedule,
+chunks, recompute, balance) and prints the fastest that fit, the best one's plan (with its
+predicted timeline) first. ``convert`` turns a sharded checkpoint directory
 (what ``pipepar.distributed.save_checkpoint`` writes) into one file, ``{"model": state_dict,
 "optimizer": ..., ...}`` (:func:`pipepar.persist.sharded.to_single_file`). Exit status: 0 when
 the plan fits (or the file is written), 1 when no split fits, 2 for bad arguments (one line on
@@ -97,10 +98,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     q.add_argument("--batch", type=int, help="with --cluster: the global batch in rows")
     q.add_argument("--top", type=int, default=5, help="with --cluster: layouts to show")
+    q.add_argument(
+        "--dp-shard",
+        default="both",
+        choices=list(_DP_SHARD),
+        help="with --cluster: for dp >= 2, try each stage's state sharded over the replicas "
+        "(dp_shard=True), replicated, or both (default)",
+    )
     c = sub.add_parser("convert", help="turn a sharded checkpoint directory into one .pt file")
     c.add_argument("checkpoint", help="the directory pipepar.distributed.save_checkpoint wrote")
     c.add_argument("out", help="the file to write, e.g. model.pt")
     return parser
+
+
+_DP_SHARD = {"both": (False, True), "yes": (True,), "no": (False,)}
+"""``--dp-shard``: the ``shards`` of :func:`pipepar.search_layouts`."""
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -255,12 +267,19 @@ def _plan_units(args: argparse.Namespace) -> int:
 def _search_devices(args: argparse.Namespace, options: _Options) -> int | None:
     """With ``--cluster`` and ``--batch`` (a layout search), the device count; else None."""
     if args.cluster is None and args.batch is None:
+        if args.dp_shard != "both":
+            raise UsageError("--dp-shard goes with --cluster and --batch (a layout search)")
         return None
     from pipepar.planner.cluster import Cluster
 
     if args.cluster is None or args.batch is None:
         raise UsageError("--cluster and --batch go together: e.g. --cluster h100x8 --batch 512")
     _guard(lambda: Cluster.named(args.cluster))
+    if args.shard != 1:
+        raise UsageError(
+            f"--shard {args.shard} is for one plan; with --cluster the search picks the shard "
+            "group (dp): pass --dp-shard yes to try only sharded replicas"
+        )
     for flag, value in (("--batch", args.batch), ("--top", args.top)):
         if value < 1:
             raise UsageError(f"{flag} {value} must be at least 1")
@@ -291,6 +310,7 @@ def _search_and_write(
             optimizer=options.optimizer,
             flops=flops,
             top=args.top,
+            shards=_DP_SHARD[args.dp_shard],
         )
     except ValueError as err:
         raise PlanError(str(err)) from None

@@ -485,6 +485,7 @@ def timed(
     cost: Callable[[Action, bool], float],
     *,
     transfer: Callable[[Action, Action], float] | None = None,
+    start: Sequence[float] | None = None,
 ) -> dict[Action, float]:
     """Finish time of every action when each takes ``cost(action, split)`` and workers start
     an action as soon as it is next in their list and what it waits for has finished.
@@ -495,6 +496,8 @@ def timed(
         transfer: ``transfer(dep, action)``, the delay from the end of ``dep`` (an action of
             another stage, or the same stage's earlier F or B) until ``action`` may start: the
             time to move its result. It occupies no worker. None: no delay.
+        start: when each worker is free to begin (e.g. after gathering its weights); None:
+            all at 0.
 
     Example:
         >>> max(timed(gpipe(2, 2), lambda a, split: 1.0).values())
@@ -508,7 +511,7 @@ def timed(
     key: dict[tuple[int, str, int], Action] = {
         (a.stage, a.kind, a.microbatch): a for work in schedule.actions for a in work
     }
-    clock = [0.0] * schedule.n_workers
+    clock = [0.0] * schedule.n_workers if start is None else [float(t) for t in start]
     cursor = [0] * schedule.n_workers
     progressed = True
     while progressed:
@@ -520,8 +523,8 @@ def timed(
                 if any(d is None or d not in finish for d in deps if d != a):
                     break
                 ready = [finish[d] + delay(d, a) for d in deps if d is not None]
-                start = max([clock[w], *ready])
-                clock[w] = finish[a] = start + cost(
+                begin = max([clock[w], *ready])
+                clock[w] = finish[a] = begin + cost(
                     a, schedule.splits_backward(a.stage, a.microbatch)
                 )
                 cursor[w] += 1

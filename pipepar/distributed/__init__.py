@@ -7,12 +7,12 @@ replicas, launched by torchrun.
 
 Modules: :mod:`~pipepar.distributed.wrapping` (``wrap``: an ``nn.Sequential`` or any model),
 :mod:`~pipepar.distributed.pipe` (the ``nn.Sequential`` pipe),
-:mod:`~pipepar.distributed.stage` (materializing the local layers),
-:mod:`~pipepar.distributed.handshake` (ranks agree on the arguments at wrap time) and
+:mod:`~pipepar.distributed.stage` (materializing the local layers) and
 :mod:`~pipepar.distributed.snapshot` (training checkpoints: a directory each rank writes its
 part of through ``torch.distributed.checkpoint``, or one file). What both pipes across ranks
 share (this and :mod:`pipepar.program.rank_pipe`) is in :mod:`pipepar.ranks`: the pp x dp grid,
-transport, the rank executor, dp sync, failures, progress and the guard.
+transport, the agreement on the arguments at wrap time, the rank executor, dp sync, failures,
+progress and the guard.
 """
 
 from pipepar.distributed.pipe import SCHEDULES, DistributedPipe

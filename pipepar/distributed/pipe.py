@@ -35,9 +35,8 @@ from pipepar.core.losses import Items, LossFn
 from pipepar.core.microbatch import Value, gather
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
-from pipepar.distributed import handshake
 from pipepar.distributed.stage import build_stage, in_model_order
-from pipepar.ranks import clipping
+from pipepar.ranks import clipping, handshake
 from pipepar.ranks.arguments import SCHEDULES, check_model, check_schedule, check_timeout
 from pipepar.ranks.failure import comm
 from pipepar.ranks.guard import Guard

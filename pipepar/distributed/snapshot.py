@@ -64,7 +64,7 @@ from pipepar.program import units
 from pipepar.program.rank_pipe import DistributedModelPipe
 from pipepar.ranks.failure import comm
 from pipepar.ranks.mesh import Mesh
-from pipepar.ranks.sharding import full_tensors, shard_state
+from pipepar.ranks.sharding import full_tensors, shard_like, shard_state
 
 __all__ = [
     "load_checkpoint",
@@ -175,12 +175,12 @@ def _write_sharded(
 
 def _sharded(module: nn.Module) -> bool:
     """Whether ``module`` is a pipe holding shards (``dp_shard``): every replica then writes."""
-    return isinstance(module, DistributedPipe) and module.dp_shard
+    return isinstance(module, _PIPES) and module.dp_shard
 
 
 def _writers(module: nn.Module, mesh: Mesh) -> dist.ProcessGroup | None:
     """The ranks writing a sharded checkpoint: replica 0's pipeline, or the grid's with shards."""
-    if not isinstance(module, DistributedPipe) or not module.dp_shard:
+    if not isinstance(module, _PIPES) or not module.dp_shard:
         return mesh.ctl
     return module.group or dist.group.WORLD
 
@@ -284,7 +284,7 @@ def _share(module: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
     if isinstance(module, _PIPES) and module.mesh.where.replica != 0:
         if not _sharded(module):
             return {}, {}
-        return {k: t for k, t in entries.items() if isinstance(t, DTensor)}, {}
+        entries, aliases = {k: t for k, t in entries.items() if isinstance(t, DTensor)}, {}
     if isinstance(module, DistributedModelPipe):
         entries = _stage_share(module, entries)
     return entries, aliases
@@ -302,8 +302,8 @@ def _stage_share(pipe: DistributedModelPipe, entries: dict[str, Tensor]) -> dict
     spans = [(u.path, s) for u, s in zip(lay.units, pipe.stage_of_unit)]
 
     def source(name: str, t: Tensor) -> int:
-        if id(t) in held:
-            return owner.get(id(t), pipe.stages[0])
+        if id(t) in held:  # a weight, or with dp_shard its shard
+            return owner.get(id(pipe._weight(t)), pipe.stages[0])
         return next((s for path, s in spans if not path or name.startswith(path + ".")), 0)
 
     return {k: t for k, t in entries.items() if source(k, t) in mine}
@@ -411,13 +411,13 @@ def _load_weights(module: nn.Module, model: Mapping[str, Tensor], path: str) -> 
     if not isinstance(module, DistributedModelPipe):
         module.load_state_dict(model)
         return
-    # its state_dict() holds only this rank's tensors: fill those in place
+    # its state_dict() holds only this rank's tensors (or their shards): fill those in place
     for name, t in _entries(module)[0].items():
         if name not in model:
             raise ValueError(
                 f"{path} has no entry for {name!r}; load a checkpoint of the same model"
             )
-        t.detach().copy_(model[name])
+        t.detach().copy_(shard_like(model[name], t))
 
 
 def _optimizer_part(checkpoint: dict[str, Any], path: str) -> dict[str, Any]:

@@ -7,7 +7,9 @@ Above both routes: neither pipe knows about the other, nor about this choice.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,7 +17,18 @@ from torch import Tensor, nn
 
 from pipepar.core.schedule import Schedule
 from pipepar.distributed.pipe import DistributedPipe
+from pipepar.planner.auto_layout import (
+    Given,
+    capacity_bytes,
+    choose_layout,
+    cluster_for,
+    device_memory,
+    given_schedule,
+    keep_layout,
+)
+from pipepar.planner.layout import Layout
 from pipepar.program.rank_pipe import DistributedModelPipe
+from pipepar.ranks.process import ensure_process_group, resolve_device
 
 __all__ = ["wrap"]
 
@@ -25,10 +38,13 @@ def wrap(
     balance: list[int] | None = None,
     *,
     split: Sequence[str] | None = None,
-    chunks: int = 1,
-    schedule: str | Schedule = "gpipe",
-    dp: int = 1,
-    dp_shard: bool = False,
+    plan: str | None = None,
+    sample: Any = None,
+    capacity: Any = None,
+    chunks: int | None = None,
+    schedule: str | Schedule | None = None,
+    dp: int | None = None,
+    dp_shard: bool | None = None,
     checkpoint: str | None = None,
     deferred_batch_norm: bool = False,
     device: torch.device | str | None = None,
@@ -47,6 +63,17 @@ def wrap(
     ``reset_parameters()`` initialise it (replica 0's weights are broadcast to the others) or
     pass ``state_dict`` (the whole model's, same keys as the plain model).
 
+    With ``plan="auto"`` (and no ``balance`` or ``split``) the layout is searched
+    (:func:`pipepar.search_layouts`): the group's ranks are its devices, and ``pp x dp``, the
+    schedule, ``chunks``, ``checkpoint`` and the balance are chosen for the fastest predicted
+    step that fits ``capacity``; each of ``dp``, ``schedule``, ``chunks`` and ``checkpoint``
+    given is fixed. Group rank 0 profiles ``sample`` (on its device, or on ``meta`` with FLOP
+    counts for a model built on meta), searches, and broadcasts the layout, so every rank builds
+    the same one; it is ``pipe.layout`` (None without ``plan``). ``sample`` is one step's
+    global batch: ``G`` rows, of which each replica takes ``pipe.layout.rows = G / dp``;
+    replica ``r`` (``pipe.dp_rank``) takes rows ``r * rows`` to ``(r + 1) * rows`` of each
+    step's batch.
+
     Any other model (a transformers GPT-2, Llama or BERT, a ViT, ...) runs its own forward code
     on every rank, the rank's stage for real and the others in shadow on the meta device
     (:mod:`pipepar.program.ranks`); pass the same batch on every rank of a pipeline to
@@ -61,22 +88,32 @@ def wrap(
         balance: layers (units, see :func:`pipepar.units`) per stage; its length is the number
             of stages.
         split: for other models, module paths where stages begin (instead of ``balance``).
-        chunks: micro-batches per mini-batch (M).
+        plan: ``"auto"`` to choose the layout from ``sample`` (see above); ``None`` (the
+            default) to use ``balance`` or ``split``.
+        sample: with ``plan="auto"``: one step's global batch (a tensor, a tuple of positional
+            arguments or a dict of keyword arguments), the same on every rank.
+        capacity: with ``plan="auto"``: bytes per rank's device (int, ``"16GiB"``, or one per
+            rank, of which the smallest); default: a CUDA device's memory, or this machine's
+            memory shared among the ranks on it (``LOCAL_WORLD_SIZE``).
+        chunks: micro-batches per mini-batch (M); ``None``: 1, or chosen with ``plan="auto"``.
         schedule: ``"gpipe"``, ``"1f1b"``, ``"zb-h1"``, ``"interleaved-1f1b"``, ``"zb-v"`` or a
             :class:`~pipepar.core.schedule.Schedule`; for the last two, ``balance`` lists two
-            stages per rank (``len(balance) // 2`` ranks per pipeline).
+            stages per rank (``len(balance) // 2`` ranks per pipeline). ``None``: ``"gpipe"``,
+            or chosen with ``plan="auto"``.
         dp: data-parallel replicas; the group must have ``pp * dp`` ranks (pp: ranks per
-            pipeline).
-        dp_shard: shard instead of replicate (an ``nn.Sequential`` only, ``dp >= 2``): the
+            pipeline). ``None``: 1, or chosen with ``plan="auto"``.
+        dp_shard: shard instead of replicate (any model, ``dp >= 2``): the
             ``dp`` ranks of each pipeline position hold their stage's parameters, gradients
             and optimizer state in shards (``DTensor``, torch's FSDP2 layout), so each holds
             about ``1 / dp`` of them between steps. The weights are all-gathered once per
             step for all its micro-batches and the summed gradients reduce-scattered once
             (:mod:`pipepar.ranks.sharding`); results equal the replicated pipe's.
-            ``parameters()`` are the shards: build the optimizer over them.
+            ``parameters()`` are the shards: build the optimizer over them. ``None``:
+            False, or chosen with ``plan="auto"`` (then True or False restricts the search).
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"`` (recompute, non-reentrant;
             the default is ``"except_last"`` for an ``nn.Sequential`` and ``"never"`` for other
-            models, which recompute unit by unit, as :func:`pipepar.wrap` does).
+            models, which recompute unit by unit, as :func:`pipepar.wrap` does); chosen with
+            ``plan="auto"`` when None.
         deferred_batch_norm: batch norms track their running statistics over each replica's
             whole mini-batch, once per step (:mod:`pipepar.core.batchnorm`).
         device: this rank's device; default ``cuda:LOCAL_RANK`` on NCCL, else CPU.
@@ -99,7 +136,9 @@ def wrap(
             every call under the cut's mode.
 
     Raises:
-        ValueError, TypeError: for inconsistent arguments, before any pipeline group exists.
+        ValueError, TypeError: for inconsistent arguments, before any pipeline group exists;
+            with ``plan="auto"``, an unknown ``plan``, no ``sample``, ``balance`` or ``split``
+            given too, or no layout that fits (raised on every rank).
             Ranks check each other's arguments (balance, chunks, schedule, dp, checkpoint,
             the model's layers, whether state_dict is given) through the c10d store, so one
             rank's bad or different arguments fail every rank with a ValueError naming the
@@ -109,16 +148,25 @@ def wrap(
     Example:
         >>> pipe = wrap(model, [4, 4], chunks=8, schedule="1f1b", dp=2)  # doctest: +SKIP
         >>> loss = pipe.step(x, y, nn.functional.cross_entropy)  # doctest: +SKIP
+        >>> pipe = wrap(model, plan="auto", sample=x)  # doctest: +SKIP
+        >>> rows = pipe.layout.rows  # doctest: +SKIP
+        >>> mine = x[pipe.dp_rank * rows : (pipe.dp_rank + 1) * rows]  # doctest: +SKIP
     """
+    layout = None
+    if plan is not None:
+        layout = _auto_layout(
+            model, plan, balance, split, sample, capacity, chunks, schedule, dp, checkpoint,
+            dp_shard, device, group,
+        )  # fmt: skip
+        balance, chunks, dp = list(layout.balance), layout.chunks, layout.dp
+        checkpoint, dp_shard = layout.checkpoint, layout.dp_shard
+        schedule = schedule if isinstance(schedule, Schedule) else layout.schedule
+    dp_shard = False if dp_shard is None else dp_shard
+    chunks = 1 if chunks is None else chunks
+    schedule = "gpipe" if schedule is None else schedule
+    dp = 1 if dp is None else dp
     if not isinstance(model, nn.Sequential) or split is not None:
-        if dp_shard is not False:
-            raise ValueError(
-                f"dp_shard={dp_shard!r} shards the stages of an nn.Sequential split by balance "
-                f"only, but the model is a {type(model).__name__}"
-                f"{' split by module paths' if split is not None else ''}; pass dp_shard=False "
-                "(replicas hold the whole stage), or wrap the model as an nn.Sequential"
-            )
-        return DistributedModelPipe(  # type: ignore[return-value]
+        model_pipe = DistributedModelPipe(
             model,
             balance,
             split=split,
@@ -132,8 +180,11 @@ def wrap(
             routes=routes,
             checkpoint="never" if checkpoint is None else checkpoint,
             deferred_batch_norm=deferred_batch_norm,
+            dp_shard=dp_shard,
         )
-    return DistributedPipe(
+        keep_layout(model_pipe, layout)
+        return model_pipe  # type: ignore[return-value]
+    pipe = DistributedPipe(
         model,
         balance,  # type: ignore[arg-type]  # None is refused there, with the way out
         chunks=chunks,
@@ -146,4 +197,100 @@ def wrap(
         timeout=timeout,
         deferred_batch_norm=deferred_batch_norm,
         dp_shard=dp_shard,
+    )
+    keep_layout(pipe, layout)
+    return pipe
+
+
+def _auto_layout(
+    model: nn.Module,
+    plan: object,
+    balance: list[int] | None,
+    split: Sequence[str] | None,
+    sample: Any,
+    capacity: Any,
+    chunks: int | None,
+    schedule: str | Schedule | None,
+    dp: int | None,
+    checkpoint: str | None,
+    dp_shard: bool | None,
+    device: torch.device | str | None,
+    group: dist.ProcessGroup | None,
+) -> Layout:
+    """The layout every rank of ``group`` builds: chosen on group rank 0 and broadcast. The
+    arguments are checked on every rank first, so a bad one fails each rank alike, before
+    any communication; an error on rank 0 is broadcast too and raised on every rank."""
+    _check_plan(plan, balance, split, sample)
+    name, chunks = given_schedule(schedule, chunks)
+    given = Given(schedule=name, chunks=chunks, checkpoint=checkpoint, dp=dp, dp_shard=dp_shard)
+    ensure_process_group()
+    here = resolve_device(device, group)
+    found: list[object] = [None]
+    failed: Exception | None = None
+    if dist.get_rank(group) == 0:
+        try:
+            found[0] = _search_here(model, sample, capacity, given, here, group)
+        except Exception as error:  # sent as text (it always pickles): every rank raises it
+            failed, found[0] = error, (type(error).__name__, str(error))
+    first = 0 if group is None else dist.get_global_rank(group, 0)  # torch 2.4 has no group_src
+    dist.broadcast_object_list(found, src=first, group=group)
+    chosen = found[0]
+    if isinstance(chosen, Layout):
+        return chosen
+    if failed is not None:
+        raise failed
+    kind, message = chosen if isinstance(chosen, tuple) else ("RuntimeError", repr(chosen))
+    error_type = {"ValueError": ValueError, "TypeError": TypeError}.get(kind, RuntimeError)
+    raise error_type(f"group rank 0, which chooses the layout for every rank, failed: {message}")
+
+
+def _check_plan(
+    plan: object, balance: list[int] | None, split: Sequence[str] | None, sample: Any
+) -> None:
+    """``plan="auto"`` with a sample and no balance or split; else the error with the fix."""
+    if not isinstance(plan, str):
+        raise TypeError(
+            f"plan must be 'auto' or None, got {type(plan).__name__} {plan!r}; pass plan='auto' "
+            "to choose the layout from sample, or plan=None with balance=[...]"
+        )
+    if plan != "auto":
+        raise ValueError(
+            f"plan={plan!r} is not known; pass plan='auto' to choose the layout from sample, "
+            "or plan=None with balance=[...] or split=[...]"
+        )
+    for label, value in (("balance", balance), ("split", split)):
+        if value is not None:
+            raise ValueError(
+                f"plan='auto' chooses the stages but {label}={list(value)!r} was given too; "
+                f"drop {label}=... to let the search choose, or drop plan='auto' to use it"
+            )
+    if sample is None:
+        raise ValueError(
+            "plan='auto' needs sample=<one step's global batch> (a tensor, a tuple of "
+            "positional arguments or a dict of keyword arguments) to profile the model; pass "
+            "it on every rank, or pass balance=[...] instead of plan='auto'"
+        )
+
+
+def _search_here(
+    model: nn.Module,
+    sample: Any,
+    capacity: Any,
+    given: Given,
+    here: torch.device,
+    group: dist.ProcessGroup | None,
+) -> Layout:
+    """The layout for the group's ranks, found on this rank: the model profiled on this
+    rank's device, or on ``meta`` (times from FLOP counts) when it was built there."""
+    size = dist.get_world_size(group)
+    per_node = min(int(os.environ.get("LOCAL_WORLD_SIZE", size)), size)
+    on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    return choose_layout(
+        model,
+        sample,
+        devices=size,
+        given=given,
+        cluster=cluster_for(here, size, per_node=per_node),
+        capacity=capacity_bytes(capacity, size, device_memory(here, per_node)),
+        profile_device="meta" if on_meta else str(here),
     )

@@ -1,7 +1,8 @@
 """A layout: how a model runs on a set of devices, as :func:`pipepar.search_layouts` ranks them.
 
 Pipeline degree ``pp`` (devices per pipeline), data-parallel degree ``dp`` (replicas of it),
-schedule, micro-batches, recompute and balance, with the predicted step and memory. It is data:
+whether each stage's state is sharded over the replicas (``dp_shard``), schedule,
+micro-batches, recompute and balance, with the predicted step and memory. It is data:
 the search makes it, :mod:`pipepar.render.layout_table` draws a ranking of them, and its
 :attr:`Layout.plan` is the plan of one replica that ``pipepar.report`` shows.
 
@@ -69,7 +70,12 @@ class Layout:
     """The step prediction: parts per stage, bubble, exposed all-reduce."""
     plan: Plan
     """The plan of one replica (its profile scaled to :attr:`rows`), carrying
-    :attr:`prediction`; ``pipepar.report.table(layout.plan)`` shows it."""
+    :attr:`prediction`; ``pipepar.report.table(layout.plan)`` shows it. With
+    :attr:`dp_shard`, its memory is one rank's of its shard group (``plan.profile.shard``)."""
+    dp_shard: bool = False
+    """Each stage's parameters, gradients and optimizer state sharded over its ``dp``
+    replicas (``pipepar.distributed.wrap(..., dp=dp, dp_shard=True)``): weights all-gathered
+    for the step, gradients reduce-scattered; False: replicated (all-reduced)."""
 
     @property
     def bubble(self) -> float:
@@ -82,6 +88,7 @@ class Layout:
         return {
             "pp": self.pp,
             "dp": self.dp,
+            "dp_shard": self.dp_shard,
             "schedule": self.schedule,
             "chunks": self.chunks,
             "checkpoint": self.checkpoint,
@@ -92,13 +99,15 @@ class Layout:
             "throughput": self.throughput,
             "bubble": self.bubble,
             "exposed_allreduce_ms": self.prediction.exposed_allreduce_ms,
+            "gather_ms": max(self.prediction.gather_ms, default=0.0),
             "peak_bytes": list(self.peak_bytes),
             "capacity_bytes": self.capacity_bytes,
         }
 
     def __str__(self) -> str:
+        shard = " sharded" if self.dp_shard else ""
         return (
-            f"pp={self.pp} dp={self.dp} {self.schedule} M={self.chunks} "
+            f"pp={self.pp} dp={self.dp}{shard} {self.schedule} M={self.chunks} "
             f"recompute={self.checkpoint}: {self.step_ms / 1e3:.3g} s/step, "
             f"{self.throughput:.3g} rows/s, bubble {self.bubble:.0%}, peak "
             f"{format_bytes(max(self.peak_bytes))} of {format_bytes(self.capacity_bytes)}"

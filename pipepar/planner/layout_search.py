@@ -2,8 +2,14 @@
 recompute and balance, ranked by predicted throughput.
 
 For ``N`` devices and a global batch of ``G`` rows, every ``N = pp x dp`` is a candidate: ``dp``
-replicas of a pipeline over ``pp`` devices, each replica taking ``G / dp`` rows per step. For
-each, every schedule (the virtual-stage ones with two stages per device), number of
+replicas of a pipeline over ``pp`` devices, each replica taking ``G / dp`` rows per step. With
+``dp >= 2`` the replicas either hold each stage's state whole (replicated, gradients
+all-reduced) or shard it over themselves (``dp_shard``: ``pipepar.distributed.wrap(...,
+dp_shard=True)``), both tried by default: a sharded layout's memory is one rank's of its
+group (:func:`~pipepar.planner.sharded_state.sharded`, as ``pipepar.plan(..., shard=dp)``
+has it) and its step has the weights' all-gather and the gradients' reduce-scatter
+(:func:`~pipepar.planner.step_time.predict_step` with ``dp_shard=True``). For each, every
+schedule (the virtual-stage ones with two stages per device), number of
 micro-batches ``M`` and recompute policy is tried with the balance :func:`pipepar.plan` picks
 (the split with the smallest bottleneck among those that fit, from
 :class:`~pipepar.planner.stage_memory.MemoryModel`) and the step that
@@ -19,7 +25,8 @@ minimizes the slowest stage's time there too.
 How it prunes (``pp`` devices per pipeline):
 
 - exactly: a ``pp`` with more stages than layers, a ``dp`` that does not divide the batch, a
-  ``pp`` whose parameters, gradients and optimizer state alone exceed ``pp`` devices, and a
+  ``pp`` whose parameters, gradients and optimizer state alone exceed ``pp`` devices (for a
+  sharded layout, one rank's: the gathered weights and gradient sums and its shards), and a
   (``pp``, recompute) whose work spread evenly with no bubble cannot beat the ``top``-th
   layout found are not tried; nor is a step predicted for a layout whose busiest device's
   work alone cannot;
@@ -34,7 +41,7 @@ Schedules are built once per (``pp``, schedule, ``M``) and shared by the recompu
     >>> layouts = search_layouts(prof, devices=64, batch=512, cluster="h100x8",
     ...                          capacity="80GiB", flops=count_flops(model, sample, prof))
     >>> best = layouts[0]
-    >>> best.pp, best.dp, best.schedule, best.chunks, best.checkpoint, best.throughput
+    >>> best.pp, best.dp, best.dp_shard, best.schedule, best.chunks, best.checkpoint
 """
 
 from __future__ import annotations
@@ -60,9 +67,11 @@ from pipepar.planner.search_inputs import (
     check_choices,
     check_count,
     check_counts,
+    check_shards,
     search_cluster,
     search_profile,
 )
+from pipepar.planner.sharded_state import sharded
 from pipepar.planner.stage_memory import MemoryModel
 from pipepar.planner.step_time import Flops, StepPrediction, predict_step
 
@@ -93,6 +102,7 @@ def search_layouts(
     checkpoints: Sequence[str] = CHECKPOINTS,
     top: int | None = 10,
     profile_device: str = "meta",
+    shards: Sequence[bool] = (False, True),
 ) -> list[Layout]:
     """The fastest layouts of the model on ``devices`` devices that fit, fastest first.
 
@@ -116,6 +126,8 @@ def search_layouts(
         top: how many layouts to return (the rest are pruned early); None for every layout
             that fits.
         profile_device: where to profile a model.
+        shards: for ``dp >= 2``, whether to try each stage's state replicated (``False``)
+            and sharded over the replicas (``True``); ``dp = 1`` is replicated only.
 
     Returns:
         Up to ``top`` :class:`Layout` s, by throughput, fastest first.
@@ -138,11 +150,17 @@ def search_layouts(
             check_choices("checkpoints", checkpoints, CHECKPOINTS), key=_FRUGAL.index
         ),
         top=None if top is None else check_count("top", top, "e.g. top=10, or None for all"),
+        shards=check_shards(shards),
     )
     machines = search_cluster(cluster, n)
     cap = machines.memory_bytes if capacity is None else parse_bytes(capacity, name="capacity")
     prof, counted = search_profile(
-        model_or_profile, sample, optimizer=optimizer, device=profile_device, flops=flops
+        model_or_profile,
+        sample,
+        optimizer=optimizer,
+        device=profile_device,
+        flops=flops,
+        chunks=options.chunks[0],
     )
     found = _Search(prof, counted, machines, cap, n, rows, options)
     layouts = found.run()
@@ -157,11 +175,13 @@ class _Options:
     chunks: list[int]  # largest first
     checkpoints: list[str]  # fastest first, the most frugal last
     top: int | None
+    shards: list[bool]  # replicated (False) and/or sharded (True), for dp >= 2
 
 
 @dataclass(frozen=True)
 class _Shape:
-    """One pipeline degree: its replicas, their rows and the profile scaled to them."""
+    """One pipeline degree and sharding: its replicas, their rows and the profile scaled to
+    them (``profile`` as one rank holds it, for memory; ``timing`` unsharded, for the step)."""
 
     pp: int
     dp: int
@@ -169,6 +189,8 @@ class _Shape:
     profile: Profile
     flops: Flops | None
     targets: list[Target]
+    shard: bool
+    timing: Profile
 
 
 class _Search:
@@ -188,7 +210,8 @@ class _Search:
         self.devices, self.rows, self.options = devices, rows, options
         self.kept: list[Layout] = []
         self.schedules: dict[tuple[str, int, int], Schedule] = {}
-        self.shapes: dict[int, tuple[int, int]] = {}  # pp -> (dp, rows), tried or too heavy
+        self.shapes: dict[tuple[int, bool], tuple[int, int]] = {}  # (pp, shard) -> (dp, rows)
+        self.statics: dict[tuple[int, bool], int] = {}  # (dp, shard) -> state bytes, all layers
         self.skipped: list[str] = []  # why a pp or schedule was not tried
 
     # -- the search ---------------------------------------------------------------------------
@@ -210,7 +233,6 @@ class _Search:
         return list(self.kept)
 
     def _shapes(self) -> Iterator[_Shape]:
-        static = sum(x.params_bytes + x.grads_bytes + x.optimizer_bytes for x in self.prof.layers)
         for pp in (d for d in range(1, self.devices + 1) if self.devices % d == 0):
             dp = self.devices // pp
             rows = self.rows // dp
@@ -220,24 +242,48 @@ class _Search:
                 self.skipped.append(f"dp={dp}: does not divide the batch of {self.rows} rows")
             elif rows < self.options.chunks[-1]:
                 self.skipped.append(f"dp={dp}: {rows} rows per replica, fewer than any chunks")
-            elif static / pp > self.capacity:
-                self.shapes[pp] = (dp, rows)
+            else:
+                yield from self._variants(pp, dp, rows)
+
+    def _variants(self, pp: int, dp: int, rows: int) -> Iterator[_Shape]:
+        """The pipeline degree replicated and sharded, those asked for (sharded: ``dp >= 2``),
+        but not one whose parameters, gradients and optimizer state alone do not fit."""
+        for shard in self.options.shards:
+            if shard and dp == 1:
+                if False not in self.options.shards:
+                    self.skipped.append(f"pp={pp}: dp=1, no replicas to shard over")
+                continue
+            self.shapes[(pp, shard)] = (dp, rows)
+            static = math.ceil(self._static(dp, shard) / pp)
+            if static > self.capacity:
                 self.skipped.append(
-                    f"pp={pp}: parameters, gradients and optimizer state alone take "
-                    f"{format_bytes(math.ceil(static / pp))} per device"
+                    f"pp={pp}{_sharded(shard, dp)}: parameters, gradients and optimizer state "
+                    f"alone take {format_bytes(static)} per device"
                 )
             else:
-                self.shapes[pp] = (dp, rows)
-                yield self._shape(pp, dp, rows)
+                yield self._shape(pp, dp, rows, shard)
 
-    def _shape(self, pp: int, dp: int, rows: int) -> _Shape:
+    def _static(self, dp: int, shard: bool) -> int:
+        """Parameters, gradients and optimizer state of all layers, as one rank of a shard
+        group of ``dp`` holds them through a step when ``shard`` (whole otherwise)."""
+        key = (dp, shard)
+        if key not in self.statics:
+            prof = sharded(self.prof, dp) if shard else self.prof
+            layers = prof.layers
+            self.statics[key] = sum(
+                x.params_bytes + x.grads_bytes + x.optimizer_bytes for x in layers
+            )
+        return self.statics[key]
+
+    def _shape(self, pp: int, dp: int, rows: int, shard: bool) -> _Shape:
         scaled = at_rows(self.prof, rows)
         r = rows / self.prof.batch_size
         flops = None if self.flops is None else [(f * r, b * r) for f, b in self.flops]
         if flops is not None:  # times for the balance, as predict_step reckons them
             scaled = _with_times(scaled, flops, self.cluster)
         targets = resolve_targets(pp, self.capacity, layers=len(scaled))
-        return _Shape(pp, dp, rows, scaled, flops, targets)
+        memory = sharded(scaled, dp) if shard else scaled
+        return _Shape(pp, dp, rows, memory, flops, targets, shard, scaled)
 
     def _chunks(self, shape: _Shape, name: str, checkpoint: str, misfit: int) -> int:
         """Micro-batch counts above ``misfit`` from the largest down, until one does not fit
@@ -271,7 +317,7 @@ class _Search:
         self, shape: _Shape, order: Schedule, balance: list[int], checkpoint: str
     ) -> StepPrediction:
         return predict_step(
-            shape.profile,
+            shape.timing,
             balance,
             cluster=self.cluster,
             schedule=order,
@@ -279,6 +325,7 @@ class _Search:
             checkpoint=checkpoint,
             dp=shape.dp,
             flops=shape.flops,
+            dp_shard=shape.shard,
         )
 
     def _layout(self, shape: _Shape, found: Plan) -> Layout:
@@ -299,6 +346,7 @@ class _Search:
             capacity_bytes=self.capacity,
             prediction=pred,
             plan=replace(found, prediction=pred),
+            dp_shard=shape.shard,
         )
 
     # -- ranking ------------------------------------------------------------------------------
@@ -310,7 +358,8 @@ class _Search:
             del self.kept[self.options.top :]
 
     def _rank(self, x: Layout) -> tuple[Any, ...]:
-        """Fastest first; then the least memory, the shortest pipeline, the order given."""
+        """Fastest first; then the least memory, the shortest pipeline, the order given,
+        replicated before sharded."""
         return (
             x.step_ms,
             max(x.peak_bytes),
@@ -318,6 +367,7 @@ class _Search:
             self.options.schedules.index(x.schedule),
             -x.chunks,
             _FRUGAL.index(x.checkpoint),
+            x.dp_shard,
         )
 
     def _threshold(self) -> float:
@@ -351,7 +401,8 @@ class _Search:
         order = memory.schedule
         return (
             f"{what}: the least any needs is about {format_bytes(need)} per device (pp="
-            f"{shape.pp}, dp={shape.dp}, {order.name}, {order.n_microbatches} micro-batches, "
+            f"{shape.pp}, dp={shape.dp}{' sharded' if shape.shard else ''}, {order.name}, "
+            f"{order.n_microbatches} micro-batches, "
             f"checkpoint={memory.checkpoint!r}), {format_bytes(need - self.capacity)} more; "
             f"{fixes}"
         )
@@ -361,15 +412,15 @@ class _Search:
         (1F1B, of those searched), the most micro-batches and the most frugal recompute. Each
         ``pp`` costs a search of its own, so they go from the least parameter bytes per
         device (a lower bound of the need) up, while that bound is below the least found."""
-        static = sum(x.params_bytes + x.grads_bytes + x.optimizer_bytes for x in self.prof.layers)
         name = next(n for n in _LEAN if n in self.options.schedules)
         best: tuple[int, _Shape, MemoryModel] | None = None
-        for pp in sorted(self.shapes, reverse=True):
-            if best is not None and static / pp >= best[0]:
+        bounds = {key: self._static(dp, key[1]) / key[0] for key, (dp, _) in self.shapes.items()}
+        for pp, shard in sorted(self.shapes, key=lambda key: bounds[key]):
+            if best is not None and bounds[(pp, shard)] >= best[0]:
                 break
             if pp * (2 if name in VIRTUAL else 1) > len(self.prof):
                 continue
-            shape = self._shape(pp, *self.shapes[pp])
+            shape = self._shape(pp, *self.shapes[(pp, shard)], shard)
             order = self._schedule(name, pp, self._chunk_counts(shape)[0])
             foreach = [t.foreach for t in shape.targets]
             memory = MemoryModel(
@@ -379,6 +430,11 @@ class _Search:
             if best is None or need < best[0]:
                 best = (need, shape, memory)
         return best
+
+
+def _sharded(shard: bool, dp: int) -> str:
+    """`` sharded over its dp=n replicas`` for a sharded shape, for messages; else nothing."""
+    return f" sharded over its dp={dp} replicas" if shard else ""
 
 
 def _needed(memory: MemoryModel, foreach: bool) -> int:

@@ -28,6 +28,7 @@ from torch import nn
 
 from pipepar.core.schedule import Schedule
 from pipepar.core.units import format_bytes
+from pipepar.planner.call_times import check_call_times
 from pipepar.planner.peak_moments import schedule_for
 from pipepar.planner.plan_search import Candidate, search, unconstrained
 from pipepar.planner.plan_targets import Target, resolve_targets
@@ -375,16 +376,19 @@ def fit(prof: Profile, model: MemoryModel, targets: list[Target]) -> Plan | None
 
 
 def _prediction(pred: StepPrediction) -> dict[str, Any]:
-    """The predicted step as plain data: its totals and each stage's parts (ms)."""
+    """The predicted step as plain data: its totals, each stage's parts and the simulated
+    actions (ms)."""
     names = ("step_ms", "pipeline_ms", "bubble", "exposed_allreduce_ms", "schedule", "chunks")
     out: dict[str, Any] = {name: getattr(pred, name) for name in names}
     out |= {"dp": pred.dp, "cluster": pred.cluster, "source": pred.source}
+    out |= {"dp_shard": pred.dp_shard, "gather_ms": list(pred.gather_ms)}
     out["busy_ms"] = list(pred.busy_ms)
     out["stages"] = [
         {f.name: getattr(st, f.name) for f in fields(st) if f.name != "layers"}
         | {"first_layer": st.layers.start, "last_layer": st.layers.stop - 1}
         for st in pred.stages
     ]
+    out["actions"] = [a.to_dict() for a in pred.actions]
     return out
 
 
@@ -441,6 +445,7 @@ def check_profile(prof: Profile) -> None:
                     f"{what} has {name}={value!r}, but times must be finite and >= 0 (None when "
                     "not measured); re-profile on a real device or set it to None"
                 )
+        check_call_times(layer, what)
         for name in _BYTE_FIELDS:
             if getattr(layer, name) < 0:
                 raise ValueError(

@@ -62,6 +62,13 @@ class LayerProfile:
         optimizer_step_foreach_bytes: the same for the multi-tensor (``foreach``) one.
         forward_ms: forward time on the profiling device; None on ``meta``.
         backward_ms: backward time on the profiling device; None on ``meta``.
+        forward_call_ms: the part of ``forward_ms`` a call costs whatever its rows (launches,
+            the framework's own work, kernels too small to fill the device): a call on ``r``
+            of the batch's rows takes ``forward_call_ms + r * (forward_ms -
+            forward_call_ms)``. 0 (time proportional to rows) unless fitted from a second
+            profile on fewer rows (:func:`pipepar.planner.call_times.with_call_times`).
+        backward_call_ms: the same for ``backward_ms`` (a weight gradient is written whole
+            whatever the rows).
         modifies_input: whether the layer writes into its input (``ReLU(inplace=True)``); a
             stage cannot start with such a layer, since its input is a leaf that needs grad.
         reuses_grad: whether its backward hands on the incoming gradient's memory (views,
@@ -107,6 +114,8 @@ class LayerProfile:
     optimizer_step_foreach_bytes: int = 0
     forward_ms: float | None = None
     backward_ms: float | None = None
+    forward_call_ms: float = 0.0
+    backward_call_ms: float = 0.0
     modifies_input: bool = False
     reuses_grad: bool = False
     backward_points: tuple[tuple[int, int], ...] = ()
@@ -180,6 +189,13 @@ class Profile:
         spec = resolve_optimizer(optimizer)
         if spec.name == self.optimizer:
             return self
+        if len(self.trained) != len(self.layers):
+            raise ValueError(
+                f"optimizer={spec.name!r}, but this profile counts {self.optimizer!r} and "
+                "carries no parameter shapes to count another (built or edited by hand); pass "
+                f"optimizer=None or {self.optimizer!r} to take its optimizer_bytes as they are, "
+                "or profile the model with pipepar.profile(..., optimizer=...)"
+            )
         layers = []
         for layer, specs in zip(self.layers, self.trained):
             meta = [torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in specs]

@@ -5,9 +5,10 @@ A :class:`~pipepar.planner.profile.Profile` describes one step on its sample bat
 search tries several data-parallel degrees for one global batch, so each pipeline replica takes
 a different number of rows; profiling the model again for each would cost as much as the search.
 :func:`at_rows` scales instead: every figure that grows with the rows (activations, outputs,
-temporaries, the gradients recorded for W, the saved inputs of direct products, storages,
-times) by ``rows / batch_size``; parameters, their gradients, optimizer state and the
-optimizer step's temporaries stay.
+temporaries, the gradients recorded for W, the saved inputs of direct products, storages)
+by ``rows / batch_size``, and times the same beyond the part each call costs whatever its
+rows (:mod:`pipepar.planner.call_times`; none unless fitted); parameters, their gradients,
+optimizer state and the optimizer step's temporaries stay.
 
 That is exact for layers whose work and activations are proportional to the rows (linear
 layers, convolutions, attention over a fixed sequence length) and a small error for tensors
@@ -26,6 +27,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from pipepar.planner.call_times import at_share
 from pipepar.planner.profile import LayerProfile, Profile
 
 __all__ = ["at_rows"]
@@ -82,9 +84,9 @@ def at_rows(profile: Profile, rows: int) -> Profile:
 
 def _layer(layer: LayerProfile, r: float, old: int, new: int) -> LayerProfile:
     changes: dict[str, Any] = {name: round(r * getattr(layer, name)) for name in _ROW_BYTES}
-    for name in ("forward_ms", "backward_ms"):
-        value = getattr(layer, name)
-        changes[name] = None if value is None else r * value
+    for name in ("forward", "backward"):
+        value, call = getattr(layer, f"{name}_ms"), getattr(layer, f"{name}_call_ms")
+        changes[f"{name}_ms"] = None if value is None else at_share(value, call, r)
     # A backward's points pair (bytes that scale, parameter-gradient bytes that do not).
     for name in ("backward_points", "retained_points"):
         changes[name] = tuple((round(r * other), grads) for other, grads in getattr(layer, name))

@@ -9,12 +9,14 @@ need. Every check here raises at once with the value given and how to fix it.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any
 
 from torch import nn
 
+from pipepar.planner.call_times import profile_two_sizes
 from pipepar.planner.cluster import Cluster
 from pipepar.planner.flop_count import count_flops
 from pipepar.planner.plan import check_profile
@@ -22,16 +24,32 @@ from pipepar.planner.profile import Profile, profile
 from pipepar.planner.step_time import Flops
 from pipepar.program.profile import profile_model
 
-__all__ = ["check_choices", "check_count", "check_counts", "search_cluster", "search_profile"]
+__all__ = [
+    "check_choices",
+    "check_count",
+    "check_counts",
+    "check_shards",
+    "search_cluster",
+    "search_profile",
+]
 
 
 def search_profile(
-    model_or_profile: object, sample: object, *, optimizer: object, device: str, flops: object
+    model_or_profile: object,
+    sample: object,
+    *,
+    optimizer: object,
+    device: str,
+    flops: object,
+    chunks: int = 1,
 ) -> tuple[Profile, Flops | None]:
     """The checked profile, and the FLOPs to time it by (None: it has measured times).
 
     A model is profiled on ``device`` (an ``nn.Sequential`` by its layers, any other module
-    by its units) and, without times, its FLOPs are counted on ``meta``.
+    by its units) and, without times, its FLOPs are counted on ``meta``. With times, it is
+    profiled again on the first of ``chunks`` micro-batches of ``sample`` (the smallest the
+    search tries) to tell each layer's time per call from its time per row
+    (:func:`~pipepar.planner.call_times.profile_two_sizes`).
     """
     if isinstance(model_or_profile, Profile):
         prof = model_or_profile.with_optimizer(optimizer)
@@ -41,10 +59,11 @@ def search_profile(
                 "search_layouts was given a model but no sample; pass sample=<an input batch> "
                 "or a Profile from pipepar.profile"
             )
-        if isinstance(model_or_profile, nn.Sequential):
-            prof = profile(model_or_profile, sample, device=device, optimizer=optimizer)  # type: ignore[arg-type]
-        else:
-            prof = profile_model(model_or_profile, sample, device=device, optimizer=optimizer)
+        prof = profile_two_sizes(
+            functools.partial(_measure, model_or_profile, device=device, optimizer=optimizer),
+            sample,
+            chunks,
+        )
         if not prof.timed and flops is None:
             flops = count_flops(model_or_profile, sample, prof)
     else:
@@ -62,6 +81,14 @@ def search_profile(
             "measured on a device"
         )
     return prof, None
+
+
+def _measure(model: nn.Module, sample: Any, *, device: str, optimizer: object) -> Profile:
+    """``model``'s profile on ``sample``: an ``nn.Sequential`` by its layers, any other
+    module by its units."""
+    if isinstance(model, nn.Sequential):
+        return profile(model, sample, device=device, optimizer=optimizer)
+    return profile_model(model, sample, device=device, optimizer=optimizer)
 
 
 def _check_flops(flops: Any, n: int) -> list[tuple[float, float]]:
@@ -124,4 +151,24 @@ def check_choices(name: str, values: object, known: Sequence[str]) -> list[str]:
     for v in values:
         if v not in known:
             raise ValueError(f"{name} has {v!r}, not one of {list(known)}; pick from those")
+    return list(dict.fromkeys(values))
+
+
+def check_shards(values: object) -> list[bool]:
+    """A non-empty sequence of ``False`` (replicated) and ``True`` (sharded), without repeats.
+
+    Example:
+        >>> check_shards((False, True))
+        [False, True]
+    """
+    if isinstance(values, (str, bool)) or not isinstance(values, Sequence) or not values:
+        raise TypeError(
+            f"shards must be a non-empty list of bools, got {values!r}; e.g. (False, True) to "
+            "try replicated and sharded data parallelism, (False,) for replicated only"
+        )
+    for i, v in enumerate(values):
+        if not isinstance(v, bool):
+            raise TypeError(
+                f"shards[{i}] is {v!r}, not a bool; pass True (sharded) or False (replicated)"
+            )
     return list(dict.fromkeys(values))

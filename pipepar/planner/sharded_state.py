@@ -23,6 +23,7 @@ keeps between steps is :func:`resident_bytes`.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import replace
 
@@ -100,28 +101,37 @@ def _shares(
 ) -> tuple[int, int, tuple[int, int, int]]:
     """One rank's shard of the layer's weights and gradients (bytes), and the optimizer's state
     and step temporaries over the shards."""
-    shards = [torch.empty(shard_shape(tuple(s), n), dtype=d, device="meta") for s, d in trained]
+    shards = tuple((shard_shape(tuple(s), n), d) for s, d in trained)
     trained_bytes = sum(math.prod(s) * d.itemsize for s, d in trained)
-    grads = sum(t.numel() * t.element_size() for t in shards)
+    grads = sum(math.prod(s) * d.itemsize for s, d in shards)
     frozen = max(layer.params_bytes - trained_bytes, 0)
-    return grads + math.ceil(frozen / n), grads, _optimizer(layer, shards, optimizer, n)
+    whole = (
+        layer.optimizer_bytes,
+        layer.optimizer_step_bytes,
+        layer.optimizer_step_foreach_bytes,
+    )
+    return grads + math.ceil(frozen / n), grads, _optimizer(shards, optimizer, whole, n)
 
 
+@functools.lru_cache(maxsize=1024)
 def _optimizer(
-    layer: LayerProfile, shards: list[torch.Tensor], optimizer: str, n: int
+    shards: tuple[ParamSpec, ...], optimizer: str, whole: tuple[int, int, int], n: int
 ) -> tuple[int, int, int]:
     """The optimizer's state and step temporaries over the shards (their own shapes); a
-    profile's optimizer known only by a name this cannot resolve again: its figures / n."""
+    profile's optimizer known only by a name this cannot resolve again: its figures ``whole``
+    (state, step, multi-tensor step) / n. Cached: a model's repeated layers (a transformer's
+    blocks) and a search's many shapes of one model measure each kind of layer once."""
     try:
         spec = resolve_optimizer(optimizer)
     except (TypeError, ValueError):
         spec = None
     if spec is None or not shards:
         return (
-            math.ceil(layer.optimizer_bytes / n),
-            math.ceil(layer.optimizer_step_bytes / n),
-            math.ceil(layer.optimizer_step_foreach_bytes / n),
+            math.ceil(whole[0] / n),
+            math.ceil(whole[1] / n),
+            math.ceil(whole[2] / n),
         )
-    loop = optimizer_cost(spec, shards, foreach=False)
-    multi = optimizer_cost(spec, shards, foreach=True)
+    tensors = [torch.empty(s, dtype=d, device="meta") for s, d in shards]
+    loop = optimizer_cost(spec, tensors, foreach=False)
+    multi = optimizer_cost(spec, tensors, foreach=True)
     return loop.state_bytes, loop.step_bytes, multi.step_bytes

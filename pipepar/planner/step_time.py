@@ -11,11 +11,13 @@ What the model assumes:
   sample batch, on the device it ran on (the cluster's devices are taken to be that kind). A
   profile on ``meta`` has none: :func:`~pipepar.planner.flop_count.count_flops` counts each
   layer's FLOPs and a time is ``FLOPs / (cluster.flops * cluster.efficiency)``.
-- **Micro-batches.** Times scale linearly in rows: micro-batch ``i`` of ``rows_i`` rows (the
-  batch split as :func:`pipepar.core.microbatch.scatter` splits it) takes ``rows_i / batch`` of
-  the whole batch's time, so with ``M`` dividing the batch a stage's F takes its layers' time /
-  ``M``. Small micro-batches run below that rate on real devices (kernels too small to fill
-  them), so small micro-batches are predicted a little fast.
+- **Micro-batches.** A layer's time is a part each call costs whatever its rows and a part
+  in proportion to them: micro-batch ``i`` of ``rows_i`` rows (the batch split as
+  :func:`pipepar.core.microbatch.scatter` splits it) takes ``call + rows_i / batch * (time -
+  call)``. The call part is measured (:mod:`pipepar.planner.call_times`: a second profile on
+  one micro-batch); without it, and for times from FLOPs, it is 0 and times scale linearly in
+  rows, which predicts small micro-batches fast (launches, framework code and products too
+  small to fill the device do not shrink with the rows).
 - **B and W.** A backward that the schedule splits runs ``weight_share`` of each layer's
   backward with trained parameters in W (for a matrix product, the weight gradient is one
   product of the two in its backward) and the rest in B. The first stage's input needs no
@@ -37,11 +39,26 @@ What the model assumes:
   backward action of the step has ended on every replica, runs beside the worker's other
   stages, and a worker's all-reduces run one after another. It is not overlapped with the
   stage's own backward, so the step ends when the last all-reduce does.
+- **Sharded data parallelism** (``dp_shard=True``, as ``pipepar.distributed.wrap(..., dp=dp,
+  dp_shard=True)`` runs it: each stage's state split over its ``dp`` replicas). Each worker
+  all-gathers its stages' weights (``params_bytes``, one collective for all of them) at the
+  step's start, taking ``(dp-1)/dp * bytes / bandwidth + (dp-1) * latency`` on the slowest link
+  of its ring; it runs no action before the gather ends (the runtime gathers before the rank's
+  first action, overlapping no compute; a later worker's gather overlaps its wait for the first
+  activations). The gradient sums are reduce-scattered in place of the all-reduce: half its
+  traffic and latency terms, starting and queued as the all-reduce does. The profile is the
+  unsharded one (its whole weights and gradients).
 - Not counted: the optimizer step, a loss computed outside the model, sums of weights tied
-  across stages, the all-reduce's buckets (one message per stage here).
+  across stages, the all-reduce's buckets (one message per stage here), links shared by
+  concurrent collectives, the re-shard after the step (it frees memory, moves nothing).
+
+:attr:`StepPrediction.actions` is the simulated timeline as plain data
+(:class:`~pipepar.planner.predicted_actions.PredictedAction`): every F, B, W and recompute of
+the slowest replica, and every all-gather, all-reduce or reduce-scatter, with its start and end.
 
     >>> pred = predict_step(prof, [4, 4], schedule="1f1b", chunks=8, cluster="h100x8", dp=2)
     >>> pred.step_ms, pred.bubble
+    >>> sharded = predict_step(prof, [4, 4], cluster="h100x8", dp=2, dp_shard=True)
 """
 
 from __future__ import annotations
@@ -54,8 +71,11 @@ from itertools import accumulate
 from pipepar.core import validation
 from pipepar.core.recompute import should_checkpoint
 from pipepar.core.schedule import Action, Schedule, make, n_workers, timed
+from pipepar.planner.call_times import at_share
 from pipepar.planner.cluster import Cluster
-from pipepar.planner.profile import Profile
+from pipepar.planner.dp_comm import position, reduce_spans, ring_ms
+from pipepar.planner.predicted_actions import PredictedAction
+from pipepar.planner.profile import LayerProfile, Profile
 
 __all__ = ["StageTime", "StepPrediction", "predict_step"]
 
@@ -85,7 +105,8 @@ class StageTime:
     """Moving what crosses the cut after the stage, activations there and gradients back
     (slowest replica); 0 for the last stage and for a next stage on the same worker."""
     allreduce_ms: float
-    """The all-reduce of its gradients over the replicas; 0 with ``dp=1``."""
+    """The all-reduce of its gradients over the replicas (with ``dp_shard``, their
+    reduce-scatter); 0 with ``dp=1``."""
 
     @property
     def busy_ms(self) -> float:
@@ -100,7 +121,8 @@ class StepPrediction:
     step_ms: float
     """One training step, from the first forward to the last gradient all-reduce's end."""
     pipeline_ms: float
-    """The schedule's span: from the first forward to the last backward action's end."""
+    """The schedule's span: from the step's start (the first forward; with ``dp_shard``, the
+    weights' all-gathers before it) to the last backward action's end."""
     bubble: float
     """Idle fraction of the workers over :attr:`pipeline_ms` (waiting for others or for
     transfers); ``(K-1)/(M+K-1)`` for GPipe and 1F1B with equal stages and free transfers."""
@@ -109,7 +131,8 @@ class StepPrediction:
     stages: tuple[StageTime, ...]
     """Per stage, the parts of its time."""
     exposed_allreduce_ms: float
-    """The part of the step spent after :attr:`pipeline_ms` on gradient all-reduces."""
+    """The part of the step spent after :attr:`pipeline_ms` on gradient all-reduces (with
+    ``dp_shard``, reduce-scatters)."""
     spans: tuple[tuple[Action, float, float], ...]
     """Every action of the slowest replica with its start and end (ms), in start order."""
     schedule: str
@@ -122,6 +145,16 @@ class StepPrediction:
     """The cluster's name."""
     source: str
     """Where the layer times came from: ``"measured"`` or ``"flops"``."""
+    dp_shard: bool = False
+    """Whether each stage's state is sharded over the ``dp`` replicas (weights all-gathered
+    before the step, gradients reduce-scattered after)."""
+    gather_ms: tuple[float, ...] = ()
+    """Per worker, the all-gather of its stages' weights at the step's start (zeros without
+    ``dp_shard``)."""
+    actions: tuple[PredictedAction, ...] = ()
+    """The simulated timeline of the slowest replica as plain data, in start order: every F,
+    B, W and recompute (at the start of its B), and every all-gather, all-reduce and
+    reduce-scatter (zero-length ones left out)."""
 
 
 def predict_step(
@@ -135,6 +168,7 @@ def predict_step(
     dp: int = 1,
     flops: Flops | None = None,
     weight_share: float = 0.5,
+    dp_shard: bool = False,
 ) -> StepPrediction:
     """Predict the time of one training step of ``profile`` split by ``balance``.
 
@@ -150,13 +184,19 @@ def predict_step(
         flops: per layer, (forward, backward) FLOPs of the whole batch; times are then estimated
             from the cluster's FLOP/s instead of read from the profile.
         weight_share: the share of a layer's backward that W runs when split off.
+        dp_shard: each stage's parameters, gradients and optimizer state sharded over the
+            ``dp`` replicas (``pipepar.distributed.wrap(..., dp_shard=True)``): the weights'
+            all-gather before each worker's first action, and a reduce-scatter of the
+            gradients in place of the all-reduce. Needs ``dp >= 2`` and the unsharded profile.
 
     Returns:
         The :class:`StepPrediction`.
 
     Raises:
         ValueError: no times (a ``meta`` profile without ``flops``), a balance that does not
-            fit the profile or the schedule, more devices than the cluster has.
+            fit the profile or the schedule, more devices than the cluster has, ``dp_shard``
+            with ``dp=1`` or with a profile already sharded.
+        TypeError: ``dp_shard`` not a bool.
 
     Example:
         >>> pred = predict_step(prof, [2, 2], cluster="h100x8", schedule="zb-h1", chunks=8)
@@ -168,15 +208,49 @@ def predict_step(
     chunks = validation.check_chunks(chunks)
     checkpoint = validation.check_checkpoint(checkpoint)
     _check_options(dp, weight_share)
+    _check_shard(dp_shard, dp, profile)
     m = max(1, min(chunks, profile.batch_size))
     order = make(schedule, len(stage_layers), m, n_workers=n_workers(schedule, len(stage_layers)))
     _check_fits(machines, order.n_workers, dp)
     times = _layer_times(profile, machines, flops)
-    model = _StepModel(profile, order, stage_layers, times, checkpoint, weight_share)
-    return _predict(model, machines, dp, "measured" if flops is None else "flops")
+    model = _StepModel(
+        profile, order, stage_layers, times, checkpoint, weight_share, per_call=flops is None
+    )
+    return _predict(model, machines, dp, dp_shard, "measured" if flops is None else "flops")
 
 
 # -- the per-action costs ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Part:
+    """Work of the whole batch (ms) of which ``call`` each call costs whatever its rows
+    (:mod:`pipepar.planner.call_times`)."""
+
+    whole: float
+    call: float
+
+    def at(self, share: float) -> float:
+        """The time of a call on ``share`` of the batch's rows."""
+        return at_share(self.whole, self.call, share)
+
+    def times(self, k: float) -> _Part:
+        return _Part(k * self.whole, k * self.call)
+
+    def minus(self, other: _Part) -> _Part:
+        return _Part(self.whole - other.whole, self.call - other.call)
+
+
+def _part(
+    times: list[tuple[float, float]], layers: Sequence[LayerProfile], d: int, per_call: bool
+) -> _Part:
+    """Direction ``d`` (0: forward, 1: backward) of ``layers``: their times, and the part each
+    call costs when ``per_call`` (measured times; those from FLOPs have none)."""
+    calls = [x.forward_call_ms if d == 0 else x.backward_call_ms for x in layers]
+    if not per_call:
+        calls = [0.0] * len(layers)
+    whole = [times[x.index][d] for x in layers]
+    return _Part(sum(whole), sum(min(c, t) for c, t in zip(calls, whole)))
+
+
 class _StepModel:
     """Each action's cost (ms) and each cut's bytes, for one schedule and balance."""
 
@@ -188,39 +262,46 @@ class _StepModel:
         times: list[tuple[float, float]],
         checkpoint: str,
         weight_share: float,
+        *,
+        per_call: bool,
     ) -> None:
         self.order, self.layers, self.checkpoint = order, stage_layers, checkpoint
         m, rows = order.n_microbatches, max(1, profile.batch_size)
         self.share = [(rows // m + (i < rows % m)) / rows for i in range(m)]
-        self.f, self.b, self.w = [], [], []
+        self.f: list[_Part] = []
+        self.b: list[_Part] = []
+        self.w: list[_Part] = []
         for s, span in enumerate(stage_layers):
-            fwd = sum(times[i][0] for i in span)
-            whole = sum(times[i][1] for i in span)
             layers = [profile.layers[i] for i in span]
+            fwd = _part(times, layers, 0, per_call)
+            whole = _part(times, layers, 1, per_call)
             if not all(x.splits_backward for x in layers):
-                weight = 0.0  # the runtime runs the whole backward in B
+                weight = _Part(0.0, 0.0)  # the runtime runs the whole backward in B
             elif s == 0:
                 weight = whole  # the input needs no gradient: B computes nothing
             else:
-                weight = weight_share * sum(times[x.index][1] for x in layers if x.grads_bytes)
+                weight = _part(times, [x for x in layers if x.grads_bytes], 1, per_call)
+                weight = weight.times(weight_share)
             self.f.append(fwd)
-            self.b.append(whole - weight)
+            self.b.append(whole.minus(weight))
             self.w.append(weight)
         self.grads = [sum(profile.layers[i].grads_bytes for i in span) for span in stage_layers]
+        self.params = [sum(profile.layers[i].params_bytes for i in span) for span in stage_layers]
         self.sent, self.returned = _cut_bytes(profile, [span.stop - 1 for span in stage_layers])
 
     def recompute(self, a: Action) -> float:
         checkpointed = should_checkpoint(self.checkpoint, a.microbatch, self.order.n_microbatches)
-        return self.f[a.stage] * self.share[a.microbatch] if checkpointed else 0.0
+        return self.f[a.stage].at(self.share[a.microbatch]) if checkpointed else 0.0
 
     def cost(self, a: Action, split: bool) -> float:
         """The time of action ``a``; ``split``: whether the schedule runs a W after its B."""
         r, s = self.share[a.microbatch], a.stage
         if a.kind == "F":
-            return self.f[s] * r
+            return self.f[s].at(r)
         if a.kind == "W":
-            return self.w[s] * r if split else 0.0
-        return self.recompute(a) + (self.b[s] if split else self.b[s] + self.w[s]) * r
+            return self.w[s].at(r) if split else 0.0
+        backward = self.b[s].at(r) + (0.0 if split else self.w[s].at(r))
+        return self.recompute(a) + backward
 
     def transfer(
         self, devices: Sequence[int], cluster: Cluster
@@ -261,20 +342,25 @@ def _cut_bytes(profile: Profile, lasts: list[int]) -> tuple[list[float], list[fl
 
 
 # -- the simulation ----------------------------------------------------------------------------
-def _predict(model: _StepModel, cluster: Cluster, dp: int, source: str) -> StepPrediction:
+def _predict(
+    model: _StepModel, cluster: Cluster, dp: int, shard: bool, source: str
+) -> StepPrediction:
     order, k = model.order, model.order.n_workers
+    gather = [_gather_ms(model, cluster, dp, w) if shard else 0.0 for w in range(k)]
     runs = {
-        r: timed(order, model.cost, transfer=model.transfer(_devices(r, k), cluster))
+        r: timed(order, model.cost, transfer=model.transfer(_devices(r, k), cluster), start=gather)
         for r in _distinct_replicas(cluster, k, dp)
     }
     pipeline = max(max(f.values(), default=0.0) for f in runs.values())
     ready = [max(_last_backward(f, s) for f in runs.values()) for s in range(order.n_stages)]
-    reduce_ms = [_allreduce_ms(model, cluster, dp, s) for s in range(order.n_stages)]
-    step = max([pipeline, *_allreduce_ends(order, ready, reduce_ms)])
+    reduce_ms = [_reduce_ms(model, cluster, dp, shard, s) for s in range(order.n_stages)]
+    reduces = reduce_spans(order, ready, reduce_ms)
+    step = max([pipeline, *(end for _, _, end in reduces)])
     replica = max(runs, key=lambda r: max(runs[r].values(), default=0.0))
     busy = [0.0] * k
     for a in runs[replica]:
         busy[order.placement[a.stage]] += _cost(model, a)
+    spans = _spans(model, runs[replica])
     return StepPrediction(
         step_ms=step,
         pipeline_ms=pipeline,
@@ -284,12 +370,15 @@ def _predict(model: _StepModel, cluster: Cluster, dp: int, source: str) -> StepP
             _stage_time(model, cluster, replica, reduce_ms[s], s) for s in range(order.n_stages)
         ),
         exposed_allreduce_ms=step - pipeline,
-        spans=_spans(model, runs[replica]),
+        spans=spans,
         schedule=order.name,
         chunks=order.n_microbatches,
         dp=dp,
         cluster=cluster.name,
         source=source,
+        dp_shard=shard,
+        gather_ms=tuple(gather),
+        actions=_actions(model, spans, gather, reduces, shard),
     )
 
 
@@ -316,26 +405,17 @@ def _last_backward(finish: dict[Action, float], s: int) -> float:
     return max((t for a, t in finish.items() if a.stage == s and a.kind != "F"), default=0.0)
 
 
-def _allreduce_ms(model: _StepModel, cluster: Cluster, dp: int, s: int) -> float:
-    """Ring all-reduce of stage ``s``'s gradients over the ``dp`` replicas."""
-    if dp == 1 or model.grads[s] == 0:
-        return 0.0
-    k, w = model.order.n_workers, model.order.placement[s]
-    link = cluster.ring([r * k + w for r in range(dp)])
-    steps = 2 * (dp - 1)  # reduce-scatter, then all-gather: dp - 1 messages each
-    return 1e3 * (steps / dp * model.grads[s] / link.bandwidth + steps * link.latency)
+def _reduce_ms(model: _StepModel, cluster: Cluster, dp: int, shard: bool, s: int) -> float:
+    """Stage ``s``'s gradients over the ``dp`` replicas: a ring all-reduce, or with ``shard``
+    a reduce-scatter (half its traffic)."""
+    devices = position(model.order.n_workers, dp, model.order.placement[s])
+    return ring_ms(cluster, devices, model.grads[s], passes=1 if shard else 2)
 
 
-def _allreduce_ends(order: Schedule, ready: list[float], took: list[float]) -> list[float]:
-    """Each stage's all-reduce end; a worker's all-reduces run one after another, in the order
-    its stages' gradients become final."""
-    ends = []
-    for w in range(order.n_workers):
-        free = 0.0
-        for s in sorted(order.stages_of(w), key=lambda s: ready[s]):
-            free = max(free, ready[s]) + took[s]
-            ends.append(free)
-    return ends
+def _gather_ms(model: _StepModel, cluster: Cluster, dp: int, w: int) -> float:
+    """Worker ``w``'s all-gather of its stages' weights over the ``dp`` replicas."""
+    nbytes = sum(model.params[s] for s in model.order.stages_of(w))
+    return ring_ms(cluster, position(model.order.n_workers, dp, w), nbytes, passes=1)
 
 
 def _stage_time(
@@ -369,6 +449,31 @@ def _spans(
 ) -> tuple[tuple[Action, float, float], ...]:
     spans = [(a, end - _cost(model, a), end) for a, end in finish.items()]
     return tuple(sorted(spans, key=lambda x: (x[1], model.order.placement[x[0].stage])))
+
+
+def _actions(
+    model: _StepModel,
+    spans: Sequence[tuple[Action, float, float]],
+    gather: Sequence[float],
+    reduces: Sequence[tuple[int, float, float]],
+    shard: bool,
+) -> tuple[PredictedAction, ...]:
+    """The timeline as plain data: the gathers, every action (a checkpointed B's recompute at
+    its start), the gradient collectives; in start order, zero-length collectives left out."""
+    place = model.order.placement
+    out = [PredictedAction(w, None, "all-gather", None, 0.0, g) for w, g in enumerate(gather) if g]
+    for a, start, end in spans:
+        out.append(PredictedAction(place[a.stage], a.stage, a.kind, a.microbatch, start, end))
+        again = model.recompute(a) * (a.kind == "B")
+        if again > 0:
+            out.append(
+                PredictedAction(
+                    place[a.stage], a.stage, "recompute", a.microbatch, start, start + again
+                )
+            )
+    kind = "reduce-scatter" if shard else "all-reduce"
+    out += [PredictedAction(place[s], s, kind, None, t0, t1) for s, t0, t1 in reduces if t1 > t0]
+    return tuple(sorted(out, key=lambda x: (x.start_ms, x.worker)))
 
 
 # -- inputs ------------------------------------------------------------------------------------
@@ -427,6 +532,22 @@ def _check_options(dp: object, share: object) -> None:
         raise ValueError(
             f"weight_share must be in [0, 1], got {share!r}; 0.5 puts half of a layer's "
             "backward in W"
+        )
+
+
+def _check_shard(shard: object, dp: int, profile: Profile) -> None:
+    if not isinstance(shard, bool):
+        raise TypeError(f"dp_shard must be True or False, got {shard!r}; pass dp_shard=True")
+    if shard and dp < 2:
+        raise ValueError(
+            f"dp_shard=True shards each stage over its dp replicas, but dp={dp}; pass dp=2 or "
+            "more, or dp_shard=False"
+        )
+    if shard and profile.shard != 1:
+        raise ValueError(
+            f"dp_shard=True times the whole weights and gradients, but the profile is already "
+            f"sharded (profile.shard={profile.shard}); pass the unsharded profile (the one "
+            "given to pipepar.plan(..., shard=n), not plan.profile)"
         )
 
 

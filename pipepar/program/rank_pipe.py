@@ -3,6 +3,12 @@
 A rank computes one stage, or several under the virtual-stage schedules (``"interleaved-1f1b"``,
 ``"zb-v"``: ``schedule.stages_of(position)``), each stage's actions in the schedule's order.
 See :mod:`pipepar.program.ranks` for how a rank follows the stages it does not compute.
+
+With ``dp_shard=True`` each weight a rank holds is sharded over the ``dp`` ranks of its
+position (:meth:`pipepar.ranks.sharding.ShardedSync.of_parameters`): the model keeps its
+parameter objects, so every table keyed by them (holders, tied groups, the cut's stand-ins,
+routes) stays valid; they hold the gathered weights for a step only, and ``parameters()`` are
+the shards.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from pipepar.program.recompute import checkpoint_units
 from pipepar.program.route import Routes, signature
 from pipepar.program.step import Batch
 from pipepar.program.units import sizes_of as _sizes
-from pipepar.ranks import clipping
+from pipepar.ranks import clipping, handshake
 from pipepar.ranks.arguments import check_schedule, check_timeout
 from pipepar.ranks.guard import Guard
 from pipepar.ranks.mesh import build_mesh, check_grid
@@ -45,6 +51,7 @@ from pipepar.ranks.process import resolve_device as _resolve_device
 from pipepar.ranks.progress import describe
 from pipepar.ranks.replicas import broadcast_from_first, spread_over_replicas
 from pipepar.ranks.runtime import fewer_microbatches
+from pipepar.ranks.sharding import ShardedSync, check_dp_shard, shard_like
 
 __all__ = ["DistributedModelPipe"]
 
@@ -73,7 +80,9 @@ class DistributedModelPipe(nn.Module):
     rank keeps only the weights its stages use (a weight tied across stages on every rank that
     uses it): build the model on the ``meta`` device and pass ``state_dict``, or build it real
     and the other stages' weights are dropped. ``parameters()`` and ``state_dict()`` cover the
-    rank's own weights under the model's names.
+    rank's own weights under the model's names. With ``dp_shard=True`` they are this
+    replica's ``DTensor`` shards of them, and so are their gradients (see
+    :mod:`pipepar.ranks.sharding`).
     """
 
     _model: nn.Module  # not a child: its children are the pipe's
@@ -94,19 +103,39 @@ class DistributedModelPipe(nn.Module):
         routes: bool = True,
         checkpoint: str = "never",
         deferred_batch_norm: bool = False,
+        dp_shard: bool = False,
     ) -> None:
         super().__init__()
-        self.chunks = validation.check_chunks(chunks)
-        self.checkpoint = validation.check_checkpoint(checkpoint)
-        timeout = check_timeout(timeout)
-        if deferred_batch_norm:
-            convert_inside(model)
-        lay = units_.layout(model)
-        sizes = _sizes(lay, balance, split)
-        self.schedule = check_schedule(schedule, len(sizes), self.chunks)
-        _ensure_process_group()
-        pp = self.schedule.n_workers
-        self.dp = check_grid(dist.get_world_size(group), pp, dp, n_stages=len(sizes))
+        try:
+            self.chunks = validation.check_chunks(chunks)
+            self.checkpoint = validation.check_checkpoint(checkpoint)
+            timeout = check_timeout(timeout)
+            if deferred_batch_norm:
+                convert_inside(model)
+            lay = units_.layout(model)
+            sizes = _sizes(lay, balance, split)
+            self.schedule = check_schedule(schedule, len(sizes), self.chunks)
+            _ensure_process_group()
+            pp = self.schedule.n_workers
+            self.dp = check_grid(dist.get_world_size(group), pp, dp, n_stages=len(sizes))
+            self.dp_shard = check_dp_shard(dp_shard, self.dp)
+        except (ValueError, TypeError) as error:
+            if dist.is_initialized():  # peers must not wait for this rank: tell them why
+                handshake.refuse(error, group=group)
+            raise
+        fields = handshake.fingerprint(
+            model,
+            sizes,
+            chunks=self.chunks,
+            schedule=self.schedule,
+            dp=self.dp,
+            checkpoint=self.checkpoint,
+            state_dict=state_dict,
+        )
+        extra = {"dp_shard": str(self.dp_shard), "routes": str(routes), "units": str(len(sizes))}
+        handshake.agree(fields | extra, group=group, timeout=timeout)
+        self.group = group
+        """The parent group of the grid (``None``: the world)."""
         self.device = _resolve_device(device, group)
         self.mesh = build_mesh(
             pp,
@@ -138,23 +167,80 @@ class DistributedModelPipe(nn.Module):
         self._tied = tied_groups(lay, self.stage_of_unit, ranks)
         self._stages = [_stage(lay, self.stage_of_unit, s, self.device) for s in mine]
         self._link = Link(self.mesh, self.device, self.schedule.placement)
+        self._sync: ShardedSync | None = None
         self._guarded = Guard(self, self.mesh, self.close)
         self._drivers: ThreadPoolExecutor | None = None
         if state_dict is None:  # replicas start from replica 0's weights
             self._guarded(lambda: broadcast_from_first([p.data for p in self._held], self.mesh))
+        self._shards = list(self._held)
+        """What ``parameters()`` gives: the held weights, or with ``dp_shard`` their shards."""
+        if self.dp_shard:  # after the broadcast: each replica keeps its shard of the same weights
+            self._sync = ShardedSync.of_parameters(self._named_held(), self.mesh, self.device)
+            self._shards = list(self._sync.shards)
+        self._shard_of = {id(p): s for p, s in zip(self._held, self._shards)}
+        self._held_of = {id(s): p for p, s in zip(self._held, self._shards)}
+
+    def _named_held(self) -> list[tuple[str, nn.Parameter]]:
+        """The held weights with their first names in the model."""
+        names: dict[int, str] = {}
+        for name, p in self._model.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), name)
+        return [(names[id(p)], p) for p in self._held]
+
+    def _gathered(self) -> contextlib.AbstractContextManager[Any]:
+        """The held weights whole for one step's actions (gathered from their shards)."""
+        return self._sync.gathered() if self._sync is not None else contextlib.nullcontext()
 
     # -- what this rank holds -------------------------------------------------------------------
     def parameters(self, recurse: bool = True) -> Any:  # type: ignore[override]
-        """This rank's weights (each once)."""
-        return iter(self._held)
+        """This rank's weights (each once; with ``dp_shard``, their ``DTensor`` shards)."""
+        return iter(self._shards)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        held = {id(p) for p in self._held}
-        return ((n, p) for n, p in super().named_parameters(*args, **kwargs) if id(p) in held)
+        mine = self._shard_of
+        named = super().named_parameters(*args, **kwargs)
+        return ((n, mine[id(p)]) for n, p in named if id(p) in mine)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        """This rank's entries under the model's keys (with ``dp_shard``, the shards)."""
         full = super().state_dict(*args, **kwargs)
+        if self._sync is not None:
+            prefix, keep = kwargs.get("prefix", ""), kwargs.get("keep_vars", False)
+            for name, p in super().named_parameters(remove_duplicate=False):
+                shard = self._shard_of.get(id(p))
+                if shard is not None and prefix + name in full:
+                    full[prefix + name] = shard if keep else shard.detach()
         return {k: v for k, v in full.items() if not v.is_meta}
+
+    def load_state_dict(
+        self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
+    ) -> Any:
+        """Load the whole model's state_dict (its entries for other stages are ignored, as
+        ``nn.Module`` loads into weights on ``meta``); with ``dp_shard``, each replica keeps
+        its shard of the weights it holds (``assign`` does not apply to them)."""
+        if self._sync is None:
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        shards = {
+            name: self._shard_of[id(p)]
+            for name, p in super().named_parameters(remove_duplicate=False)
+            if id(p) in self._shard_of
+        }
+        for name, value in state_dict.items():
+            if name in shards:
+                shards[name].detach().copy_(shard_like(value, shards[name]))
+        rest = {k: v for k, v in state_dict.items() if k not in shards}
+        result = super().load_state_dict(rest, strict=False, assign=assign)
+        result.missing_keys[:] = [k for k in result.missing_keys if k not in shards]
+        if strict and (result.missing_keys or result.unexpected_keys):
+            raise RuntimeError(
+                f"load_state_dict: missing keys {result.missing_keys}, unexpected keys "
+                f"{result.unexpected_keys}; pass the whole model's state_dict, or strict=False"
+            )
+        return result
+
+    def _weight(self, t: Tensor) -> Tensor:
+        """The model parameter whose shard is ``t`` (``t`` itself for anything else)."""
+        return self._held_of.get(id(t), t)
 
     @property
     def stage_index(self) -> int:
@@ -166,6 +252,11 @@ class DistributedModelPipe(nn.Module):
     def stages(self) -> list[int]:
         """The stages this rank computes (one, or several for the virtual-stage schedules)."""
         return list(self._mine)
+
+    @property
+    def dp_rank(self) -> int:
+        """Index of this rank's pipeline replica: the rows of the global batch it takes."""
+        return self.mesh.where.replica
 
     def train(self, mode: bool = True) -> DistributedModelPipe:
         super().train(mode)
@@ -200,7 +291,7 @@ class DistributedModelPipe(nn.Module):
         calls = split_call(args, kwargs, self.chunks)
         schedule = fewer_microbatches(self.schedule, len(calls))
         shares = ModelLoss(self._model, calls) if "labels" in kwargs else None
-        batch, _ = self._guarded(lambda: self._walk(calls, schedule, shares, None, grad=False))
+        batch, _ = self._guarded(lambda: self._gathered_walk(calls, schedule, shares))
         if self.schedule.n_stages - 1 not in self._mine:
             return None
         return joined([d.result for d in batch.drivers], [c.rows for c in calls], shares)
@@ -243,10 +334,18 @@ class DistributedModelPipe(nn.Module):
             device=self.device,
         )
         grad = torch.is_grad_enabled()
-        batch, steps = self._walk(calls, schedule, shares, loss_head(shares, targets), grad=grad)
-        if grad:
-            self._write_grads(steps)
+        with self._gathered():  # sharded: gathered once for every action of the step
+            head = loss_head(shares, targets)
+            batch, steps = self._walk(calls, schedule, shares, head, grad=grad)
+            if grad:
+                self._write_grads(steps)
         return self._loss(batch, shares.weights)
+
+    def _gathered_walk(
+        self, calls: list[Call], schedule: Schedule, shares: ModelLoss | None
+    ) -> tuple[Batch, list[RankStep]]:
+        with self._gathered():
+            return self._walk(calls, schedule, shares, None, grad=False)
 
     def _walk(
         self,
@@ -355,6 +454,9 @@ class DistributedModelPipe(nn.Module):
                     g = fresh.get(id(p))
                     fresh[id(p)] = g = g if g is not None else torch.zeros_like(p)
                     self.mesh.progress.all_reduce(g, group, "the sum of tied weights")
+        if self._sync is not None:
+            self._scatter(fresh)
+            return
         if self.mesh.dp_group is not None:
             for p in self._held:
                 g = fresh.get(id(p))
@@ -365,6 +467,18 @@ class DistributedModelPipe(nn.Module):
             g = fresh.get(id(p))
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
+
+    def _scatter(self, fresh: Mapping[int, Tensor | None]) -> None:
+        """Reduce-scatter this step's gradients over the replicas into the shards' ``.grad``
+        (added to it), bucket by bucket (:class:`~pipepar.ranks.sharding.ShardedSync`)."""
+        assert self._sync is not None
+        self._sync.arm()
+        for p in self._held:
+            g = fresh.get(id(p))
+            if g is not None and p.requires_grad:
+                p.grad = g  # the gathered weight's: taken (and dropped) by the scatter
+        self._sync.ready(self._held, overlapped=False)
+        self._sync.finish()
 
     def _loss(self, batch: Batch, weights: Sequence[float]) -> float:
         last = self.schedule.n_stages - 1
@@ -388,23 +502,25 @@ class DistributedModelPipe(nn.Module):
         """Clip the gradients by the whole model's norm (every stage's, reduced over the
         pipeline's ranks; a weight tied across stages counted once, replicas once), exactly
         as ``torch.nn.utils.clip_grad_norm_`` on the plain model; returns the total norm, the
-        same on every rank. Call it on every rank after ``step``.
+        same on every rank (with ``dp_shard``, each replica's shards once). Call it on every
+        rank after ``step``.
 
         Example:
             >>> pipe.step(**batch)  # doctest: +SKIP
             >>> norm = pipe.clip_grad_norm_(1.0)  # doctest: +SKIP
         """
         elsewhere = {id(q) for first, _, ps in self._tied if first not in self._mine for q in ps}
-        owned = [q for q in self._held if id(q) not in elsewhere]
+        owned = [self._shard_of[id(q)] for q in self._held if id(q) not in elsewhere]
         return self._guarded(
             lambda: clipping.clip_grad_norm_(
                 owned,
-                self._held,
+                self._shards,
                 max_norm,
                 norm_type,
                 error_if_nonfinite,
                 mesh=self.mesh,
                 device=self.device,
+                sharded=self.dp_shard,
             )
         )
 
@@ -413,6 +529,8 @@ class DistributedModelPipe(nn.Module):
             self._drivers.shutdown(wait=False)
             self._drivers = None
         self._link.drop()
+        if self._sync is not None:
+            self._sync.drop()
         self._guarded.stop()
         self.mesh.close()
 

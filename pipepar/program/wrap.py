@@ -1,17 +1,18 @@
-"""``pipepar.wrap`` for any model: plan the stages from a sample when none are given, build the
-:class:`~pipepar.program.pipe.ModelPipe`."""
+"""``pipepar.wrap`` for any model: choose the layout from a sample when no stages are given,
+build the :class:`~pipepar.program.pipe.ModelPipe`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import nn
 
 from pipepar.core import validation
 from pipepar.core.devices import DeviceSpec
 from pipepar.core.schedule import Schedule
+from pipepar.planner.auto_layout import keep_layout, local_layout
+from pipepar.planner.layout import Layout
 from pipepar.program.pipe import ModelPipe
 
 __all__ = ["wrap_model"]
@@ -22,65 +23,72 @@ def wrap_model(
     balance: Sequence[int] | None = None,
     *,
     devices: DeviceSpec = None,
-    chunks: int = 1,
+    chunks: int | None = None,
     checkpoint: str | None = None,
     deferred_batch_norm: bool = False,
     sample: Any = None,
     split: Sequence[str] | None = None,
     capacity: Any = None,
-    schedule: str | Schedule = "gpipe",
+    schedule: str | Schedule | None = None,
     threads: int | None = None,
     trace: bool = False,
 ) -> ModelPipe:
     """:func:`pipepar.wrap` for any model that is not an ``nn.Sequential`` (or is split by
-    module paths): see there."""
-    checkpoint = "never" if checkpoint is None else validation.check_checkpoint(checkpoint)
+    module paths): see there. Without ``balance`` and ``split`` the layout is searched from
+    ``sample`` (the values given fixed) and kept as ``pipe.layout``; else ``pipe.layout`` is
+    None.
+
+    Example:
+        >>> pipe = wrap_model(model, sample=dict(input_ids=ids), devices=["cpu", "cpu"])
+        >>> pipe.layout.balance  # doctest: +SKIP
+        (6, 7)
+    """
+    layout = None
     if balance is None and split is None:
-        balance = _planned_units(model, sample, devices, capacity, chunks, schedule, checkpoint)
-    return ModelPipe(
+        layout = _planned_layout(model, sample, devices, capacity, chunks, schedule, checkpoint)
+        balance = list(layout.balance)
+        chunks, checkpoint = layout.chunks, layout.checkpoint
+        schedule = schedule if isinstance(schedule, Schedule) else layout.schedule
+    pipe = ModelPipe(
         model,
         balance,
         split=split,
         devices=devices,
-        chunks=chunks,
+        chunks=1 if chunks is None else chunks,
         sample=sample,
-        schedule=schedule,
-        checkpoint=checkpoint,
+        schedule="gpipe" if schedule is None else schedule,
+        checkpoint="never" if checkpoint is None else validation.check_checkpoint(checkpoint),
         deferred_batch_norm=deferred_batch_norm,
         threads=threads,
         trace=trace,
     )
+    keep_layout(pipe, layout)
+    return pipe
 
 
-def _planned_units(
+def _planned_layout(
     model: nn.Module,
     sample: Any,
     devices: DeviceSpec,
     capacity: Any,
-    chunks: int,
-    schedule: str | Schedule,
-    checkpoint: str,
-) -> list[int]:
+    chunks: int | None,
+    schedule: str | Schedule | None,
+    checkpoint: str | None,
+) -> Layout:
+    """The searched layout of one pipeline over ``devices``; the values given are fixed."""
     if sample is None:
         raise ValueError(
             "balance and split are None and no sample was given; pass split=[module paths "
             "where stages begin], balance=[units per stage] (pipepar.units(model) lists the "
-            "units), or sample=<an input batch> so pipepar can profile the model and plan"
+            "units), or sample=<an input batch> so pipepar can profile the model and choose "
+            "the layout"
         )
-    from pipepar.planner.plan import plan
-    from pipepar.program.profile import profile_model
-
-    param = next(model.parameters(), None)
-    where = param.device if param is not None else torch.device("cpu")
-    n_devices = devices if devices is not None else (torch.cuda.device_count() or 1)
-    prof = profile_model(model, sample, device=str(where))
-    chosen = plan(
-        prof,
-        devices=n_devices,
+    return local_layout(
+        model,
+        sample,
+        devices=devices,
         capacity=capacity,
+        schedule=schedule,
         chunks=chunks,
         checkpoint=checkpoint,
-        schedule=schedule,
-        optimizer=None,
     )
-    return list(chosen.balance)

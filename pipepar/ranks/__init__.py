@@ -10,6 +10,7 @@ Modules: :mod:`~pipepar.ranks.process` (the process group, this rank's device),
 (dp sync), :mod:`~pipepar.ranks.sharding` (dp sharded with FSDP2, ``dp_shard=True``),
 :mod:`~pipepar.ranks.clipping` (the gradient norm over every rank),
 :mod:`~pipepar.ranks.arguments` (one rank's arguments checked alone),
+:mod:`~pipepar.ranks.handshake` (every rank passed the same ones, checked at wrap time),
 :mod:`~pipepar.ranks.failure` (fault reporting), :mod:`~pipepar.ranks.progress`
 (what each rank runs and waits for; every wait bounded by ``timeout``) and
 :mod:`~pipepar.ranks.guard` (a step's failure or stall ends every rank).

@@ -1,6 +1,6 @@
 """This rank's arguments of ``ppd.wrap``, checked on their own before any communication.
 
-(:mod:`~pipepar.distributed.handshake` then checks that all ranks passed the same ones.)
+(:mod:`~pipepar.ranks.handshake` then checks that all ranks passed the same ones.)
 """
 
 from __future__ import annotations

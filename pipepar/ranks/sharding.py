@@ -23,8 +23,16 @@ is per micro-batch here, and would queue callbacks into every ``autograd.grad`` 
 Weights are gathered whole on the rank for the step; what shards is the memory held between
 steps (parameters, gradients, optimizer state), as with ZeRO-3 and a gather kept for the step.
 
+**Any model** (:mod:`pipepar.program.rank_pipe`) tracks its weights by object identity (which
+stage holds which, weights tied across stages, the stand-ins its cut swaps in), which FSDP's
+swap of the modules' parameters would break. :meth:`ShardedSync.of_parameters` keeps the
+model's parameter objects where they are: ``fully_shard`` shards a holder of *copies*, and
+for a step each model parameter's ``.data`` is the gathered weight (an empty placeholder of
+the same shape between steps, no storage); the gradients the pipe writes into the model
+parameters' ``.grad`` are reduce-scattered into the shards as above.
+
 Not supported (yet): FSDP's mixed precision and CPU offload policies, 0-dim parameters (they
-cannot be cut on dimension 0), and the any-model pipe (:mod:`pipepar.program.rank_pipe`).
+cannot be cut on dimension 0).
 
 This module knows nothing of schedules or transport: the pipe says when a step runs.
 """
@@ -33,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -80,6 +88,14 @@ class _Holder(nn.Module):
         raise RuntimeError("the shard holder is never called: the pipe's stages run the layers")
 
 
+class _Weight(nn.Module):
+    """A copy of one model parameter for the holder of :meth:`ShardedSync.of_parameters`."""
+
+    def __init__(self, p: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
+
+
 class ShardedSync(GradientSync):
     """The rank's layers sharded over their dp replicas; gradients reduce-scattered into the
     shards once per step. Used like :class:`~pipepar.ranks.replicas.GradientSync` (``arm``,
@@ -109,7 +125,7 @@ class ShardedSync(GradientSync):
         if mesh.dp_group is None:
             raise ValueError("sharding needs dp replicas (dp >= 2) to shard over")
         holder = _Holder(layers)
-        _check_parameters(holder)
+        _check_parameters((n.removeprefix("layers."), p) for n, p in holder.named_parameters())
         # DeviceMeshes of the same ranks compare equal whatever their group, and DTensor's
         # caches keep the first one seen: a name of this group keeps a later pipe's apart.
         group = DeviceMesh.from_group(
@@ -122,6 +138,41 @@ class ShardedSync(GradientSync):
         self._names = {id(p): name for name, p in holder.named_parameters()}
         self._whole: dict[int, nn.Parameter] = {}
         """Shard id -> the gathered parameter that stands in for it during a step."""
+        self._kept: dict[str, tuple[nn.Parameter, Tensor]] = {}
+        """Holder name -> the model parameter that keeps its place (:meth:`of_parameters`)
+        and its empty placeholder between steps."""
+        self.shards: list[nn.Parameter] = []
+        """The shards of the parameters given to :meth:`of_parameters`, in their order."""
+
+    @classmethod
+    def of_parameters(
+        cls,
+        named: Sequence[tuple[str, nn.Parameter]],
+        mesh: Mesh,
+        device: torch.device,
+        *,
+        bucket_bytes: int | None = None,
+    ) -> ShardedSync:
+        """Shard the parameters ``named`` (each once) while the modules that use them keep
+        them: their shards are :attr:`shards`; in :meth:`gathered` each parameter's ``.data``
+        is its gathered weight, between steps an empty placeholder (its memory is the
+        shard's); gradients put into their ``.grad`` during the step (then :meth:`ready` with
+        them, :meth:`finish`) land in the shards' ``.grad``.
+
+        Example:
+            >>> named = list(model.named_parameters())  # doctest: +SKIP
+            >>> sync = ShardedSync.of_parameters(named, mesh, dev)  # doctest: +SKIP
+            >>> opt = torch.optim.AdamW(sync.shards)  # doctest: +SKIP
+        """
+        _check_parameters(named)
+        sync = cls([_Weight(p) for _, p in named], mesh, device, bucket_bytes=bucket_bytes)
+        shards = dict(sync._holder.named_parameters())
+        for k, (_, p) in enumerate(named):
+            key = f"layers.{k}.weight"
+            sync._kept[key] = (p, _empty_like(p))
+            sync.shards.append(shards[key])
+            p.data = sync._kept[key][1]  # the whole weight is freed: the shard holds it
+        return sync
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
@@ -136,6 +187,9 @@ class ShardedSync(GradientSync):
                 self._holder.unshard()
                 self.mesh.progress.waiting = None
             whole = dict(self._holder.named_parameters())
+            for name, (p, _) in self._kept.items():  # the model's own parameter computes
+                p.data = whole[name].data
+                whole[name] = p
             self._whole = {id(p): whole[self._names[id(p)]] for b in self.buckets for p in b}
             self._bucket_of = {
                 id(self._whole[id(p)]): k for k, bucket in enumerate(self.buckets) for p in bucket
@@ -146,6 +200,8 @@ class ShardedSync(GradientSync):
                 p.grad = None
             self._whole = {}
             self._holder.reshard()
+            for p, empty in self._kept.values():
+                p.data = empty
 
     def _post(self, k: int) -> None:
         """Reduce-scatter bucket ``k``'s whole gradients (dropped once packed); the mean's
@@ -191,14 +247,22 @@ class ShardedSync(GradientSync):
             _add_shard(p, local[: _local_rows(shape[0], rows, rank)])
 
 
-def _check_parameters(holder: nn.Module) -> None:
+def _check_parameters(named: Iterable[tuple[str, Tensor]]) -> None:
     """Refuse what FSDP2 cannot shard on dimension 0, naming the parameter."""
-    for name, p in holder.named_parameters():
+    for name, p in named:
         if p.dim() == 0:
             raise ValueError(
-                f"parameter {name.removeprefix('layers.')!r} is a 0-dim tensor, which cannot be "
-                "sharded on dimension 0; make it shape (1,) or pass dp_shard=False"
+                f"parameter {name!r} is a 0-dim tensor, which cannot be sharded on dimension "
+                "0; make it shape (1,) or pass dp_shard=False"
             )
+
+
+def _empty_like(p: Tensor) -> Tensor:
+    """A tensor shaped like ``p`` on its device with no storage: a parameter's ``.data``
+    between steps, when its weight lives in its shard."""
+    empty = torch.empty_like(p.detach(), memory_format=torch.contiguous_format)
+    empty.untyped_storage().resize_(0)
+    return empty
 
 
 def _rows(total: int, chunks: int) -> int:

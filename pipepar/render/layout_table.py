@@ -1,5 +1,8 @@
 """Layouts from :func:`pipepar.search_layouts` as a terminal table (rich), fastest first.
 
+Its ``dp state`` column says whether the replicas shard each stage's state (``sharded``:
+``pipepar.distributed.wrap(..., dp_shard=True)``) or hold it whole (``replicated``).
+
 A layout is data (:meth:`pipepar.Layout.to_dict`); this reads it.
 
 >>> print(render_layouts(pipepar.search_layouts(prof, devices=64, batch=512, cluster="h100x8")))
@@ -27,6 +30,7 @@ _COLUMNS = [
     ("#", "right"),
     ("pp", "right"),
     ("dp", "right"),
+    ("dp state", "left"),
     ("schedule", "left"),
     ("chunks", "right"),
     ("rows/mb", "right"),
@@ -51,6 +55,14 @@ def balance_text(balance: Sequence[int], *, most: int = 8) -> str:
     low, high = min(balance), max(balance)
     sizes = str(low) if low == high else f"{low}-{high}"
     return f"{len(balance)} stages of {sizes}"
+
+
+def _state(dp: int, shard: bool) -> str:
+    """How the replicas hold each stage's state: ``"sharded"``, ``"replicated"``, or ``"-"``
+    without replicas."""
+    if dp == 1:
+        return "-"
+    return "sharded" if shard else "replicated"
 
 
 def render_layouts(layouts: Sequence[Layout], *, width: int = 160, color: bool = False) -> str:
@@ -80,11 +92,12 @@ def render_layouts(layouts: Sequence[Layout], *, width: int = 160, color: bool =
             str(i + 1),
             str(x.pp),
             str(x.dp),
+            _state(x.dp, x.dp_shard),
             x.schedule,
             str(x.chunks),
             str(x.plan.micro_batch_rows),
             x.checkpoint,
-            balance_text(x.balance),
+            balance_text(x.balance, most=6),
             duration_text(x.step_ms),
             f"{x.throughput:.4g}",
             f"{x.bubble:.1%}",

@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipepar.core.units import format_bytes
+from pipepar.render.step_gantt import gantt_lines
 
 if TYPE_CHECKING:
     from pipepar.planner.plan import Plan
@@ -56,6 +57,14 @@ def prediction_text(plan: Plan) -> str | None:
     if pred is None:
         return None
     source = "times from FLOPs" if pred.source == "flops" else "measured times"
+    if pred.dp_shard:
+        gather = max(pred.gather_ms, default=0.0)
+        return (
+            f"predicted step on {pred.cluster} (dp={pred.dp}, state sharded, {source}): "
+            f"{duration_text(pred.step_ms)}, bubble {pred.bubble:.1%}, weights' all-gather "
+            f"{duration_text(gather)} before the first action, reduce-scatter exposed "
+            f"{duration_text(pred.exposed_allreduce_ms)}"
+        )
     return (
         f"predicted step on {pred.cluster} (dp={pred.dp}, {source}): "
         f"{duration_text(pred.step_ms)}, bubble {pred.bubble:.1%}, all-reduce exposed "
@@ -160,7 +169,8 @@ def render_report(plan: Plan, *, width: int = 200, color: bool = False) -> str:
         color: keep ANSI colors (for a terminal) or not (for files and logs).
 
     Returns:
-        The rendered text; with the predicted step when the plan has one (a layout's plan).
+        The rendered text; with the predicted step when the plan has one (a layout's plan),
+        and its timeline, a line per worker (:func:`~pipepar.render.step_gantt.gantt_lines`).
 
     Example:
         >>> "bubble" in render_report(plan)
@@ -174,8 +184,11 @@ def render_report(plan: Plan, *, width: int = 200, color: bool = False) -> str:
     console.print(_stage_table(plan))
     console.print(_summary(plan), highlight=False)
     predicted = prediction_text(plan)
-    if predicted is not None:
+    if predicted is not None and plan.prediction is not None:
         console.print(predicted, highlight=False)
+        gantt = min(80, max(10, width - 60))
+        for line in gantt_lines(plan.prediction, width=gantt):
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
     return out.getvalue()
 
 

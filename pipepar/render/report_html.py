@@ -2,7 +2,10 @@
 
 Charts: per stage, stacked bars of parameters / gradients / optimizer state / activations /
 temporaries against a dashed line at the device's capacity; per layer, memory bars and times,
-with the stages as coloured bands.
+with the stages as coloured bands. A plan with a predicted step (a layout's) shows the
+predicted pipeline timeline beside the memory per stage, drawn as a measured run is
+(:func:`pipepar.render.timeline_html.section` of
+:func:`~pipepar.planner.predicted_timeline.predicted_timeline`).
 
     >>> pipepar.report.save_html(plan, "report.html")   # open it in any browser, offline
 """
@@ -105,6 +108,7 @@ def render_html(plan: Plan, *, timeline: Timeline | Tracer | None = None) -> str
         _legend(PARTS + [("", "capacity", CAPACITY_COLOR)]),
         _stage_chart(plan),
         _stage_table(plan),
+        *_predicted_timeline(plan),
         *_measured(timeline),
         "<h2>Memory per layer</h2>",
         _legend(
@@ -131,6 +135,28 @@ def render_html(plan: Plan, *, timeline: Timeline | Tracer | None = None) -> str
 def _predicted(plan: Plan) -> list[str]:
     text = prediction_text(plan)
     return [] if text is None else [f'<div class="meta">{_e(text)}</div>']
+
+
+def _predicted_timeline(plan: Plan) -> list[str]:
+    """The predicted step's timeline, when the plan has a prediction with its actions."""
+    pred = plan.prediction
+    if pred is None or not pred.actions:
+        return []
+    from pipepar.planner.predicted_timeline import predicted_timeline
+    from pipepar.render.timeline_html import section
+
+    how = f"dp={pred.dp}" + (", state sharded" if pred.dp_shard else "")
+    summary = (
+        f"predicted on {pred.cluster} ({how}): step {pred.step_ms:.2f} ms, pipeline span "
+        f"{pred.pipeline_ms:.2f} ms, bubble {pred.bubble:.1%} over the span, {pred.schedule}, "
+        f"{pred.chunks} micro-batches; gradient collectives exposed after the span "
+        f"{pred.exposed_allreduce_ms:.2f} ms"
+    )
+    if pred.dp_shard:
+        summary += f"; weights' all-gather before the first action {max(pred.gather_ms):.2f} ms"
+    title = f"predicted step: {len(plan.stages)} stages x {pred.chunks} micro-batches"
+    timeline = predicted_timeline(pred)
+    return [section(timeline, heading="Predicted pipeline timeline", summary=summary, title=title)]
 
 
 def _measured(timeline: Timeline | Tracer | None) -> list[str]:

@@ -26,6 +26,7 @@ from xml.sax.saxutils import escape
 from pipepar.tracing.tracer import Timeline, Tracer
 
 __all__ = [
+    "COLLECTIVES",
     "COLORS",
     "as_timeline",
     "save_chrome_trace",
@@ -43,8 +44,15 @@ COLORS = {
     "wait": "#BDBDBD",
     "transfer": "#E4B200",
     "idle": "#FBE3E3",
+    "all-gather": "#72B7B2",
+    "all-reduce": "#9D755D",
+    "reduce-scatter": "#E45756",
 }
-"""Fill colour of each event kind, and of idle time (the bubble)."""
+"""Fill colour of each event kind, and of idle time (the bubble); the data-parallel
+collectives appear in predicted timelines (:mod:`pipepar.planner.predicted_timeline`)."""
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter")
+"""Event kinds of a predicted step's data-parallel collectives, drawn when present."""
 
 _LANE, _GAP, _LEFT, _RIGHT, _TOP, _BOTTOM = 34, 8, 70, 20, 46, 62
 _FONT = 11
@@ -74,6 +82,7 @@ class _Chart:
     ticks: list[tuple[float, str]]
     lanes: list[tuple[float, str]]  # (y of the lane's centre, its name)
     separators: list[float]  # x of each mini-batch boundary after the first
+    legend: list[tuple[str, str]]  # (fill, name)
 
 
 def as_timeline(source: Timeline | Tracer) -> Timeline:
@@ -111,7 +120,8 @@ def _layout(timeline: Timeline, width: int, title: str | None) -> _Chart:
         top = lane(e.stage)
         y0, y1 = _BANDS[e.kind]
         when = f"{e.start * 1e3:.3f} ms + {e.duration * 1e3:.3f} ms"
-        hover = f"stage {e.stage} {e.label} {e.kind}: {when}"
+        what = e.kind if e.kind in COLLECTIVES else f"{e.label} {e.kind}"
+        hover = f"stage {e.stage} {what}: {when}"
         x0, x1 = x(e.start), max(x(e.end), x(e.start) + 0.5)
         text = e.label if e.kind in ("forward", "backward", "weight", "recompute") else ""
         fits = (x1 - x0) >= _text_width(text) + 4
@@ -134,6 +144,7 @@ def _layout(timeline: Timeline, width: int, title: str | None) -> _Chart:
         ticks=[(x(timeline.start + t), f"{t * 1e3:g}") for t in _ticks(span)],
         lanes=[(lane(j) + _LANE / 2, f"stage {j}") for j in range(k)],
         separators=[x(s.origin - timeline.origin) for s in timeline.steps()[1:]],
+        legend=_legend({e.kind for e in timeline.events}),
     )
 
 
@@ -145,8 +156,21 @@ _BANDS = {
     "recompute": (0.55, 1.0),
     "wait": (0.42, 0.58),
     "transfer": (0.3, 0.7),
+    "all-gather": (0.15, 0.85),
+    "all-reduce": (0.15, 0.85),
+    "reduce-scatter": (0.15, 0.85),
 }
-_DRAW_ORDER = {"wait": 0, "transfer": 1, "forward": 2, "backward": 2, "weight": 2, "recompute": 3}
+_DRAW_ORDER = {
+    "wait": 0,
+    "transfer": 1,
+    "all-gather": 1,
+    "all-reduce": 1,
+    "reduce-scatter": 1,
+    "forward": 2,
+    "backward": 2,
+    "weight": 2,
+    "recompute": 3,
+}
 
 
 def _title(timeline: Timeline) -> str:
@@ -169,9 +193,11 @@ def _ticks(span: float, target: int = 8) -> list[float]:
     return [i * step for i in range(int(span / step + 1e-9) + 1)]
 
 
-def _legend() -> list[tuple[str, str]]:
-    names = ["forward", "backward", "weight", "recompute", "wait", "transfer", "idle"]
-    return [(COLORS[n], "idle (bubble)" if n == "idle" else n) for n in names]
+def _legend(kinds: set[str]) -> list[tuple[str, str]]:
+    """The usual kinds, and the collectives among ``kinds`` (those drawn)."""
+    names = ["forward", "backward", "weight", "recompute", "wait", "transfer"]
+    names += [c for c in COLLECTIVES if c in kinds]
+    return [(COLORS[n], n) for n in names] + [(COLORS["idle"], "idle (bubble)")]
 
 
 # -- SVG ---------------------------------------------------------------------------------------
@@ -236,7 +262,7 @@ def _svg_axis(chart: _Chart) -> list[str]:
             'stroke-dasharray="4 3"/>'
         )
     lx = _LEFT
-    for fill, name in _legend():
+    for fill, name in chart.legend:
         out.append(f'<rect x="{lx}" y="{base + 26}" width="12" height="12" fill="{fill}"/>')
         out.append(f'<text x="{lx + 16}" y="{base + 36}">{escape(name)}</text>')
         lx += 24 + int(_text_width(name))
@@ -311,7 +337,7 @@ def _png_axis(draw: Any, chart: _Chart, font: Any) -> None:
         for y in range(_TOP - 4, base, 7):
             draw.line([(x, y), (x, min(y + 4, base))], fill="#444")
     lx = _LEFT
-    for fill, name in _legend():
+    for fill, name in chart.legend:
         draw.rectangle([lx, base + 26, lx + 11, base + 37], fill=fill)
         draw.text((lx + 16, base + 26), name, fill="black", font=font)
         lx += 24 + int(_text_width(name))

@@ -300,7 +300,7 @@ def test_plan_time_quick_predicts_every_layout(tmp_path: Path) -> None:
     table = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(table) == 1 + len(rows) and all(line.count("|") == 11 for line in table)
     for model in ("mlp", "gpt2"):
-        assert f"{model}, 1 process(es), whole-batch profile: predicted best" in text
+        assert f"{model}, 1 process(es), two-point profile: predicted best" in text
 
 
 def test_checkpoint_quick_saves_and_loads_both_formats(tmp_path: Path) -> None:

@@ -849,7 +849,7 @@ def test_every_schedule_name_is_accepted_with_ranks_per_pipeline_from_the_balanc
 
 
 def test_the_handshake_tells_apart_schedules_that_order_a_rank_differently() -> None:
-    from pipepar.distributed.handshake import fingerprint
+    from pipepar.ranks.handshake import fingerprint
 
     def schedule_of(*workers: str) -> str:
         return fingerprint(

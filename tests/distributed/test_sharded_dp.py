@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from test_distributed import CHUNKS, ROWS, WIDTH, Pool, batches
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
@@ -23,6 +22,7 @@ from torch.distributed.tensor import DTensor
 import pipepar
 import pipepar.distributed as ppd
 from pipepar.ranks.sharding import _local_rows, _pad_into, check_dp_shard
+from tests.distributed._sharded import Count, local, relative
 
 REL = 1e-5
 STEPS = 3
@@ -41,28 +41,6 @@ def odd_model(seed: int = 1) -> nn.Sequential:
     return nn.Sequential(*[m for pair in layers for m in pair])
 
 
-def _relative(a: Tensor, b: Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max().clamp(min=1e-12)).item()
-
-
-class _Count:
-    """Calls of a torch.distributed collective, counted while installed."""
-
-    def __init__(self, name: str) -> None:
-        self.name, self.calls, self.real = name, 0, getattr(dist, name)
-
-    def __enter__(self) -> _Count:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls += 1
-            return self.real(*args, **kwargs)
-
-        setattr(dist, self.name, counted)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        setattr(dist, self.name, self.real)
-
-
 # -- cases (run on every rank) ------------------------------------------------------------------
 def case_matches_plain(rank: int, balance: list[int], schedule: str, checkpoint: str) -> dict:
     """STEPS AdamW steps with clipping on pp=2 x 2 shards and on the plain model (whole batch);
@@ -72,7 +50,7 @@ def case_matches_plain(rank: int, balance: list[int], schedule: str, checkpoint:
     opts = [torch.optim.AdamW(m.parameters(), lr=0.01) for m in (pipe, plain)]
     out: dict[str, Any] = {"losses": [], "norms": [], "gathers": [], "scatters": []}
     for x, y in batches(2, STEPS):
-        with _Count("all_gather_single") as gathered, _Count("reduce_scatter_single") as scattered:
+        with Count("all_gather_single") as gathered, Count("reduce_scatter_single") as scattered:
             loss = pipe.step(x[pipe.dp_rank], y[pipe.dp_rank], nn.functional.mse_loss)
         out["gathers"].append(gathered.calls)
         out["scatters"].append(scattered.calls)
@@ -84,7 +62,7 @@ def case_matches_plain(rank: int, balance: list[int], schedule: str, checkpoint:
         for opt in opts:
             opt.step(), opt.zero_grad()
     full = pipe.full_state_dict()
-    out["param_error"] = max(_relative(full[k], v) for k, v in plain.state_dict().items())
+    out["param_error"] = max(relative(full[k], v) for k, v in plain.state_dict().items())
     out["full_keys"] = list(full)
     with torch.no_grad():  # evaluation and forward gather the shards too
         x, y = batches(2, 1)[0]
@@ -92,7 +70,7 @@ def case_matches_plain(rank: int, balance: list[int], schedule: str, checkpoint:
         expected = nn.functional.mse_loss(plain(x.reshape(-1, WIDTH)), y.reshape(-1, WIDTH))
         out["losses"].append((evaluated, expected.item()))
         y_pipe, y_plain = pipe(x[pipe.dp_rank]), plain(x[pipe.dp_rank])
-        out["forward_error"] = None if y_pipe is None else _relative(y_pipe, y_plain)
+        out["forward_error"] = None if y_pipe is None else relative(y_pipe, y_plain)
     params = list(pipe.parameters())
     out["all_dtensors"] = all(isinstance(p, DTensor) for p in params)
     out["state_is_sharded"] = all(
@@ -105,19 +83,15 @@ def case_matches_plain(rank: int, balance: list[int], schedule: str, checkpoint:
     return out
 
 
-def _local(t: Tensor) -> Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def held_bytes(pipe: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes of parameters, gradients and optimizer state this rank holds (local shards), and
     of the storages behind them (each once: a buffer a shard is a view of counts whole)."""
     params = list(pipe.parameters())
     held = {
-        "params": [_local(p) for p in params],
-        "grads": [_local(p.grad) for p in params if p.grad is not None],
+        "params": [local(p) for p in params],
+        "grads": [local(p.grad) for p in params if p.grad is not None],
         "optimizer": [
-            _local(v) for p in params for v in opt.state[p].values() if isinstance(v, Tensor)
+            local(v) for p in params for v in opt.state[p].values() if isinstance(v, Tensor)
         ],
     }
     sizes = {k: sum(t.numel() * t.element_size() for t in ts) for k, ts in held.items()}
@@ -141,9 +115,9 @@ def case_memory(rank: int) -> dict:
         pipe = ppd.wrap(_wide_model(), [4, 4], chunks=CHUNKS, dp=2, dp_shard=sharded)
         opt = torch.optim.AdamW(pipe.parameters(), lr=0.01)
         pipe.step(x, x, nn.functional.mse_loss)
-        once = [_local(p.grad).clone() for p in pipe.parameters()]
+        once = [local(p.grad).clone() for p in pipe.parameters()]
         pipe.step(x, x, nn.functional.mse_loss)  # no zero_grad: adds up
-        twice = [_local(p.grad) for p in pipe.parameters()]
+        twice = [local(p.grad) for p in pipe.parameters()]
         held["accumulated" if sharded else "accumulated_replicated"] = max(
             (b - 2 * a).abs().max().item() for a, b in zip(once, twice)
         )
@@ -269,7 +243,7 @@ def test_checkpoints_of_shards_resume_and_load_into_a_replicated_pipe(
         assert r["reload_error"] == 0.0, rank
         for name, (resumed, extra) in r["resumed"].items():
             assert extra == {"step": 2}, name
-            worst = max(_relative(v, r["straight"][k]) for k, v in resumed.items())
+            worst = max(relative(v, r["straight"][k]) for k, v in resumed.items())
             assert worst < REL, (rank, name, worst)
     saved = torch.load(tmp_path / "c.pt", weights_only=True)
     assert saved["model"].keys() == results[0]["at_save"].keys()
@@ -286,13 +260,6 @@ def test_dp_shard_is_checked_before_any_communication() -> None:
         check_dp_shard("yes", 2)
     with pytest.raises(ValueError, match="dp=1; pass dp=2 or more"):
         check_dp_shard(True, 1)
-    with pytest.raises(ValueError, match="only, but the model is a _Any; pass dp_shard=False"):
-        ppd.wrap(_Any(), [1], dp=2, dp_shard=True)
-
-
-class _Any(nn.Module):
-    def forward(self, x: Tensor) -> Tensor:
-        return x
 
 
 @pytest.mark.parametrize("shape", [(5, 3), (1, 7), (7,), (2, 2)])

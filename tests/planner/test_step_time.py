@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from pipepar.planner.cluster import NAMES as CLUSTERS
 from pipepar.planner.cluster import Cluster, Link, measure_local
 from pipepar.planner.flop_count import count_flops
 from pipepar.planner.layer_trace import StorageRecord
+from pipepar.planner.predicted_actions import KINDS
 from pipepar.planner.profile import LayerProfile, Profile
 from pipepar.planner.step_time import predict_step
 
@@ -335,3 +337,142 @@ def test_count_flops_of_any_model_on_meta() -> None:
     assert blocks[0][1] == pytest.approx(2 * blocks[0][0], rel=0.1)
     pred = predict_step(prof, [4, len(names) - 4], cluster="h100x8", flops=flops, chunks=4)
     assert pred.source == "flops" and pred.step_ms > 0
+
+
+# -- sharded data parallelism ------------------------------------------------------------------
+def _two_nodes(link: Link) -> Cluster:
+    """Two nodes of two devices: the replicas of each pipeline position on different nodes."""
+    return _cluster(per_node=2, nodes=2, inter=link)
+
+
+def _with_params(prof: Profile, per_layer: list[int]) -> Profile:
+    """``prof`` with each layer's weights and gradients of the bytes given."""
+    layers = [replace(x, params_bytes=n, grads_bytes=n) for x, n in zip(prof.layers, per_layer)]
+    return replace(prof, layers=layers)
+
+
+def test_sharded_step_gathers_first_and_reduce_scatters_last() -> None:
+    """GPipe, K=2, M=2, F=1 and B=2 ms, 1 MB of weights and gradients per stage over a 1 GB/s
+    link: each worker gathers for (2-1)/2 * 1 ms before its first action, every action runs
+    0.5 ms later, and stage 0's reduce-scatter (half the all-reduce) ends the step."""
+    k, m, nbytes = 2, 2, 10**6
+    cluster = _two_nodes(Link(bandwidth=1e9, latency=0.0))
+    prof = _profile(k, rows=m, grads=nbytes)
+    options = dict(schedule="gpipe", chunks=m, dp=2, cluster=cluster)
+    whole = _predict(prof, [1] * k, **options)
+    pred = _predict(prof, [1] * k, **options, dp_shard=True)
+    assert pred.dp_shard and not whole.dp_shard and whole.gather_ms == (0.0, 0.0)
+    assert pred.gather_ms == pytest.approx((0.5, 0.5))
+    assert pred.stages[0].allreduce_ms == pytest.approx(0.5) == whole.stages[0].allreduce_ms / 2
+    assert whole.pipeline_ms == pytest.approx((m + k - 1) * 3.0)
+    assert pred.pipeline_ms == pytest.approx(whole.pipeline_ms + 0.5)
+    assert pred.step_ms == pytest.approx(pred.pipeline_ms + 0.5)
+    assert pred.exposed_allreduce_ms == pytest.approx(0.5)
+    shifted = [(a, t0 + 0.5, t1 + 0.5) for a, t0, t1 in whole.spans]
+    assert [a for a, *_ in pred.spans] == [a for a, *_ in shifted]
+    assert [x for _, *t in pred.spans for x in t] == pytest.approx(
+        [x for _, *t in shifted for x in t]
+    )
+
+
+def test_gather_and_reduce_scatter_latency_terms() -> None:
+    """dp=4 in one node, 1 MB at 1 GB/s with 1 ms per message: (n-1)/n * 1 ms + (n-1) * 1 ms
+    each, against the all-reduce's 2 (n-1)/n * 1 ms + 2 (n-1) * 1 ms."""
+    prof = _profile(2, rows=2, grads=10**6)
+    cluster = _cluster(per_node=8, intra=Link(bandwidth=1e9, latency=1e-3))
+    options = dict(schedule="gpipe", chunks=2, dp=4, cluster=cluster)
+    pred = _predict(prof, [1, 1], **options, dp_shard=True)
+    assert pred.gather_ms == pytest.approx((3 / 4 + 3.0, 3 / 4 + 3.0))
+    assert pred.stages[1].allreduce_ms == pytest.approx(3 / 4 + 3.0)
+    assert _predict(prof, [1, 1], **options).stages[1].allreduce_ms == pytest.approx(7.5)
+
+
+def test_a_later_workers_gather_overlaps_its_wait() -> None:
+    """Worker 1 waits 1 ms for its first input anyway: a gather of up to 1 ms costs nothing,
+    a longer one delays the whole chain behind it by the difference."""
+    cluster = _two_nodes(Link(bandwidth=1e9, latency=0.0))
+    base = _profile(2, rows=2)
+    whole = _predict(base, [1, 1], schedule="gpipe", chunks=2, dp=2, cluster=cluster)
+    for mb, late in ((2, 0.0), (4, 1.0)):  # 2 MB -> a 1 ms gather; 4 MB -> 2 ms
+        prof = _with_params(base, [0, mb * 10**6])
+        pred = _predict(
+            prof, [1, 1], schedule="gpipe", chunks=2, dp=2, cluster=cluster, dp_shard=True
+        )
+        assert pred.gather_ms == pytest.approx((0.0, mb / 2))
+        assert pred.pipeline_ms == pytest.approx(whole.pipeline_ms + late)
+        first = min(t0 for a, t0, _ in pred.spans if a.stage == 1)
+        assert first == pytest.approx(1.0 + late)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_gated_timing_is_the_schedules_own(name: str) -> None:
+    """No gather: the schedule's own timing; the same gather on every worker: all of it that
+    much later."""
+    k = 2 if name in VIRTUAL else 4
+    order = make(name, k * (2 if name in VIRTUAL else 1), 6, n_workers=k)
+
+    def cost(a, split):  # type: ignore[no-untyped-def]
+        return {"F": 1.0, "B": 2.0 if split else 3.0, "W": 1.0 if split else 0.0}[a.kind]
+
+    def send(d, a):  # type: ignore[no-untyped-def]
+        return 0.25 * (d.stage != a.stage)
+
+    plain = timed(order, cost, transfer=send)
+    assert timed(order, cost, transfer=send, start=[0.0] * k) == plain
+    late = timed(order, cost, transfer=send, start=[1.5] * k)
+    assert late == pytest.approx({a: t + 1.5 for a, t in plain.items()})
+
+
+def test_actions_are_the_timeline_as_plain_data() -> None:
+    """Every F, B, W of the slowest replica as its span, recompute at the start of its B, the
+    gathers at the start and the reduce-scatters at the end; the last one ends the step."""
+    prof = _profile(4, rows=4, grads=10**6)
+    cluster = _two_nodes(Link(bandwidth=1e9, latency=1e-5))
+    pred = _predict(
+        prof,
+        [2, 2],
+        schedule="zb-h1",
+        chunks=4,
+        dp=2,
+        cluster=cluster,
+        checkpoint="always",
+        dp_shard=True,
+    )
+    kinds = [a.kind for a in pred.actions]
+    assert kinds.count("all-gather") == 2 and kinds.count("reduce-scatter") == 2
+    assert "all-reduce" not in kinds and kinds.count("recompute") == 2 * 4
+    for a in pred.actions:
+        assert a.kind in KINDS and a.end_ms >= a.start_ms
+        assert set(a.to_dict()) == {"worker", "stage", "kind", "microbatch", "start_ms", "end_ms"}
+    compute = [
+        (a.stage, a.kind, a.microbatch, a.start_ms, a.end_ms)
+        for a in pred.actions
+        if a.kind in ("F", "B", "W")
+    ]
+    spans = [(a.stage, a.kind, a.microbatch, t0, t1) for a, t0, t1 in pred.spans]
+    assert sorted(compute) == sorted(spans)
+    for r in (a for a in pred.actions if a.kind == "recompute"):
+        b = next(
+            x
+            for x in pred.actions
+            if (x.stage, x.kind, x.microbatch) == (r.stage, "B", r.microbatch)
+        )
+        assert r.start_ms == b.start_ms and r.end_ms <= b.end_ms  # stage 0: B is all recompute
+    gathers = [a for a in pred.actions if a.kind == "all-gather"]
+    assert [(a.worker, a.stage, a.start_ms) for a in gathers] == [(0, None, 0.0), (1, None, 0.0)]
+    assert [a.end_ms for a in gathers] == pytest.approx(list(pred.gather_ms))
+    assert max(a.end_ms for a in pred.actions) == pytest.approx(pred.step_ms)
+    assert [a.start_ms for a in pred.actions] == sorted(a.start_ms for a in pred.actions)
+    replicated = _predict(prof, [2, 2], schedule="zb-h1", chunks=4, dp=2, cluster=cluster)
+    assert {a.kind for a in replicated.actions} == {"F", "B", "W", "all-reduce"}
+    assert not {a.kind for a in _predict(prof, [2, 2], chunks=4).actions} - {"F", "B", "W"}
+
+
+def test_sharding_arguments_say_how_to_fix() -> None:
+    prof = _profile(2, rows=2, grads=8)
+    with pytest.raises(ValueError, match=r"dp_shard=True shards each stage .* but dp=1"):
+        _predict(prof, [1, 1], dp_shard=True)
+    with pytest.raises(TypeError, match="dp_shard must be True or False, got 'yes'"):
+        _predict(prof, [1, 1], dp=2, dp_shard="yes")
+    with pytest.raises(ValueError, match=r"already sharded \(profile.shard=2\).*unsharded"):
+        _predict(replace(prof, shard=2), [1, 1], dp=2, dp_shard=True)

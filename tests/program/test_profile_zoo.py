@@ -176,7 +176,7 @@ def test_units_called_again_plan_and_equal_the_model() -> None:
 def _plans_and_equals(model: nn.Module, x: torch.Tensor) -> None:
     pipe = pipepar.wrap(model, devices=["cpu", "cpu"], sample=x, chunks=2)
     try:
-        assert len(pipe.balance) == 2 and sum(pipe.balance) == len(pipepar.units(model))
+        assert pipe.layout.pp == 2 and sum(pipe.balance) == len(pipepar.units(model))
         got = pipe(x)
         weight = torch.randn_like(got)
         (got * weight).sum().backward()

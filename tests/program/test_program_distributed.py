@@ -5,19 +5,16 @@ the loss and every gradient equal the plain model's, and tied copies stay equal 
 from __future__ import annotations
 
 import copy
-import socket
-import traceback
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytest.importorskip("transformers")
 pytest.importorskip("timm")
 
 from models import transformers_zoo as zoo
+from tests._ranks import spawn
 from tests.program._real import mode_calls
 
 pytestmark = pytest.mark.slow
@@ -252,49 +249,49 @@ def _without_routes() -> list[float]:
     return losses
 
 
-def _rank(rank: int, port: int, results: Any) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        out = {name: _one_model(name) for name in zoo.NAMES}
-        out["tied"] = _tied_over_steps()
-        out["replicas"] = _replicas(rank)
-        out["padded"] = {
-            (name, schedule): _padded(name, schedule)
-            for name in SPLITS
-            for schedule in ("gpipe", "1f1b", "zb-h1")
-        }
-        out["padded_replicas"] = _padded_replicas(rank)
-        out["eval"] = _evaluation()
-        out["path_change"] = _path_change()
-        out["without_routes"] = _without_routes()
-        out["following"] = {
-            (name, schedule): _following(name, schedule)
-            for name in zoo.NAMES
-            for schedule in ("gpipe", "1f1b", "zb-h1")
-        }
-        results.put((rank, out))
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
-    dist.destroy_process_group()
+def _disagreeing(rank: int) -> dict[str, str]:
+    """Each rank wraps with its own arguments; what each one raises."""
+    import pipepar.distributed as ppd
+
+    cases = {
+        "chunks": {"chunks": 2 if rank == 0 else 4},
+        "routes": {"routes": rank == 1, "chunks": 2},
+        "refused": {"chunks": 0 if rank == 1 else 2},
+    }
+    out = {}
+    for label, options in cases.items():
+        try:
+            ppd.wrap(_Skipping(), split=["blocks.2"], timeout=30, **options).close()
+            out[label] = "no error"
+        except ValueError as error:
+            out[label] = str(error)
+    return out
+
+
+def _two_ranks(rank: int) -> dict[str, Any]:
+    out = {name: _one_model(name) for name in zoo.NAMES}
+    out["tied"] = _tied_over_steps()
+    out["replicas"] = _replicas(rank)
+    out["padded"] = {
+        (name, schedule): _padded(name, schedule)
+        for name in SPLITS
+        for schedule in ("gpipe", "1f1b", "zb-h1")
+    }
+    out["padded_replicas"] = _padded_replicas(rank)
+    out["eval"] = _evaluation()
+    out["path_change"] = _path_change()
+    out["without_routes"] = _without_routes()
+    out["following"] = {
+        (name, schedule): _following(name, schedule)
+        for name in zoo.NAMES
+        for schedule in ("gpipe", "1f1b", "zb-h1")
+    }
+    return out
 
 
 @pytest.fixture(scope="module")
 def ranks() -> dict[int, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=300) for _ in range(2))
-    for p in procs:
-        p.join(timeout=60)
-    for r, value in got.items():
-        assert not isinstance(value, str), f"rank {r} failed:\n{value}"
-    return got
+    return spawn(2, _two_ranks)
 
 
 @pytest.mark.parametrize("name", zoo.NAMES)
@@ -457,3 +454,12 @@ def test_without_routes_every_path_is_right(ranks: dict[int, Any]) -> None:
     for r in (0, 1):
         got = ranks[r]["without_routes"]
         assert got == pytest.approx(expected, rel=RTOL), (r, got, expected)
+
+
+def test_ranks_that_disagree_at_wrap_all_fail_naming_both_values() -> None:
+    got = spawn(2, _disagreeing)
+    for r in (0, 1):
+        assert "chunks is 2 on rank(s) [0] but 4 on rank(s) [1]" in got[r]["chunks"], got[r]
+        assert "routes is False on rank(s) [0] but True on rank(s) [1]" in got[r]["routes"]
+        assert "chunks" in got[r]["refused"], got[r]
+    assert got[0]["refused"].startswith("rank 1 refused the arguments of ppd.wrap")

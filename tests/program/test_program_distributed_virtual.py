@@ -6,20 +6,17 @@ the loss and every gradient equal the plain model's."""
 
 from __future__ import annotations
 
-import socket
-import traceback
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytest.importorskip("transformers")
 pytest.importorskip("timm")
 
 from models import transformers_zoo as zoo
+from tests._ranks import spawn
 from tests.program._real import mode_calls
 
 pytestmark = pytest.mark.slow
@@ -138,34 +135,6 @@ def _skipping(schedule: str, routes: bool) -> list[float] | str:
     return losses
 
 
-def _spawn(world: int, body: Callable[[int], Any]) -> dict[int, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, body, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=300) for _ in range(world))
-    for p in procs:
-        p.join(timeout=60)
-    for r, value in got.items():
-        assert not isinstance(value, str), f"rank {r} failed:\n{value}"
-    return got
-
-
-def _rank(rank: int, world: int, port: int, body: Callable[[int], Any], results: Any) -> None:
-    torch.set_num_threads(1)
-    address = f"tcp://127.0.0.1:{port}"
-    dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
-    try:
-        results.put((rank, body(rank)))
-    except BaseException:
-        results.put((rank, traceback.format_exc()))
-    dist.destroy_process_group()
-
-
 def _two_ranks(rank: int) -> dict[Any, Any]:
     out: dict[Any, Any] = {
         (name, schedule): _following(name, schedule) for name in SPLITS for schedule in VIRTUAL
@@ -219,12 +188,12 @@ def _four_ranks(rank: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def two() -> dict[int, Any]:
-    return _spawn(2, _two_ranks)
+    return spawn(2, _two_ranks)
 
 
 @pytest.fixture(scope="module")
 def four() -> dict[int, Any]:
-    return _spawn(4, _four_ranks)
+    return spawn(4, _four_ranks)
 
 
 def _plain_steps(name: str, *, batch: int = 4) -> list[tuple[torch.Tensor, dict[str, Any]]]:

@@ -149,7 +149,7 @@ def test_wrap_plans_any_model_and_equals_it(name: str) -> None:
         expected = model(**sample)
     pipe = pipepar.wrap(model, devices=["cpu", "cpu"], chunks=2, sample=sample)
     try:
-        assert len(pipe.balance) == 2 and sum(pipe.balance) == len(pipepar.units(model))
+        assert pipe.layout.pp == 2 and sum(pipe.balance) == len(pipepar.units(model))
         with torch.no_grad():
             got = pipe(**sample)
     finally:

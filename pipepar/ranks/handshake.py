@@ -41,7 +41,7 @@ _calls: Counter[tuple[int, ...]] = Counter()  # wrap calls per parent group, in 
 
 
 def fingerprint(
-    model: nn.Sequential,
+    model: nn.Module,
     balance: list[int],
     *,
     chunks: int,
@@ -175,17 +175,20 @@ def _disagreement(name: str, values: list[str | None], ranks: list[int]) -> str:
     return f"{name} is " + " but ".join(parts)
 
 
-def _describe(model: nn.Sequential) -> str:
+def _describe(model: nn.Module) -> str:
+    """The model's children, their types and their tensors' shapes, as a digest."""
+    children = list(model.named_children())
     shapes = [
         (
             name,
             type(layer).__name__,
             [(k, tuple(t.shape), str(t.dtype)) for k, t in _tensors(layer)],
         )
-        for name, layer in model.named_children()
+        for name, layer in children
     ]
-    n_values = sum(v.numel() for _, layer in model.named_children() for _, v in _tensors(layer))
-    return f"{len(model)} layers of {n_values} values (structure {_digest(repr(shapes))})"
+    n_values = sum(v.numel() for _, layer in children for _, v in _tensors(layer))
+    what = "layers" if isinstance(model, nn.Sequential) else "children"
+    return f"{len(children)} {what} of {n_values} values (structure {_digest(repr(shapes))})"
 
 
 def _tensors(layer: nn.Module) -> list[tuple[str, Any]]:

@@ -1,0 +1,416 @@
+"""Choose the layout of a pipe being wrapped: what the user gave is fixed, the rest is chosen.
+
+``pipepar.wrap(model, sample=x, devices=N)`` and ``pipepar.distributed.wrap(model, plan="auto",
+sample=x)`` leave the balance, and whichever of the schedule, micro-batches, recompute and
+data-parallel degree the user did not pass, to :func:`~pipepar.planner.layout_search.
+search_layouts`: each value given restricts the search to it (:class:`Given`), and the
+fastest layout that fits is the pipe's. The cluster is the machine the devices are on
+(:func:`cluster_for`), and each device holds what :func:`device_memory` says unless a
+capacity is given.
+
+    >>> layout = choose_layout(model, torch.randn(32, 64), devices=2, given=Given(dp=1),
+    ...                        cluster=cluster_for(torch.device("cpu"), 2),
+    ...                        capacity=device_memory(torch.device("cpu"), 2))
+    >>> layout.pp, layout.dp, layout.schedule, layout.chunks, layout.balance
+
+This module chooses; it builds no pipe (the wrappers do, from the layout).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipepar.core import validation
+from pipepar.core.devices import DeviceSpec, resolve_devices
+from pipepar.core.schedule import NAMES, Schedule
+from pipepar.core.units import format_bytes, parse_bytes
+from pipepar.planner.cluster import NAMES as PRESETS
+from pipepar.planner.cluster import Cluster, measure_local
+from pipepar.planner.layout import Layout
+from pipepar.planner.layout_search import CHUNKS, search_layouts
+from pipepar.planner.plan import CHECKPOINTS, plan
+from pipepar.planner.profile import Profile
+from pipepar.planner.search_inputs import search_profile
+from pipepar.planner.step_time import Flops
+
+__all__ = [
+    "Given",
+    "capacity_bytes",
+    "choose_layout",
+    "cluster_for",
+    "device_memory",
+    "given_schedule",
+    "keep_layout",
+    "local_layout",
+]
+
+
+@dataclass(frozen=True)
+class Given:
+    """What the user fixed; ``None`` leaves it to the search.
+
+    Example:
+        >>> Given(chunks=8).chunk_counts(), Given().checkpoints()
+        ([8], ['always', 'except_last', 'never'])
+    """
+
+    schedule: str | None = None
+    """A schedule name of :data:`pipepar.core.schedule.NAMES`."""
+    chunks: int | None = None
+    """Micro-batches per replica and step."""
+    checkpoint: str | None = None
+    """``"always"``, ``"except_last"`` or ``"never"``."""
+    dp: int | None = None
+    """Data-parallel replicas (``1`` for a pipe in one process)."""
+    dp_shard: bool | None = None
+    """Whether the replicas shard each stage's state (``dp_shard=True``) or hold it whole."""
+
+    def __post_init__(self) -> None:
+        if self.schedule is not None and self.schedule not in NAMES:
+            raise ValueError(
+                f"schedule={self.schedule!r} is not one of {list(NAMES)}; pass one of those, "
+                "or leave it unset for the search to choose"
+            )
+        if self.checkpoint is not None:  # a mode, or an object whose str() is one
+            object.__setattr__(self, "checkpoint", validation.check_checkpoint(self.checkpoint))
+        if self.dp_shard is not None and not isinstance(self.dp_shard, bool):
+            raise TypeError(
+                f"dp_shard must be True, False or None (chosen by the search), got "
+                f"{self.dp_shard!r}"
+            )
+        for name in ("chunks", "dp"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(
+                    f"{name}={value!r} must be an int >= 1; pass e.g. {name}=2, or leave it "
+                    "unset for the search to choose"
+                )
+
+    def shards(self) -> tuple[bool, ...]:
+        """Whether to try replicas holding whole state, sharded state, or both."""
+        return (False, True) if self.dp_shard is None else (self.dp_shard,)
+
+    def schedules(self) -> list[str]:
+        """The schedules to search: the one given, else every one."""
+        return [self.schedule] if self.schedule else list(NAMES)
+
+    def chunk_counts(self) -> list[int]:
+        """The micro-batch counts to search: the one given, else every default one."""
+        return [self.chunks] if self.chunks else list(CHUNKS)
+
+    def checkpoints(self) -> list[str]:
+        """The recompute policies to search: the one given, else every one."""
+        return [self.checkpoint] if self.checkpoint else list(CHECKPOINTS)
+
+
+def given_schedule(
+    schedule: str | Schedule | None, chunks: int | None
+) -> tuple[str | None, int | None]:
+    """The schedule's name and the micro-batches a ``schedule`` argument fixes: a
+    :class:`Schedule` object fixes both (its ``n_microbatches``), a name only itself.
+
+    Raises:
+        ValueError: a custom schedule (not one of the names), which the search cannot model;
+            or a schedule object whose micro-batches differ from ``chunks``.
+
+    Example:
+        >>> given_schedule("1f1b", None)
+        ('1f1b', None)
+    """
+    if not isinstance(schedule, Schedule):
+        return schedule, chunks
+    if schedule.name not in NAMES:
+        raise ValueError(
+            f"schedule is a custom Schedule ({schedule.name!r}), which the layout search "
+            f"cannot model; pass balance=[...] with it, or a schedule name of {list(NAMES)}"
+        )
+    if chunks is not None and chunks != schedule.n_microbatches:
+        raise ValueError(
+            f"chunks={chunks} but the schedule given runs {schedule.n_microbatches} "
+            f"micro-batches; pass chunks={schedule.n_microbatches} or leave chunks unset"
+        )
+    return schedule.name, schedule.n_microbatches
+
+
+def choose_layout(
+    model: nn.Module,
+    sample: Any,
+    *,
+    devices: int,
+    given: Given,
+    cluster: Cluster,
+    capacity: int,
+    profile_device: str = "meta",
+) -> Layout:
+    """The fastest layout of ``model`` on ``devices`` devices that fits ``capacity`` bytes
+    each, within what ``given`` fixes.
+
+    ``sample`` is one step's whole batch (all replicas' rows): each of the ``dp`` replicas
+    takes ``rows / dp`` of them. The model is profiled on ``profile_device`` (measured times
+    there; on ``meta`` its times come from FLOP counts at the cluster's rate). No optimizer
+    state is counted, as the wrappers do not know the optimizer.
+
+    Raises:
+        ValueError: when a given value cannot hold (more stages than layers, ``dp`` not
+            dividing the devices or the rows, more micro-batches than rows), or nothing fits;
+            the message names the value and the way out.
+
+    Example:
+        >>> layout = choose_layout(model, x, devices=2, given=Given(dp=1), cluster=c,
+        ...                        capacity=2**30, profile_device="cpu")
+        >>> layout.dp, sum(layout.balance) == len(model)
+        (1, True)
+    """
+    prof, flops = search_profile(
+        model,
+        sample,
+        optimizer=None,
+        device=profile_device,
+        flops=None,
+        chunks=max(given.chunk_counts()),
+    )
+    _check_given(given, devices, prof)
+    layouts = _search(prof, flops, devices, given, cluster, capacity)
+    if given.dp is None:
+        return layouts[0]
+    chosen = [x for x in layouts if x.dp == given.dp]
+    if not chosen:
+        best = layouts[0]
+        raise ValueError(
+            f"no layout with dp={given.dp} ({devices // given.dp} devices per pipeline) fits "
+            f"{devices} devices of {format_bytes(capacity)} with a batch of {prof.batch_size} "
+            f"rows; the fastest that fits has pp={best.pp}, dp={best.dp} ({best}); use more "
+            "or larger devices, a smaller sample batch, or another dp"
+        )
+    return chosen[0]
+
+
+def _check_given(given: Given, devices: int, prof: Profile) -> None:
+    """Values given that no layout can meet, named with the way out."""
+    rows, layers = prof.batch_size, len(prof)
+    if given.dp is not None:
+        if devices % given.dp:
+            raise ValueError(
+                f"dp={given.dp} does not divide the {devices} devices; pass a dp that divides "
+                f"{devices}, or leave dp unset for the search to choose"
+            )
+        if rows % given.dp:
+            raise ValueError(
+                f"dp={given.dp} does not divide the sample's {rows} rows (one step's global "
+                "batch, split among the replicas); pass a sample whose rows dp divides"
+            )
+        pp = devices // given.dp
+        if pp > layers:
+            raise ValueError(
+                f"devices={devices} asks for {pp} stages but the model has {layers} layers; "
+                f"use at most {layers} devices{' per pipeline' if given.dp > 1 else ''}"
+            )
+        rows //= given.dp
+    if given.chunks is not None and given.chunks > rows:
+        raise ValueError(
+            f"chunks={given.chunks} but the sample gives each replica {rows} rows; the sample "
+            f"is one step's batch: pass a sample of the whole batch, or chunks <= {rows}"
+        )
+
+
+def _search(
+    prof: Profile,
+    flops: Flops | None,
+    devices: int,
+    given: Given,
+    cluster: Cluster,
+    capacity: int,
+) -> list[Layout]:
+    """The layouts that fit, fastest first; every one when ``dp`` is given (to filter), else
+    the fastest. When none fits, the error adds why one pipeline does not fit, by layer."""
+    try:
+        return search_layouts(
+            prof,
+            devices=devices,
+            batch=prof.batch_size,
+            cluster=cluster,
+            capacity=capacity,
+            optimizer=None,
+            flops=flops,
+            schedules=given.schedules(),
+            chunks=given.chunk_counts(),
+            checkpoints=given.checkpoints(),
+            shards=given.shards(),
+            top=None if given.dp is not None else 1,
+        )
+    except ValueError as error:
+        raise ValueError(f"{error}; {_why_not(prof, devices, given, capacity)}") from None
+
+
+def _why_not(prof: Profile, devices: int, given: Given, capacity: int) -> str:
+    """Why the most frugal layout of one pipeline does not fit, in the planner's words (the
+    layer or stage too big, by how much); a pointer to the whole search if it does fit."""
+    dp = given.dp or 1
+    rows = prof.batch_size // dp
+    chunks = given.chunks or max([c for c in CHUNKS if c <= rows] or [1])
+    try:
+        plan(
+            prof,
+            devices=max(1, min(devices // dp, len(prof))),
+            capacity=capacity,
+            optimizer=None,
+            chunks=chunks,
+            schedule=given.schedule or "1f1b",
+            checkpoint=given.checkpoint or "always",
+        )
+    except ValueError as error:
+        name, policy = given.schedule or "1f1b", given.checkpoint or "always"
+        return f"with {name}, {chunks} micro-batches and checkpoint={policy!r}: {error}"
+    return "see pipepar.search_layouts(..., top=None) for the layouts considered"
+
+
+def cluster_for(device: torch.device, count: int, *, per_node: int | None = None) -> Cluster:
+    """``count`` devices like ``device``, ``per_node`` on each node (default: all on one).
+
+    CPU: the ``"cpu"`` preset with each device a share of this machine's memory. CUDA: the
+    preset whose GPU the device's name names (``"H100"`` in ``"NVIDIA H100 80GB HBM3"``) with
+    the device's own memory, else this machine measured (:func:`measure_local`, half a second).
+
+    Example:
+        >>> cluster_for(torch.device("cpu"), 2).devices
+        2
+    """
+    per_node = max(1, min(per_node or count, count))
+    nodes = -(-count // per_node)
+    if device.type != "cuda":
+        cpu = Cluster.named("cpu")
+        total = cpu.memory_bytes * cpu.devices_per_node
+        return replace(
+            cpu, devices_per_node=per_node, nodes=nodes, memory_bytes=max(1, total // per_node)
+        )
+    props = torch.cuda.get_device_properties(device)
+    preset = _preset_named_in(props.name)
+    base = Cluster.named(preset) if preset is not None else measure_local(device, seconds=0.5)
+    return replace(
+        base,
+        device=props.name,
+        devices_per_node=per_node,
+        nodes=nodes,
+        memory_bytes=int(props.total_memory),
+    )
+
+
+def _preset_named_in(device_name: str) -> str | None:
+    """The GPU preset whose model (``"h100"`` of ``"h100x8"``) the device's name contains."""
+    upper = device_name.upper()
+    for name in PRESETS:
+        model = name.split("x")[0].upper()
+        if name != "cpu" and model in upper:
+            return name
+    return None
+
+
+def device_memory(device: torch.device, sharing: int = 1) -> int:
+    """Bytes one stage on ``device`` may hold: a CUDA device's total memory, or this machine's
+    memory over the ``sharing`` CPU stages (or ranks) on it.
+
+    Example:
+        >>> device_memory(torch.device("cpu"), 2) > 0
+        True
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return cluster_for(torch.device("cpu"), max(1, sharing)).memory_bytes
+
+
+def capacity_bytes(capacity: object, devices: int, default: int) -> int:
+    """The capacity the search plans each device with: ``capacity`` (one for all, or one per
+    device, of which the smallest, as the search plans identical devices), else ``default``.
+
+    Raises:
+        ValueError, TypeError: a capacity that is not a byte size, or a list of the wrong
+            length; named as ``capacity`` (``capacity[i]`` for an entry).
+
+    Example:
+        >>> capacity_bytes(["1GiB", "2GiB"], 2, default=0)
+        1073741824
+    """
+    if capacity is None:
+        return default
+    if isinstance(capacity, Sequence) and not isinstance(capacity, str):
+        if len(capacity) != devices:
+            raise ValueError(
+                f"capacity has {len(capacity)} entries but there are {devices} devices; give "
+                "one capacity per device, or one value for all"
+            )
+        given = [
+            default if c is None else parse_bytes(c, name=f"capacity[{i}]")
+            for i, c in enumerate(capacity)
+        ]
+        return min(given)
+    return parse_bytes(capacity, name="capacity")  # type: ignore[arg-type]
+
+
+def local_layout(
+    model: nn.Module,
+    sample: Any,
+    *,
+    devices: DeviceSpec,
+    capacity: object,
+    schedule: str | Schedule | None,
+    chunks: int | None,
+    checkpoint: str | None,
+) -> Layout:
+    """The layout of a pipe in this process over ``devices`` (one pipeline, ``dp=1``), the
+    model profiled where its parameters are; ``schedule``, ``chunks`` and ``checkpoint`` are
+    fixed where given (not None).
+
+    Example:
+        >>> layout = local_layout(model, torch.randn(32, 64), devices=["cpu", "cpu"],
+        ...                       capacity=None, schedule=None, chunks=None, checkpoint=None)
+        >>> layout.pp
+        2
+    """
+    name, chunks = given_schedule(schedule, chunks)
+    given = Given(schedule=name, chunks=chunks, checkpoint=checkpoint, dp=1, dp_shard=False)
+    count = _device_count(devices)
+    resolved = resolve_devices(devices, count)
+    if not resolved:
+        raise ValueError(f"devices={devices!r} names no device; pass e.g. devices=['cpu', 'cpu']")
+    default = min(device_memory(d, sum(x.type == d.type for x in resolved)) for d in resolved)
+    param = next(model.parameters(), None)
+    where = param.device if param is not None else torch.device("cpu")
+    return choose_layout(
+        model,
+        sample,
+        devices=count,
+        given=given,
+        cluster=cluster_for(resolved[0], count),
+        capacity=capacity_bytes(capacity, count, default),
+        profile_device=str(where),
+    )
+
+
+def _device_count(devices: DeviceSpec) -> int:
+    """How many devices ``devices`` names: an int, a list's length, or for None every CUDA
+    device (one CPU without CUDA)."""
+    if devices is None:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 1
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        return devices
+    if isinstance(devices, Sequence) and not isinstance(devices, str):
+        return len(devices)
+    return 1  # resolve_devices refuses it, naming the argument
+
+
+def keep_layout(pipe: nn.Module, layout: Layout | None) -> None:
+    """Keep ``layout`` as ``pipe.layout``: the one chosen, or None (stages given by the user).
+
+    Example:
+        >>> keep_layout(pipe, None)
+        >>> pipe.layout is None
+        True
+    """
+    vars(pipe)["layout"] = layout  # data, not a parameter, buffer or submodule

@@ -1,0 +1,156 @@
+"""How a layer's time grows with its rows: a part each call costs, and a part per row.
+
+A profile measures each layer once, on the whole sample batch. A pipeline runs it on
+micro-batches, and a small micro-batch costs more than its share of rows: every call launches
+its kernels and runs the framework's own code, a product of few rows does not fill the device,
+and a weight gradient is written whole whatever the rows. Scaling the whole batch's time by
+``rows / batch`` misses all that, so more micro-batches always look cheaper: on a 2-core CPU a
+GPT-2 step with 16 micro-batches ran 1.5-2x the time so predicted.
+
+Two profiles on different rows fix a line per layer and direction, ``t(r) = call + r * (t(B) -
+call)`` for a share ``r`` of the batch's ``B`` rows; :func:`with_call_times` fits it and
+stores ``call`` as :attr:`~pipepar.planner.profile.LayerProfile.forward_call_ms` and
+``backward_call_ms`` of the whole-batch profile, which then predicts every micro-batch size
+between the two (and, less surely, beyond). :func:`at_share` is the time of one call.
+
+    >>> whole = pipepar.profile(model, x, device="cuda:0")
+    >>> small = pipepar.profile(model, x[:4], device="cuda:0")
+    >>> prof = with_call_times(whole, small)
+    >>> prof.layers[0].forward_call_ms <= prof.layers[0].forward_ms
+    True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from pipepar.planner.profile import LayerProfile, Profile
+from pipepar.program.calls import as_call, split_call
+
+__all__ = [
+    "at_share",
+    "check_call_times",
+    "first_micro_batch",
+    "profile_two_sizes",
+    "with_call_times",
+]
+
+
+def at_share(ms: float, call_ms: float, share: float) -> float:
+    """The time of a call on ``share`` of the batch's rows, from the whole batch's ``ms`` of
+    which ``call_ms`` each call costs.
+
+    Example:
+        >>> at_share(10.0, 2.0, 0.25)
+        4.0
+    """
+    return call_ms + share * (ms - call_ms)
+
+
+def with_call_times(profile: Profile, small: Profile) -> Profile:
+    """``profile`` with each layer's time per call fitted against ``small``, a profile of the
+    same model on fewer rows.
+
+    Args:
+        profile: a measured profile of ``B`` rows.
+        small: a measured profile of the same layers on ``b < B`` rows.
+
+    Returns:
+        ``profile`` with :attr:`~LayerProfile.forward_call_ms` and
+        :attr:`~LayerProfile.backward_call_ms` set: per layer, the time a call costs whatever
+        its rows, between 0 and the smaller of the two measured times (the host's noise can
+        make a small batch look slower than a large one; then all of it is per call).
+
+    Raises:
+        ValueError: either profile has no times, their layers differ, or ``small`` does not
+            have fewer rows.
+
+    Example:
+        >>> fitted = with_call_times(whole, small)
+        >>> at_rows(fitted, 4).layers[0].forward_ms  # about small.layers[0].forward_ms
+    """
+    _check_pair(profile, small)
+    big_rows, small_rows = profile.batch_size, small.batch_size
+    layers = [
+        replace(
+            layer,
+            forward_call_ms=_call(layer.forward_ms, other.forward_ms, big_rows, small_rows),
+            backward_call_ms=_call(layer.backward_ms, other.backward_ms, big_rows, small_rows),
+        )
+        for layer, other in zip(profile.layers, small.layers)
+    ]
+    return replace(profile, layers=layers)
+
+
+def profile_two_sizes(profile_fn: Callable[[Any], Profile], sample: Any, chunks: int) -> Profile:
+    """``profile_fn(sample)`` with call times fitted against ``profile_fn`` of the first of
+    ``chunks`` micro-batches of ``sample``, the smallest a pipe with ``chunks`` micro-batches
+    runs. A profile without times, or ``chunks`` of 1, is returned as measured.
+
+    Example:
+        >>> prof = profile_two_sizes(lambda s: pipepar.profile(model, s, device="cpu"), x, 16)
+    """
+    whole = profile_fn(sample)
+    if chunks <= 1 or not whole.timed or whole.batch_size < 2:
+        return whole
+    return with_call_times(whole, profile_fn(first_micro_batch(sample, chunks)))
+
+
+def first_micro_batch(sample: Any, chunks: int) -> Any:
+    """The first of ``chunks`` micro-batches of ``sample``, in the sample's own form (a
+    tensor, a tuple of positional arguments or a dict of keyword arguments).
+
+    Example:
+        >>> first_micro_batch(torch.zeros(10, 3), 4).shape
+        torch.Size([3, 3])
+    """
+    args, kwargs = as_call(sample)
+    part = split_call(args, kwargs, chunks)[0]
+    if isinstance(sample, dict):
+        return part.kwargs
+    return part.args if isinstance(sample, tuple) else part.args[0]
+
+
+def check_call_times(layer: LayerProfile, what: str) -> None:
+    """A time per call lies between 0 and the time of the whole batch it is part of."""
+    for name in ("forward", "backward"):
+        call, whole = getattr(layer, f"{name}_call_ms"), getattr(layer, f"{name}_ms")
+        if not (math.isfinite(call) and 0 <= call <= (whole if whole is not None else 0.0)):
+            raise ValueError(
+                f"{what} has {name}_call_ms={call!r} with {name}_ms={whole!r}, but the part "
+                "each call costs must be finite, >= 0 and at most the whole time (0 without "
+                "times); fit it with pipepar.planner.call_times.with_call_times"
+            )
+
+
+def _call(big: float | None, small: float | None, big_rows: int, small_rows: int) -> float:
+    """The intercept of the line through (small_rows, small) and (big_rows, big), clipped."""
+    assert big is not None and small is not None  # checked by _check_pair
+    call = (small * big_rows - big * small_rows) / (big_rows - small_rows)
+    return min(max(call, 0.0), big, small)
+
+
+def _check_pair(profile: Profile, small: Profile) -> None:
+    for name, prof in (("profile", profile), ("small", small)):
+        if not prof.timed:
+            raise ValueError(
+                f"{name} (on {prof.device}) has no layer times; fit call times from two "
+                "profiles measured on a real device, e.g. device='cuda:0' or 'cpu'"
+            )
+    if _names(profile.layers) != _names(small.layers):
+        raise ValueError(
+            f"profile has layers {_names(profile.layers)[:4]}... but small has "
+            f"{_names(small.layers)[:4]}...; profile the same model on both batches"
+        )
+    if not small.batch_size < profile.batch_size:
+        raise ValueError(
+            f"small has {small.batch_size} rows and profile {profile.batch_size}; small must "
+            "be a profile on fewer rows, e.g. one micro-batch of the sample"
+        )
+
+
+def _names(layers: list[LayerProfile]) -> list[tuple[str, str]]:
+    return [(x.name, x.type_name) for x in layers]
