@@ -18,7 +18,8 @@ This module chooses; it builds no pipe (the wrappers do, from the layout).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -382,15 +383,33 @@ def local_layout(
     default = min(device_memory(d, sum(x.type == d.type for x in resolved)) for d in resolved)
     param = next(model.parameters(), None)
     where = param.device if param is not None else torch.device("cpu")
-    return choose_layout(
-        model,
-        sample,
-        devices=count,
-        given=given,
-        cluster=cluster_for(resolved[0], count),
-        capacity=capacity_bytes(capacity, count, default),
-        profile_device=str(where),
-    )
+    cpu_stages = sum(d.type == "cpu" for d in resolved)
+    with _threads_of_a_stage(cpu_stages if where.type == "cpu" else 0):
+        return choose_layout(
+            model,
+            sample,
+            devices=count,
+            given=given,
+            cluster=cluster_for(resolved[0], count),
+            capacity=capacity_bytes(capacity, count, default),
+            profile_device=str(where),
+        )
+
+
+@contextlib.contextmanager
+def _threads_of_a_stage(cpu_stages: int) -> Iterator[None]:
+    """Profile on the CPU with the math threads one of ``cpu_stages`` stages computing at once
+    gets (the machine's shared among them), not the whole machine's: layer times as the pipe's
+    workers see them. Nothing changes for 0 CPU stages."""
+    if cpu_stages < 1:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(1, previous // cpu_stages))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _device_count(devices: DeviceSpec) -> int:

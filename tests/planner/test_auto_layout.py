@@ -230,3 +230,28 @@ def test_the_layout_pickles() -> None:
     """As it travels from the rank that chose it to the others."""
     pipe = pipepar.wrap(_sequential(), sample=torch.randn(ROWS, WIDTH), devices=2, chunks=2)
     assert pickle.loads(pickle.dumps(pipe.layout)).to_dict() == pipe.layout.to_dict()
+
+
+def test_cpu_stages_are_profiled_with_the_threads_each_gets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two CPU stages share the machine's math threads: layer times are measured with a
+    stage's share, and the caller's thread count is restored."""
+    from pipepar.planner import auto_layout
+
+    seen: list[int] = []
+
+    def spy(*args: object, **kwargs: object) -> None:
+        seen.append(torch.get_num_threads())
+        raise RuntimeError("stop after the profile's threads are seen")
+
+    monkeypatch.setattr(auto_layout, "choose_layout", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        with pytest.raises(RuntimeError, match="stop after"):
+            pipepar.wrap(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), sample=torch.randn(8, 4),
+                         devices=["cpu", "cpu"])  # fmt: skip
+        assert seen == [2] and torch.get_num_threads() == 4
+    finally:
+        torch.set_num_threads(before)
