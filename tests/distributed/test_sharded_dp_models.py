@@ -40,6 +40,8 @@ GRIDS = [  # (model, schedule, stages): pp=2 positions, each sharded over 2 rank
     ("llama", "1f1b", 2),
     ("gpt2", "interleaved-1f1b", 4),  # two stages per rank, the tie across ranks still
     ("llama", "zb-h1", 2),  # weight gradients split off
+    ("gpt2", "gpipe", 2),
+    ("llama", "zb-v", 4),  # V placement: stages 0 and 3 on one rank
 ]
 
 
