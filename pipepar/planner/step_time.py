@@ -64,18 +64,17 @@ the slowest replica, and every all-gather, all-reduce or reduce-scatter, with it
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
 from pipepar.core import validation
-from pipepar.core.recompute import should_checkpoint
 from pipepar.core.schedule import Action, Schedule, make, n_workers, timed
-from pipepar.planner.call_times import at_share
+from pipepar.planner.action_costs import StepModel
 from pipepar.planner.cluster import Cluster
 from pipepar.planner.dp_comm import position, reduce_spans, ring_ms
 from pipepar.planner.predicted_actions import PredictedAction
-from pipepar.planner.profile import LayerProfile, Profile
+from pipepar.planner.profile import Profile
 
 __all__ = ["StageTime", "StepPrediction", "predict_step"]
 
@@ -213,137 +212,15 @@ def predict_step(
     order = make(schedule, len(stage_layers), m, n_workers=n_workers(schedule, len(stage_layers)))
     _check_fits(machines, order.n_workers, dp)
     times = _layer_times(profile, machines, flops)
-    model = _StepModel(
+    model = StepModel(
         profile, order, stage_layers, times, checkpoint, weight_share, per_call=flops is None
     )
     return _predict(model, machines, dp, dp_shard, "measured" if flops is None else "flops")
 
 
-# -- the per-action costs ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Part:
-    """Work of the whole batch (ms) of which ``call`` each call costs whatever its rows
-    (:mod:`pipepar.planner.call_times`)."""
-
-    whole: float
-    call: float
-
-    def at(self, share: float) -> float:
-        """The time of a call on ``share`` of the batch's rows."""
-        return at_share(self.whole, self.call, share)
-
-    def times(self, k: float) -> _Part:
-        return _Part(k * self.whole, k * self.call)
-
-    def minus(self, other: _Part) -> _Part:
-        return _Part(self.whole - other.whole, self.call - other.call)
-
-
-def _part(
-    times: list[tuple[float, float]], layers: Sequence[LayerProfile], d: int, per_call: bool
-) -> _Part:
-    """Direction ``d`` (0: forward, 1: backward) of ``layers``: their times, and the part each
-    call costs when ``per_call`` (measured times; those from FLOPs have none)."""
-    calls = [x.forward_call_ms if d == 0 else x.backward_call_ms for x in layers]
-    if not per_call:
-        calls = [0.0] * len(layers)
-    whole = [times[x.index][d] for x in layers]
-    return _Part(sum(whole), sum(min(c, t) for c, t in zip(calls, whole)))
-
-
-class _StepModel:
-    """Each action's cost (ms) and each cut's bytes, for one schedule and balance."""
-
-    def __init__(
-        self,
-        profile: Profile,
-        order: Schedule,
-        stage_layers: list[range],
-        times: list[tuple[float, float]],
-        checkpoint: str,
-        weight_share: float,
-        *,
-        per_call: bool,
-    ) -> None:
-        self.order, self.layers, self.checkpoint = order, stage_layers, checkpoint
-        m, rows = order.n_microbatches, max(1, profile.batch_size)
-        self.share = [(rows // m + (i < rows % m)) / rows for i in range(m)]
-        self.f: list[_Part] = []
-        self.b: list[_Part] = []
-        self.w: list[_Part] = []
-        for s, span in enumerate(stage_layers):
-            layers = [profile.layers[i] for i in span]
-            fwd = _part(times, layers, 0, per_call)
-            whole = _part(times, layers, 1, per_call)
-            if not all(x.splits_backward for x in layers):
-                weight = _Part(0.0, 0.0)  # the runtime runs the whole backward in B
-            elif s == 0:
-                weight = whole  # the input needs no gradient: B computes nothing
-            else:
-                weight = _part(times, [x for x in layers if x.grads_bytes], 1, per_call)
-                weight = weight.times(weight_share)
-            self.f.append(fwd)
-            self.b.append(whole.minus(weight))
-            self.w.append(weight)
-        self.grads = [sum(profile.layers[i].grads_bytes for i in span) for span in stage_layers]
-        self.params = [sum(profile.layers[i].params_bytes for i in span) for span in stage_layers]
-        self.sent, self.returned = _cut_bytes(profile, [span.stop - 1 for span in stage_layers])
-
-    def recompute(self, a: Action) -> float:
-        checkpointed = should_checkpoint(self.checkpoint, a.microbatch, self.order.n_microbatches)
-        return self.f[a.stage].at(self.share[a.microbatch]) if checkpointed else 0.0
-
-    def cost(self, a: Action, split: bool) -> float:
-        """The time of action ``a``; ``split``: whether the schedule runs a W after its B."""
-        r, s = self.share[a.microbatch], a.stage
-        if a.kind == "F":
-            return self.f[s].at(r)
-        if a.kind == "W":
-            return self.w[s].at(r) if split else 0.0
-        backward = self.b[s].at(r) + (0.0 if split else self.w[s].at(r))
-        return self.recompute(a) + backward
-
-    def transfer(
-        self, devices: Sequence[int], cluster: Cluster
-    ) -> Callable[[Action, Action], float]:
-        """``transfer(dep, action)`` for a replica whose worker ``w`` is device ``devices[w]``."""
-        place = self.order.placement
-
-        def delay(dep: Action, a: Action) -> float:
-            if place[dep.stage] == place[a.stage]:
-                return 0.0  # same worker (or same stage): nothing moves
-            cut = min(dep.stage, a.stage)
-            nbytes = (self.sent if a.kind == "F" else self.returned)[cut]
-            link = cluster.link(devices[place[dep.stage]], devices[place[a.stage]])
-            return 1e3 * link.seconds(nbytes * self.share[a.microbatch])
-
-        return delay
-
-
-def _cut_bytes(profile: Profile, lasts: list[int]) -> tuple[list[float], list[float]]:
-    """Per cut after layer ``lasts[s]``: bytes sent forward, and gradient bytes sent back.
-
-    What enters layer ``b + 1`` is every storage made at or before ``b`` (the sample's at
-    ``-1``) that an output at or after ``b`` refers to; the sample needs no gradient. A
-    profile without storages (built by hand) has the layer's output only."""
-    if not profile.storages:
-        out = [float(profile.layers[b].output_bytes) for b in lasts]
-        return out, list(out)
-    sent, returned = [], []
-    for b in lasts:
-        crossing = [
-            r
-            for r in profile.storages
-            if r.creator <= b and r.last_output is not None and r.last_output >= b
-        ]
-        sent.append(float(sum(r.nbytes for r in crossing)))
-        returned.append(float(sum(r.nbytes for r in crossing if r.creator >= 0)))
-    return sent, returned
-
-
 # -- the simulation ----------------------------------------------------------------------------
 def _predict(
-    model: _StepModel, cluster: Cluster, dp: int, shard: bool, source: str
+    model: StepModel, cluster: Cluster, dp: int, shard: bool, source: str
 ) -> StepPrediction:
     order, k = model.order, model.order.n_workers
     gather = [_gather_ms(model, cluster, dp, w) if shard else 0.0 for w in range(k)]
@@ -396,7 +273,7 @@ def _distinct_replicas(cluster: Cluster, k: int, dp: int) -> list[int]:
     return list(seen.values())
 
 
-def _cost(model: _StepModel, a: Action) -> float:
+def _cost(model: StepModel, a: Action) -> float:
     return model.cost(a, model.order.splits_backward(a.stage, a.microbatch))
 
 
@@ -405,21 +282,21 @@ def _last_backward(finish: dict[Action, float], s: int) -> float:
     return max((t for a, t in finish.items() if a.stage == s and a.kind != "F"), default=0.0)
 
 
-def _reduce_ms(model: _StepModel, cluster: Cluster, dp: int, shard: bool, s: int) -> float:
+def _reduce_ms(model: StepModel, cluster: Cluster, dp: int, shard: bool, s: int) -> float:
     """Stage ``s``'s gradients over the ``dp`` replicas: a ring all-reduce, or with ``shard``
     a reduce-scatter (half its traffic)."""
     devices = position(model.order.n_workers, dp, model.order.placement[s])
     return ring_ms(cluster, devices, model.grads[s], passes=1 if shard else 2)
 
 
-def _gather_ms(model: _StepModel, cluster: Cluster, dp: int, w: int) -> float:
+def _gather_ms(model: StepModel, cluster: Cluster, dp: int, w: int) -> float:
     """Worker ``w``'s all-gather of its stages' weights over the ``dp`` replicas."""
     nbytes = sum(model.params[s] for s in model.order.stages_of(w))
     return ring_ms(cluster, position(model.order.n_workers, dp, w), nbytes, passes=1)
 
 
 def _stage_time(
-    model: _StepModel, cluster: Cluster, replica: int, reduce: float, s: int
+    model: StepModel, cluster: Cluster, replica: int, reduce: float, s: int
 ) -> StageTime:
     order = model.order
     actions = order.stage(s)
@@ -445,14 +322,14 @@ def _stage_time(
 
 
 def _spans(
-    model: _StepModel, finish: dict[Action, float]
+    model: StepModel, finish: dict[Action, float]
 ) -> tuple[tuple[Action, float, float], ...]:
     spans = [(a, end - _cost(model, a), end) for a, end in finish.items()]
     return tuple(sorted(spans, key=lambda x: (x[1], model.order.placement[x[0].stage])))
 
 
 def _actions(
-    model: _StepModel,
+    model: StepModel,
     spans: Sequence[tuple[Action, float, float]],
     gather: Sequence[float],
     reduces: Sequence[tuple[int, float, float]],

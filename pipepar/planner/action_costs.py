@@ -1,0 +1,146 @@
+"""What each action of a predicted step costs: a stage's forward, input-gradient, weight-gradient
+and recompute time per micro-batch, and the bytes each cut hands over.
+
+:class:`StepModel` reads a profile's layer times (measured, or from FLOPs) for one schedule and
+balance; a layer's time on a micro-batch is its part per call plus its share of the rows of the
+rest (:mod:`pipepar.planner.call_times`). :mod:`pipepar.planner.step_time` runs the schedule's
+action lists with these costs.
+
+    >>> costs = StepModel(prof, order, [range(0, 2), range(2, 4)], times, "never", 0.5,
+    ...                   per_call=True)
+    >>> costs.cost(order.stage(0)[0], split=False)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pipepar.core.recompute import should_checkpoint
+from pipepar.core.schedule import Action, Schedule
+from pipepar.planner.call_times import at_share
+from pipepar.planner.cluster import Cluster
+from pipepar.planner.profile import LayerProfile, Profile
+
+__all__ = ["StepModel", "cut_bytes"]
+
+
+@dataclass(frozen=True)
+class _Part:
+    """Work of the whole batch (ms) of which ``call`` each call costs whatever its rows
+    (:mod:`pipepar.planner.call_times`)."""
+
+    whole: float
+    call: float
+
+    def at(self, share: float) -> float:
+        """The time of a call on ``share`` of the batch's rows."""
+        return at_share(self.whole, self.call, share)
+
+    def times(self, k: float) -> _Part:
+        return _Part(k * self.whole, k * self.call)
+
+    def minus(self, other: _Part) -> _Part:
+        return _Part(self.whole - other.whole, self.call - other.call)
+
+
+def _part(
+    times: list[tuple[float, float]], layers: Sequence[LayerProfile], d: int, per_call: bool
+) -> _Part:
+    """Direction ``d`` (0: forward, 1: backward) of ``layers``: their times, and the part each
+    call costs when ``per_call`` (measured times; those from FLOPs have none)."""
+    calls = [x.forward_call_ms if d == 0 else x.backward_call_ms for x in layers]
+    if not per_call:
+        calls = [0.0] * len(layers)
+    whole = [times[x.index][d] for x in layers]
+    return _Part(sum(whole), sum(min(c, t) for c, t in zip(calls, whole)))
+
+
+class StepModel:
+    """Each action's cost (ms) and each cut's bytes, for one schedule and balance."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        order: Schedule,
+        stage_layers: list[range],
+        times: list[tuple[float, float]],
+        checkpoint: str,
+        weight_share: float,
+        *,
+        per_call: bool,
+    ) -> None:
+        self.order, self.layers, self.checkpoint = order, stage_layers, checkpoint
+        m, rows = order.n_microbatches, max(1, profile.batch_size)
+        self.share = [(rows // m + (i < rows % m)) / rows for i in range(m)]
+        self.f: list[_Part] = []
+        self.b: list[_Part] = []
+        self.w: list[_Part] = []
+        for s, span in enumerate(stage_layers):
+            layers = [profile.layers[i] for i in span]
+            fwd = _part(times, layers, 0, per_call)
+            whole = _part(times, layers, 1, per_call)
+            if not all(x.splits_backward for x in layers):
+                weight = _Part(0.0, 0.0)  # the runtime runs the whole backward in B
+            elif s == 0:
+                weight = whole  # the input needs no gradient: B computes nothing
+            else:
+                weight = _part(times, [x for x in layers if x.grads_bytes], 1, per_call)
+                weight = weight.times(weight_share)
+            self.f.append(fwd)
+            self.b.append(whole.minus(weight))
+            self.w.append(weight)
+        self.grads = [sum(profile.layers[i].grads_bytes for i in span) for span in stage_layers]
+        self.params = [sum(profile.layers[i].params_bytes for i in span) for span in stage_layers]
+        self.sent, self.returned = cut_bytes(profile, [span.stop - 1 for span in stage_layers])
+
+    def recompute(self, a: Action) -> float:
+        checkpointed = should_checkpoint(self.checkpoint, a.microbatch, self.order.n_microbatches)
+        return self.f[a.stage].at(self.share[a.microbatch]) if checkpointed else 0.0
+
+    def cost(self, a: Action, split: bool) -> float:
+        """The time of action ``a``; ``split``: whether the schedule runs a W after its B."""
+        r, s = self.share[a.microbatch], a.stage
+        if a.kind == "F":
+            return self.f[s].at(r)
+        if a.kind == "W":
+            return self.w[s].at(r) if split else 0.0
+        backward = self.b[s].at(r) + (0.0 if split else self.w[s].at(r))
+        return self.recompute(a) + backward
+
+    def transfer(
+        self, devices: Sequence[int], cluster: Cluster
+    ) -> Callable[[Action, Action], float]:
+        """``transfer(dep, action)`` for a replica whose worker ``w`` is device ``devices[w]``."""
+        place = self.order.placement
+
+        def delay(dep: Action, a: Action) -> float:
+            if place[dep.stage] == place[a.stage]:
+                return 0.0  # same worker (or same stage): nothing moves
+            cut = min(dep.stage, a.stage)
+            nbytes = (self.sent if a.kind == "F" else self.returned)[cut]
+            link = cluster.link(devices[place[dep.stage]], devices[place[a.stage]])
+            return 1e3 * link.seconds(nbytes * self.share[a.microbatch])
+
+        return delay
+
+
+def cut_bytes(profile: Profile, lasts: list[int]) -> tuple[list[float], list[float]]:
+    """Per cut after layer ``lasts[s]``: bytes sent forward, and gradient bytes sent back.
+
+    What enters layer ``b + 1`` is every storage made at or before ``b`` (the sample's at
+    ``-1``) that an output at or after ``b`` refers to; the sample needs no gradient. A
+    profile without storages (built by hand) has the layer's output only."""
+    if not profile.storages:
+        out = [float(profile.layers[b].output_bytes) for b in lasts]
+        return out, list(out)
+    sent, returned = [], []
+    for b in lasts:
+        crossing = [
+            r
+            for r in profile.storages
+            if r.creator <= b and r.last_output is not None and r.last_output >= b
+        ]
+        sent.append(float(sum(r.nbytes for r in crossing)))
+        returned.append(float(sum(r.nbytes for r in crossing if r.creator >= 0)))
+    return sent, returned
