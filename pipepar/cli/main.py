@@ -346,6 +346,8 @@ def _unit_model(args: argparse.Namespace, options: _Options) -> torch.nn.Module:
 def _config_dtype(model: torch.nn.Module) -> torch.dtype | None:
     """The dtype a transformers config names (Llama 3's is bfloat16), else None."""
     config = getattr(model, "config", None)
+    if config is None:  # not a transformers model: its own dtype
+        return None
     # transformers 5 calls it dtype (reading torch_dtype there warns); 4 calls it torch_dtype.
     name = "dtype" if hasattr(type(config), "dtype") or "dtype" in vars(config) else "torch_dtype"
     dtype = getattr(config, name, None)

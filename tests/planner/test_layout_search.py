@@ -334,6 +334,22 @@ def test_cli_searches_the_whole_layout(tmp_path: Path, capsys: pytest.CaptureFix
         assert max(row["peak_bytes"]) <= row["capacity_bytes"] == 2**30
 
 
+def test_cli_searches_a_model_that_is_not_a_transformer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A torchvision-style model (no transformers config to read a dtype from), with the
+    HTML report of the best layout."""
+    page = tmp_path / "best.html"
+    code, out, err = _run(
+        capsys, "plan", "models.alexnet", "--input-shape", "8,3,64,64", "--devices", "4",
+        "--capacity", "1GiB", "--cluster", "a100x8", "--batch", "32", "--top", "2",
+        "--html", str(page),
+    )  # fmt: skip
+    assert code == 0, err
+    assert "Layouts, fastest first (4 devices of 1.0 GiB, 32 rows per step, a100x8)" in out
+    assert "Predicted pipeline timeline" in page.read_text()
+
+
 def test_cli_search_with_nothing_fitting_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _run(
         capsys, *GPT2, "--capacity", "1KiB", "--cluster", "h100x8", "--batch", "16"
