@@ -28,16 +28,22 @@ from torch import nn
 
 from pipepar.core.schedule import Schedule
 from pipepar.core.units import format_bytes
-from pipepar.planner.call_times import check_call_times
 from pipepar.planner.peak_moments import schedule_for
+from pipepar.planner.plan_inputs import (
+    as_profile,
+    check_choice,
+    check_chunks,
+    check_cut_points,
+    check_profile,
+)
 from pipepar.planner.plan_search import Candidate, search, unconstrained
 from pipepar.planner.plan_targets import Target, resolve_targets
-from pipepar.planner.profile import LayerProfile, Profile, profile
+from pipepar.planner.profile import LayerProfile, Profile
 from pipepar.planner.sharded_state import sharded
 from pipepar.planner.stage_memory import MemoryModel, StageMemory
 from pipepar.planner.step_time import StepPrediction
 
-__all__ = ["Plan", "StagePlan", "check_profile", "fit", "plan"]
+__all__ = ["Plan", "StagePlan", "fit", "plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -321,9 +327,9 @@ def plan(
         >>> p.balance
         [5, 5, 5, 5, 5, 5, 5, 5]
     """
-    _check_choice("checkpoint", checkpoint, CHECKPOINTS)
-    chunks = _check_chunks(chunks)
-    prof = _as_profile(model_or_profile, sample, optimizer, profile_device)
+    check_choice("checkpoint", checkpoint, CHECKPOINTS)
+    chunks = check_chunks(chunks)
+    prof = as_profile(model_or_profile, sample, optimizer, profile_device)
     prof = sharded(prof, shard) if prof.shard == 1 else prof
     check_profile(prof)
     targets = resolve_targets(devices, capacity, layers=len(prof))
@@ -340,7 +346,7 @@ def plan(
         )
     model = MemoryModel(prof, order, checkpoint=checkpoint, foreach=[t.foreach for t in targets])
     shares = _stage_targets(order, targets)
-    _check_cut_points(model.startable, len(shares), prof)
+    check_cut_points(model.startable, len(shares), prof)
     found = fit(prof, model, targets)
     if found is None:
         raise ValueError(_explain(model, shares, prof, order.n_workers))
@@ -405,82 +411,6 @@ def _stage_targets(order: Schedule, targets: list[Target]) -> list[Target]:
         v = len(order.stages_of(order.placement[s]))
         out.append(t if t.capacity is None or v == 1 else replace(t, capacity=t.capacity // v))
     return out
-
-
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name}={value!r} is not one of {list(choices)}; pick one of those")
-
-
-def _check_chunks(chunks: object) -> int:
-    if isinstance(chunks, bool) or not isinstance(chunks, int):
-        raise TypeError(f"chunks must be an int (micro-batches), got {type(chunks).__name__}")
-    if chunks < 1:
-        raise ValueError(f"chunks={chunks} must be >= 1; use e.g. chunks=8 micro-batches")
-    return chunks
-
-
-_BYTE_FIELDS = (
-    "deferred_grad_bytes",
-    "params_bytes",
-    "grads_bytes",
-    "optimizer_bytes",
-    "activation_bytes",
-    "output_bytes",
-    "forward_peak_bytes",
-    "backward_peak_bytes",
-)
-
-
-def check_profile(prof: Profile) -> None:
-    """A profile built or edited by hand: NaN or negative figures would mislead the search."""
-    if not prof.layers:
-        raise ValueError("the profile has no layers; profile a non-empty nn.Sequential")
-    for layer in prof.layers:
-        what = f"layer {layer.index} ({layer.type_name})"
-        for name in ("forward_ms", "backward_ms"):
-            value = getattr(layer, name)
-            if value is not None and not (math.isfinite(value) and value >= 0):
-                raise ValueError(
-                    f"{what} has {name}={value!r}, but times must be finite and >= 0 (None when "
-                    "not measured); re-profile on a real device or set it to None"
-                )
-        check_call_times(layer, what)
-        for name in _BYTE_FIELDS:
-            if getattr(layer, name) < 0:
-                raise ValueError(
-                    f"{what} has {name}={getattr(layer, name)!r}, but sizes must be >= 0; "
-                    "re-profile the model with pipepar.profile"
-                )
-
-
-def _check_cut_points(startable: list[bool], k: int, prof: Profile) -> None:
-    if sum(startable) >= k:
-        return
-    inplace = [i for i, ok in enumerate(startable) if not ok]
-    raise ValueError(
-        f"{k} stages need {k} places to start a stage, but only {sum(startable)} layers can "
-        f"start one: layers {inplace} write into their input in place (e.g. ReLU(inplace=True)), "
-        f"which a stage's first layer must not; use at most {sum(startable)} devices or make "
-        "those layers out of place"
-    )
-
-
-def _as_profile(
-    model_or_profile: object, sample: object, optimizer: object, device: str | torch.device
-) -> Profile:
-    if isinstance(model_or_profile, Profile):
-        return model_or_profile.with_optimizer(optimizer)
-    if isinstance(model_or_profile, nn.Module):
-        if sample is None:
-            raise ValueError(
-                "plan was given a model but no sample; pass sample=<an input batch> (any device, "
-                "it is copied to meta) or a Profile from pipepar.profile"
-            )
-        return profile(model_or_profile, sample, device=device, optimizer=optimizer)  # type: ignore[arg-type]
-    raise TypeError(
-        f"plan needs an nn.Sequential or a pipepar Profile, got {type(model_or_profile).__name__}"
-    )
 
 
 def _stage_plans(

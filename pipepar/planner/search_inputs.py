@@ -19,7 +19,7 @@ from torch import nn
 from pipepar.planner.call_times import profile_two_sizes
 from pipepar.planner.cluster import Cluster
 from pipepar.planner.flop_count import count_flops
-from pipepar.planner.plan import check_profile
+from pipepar.planner.plan_inputs import check_profile
 from pipepar.planner.profile import Profile, profile
 from pipepar.planner.step_time import Flops
 from pipepar.program.profile import profile_model

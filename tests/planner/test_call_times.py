@@ -15,7 +15,7 @@ from pipepar.planner.call_times import (
     profile_two_sizes,
     with_call_times,
 )
-from pipepar.planner.plan import check_profile
+from pipepar.planner.plan_inputs import check_profile
 from pipepar.planner.profile import LayerProfile, Profile
 from pipepar.planner.profile_rows import at_rows
 
