@@ -40,7 +40,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -173,14 +173,14 @@ def _write_sharded(
     )
 
 
-def _sharded(module: nn.Module) -> bool:
+def _sharded(module: nn.Module) -> TypeGuard[DistributedPipe | DistributedModelPipe]:
     """Whether ``module`` is a pipe holding shards (``dp_shard``): every replica then writes."""
     return isinstance(module, _PIPES) and module.dp_shard
 
 
 def _writers(module: nn.Module, mesh: Mesh) -> dist.ProcessGroup | None:
     """The ranks writing a sharded checkpoint: replica 0's pipeline, or the grid's with shards."""
-    if not isinstance(module, _PIPES) or not module.dp_shard:
+    if not _sharded(module):
         return mesh.ctl
     return module.group or dist.group.WORLD
 

@@ -13,28 +13,17 @@ from torch import nn
 import pipepar.distributed as ppd
 from pipepar.planner.layout import Layout
 from tests._ranks import spawn
+from tests._small_models import Residual, tanh_stack
 
 WORLD, ROWS, WIDTH = 2, 8, 6
 
 
 def _sequential() -> nn.Sequential:
-    torch.manual_seed(1)
-    return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(WIDTH, WIDTH), nn.Tanh())])
+    return tanh_stack(WIDTH)
 
 
-class _Residual(nn.Module):
-    """Not an ``nn.Sequential``: residual blocks and a head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(2)
-        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
-        self.head = nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = x + torch.tanh(block(x))
-        return self.head(x)
+def _residual() -> nn.Module:
+    return Residual(WIDTH, WIDTH)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,7 +93,7 @@ def _cases(rank: int) -> dict[str, Any]:
         "sharded": _one_step(_sequential, dp_shard=True, chunks=2),
         "dp=1": _one_step(_sequential, dp=1, schedule="1f1b", checkpoint="always"),
         "meta": _one_step(_sequential, meta=True),
-        "residual": _one_step(_Residual, dp=1),
+        "residual": _one_step(_residual, dp=1),
         "refused": _refused_everywhere(),
     }
 

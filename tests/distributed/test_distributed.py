@@ -13,7 +13,7 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -109,13 +109,6 @@ class Pool:
             p.join(timeout=10)
             if p.is_alive():
                 p.terminate()
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[Pool]:
-    p = Pool()
-    yield p
-    p.close()
 
 
 def _subgroup(size: int) -> dist.ProcessGroup | None:

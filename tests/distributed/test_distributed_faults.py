@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,13 +53,6 @@ def _where(rank: int, schedule: str = "1f1b") -> str:
     if schedule == "zb-v":
         return f"rank {rank} (stages {position} and {3 - position}, replica {replica})"
     return f"rank {rank} (stage {position}, replica {replica})"
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[Pool]:
-    p = Pool()
-    yield p
-    p.close()
 
 
 # -- fault injection ----------------------------------------------------------------------------

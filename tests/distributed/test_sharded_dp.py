@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -176,13 +175,6 @@ def case_checkpoints(rank: int, folder: str) -> dict:
 
 
 # -- tests --------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pool() -> Iterator[Pool]:
-    p = Pool()
-    yield p
-    p.close()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("balance", "schedule", "checkpoint"), GRIDS)
 def test_sharded_training_matches_one_plain_process(

@@ -9,7 +9,6 @@ One pool of 4 spawned ranks (tests/distributed/test_distributed.py's) runs every
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -171,13 +170,6 @@ def case_checkpoint(rank: int, folder: str) -> dict[str, Any]:
 
 
 # -- tests --------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def pool() -> Iterator[Pool]:
-    p = Pool()
-    yield p
-    p.close()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "schedule", "stages"), GRIDS)
 def test_sharded_models_match_one_plain_process(

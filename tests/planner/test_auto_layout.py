@@ -21,28 +21,17 @@ from pipepar.planner.auto_layout import (
     given_schedule,
 )
 from pipepar.planner.layout import Layout
+from tests._small_models import Residual, tanh_stack
 
 ROWS, WIDTH = 16, 12
 
 
 def _sequential() -> nn.Sequential:
-    torch.manual_seed(1)
-    return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(WIDTH, WIDTH), nn.Tanh())])
+    return tanh_stack(WIDTH)
 
 
-class _Residual(nn.Module):
-    """Not an ``nn.Sequential``: residual blocks, a head applied after a mean."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(2)
-        self.blocks = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
-        self.head = nn.Linear(WIDTH, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = x + torch.tanh(block(x))
-        return self.head(x)
+def _residual() -> nn.Module:
+    return Residual(WIDTH, 3)
 
 
 @pytest.fixture
@@ -85,7 +74,7 @@ def _same_as_plain(make: Any, devices: Any, **kwargs: Any) -> Any:
     return pipe
 
 
-@pytest.mark.parametrize("make", [_sequential, _Residual], ids=["sequential", "residual"])
+@pytest.mark.parametrize("make", [_sequential, _residual], ids=["sequential", "residual"])
 @pytest.mark.parametrize("devices", [["cpu", "cpu"], 2], ids=["list", "count"])
 def test_the_pipe_runs_the_searchs_first_layout(
     make: Any, devices: Any, searched: list[list[Layout]]
@@ -125,7 +114,7 @@ def test_values_given_are_fixed(fixed: dict[str, Any], searched: list[list[Layou
 @pytest.mark.parametrize("schedule", NAMES)
 def test_any_model_runs_each_schedule_the_search_may_choose(schedule: str) -> None:
     """The virtual-stage ones too: their balance lists two stages per device."""
-    pipe = _same_as_plain(_Residual, 2, schedule=schedule)
+    pipe = _same_as_plain(_residual, 2, schedule=schedule)
     stages = 4 if schedule in VIRTUAL else 2
     assert pipe.layout.schedule == schedule and len(pipe.layout.balance) == stages
 
@@ -162,7 +151,7 @@ def test_balance_or_split_given_keeps_todays_defaults() -> None:
     pipe = pipepar.wrap(_sequential(), [4, 4], devices=["cpu", "cpu"])
     assert pipe.layout is None and pipe.chunks == 1 and pipe.checkpoint == "except_last"
     assert _schedule_name(pipe) == "gpipe"
-    model = _Residual()
+    model = _residual()
     pipe = pipepar.wrap(model, split=["blocks.2"], devices=["cpu", "cpu"])
     try:
         assert pipe.layout is None and pipe.chunks == 1 and pipe.checkpoint == "never"
@@ -223,7 +212,7 @@ def test_errors_name_the_argument_and_the_fix(
 
 def test_a_model_without_sample_names_split_and_balance() -> None:
     with pytest.raises(ValueError, match=r"no sample was given; pass split=\[module paths"):
-        pipepar.wrap(_Residual(), devices=["cpu", "cpu"])
+        pipepar.wrap(_residual(), devices=["cpu", "cpu"])
 
 
 def test_the_layout_pickles() -> None:

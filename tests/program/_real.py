@@ -76,3 +76,17 @@ def _same_grads(pipe: nn.Module, plain: nn.Module) -> None:
             continue
         assert p.grad is not None, f"{name} got no gradient"
         _close(p.grad, expected, f"gradient of {name}")
+
+
+class Skipping(torch.nn.Module):
+    """Skips block 1 when ``skip`` is set: the units it runs depend on the data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
+        for k, block in enumerate(self.blocks):
+            if not (k == 1 and bool(skip[0])):
+                x = torch.tanh(block(x))
+        return x

@@ -15,7 +15,7 @@ pytest.importorskip("timm")
 
 from models import transformers_zoo as zoo
 from tests._ranks import spawn
-from tests.program._real import mode_calls
+from tests.program._real import Skipping, mode_calls
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
@@ -202,26 +202,12 @@ def _following(name: str, schedule: str) -> list[tuple[int, float, dict[str, Any
     return steps
 
 
-class _Skipping(torch.nn.Module):
-    """Skips block 1 when ``skip`` is set: the units it runs depend on the data."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
-
-    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
-        for k, block in enumerate(self.blocks):
-            if not (k == 1 and bool(skip[0])):
-                x = torch.tanh(block(x))
-        return x
-
-
 def _path_change() -> str:
     """A step that leaves the route its kind of call learned ends every rank with the cause."""
     import pipepar.distributed as ppd
 
     torch.manual_seed(0)
-    pipe = ppd.wrap(_Skipping(), split=["blocks.2"], chunks=2, timeout=30)
+    pipe = ppd.wrap(Skipping(), split=["blocks.2"], chunks=2, timeout=30)
     x = torch.rand(4, 4)
     for _ in range(2):
         pipe.step(x, torch.zeros(4, dtype=torch.long), loss_fn=lambda out, t: out.sum(), target=x)
@@ -239,7 +225,7 @@ def _without_routes() -> list[float]:
     import pipepar.distributed as ppd
 
     torch.manual_seed(0)
-    pipe = ppd.wrap(_Skipping(), split=["blocks.2"], chunks=2, routes=False)
+    pipe = ppd.wrap(Skipping(), split=["blocks.2"], chunks=2, routes=False)
     x = torch.rand(4, 4)
     losses = [
         pipe.step(x, torch.full((4,), k), loss_fn=lambda out, t: out.square().mean())
@@ -261,7 +247,7 @@ def _disagreeing(rank: int) -> dict[str, str]:
     out = {}
     for label, options in cases.items():
         try:
-            ppd.wrap(_Skipping(), split=["blocks.2"], timeout=30, **options).close()
+            ppd.wrap(Skipping(), split=["blocks.2"], timeout=30, **options).close()
             out[label] = "no error"
         except ValueError as error:
             out[label] = str(error)
@@ -448,7 +434,7 @@ def test_a_step_that_leaves_the_route_ends_every_rank_with_the_cause(
 
 def test_without_routes_every_path_is_right(ranks: dict[int, Any]) -> None:
     torch.manual_seed(0)
-    plain = _Skipping()
+    plain = Skipping()
     x = torch.rand(4, 4)
     expected = [plain(x, torch.full((4,), k)).square().mean().item() for k in (0, 0, 1, 0)]
     for r in (0, 1):

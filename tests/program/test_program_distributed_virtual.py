@@ -17,7 +17,7 @@ pytest.importorskip("timm")
 
 from models import transformers_zoo as zoo
 from tests._ranks import spawn
-from tests.program._real import mode_calls
+from tests.program._real import Skipping, mode_calls
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
@@ -98,29 +98,15 @@ def _following(
     return {"stages": pipe.stages, "steps": steps, "output": output}
 
 
-class _Skipping(torch.nn.Module):
-    """Skips block 1 when ``skip`` is set: the units it runs depend on the data."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
-
-    def forward(self, x: torch.Tensor, skip: torch.Tensor) -> torch.Tensor:
-        for k, block in enumerate(self.blocks):
-            if not (k == 1 and bool(skip[0])):
-                x = torch.tanh(block(x))
-        return x
-
-
 def _skipping(schedule: str, routes: bool) -> list[float] | str:
-    """Four stages of ``_Skipping``: with routes, a step that leaves the route ends every rank
+    """Four stages of ``Skipping``: with routes, a step that leaves the route ends every rank
     with the cause; without, every path is right."""
     import pipepar.distributed as ppd
 
     torch.manual_seed(0)
     split = ["blocks.1", "blocks.2", "blocks.3"]
     pipe = ppd.wrap(
-        _Skipping(), split=split, chunks=2, schedule=schedule, routes=routes, timeout=30
+        Skipping(), split=split, chunks=2, schedule=schedule, routes=routes, timeout=30
     )
     x = torch.rand(4, 4)
     losses = []
@@ -263,7 +249,7 @@ def test_a_step_that_leaves_the_route_ends_every_rank_with_the_cause(
 @pytest.mark.parametrize("schedule", VIRTUAL)
 def test_without_routes_every_path_is_right(two: dict[int, Any], schedule: str) -> None:
     torch.manual_seed(0)
-    plain = _Skipping()
+    plain = Skipping()
     x = torch.rand(4, 4)
     expected = [plain(x, torch.full((4,), k)).square().mean().item() for k in (0, 0, 1, 0)]
     for r in (0, 1):
