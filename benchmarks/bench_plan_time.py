@@ -14,39 +14,37 @@ block after one untimed step; the layouts of one model alternate, their order ro
 round to round (``_common.run_blocks``), so a drift in the host's load hits all alike. On two
 ranks every step starts after a barrier and its time is the slower rank's.
 
-Predicted: :func:`pipepar.planner.step_time.predict_step` of the layout, from profiles per
+Predicted: :func:`pipepar.planner.step_time.predict_step` of the layout, from a profile per
 model taken here before any timing, with :func:`pipepar.planner.cluster.measure_local` as the
-cluster. Calibration, the same for every layout (no per-layout factor):
+cluster (the ranks' link measured by a gloo ping-pong between them), and with each runtime's
+:class:`~pipepar.planner.runtime_fit.RuntimeFit`:
 
 - the profile runs with one math thread (``torch.set_num_threads(1)``), as each stage's worker
-  does with ``threads=1``, so a profiled layer time is one core's time for the whole batch;
-- ``--profiles`` profiles are taken and each layer's forward and backward is the median over
-  them (one profile is a single pass, and the host may be shared);
-- **predicted**: as the layout search and ``pipepar.wrap(model, sample=..., devices=N)`` do,
-  from two profiles, of the whole batch and of one micro-batch of the largest M tried: each
-  layer's time per call and per row (:mod:`pipepar.planner.call_times`), so a micro-batch of
-  ``rows_i`` rows takes ``call + rows_i / batch * (whole - call)``; predict_step adds
-  recompute, and the measured hand-over latency and copy bandwidth per transfer;
-- **from a micro-batch profile**: the same, but each layer's times are those of a profile of
-  one micro-batch (``batch / M`` rows) times M, so what a small micro-batch costs beyond its
-  share of rows (small matrix products; a weight gradient as large as the weight, written
-  once per micro-batch whatever its rows) is measured instead of scaled away;
-- the ranks use the same links as the threads: gloo over loopback is slower than a hand-over
-  in memory, so their transfers are predicted short.
+  does with ``threads=1``; ``--profiles`` profiles are taken and each layer's forward and
+  backward is the median over them;
+- as the layout search and ``pipepar.wrap(model, sample=..., devices=N)`` do, it is of the
+  whole batch with each layer's time per call and per row fitted against a second profile of
+  one micro-batch of the largest M (:mod:`pipepar.planner.call_times`); predict_step adds
+  recompute, the gradient sums over micro-batches at the measured memory bandwidth, and the
+  measured hand-over latency and copy bandwidth per transfer;
+- **the runtime's fit**: what the profile cannot see (two workers sharing the cores and, in
+  one process, the interpreter; the runtime's work per action; checkpointing's bookkeeping)
+  is fitted per model and runtime (:func:`pipepar.planner.calibrate.fit_runtime`: a scale, a
+  time per F/B action, a recompute factor) to the measured medians of the three
+  :data:`CALIBRATION` layouts; every other layout is predicted from it, and the summary's
+  errors count only those. The profile alone (no fit) is the next column.
 
-What predict_step leaves out shows as a systematic error: the sum of each parameter's
-gradient over the micro-batches (an add of the gradient's bytes per micro-batch after the
-first, in neither profile), the loss outside the MLP, the runtime's cost per action, and the
-two cores slowing each other (shared caches and memory bandwidth) where the profile ran on an
-idle second core. The last column separates compute from scheduling: the prediction's busy
-time of both workers (F + B + W + recompute) against the CPU seconds the process spent per
-step, which a loaded host does not inflate as it does wall time.
+What is left out shows as error: the loss outside the MLP, the optimizer (none here), and the
+host's load moving between the fitted layouts and the others. The last column separates
+compute from scheduling: the prediction's busy time of both workers (F + B + W + recompute)
+against the CPU seconds the process spent per step, which a loaded host does not inflate as it
+does wall time.
 
-The table: layout, predicted ms, measured median ms (p10-p90), error % ((predicted -
-measured) / measured), the micro-batch profile's prediction and error, and compute predicted
-against CPU time. Under it, per model and process count and for each profile: the layout
-predicted fastest, and whether it is the measured fastest or within 5% of it; then the
-median and spread of each error.
+The table: layout, whether it is one the fit used, predicted ms, measured median ms (p10-p90),
+error % ((predicted - measured) / measured), the profile alone's prediction and error, and
+compute predicted against CPU time. Under it, per model and process count: the layout
+predicted fastest, and whether it is the measured fastest or within 5% of it; then the median
+and spread of each error over the layouts not used for the fit.
 
     python benchmarks/bench_plan_time.py                       # 60 layouts, one process
     python benchmarks/bench_plan_time.py --ranks --steps 6     # also two gloo ranks
@@ -88,9 +86,11 @@ from benchmarks._procs import ProcessGroup
 from benchmarks._results import markdown_table, record
 from pipepar.core.schedule import NAMES as SCHEDULES
 from pipepar.local import cpu_malloc
+from pipepar.planner.calibrate import Measured, fit_runtime
 from pipepar.planner.call_times import with_call_times
-from pipepar.planner.cluster import Cluster, measure_local
+from pipepar.planner.cluster import Cluster, Link, measure_local
 from pipepar.planner.profile import Profile
+from pipepar.planner.runtime_fit import RuntimeFit
 from pipepar.planner.step_time import StepPrediction, predict_step
 from pipepar.program.profile import profile_model
 
@@ -99,6 +99,12 @@ MODELS = ("mlp", "gpt2")
 CHUNKS = (4, 8, 16)
 CHECKPOINTS = ("except_last", "never")
 WITHIN = 0.05  # the predicted best counts as right within 5% of the measured best
+CALIBRATION = (  # schedule, M, recompute: the layouts each runtime's fit is made from
+    ("1f1b", 4, "never"),
+    ("1f1b", 16, "never"),
+    ("1f1b", 8, "except_last"),
+)
+LINK_ELEMENTS = (1, 1 << 20)  # float32 elements of the ranks' ping-pong: latency, bandwidth
 QUICK = (  # model, schedule, M, recompute
     ("mlp", "1f1b", 4, "never"),
     ("mlp", "zb-v", 4, "except_last"),
@@ -220,6 +226,8 @@ def rank_builder(spec: dict[str, Any], rank: int, world: int) -> Callable[[str, 
     model = build(spec["model"], quick=spec["quick"])
 
     def make(key: str, m: int) -> common.Step:
+        if key == "link":
+            return _ping_pong(rank, m)
         _, _, schedule, _, checkpoint = key.split(" ")
         pipe = ppd.wrap(
             copy.deepcopy(model.module),
@@ -231,6 +239,36 @@ def rank_builder(spec: dict[str, Any], rank: int, world: int) -> Callable[[str, 
         return _stepped(model, pipe)
 
     return make
+
+
+def _ping_pong(rank: int, elements: int) -> common.Step:
+    """Rank 0 sends ``elements`` float32 to rank 1, which sends them back."""
+    import torch.distributed as dist
+
+    data = torch.zeros(elements)
+
+    def step() -> None:
+        if rank == 0:
+            dist.send(data, 1)
+            dist.recv(data, 1)
+        else:
+            dist.recv(data, 0)
+            dist.send(data, 0)
+
+    return step
+
+
+def gloo_link(group: Any, block: int) -> Link:
+    """The link between the two ranks, from ping-pong round trips (medians): latency half the
+    small one's, bandwidth the large message's bytes over half the difference."""
+    rtt = []
+    for elements in LINK_ELEMENTS:
+        answer = group.step_times("link", elements, max(block, 10), 2)
+        if isinstance(answer, str):
+            raise common.RemoteError(answer)
+        rtt.append(statistics.median(answer))
+    one_way = max(1e-9, (rtt[1] - rtt[0]) / 2)
+    return Link(bandwidth=4 * LINK_ELEMENTS[1] / one_way, latency=rtt[0] / 2)
 
 
 # -- predicting --------------------------------------------------------------------------------
@@ -254,20 +292,6 @@ def profile(model: Model, repeats: int, rows: int | None = None) -> Profile:
     return dataclasses.replace(runs[0], layers=layers)
 
 
-def scaled_to(whole: Profile, part: Profile, chunks: int) -> Profile:
-    """``whole`` with each layer's times ``chunks`` x those of ``part``, a profile of one
-    micro-batch: micro-batch times as measured, where predict_step would scale by rows."""
-    layers = [
-        dataclasses.replace(
-            layer,
-            forward_ms=chunks * (small.forward_ms or 0.0),
-            backward_ms=chunks * (small.backward_ms or 0.0),
-        )
-        for layer, small in zip(whole.layers, part.layers)
-    ]
-    return dataclasses.replace(whole, layers=layers)
-
-
 def _profile_once(model: Model, rows: int) -> Profile:
     sample = model.sample(rows)
     if isinstance(model.module, nn.Sequential):
@@ -285,8 +309,10 @@ def balance(model: Model, prof: Profile, n_stages: int) -> list[int]:
     return [b - a for a, b in pairwise(starts)]
 
 
-def predict(model: Model, prof: Profile, layout: Layout, cluster: Cluster) -> StepPrediction:
-    """The prediction of ``layout``'s step."""
+def predict(
+    model: Model, prof: Profile, layout: Layout, cluster: Cluster, fit: RuntimeFit | None
+) -> StepPrediction:
+    """The prediction of ``layout``'s step under the runtime's ``fit``."""
     return predict_step(
         prof,
         balance(model, prof, stages(layout.schedule)),
@@ -294,18 +320,20 @@ def predict(model: Model, prof: Profile, layout: Layout, cluster: Cluster) -> St
         schedule=layout.schedule,
         chunks=layout.chunks,
         checkpoint=layout.checkpoint,
+        runtime=fit,
     )
 
 
 # -- measuring ---------------------------------------------------------------------------------
-Measured = dict[str, list[float] | str]
+Times = dict[str, list[float] | str]
 """Per layout key: the seconds of every timed step, or why it has none."""
 
 
 def measure(
     model: Model, chosen: list[Layout], args: argparse.Namespace
-) -> tuple[Measured, dict[str, list[float]]]:
-    """Every layout's step times (seconds), and the in-process ones' CPU seconds per step."""
+) -> tuple[Times, dict[str, list[float]], Link | None]:
+    """Every layout's step times (seconds), the in-process ones' CPU seconds per step, and
+    the gloo link between the ranks (None without ranks)."""
     block = math.ceil(args.steps / args.rounds)
     timers: dict[str, common.Block] = {}
     skipped: dict[str, str] = {}
@@ -316,6 +344,7 @@ def measure(
         group = ProcessGroup(2, "benchmarks.bench_plan_time:rank_builder", spec)
     pipes: list[Any] = []
     try:
+        link = gloo_link(group, block) if group is not None else None
         for layout in chosen:
             if group is not None and layout.processes == 2:
                 timers[layout.key] = common.remote_block(group, layout.key, layout.chunks, block, 1)
@@ -328,7 +357,8 @@ def measure(
                 skipped[layout.key] = common.why(error)
                 continue
             timers[layout.key] = _block(step, block, cpu.setdefault(layout.key, []))
-        return common.run_blocks(timers, skipped, args.rounds, [x.key for x in chosen]), cpu
+        times = common.run_blocks(timers, skipped, args.rounds, [x.key for x in chosen])
+        return times, cpu, link
     finally:
         for pipe in pipes:
             getattr(pipe, "close", lambda: None)()
@@ -354,31 +384,66 @@ def _block(step: common.Step, block: int, cpu: list[float]) -> common.Block:
 
 
 # -- predicting every layout -------------------------------------------------------------------
-def predictions(
-    model: Model, chosen: list[Layout], cluster: Cluster, repeats: int
-) -> dict[str, dict[str, float] | str]:
-    """Per layout: the predicted step and compute (ms) from the two-point profile, and from
-    a profile of one micro-batch (``micro_``); or why there is none."""
+def two_point(model: Model, chosen: list[Layout], repeats: int) -> Profile:
+    """The model's profile of the whole batch with call times fitted against a profile of one
+    micro-batch of the largest M (as the search and ``wrap(sample=...)`` take it)."""
     whole = profile(model, repeats)
-    parts = {
-        m: profile(model, repeats, max(1, model.batch // m)) for m in {x.chunks for x in chosen}
-    }
-    micro = {m: scaled_to(whole, part, m) for m, part in parts.items()}
-    smallest = parts[max(parts)]
-    if smallest.batch_size < whole.batch_size:
-        whole = with_call_times(whole, smallest)
+    rows_ = max(1, model.batch // max(x.chunks for x in chosen))
+    if rows_ < whole.batch_size:
+        whole = with_call_times(whole, profile(model, repeats, rows_))
+    return whole
+
+
+def calibrated(
+    model: Model,
+    prof: Profile,
+    chosen: list[Layout],
+    times: Times,
+    clusters: dict[int, Cluster],
+) -> dict[int, RuntimeFit]:
+    """Per process count: the runtime fit (:func:`fit_runtime`) to the measured medians of
+    the :data:`CALIBRATION` layouts among ``chosen`` (the identity where none ran)."""
+    fits = {}
+    for procs, cluster in clusters.items():
+        runs = []
+        for x in chosen:
+            steps = times.get(x.key)
+            if x.processes != procs or _calibration(x) is False or isinstance(steps, str):
+                continue
+            if steps:
+                ms = 1e3 * statistics.median(steps)
+                runs.append(Measured(balance(model, prof, stages(x.schedule)), x.schedule,
+                                     x.chunks, x.checkpoint, ms))  # fmt: skip
+        fits[procs] = fit_runtime(prof, runs, cluster=cluster) if runs else RuntimeFit()
+    return fits
+
+
+def _calibration(layout: Layout) -> bool:
+    return (layout.schedule, layout.chunks, layout.checkpoint) in CALIBRATION
+
+
+def predictions(
+    model: Model,
+    prof: Profile,
+    chosen: list[Layout],
+    clusters: dict[int, Cluster],
+    fits: dict[int, RuntimeFit],
+) -> dict[str, dict[str, float] | str]:
+    """Per layout: the step and compute (ms) predicted with its runtime's fit, and without
+    (``raw_``); or why there is none."""
     out: dict[str, dict[str, float] | str] = {}
     for x in chosen:
+        cluster = clusters[x.processes]
         try:
-            p, q = predict(model, whole, x, cluster), predict(model, micro[x.chunks], x, cluster)
+            p = predict(model, prof, x, cluster, fits[x.processes])
+            q = predict(model, prof, x, cluster, None)
         except ValueError as error:
             out[x.key] = common.why(error)
             continue
         out[x.key] = {
             "predicted_ms": p.step_ms,
             "predicted_busy_ms": sum(p.busy_ms),
-            "micro_ms": q.step_ms,
-            "micro_busy_ms": sum(q.busy_ms),
+            "raw_ms": q.step_ms,
         }
     return out
 
@@ -387,13 +452,14 @@ def predictions(
 def rows(
     chosen: list[Layout],
     predicted: dict[str, dict[str, float] | str],
-    times: Measured,
+    times: Times,
     cpu: dict[str, list[float]],
 ) -> list[dict[str, Any]]:
     """One row per layout: predictions, measured quantiles (ms), errors (%)."""
     out = []
     for layout in chosen:
         row: dict[str, Any] = dataclasses.asdict(layout) | {"key": layout.key}
+        row["calibration"] = _calibration(layout)
         pred, steps = predicted[layout.key], times[layout.key]
         if isinstance(pred, str) or isinstance(steps, str):
             out.append(row | {"error": pred if isinstance(pred, str) else steps, "steps": 0})
@@ -402,7 +468,7 @@ def rows(
         row |= pred | {"error": None, "steps": len(steps)}
         row |= {"median_ms": q.median, "p10_ms": q.p10, "p90_ms": q.p90}
         row["error_pct"] = _off(pred["predicted_ms"], q.median)
-        row["micro_error_pct"] = _off(pred["micro_ms"], q.median)
+        row["raw_error_pct"] = _off(pred["raw_ms"], q.median)
         used = cpu.get(layout.key)
         row["cpu_ms"] = 1e3 * statistics.median(used) if used else None
         row["busy_error_pct"] = _off(pred["predicted_busy_ms"], row["cpu_ms"]) if used else None
@@ -419,20 +485,21 @@ def table(result: list[dict[str, Any]]) -> str:
     lines = []
     for r in result:
         head = [r["model"], r["processes"], r["schedule"], r["chunks"], r["checkpoint"]]
+        head.append("fit" if r["calibration"] else "")
         if r["error"]:
             lines.append([*head, "-", r["error"], "-", "-", "-"])
             continue
         spread = f"{r['median_ms']:.1f} ({r['p10_ms']:.1f}-{r['p90_ms']:.1f})"
-        micro = f"{r['micro_ms']:.1f} ({r['micro_error_pct']:+.0f}%)"
+        raw = f"{r['raw_ms']:.1f} ({r['raw_error_pct']:+.0f}%)"
         busy = "-"
         if r["cpu_ms"] is not None:
             busy = f"{r['predicted_busy_ms']:.0f} / {r['cpu_ms']:.0f} ({r['busy_error_pct']:+.0f}%)"
         lines.append(
-            [*head, f"{r['predicted_ms']:.1f}", spread, f"{r['error_pct']:+.0f}%", micro, busy]
+            [*head, f"{r['predicted_ms']:.1f}", spread, f"{r['error_pct']:+.0f}%", raw, busy]
         )
-    headers = ["model", "processes", "schedule", "M", "recompute", "predicted ms"]
-    headers += ["measured ms median (p10-p90)", "error", "from a micro-batch profile ms (error)"]
-    headers += ["compute predicted / CPU measured ms (error)"]
+    headers = ["model", "processes", "schedule", "M", "recompute", "used for the fit"]
+    headers += ["predicted ms", "measured ms median (p10-p90)", "error"]
+    headers += ["profile alone ms (error)", "compute predicted / CPU measured ms (error)"]
     return markdown_table(headers, lines)
 
 
@@ -458,67 +525,106 @@ def best(result: list[dict[str, Any]], field: str = "predicted_ms") -> list[dict
 def summary(result: list[dict[str, Any]]) -> str:
     """Under the table: the best-layout verdicts and the errors' median and spread."""
     lines = []
-    for field, source in (("predicted_ms", "two-point"), ("micro_ms", "micro-batch")):
+    for field, source in (("predicted_ms", "with the runtime's fit"), ("raw_ms", "profile alone")):
         for b in best(result, field):
             verdict = "the measured best" if b["slower"] == 0 else f"{b['slower']:+.1%} over it"
             ok = "right" if b["right"] else f"wrong (> {WITHIN:.0%})"
             lines.append(
-                f"{b['model']}, {b['processes']} process(es), {source} profile: predicted best "
+                f"{b['model']}, {b['processes']} process(es), {source}: predicted best "
                 f"{b['predicted']!r}, measured best {b['measured']!r}; the predicted best is "
                 f"{verdict}: {ok}."
             )
+    held_out = [r for r in result if not r["error"] and not r["calibration"]]
     for field, what in (
-        ("error_pct", "step, two-point profile"),
-        ("micro_error_pct", "step, micro-batch profile"),
-        ("busy_error_pct", "compute against CPU time"),
+        ("error_pct", "step with the runtime's fit"),
+        ("raw_error_pct", "step from the profile alone"),
+        ("busy_error_pct", "compute (with the fit) against CPU time"),
     ):
-        errors = [r[field] for r in result if not r["error"] and r[field] is not None]
+        errors = [r[field] for r in held_out if r[field] is not None]
         if errors:
             q = common.Quantiles.of(errors)
+            inside = sum(abs(e) <= 10 for e in errors)
             lines.append(
-                f"Error of the {what}, {len(errors)} layouts: median {q.median:+.0f}%, p10 "
-                f"{q.p10:+.0f}%, p90 {q.p90:+.0f}%, worst {max(errors, key=abs):+.0f}%."
+                f"Error of the {what}, {len(errors)} layouts not used for the fit: median "
+                f"{q.median:+.0f}%, p10 {q.p10:+.0f}%, p90 {q.p90:+.0f}%, worst "
+                f"{max(errors, key=abs):+.0f}%; {inside} within 10%."
             )
     return "\n".join(lines)
 
 
-def notes(models: list[Model], cluster: Cluster, args: argparse.Namespace, before: str) -> str:
+def fits_note(fits: dict[tuple[str, int], RuntimeFit], clusters: dict[int, Cluster]) -> str:
+    """The fitted values and the links, one clause per model and runtime."""
+    parts = []
+    for (name, procs), fit in sorted(fits.items()):
+        runtime = "one process" if procs == 1 else "two ranks"
+        link = clusters[procs].intra
+        parts.append(
+            f"{name}, {runtime}: scale {fit.scale:.2f}, {fit.action_ms:.2f} ms per F/B action, "
+            f"recompute x{fit.recompute_scale:.2f} (fitted to {fit.fitted_to}, worst "
+            f"{fit.worst_error:.0%}; link {1e6 * link.latency:.0f} us, "
+            f"{link.bandwidth / 1e9:.1f} GB/s)"
+        )
+    return "; ".join(parts)
+
+
+def notes(
+    models: list[Model],
+    cluster: Cluster,
+    args: argparse.Namespace,
+    before: str,
+    fitted: str,
+) -> str:
     block = math.ceil(args.steps / args.rounds)
     jobs = "; ".join(f"{m.name}: {m.description}" for m in models)
+    calib = ", ".join(f"{s} M={m} {k}" for s, m, k in CALIBRATION)
     return (
         f"Jobs: {jobs}. Two CPU workers with one math thread each (one process), or two gloo "
         f"ranks; gradients set to None each step, no optimizer. {args.rounds} rounds x {block} "
         "timed steps per layout, each block after one untimed step, order rotating. "
         f"Predicted by predict_step from the median of {args.profiles} one-thread profiles "
-        "per model (of the whole batch with call times fitted against one micro-batch of the "
-        "largest M; and of one micro-batch, its times x M), cluster "
-        f"{cluster.name!r} (hand-over {1e6 * cluster.intra.latency:.0f} us, "
-        f"{cluster.intra.bandwidth / 1e9:.1f} GB/s). Compute: the prediction's busy time of "
-        "both workers against the process's CPU time per step (median). Error = (predicted - "
-        f"measured) / measured. Machine load before: {before}; after: {common.load()}."
+        "per model (of the whole batch, call times fitted against one micro-batch of the "
+        f"largest M), cluster {cluster.name!r} (hand-over {1e6 * cluster.intra.latency:.0f} "
+        f"us, {cluster.intra.bandwidth / 1e9:.1f} GB/s, gradient sums at "
+        f"{(cluster.memory_bandwidth or 0) / 1e9:.1f} GB/s; the ranks' link measured by a gloo "
+        f"ping-pong), with each runtime's fit (pipepar.planner.calibrate.fit_runtime) to the "
+        f"measured medians of three layouts per model and runtime ({calib}; marked 'fit'; "
+        f"the summary's errors leave them out): {fitted}. Compute: the prediction's busy time "
+        "of both workers against the process's CPU time per step (median). Error = "
+        f"(predicted - measured) / measured. Machine load before: {before}; after: "
+        f"{common.load()}."
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Profile, predict, measure, print the table; write it to RESULTS.md with --write."""
+    """Profile, measure, fit, predict, print the table; write it to RESULTS.md with --write."""
     args = _parse(argv)
     cpu_malloc.tune()
     torch.set_num_threads(1)
     before = common.load()
     cluster = measure_local(seconds=0.3 if args.quick else 1.0)
     chosen, result, models = layouts(args), [], []
+    fits: dict[tuple[str, int], RuntimeFit] = {}
+    clusters: dict[int, Cluster] = {1: cluster}
     for name in args.models:
         mine = [x for x in chosen if x.model == name]
         if not mine:
             continue
         model = build(name, quick=args.quick)
         models.append(model)
-        predicted = predictions(model, mine, cluster, args.profiles)
-        result += rows(mine, predicted, *measure(model, mine, args))
-    text, note = table(result), "\n\n".join([summary(result), notes(models, cluster, args, before)])
-    print(text, note, sep="\n\n")
+        prof = two_point(model, mine, args.profiles)
+        times, cpu, link = measure(model, mine, args)
+        if link is not None:
+            clusters[2] = dataclasses.replace(cluster, name="gloo ranks", intra=link)
+        mine_clusters = {p: clusters[p] for p in {x.processes for x in mine}}
+        model_fits = calibrated(model, prof, mine, times, mine_clusters)
+        fits |= {(name, p): f for p, f in model_fits.items()}
+        result += rows(mine, predictions(model, prof, mine, mine_clusters, model_fits), times, cpu)
+    note = notes(models, cluster, args, before, fits_note(fits, clusters))
+    text = table(result)
+    print(text, summary(result), note, sep="\n\n")
     if args.write:
-        record(TITLE, text, notes=note, path=common.results_path(args, "plan-time"))
+        record(TITLE, text, notes="\n\n".join([summary(result), note]),
+               path=common.results_path(args, "plan-time"))  # fmt: skip
     common.write_json(args.json, result)
     return 0
 

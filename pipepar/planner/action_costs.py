@@ -3,8 +3,12 @@ and recompute time per micro-batch, and the bytes each cut hands over.
 
 :class:`StepModel` reads a profile's layer times (measured, or from FLOPs) for one schedule and
 balance; a layer's time on a micro-batch is its part per call plus its share of the rows of the
-rest (:mod:`pipepar.planner.call_times`). :mod:`pipepar.planner.step_time` runs the schedule's
-action lists with these costs.
+rest (:mod:`pipepar.planner.call_times`). The action that makes a micro-batch's parameter
+gradients (W where the schedule splits the backward, else B) also adds them into the sums of
+the micro-batches before it, at the device's memory bandwidth (none for the first). A
+:class:`~pipepar.planner.runtime_fit.RuntimeFit` then scales each action and adds the
+runtime's time per action. :mod:`pipepar.planner.step_time` runs the schedule's action lists
+with these costs.
 
     >>> costs = StepModel(prof, order, [range(0, 2), range(2, 4)], times, "never", 0.5,
     ...                   per_call=True)
@@ -21,6 +25,7 @@ from pipepar.core.schedule import Action, Schedule
 from pipepar.planner.call_times import at_share
 from pipepar.planner.cluster import Cluster
 from pipepar.planner.profile import LayerProfile, Profile
+from pipepar.planner.runtime_fit import RuntimeFit
 
 __all__ = ["StepModel", "cut_bytes"]
 
@@ -69,8 +74,11 @@ class StepModel:
         weight_share: float,
         *,
         per_call: bool,
+        runtime: RuntimeFit | None = None,
+        memory_bandwidth: float | None = None,
     ) -> None:
         self.order, self.layers, self.checkpoint = order, stage_layers, checkpoint
+        self.runtime = runtime or RuntimeFit()
         m, rows = order.n_microbatches, max(1, profile.batch_size)
         self.share = [(rows // m + (i < rows % m)) / rows for i in range(m)]
         self.f: list[_Part] = []
@@ -80,10 +88,10 @@ class StepModel:
             layers = [profile.layers[i] for i in span]
             fwd = _part(times, layers, 0, per_call)
             whole = _part(times, layers, 1, per_call)
-            if not all(x.splits_backward for x in layers):
+            if s == 0:
+                weight = whole  # the input needs no gradient: B computes nothing, W all
+            elif not all(x.splits_backward for x in layers):
                 weight = _Part(0.0, 0.0)  # the runtime runs the whole backward in B
-            elif s == 0:
-                weight = whole  # the input needs no gradient: B computes nothing
             else:
                 weight = _part(times, [x for x in layers if x.grads_bytes], 1, per_call)
                 weight = weight.times(weight_share)
@@ -91,22 +99,33 @@ class StepModel:
             self.b.append(whole.minus(weight))
             self.w.append(weight)
         self.grads = [sum(profile.layers[i].grads_bytes for i in span) for span in stage_layers]
+        self.sums = [
+            _sum_ms([profile.layers[i] for i in span], memory_bandwidth) for span in stage_layers
+        ]
         self.params = [sum(profile.layers[i].params_bytes for i in span) for span in stage_layers]
         self.sent, self.returned = cut_bytes(profile, [span.stop - 1 for span in stage_layers])
 
     def recompute(self, a: Action) -> float:
         checkpointed = should_checkpoint(self.checkpoint, a.microbatch, self.order.n_microbatches)
-        return self.f[a.stage].at(self.share[a.microbatch]) if checkpointed else 0.0
+        if not checkpointed:
+            return 0.0
+        return self.runtime.recompute(self.f[a.stage].at(self.share[a.microbatch]))
 
     def cost(self, a: Action, split: bool) -> float:
-        """The time of action ``a``; ``split``: whether the schedule runs a W after its B."""
-        r, s = self.share[a.microbatch], a.stage
+        """The time of action ``a``; ``split``: whether the schedule runs a W after its B.
+        The runtime's fit applies to each (a W that does not run costs nothing)."""
+        r, s, run = self.share[a.microbatch], a.stage, self.runtime
         if a.kind == "F":
-            return self.f[s].at(r)
+            return run.action(self.f[s].at(r))
+        summed = self.sums[s] if a.microbatch > 0 else 0.0  # the first one's is the sum
+        if split and self.w[s].whole > 0:  # W makes the parameter gradients
+            if a.kind == "W":
+                return run.weight(self.w[s].at(r) + summed)
+            return self.recompute(a) + run.action(self.b[s].at(r))
         if a.kind == "W":
-            return self.w[s].at(r) if split else 0.0
-        backward = self.b[s].at(r) + (0.0 if split else self.w[s].at(r))
-        return self.recompute(a) + backward
+            return 0.0  # B did it all
+        backward = self.b[s].at(r) + self.w[s].at(r) + summed
+        return self.recompute(a) + run.action(backward)
 
     def transfer(
         self, devices: Sequence[int], cluster: Cluster
@@ -120,9 +139,21 @@ class StepModel:
             cut = min(dep.stage, a.stage)
             nbytes = (self.sent if a.kind == "F" else self.returned)[cut]
             link = cluster.link(devices[place[dep.stage]], devices[place[a.stage]])
-            return 1e3 * link.seconds(nbytes * self.share[a.microbatch])
+            moved = 1e3 * link.seconds(nbytes * self.share[a.microbatch])
+            return moved + self.runtime.handover_ms
 
         return delay
+
+
+def _sum_ms(layers: Sequence[LayerProfile], bandwidth: float | None) -> float:
+    """Adding a micro-batch's parameter gradients into their sums (ms): two reads and a write
+    of each gradient; a matrix product's weight gradient, summed in its product, reads and
+    writes the sum only. 0 where the memory bandwidth is unknown."""
+    if not bandwidth:
+        return 0.0
+    direct = sum(min(x.direct_grad_bytes, x.grads_bytes) for x in layers)
+    moved = 3 * sum(x.grads_bytes for x in layers) - direct
+    return 1e3 * moved / bandwidth
 
 
 def cut_bytes(profile: Profile, lasts: list[int]) -> tuple[list[float], list[float]]:

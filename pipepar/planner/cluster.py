@@ -93,6 +93,9 @@ class Cluster:
     """Link between two devices of one node."""
     inter: Link
     """Link between two devices of different nodes (each device's own share of the network)."""
+    memory_bandwidth: float | None = None
+    """Bytes per second one device reads or writes in its own memory (None: unknown). A step
+    prediction adds each micro-batch's parameter gradients into the sums with it."""
 
     def __post_init__(self) -> None:
         for label, value in (("devices_per_node", self.devices_per_node), ("nodes", self.nodes)):
@@ -104,6 +107,8 @@ class Cluster:
             raise ValueError(
                 f"Cluster.efficiency must be in (0, 1], got {self.efficiency!r}; pass e.g. 0.5"
             )
+        if self.memory_bandwidth is not None:
+            _check_positive("Cluster.memory_bandwidth", self.memory_bandwidth, "e.g. 3.35e12")
 
     @property
     def devices(self) -> int:
@@ -152,8 +157,9 @@ def _check_positive(label: str, value: float, example: str) -> None:
 # -- presets -----------------------------------------------------------------------------------
 def _h100x8() -> Cluster:
     """NVIDIA DGX H100: 8 x H100 SXM5 80GB; BF16 dense 989 TFLOP/s each (NVIDIA's datasheet,
-    1,979 with sparsity); NVLink 4, 900 GB/s per GPU both directions together (450 GB/s each
-    way); 8 x 400 Gb/s ConnectX-7 InfiniBand NDR per node, one per GPU (50 GB/s each way)."""
+    1,979 with sparsity), HBM3 at 3.35 TB/s; NVLink 4, 900 GB/s per GPU both directions
+    together (450 GB/s each way); 8 x 400 Gb/s ConnectX-7 InfiniBand NDR per node, one per
+    GPU (50 GB/s each way)."""
     return Cluster(
         name="h100x8",
         device="NVIDIA H100 SXM5 80GB",
@@ -163,17 +169,25 @@ def _h100x8() -> Cluster:
         efficiency=0.5,
         intra=Link(bandwidth=450 * _GB, latency=10e-6),
         inter=Link(bandwidth=50 * _GB, latency=20e-6),
+        memory_bandwidth=3350 * _GB,
     )
 
 
 def _h200x8() -> Cluster:
     """NVIDIA HGX H200: 8 x H200 SXM 141GB; the H100's compute (989 TFLOP/s BF16 dense) with
-    141 GB of HBM3e; NVLink 4 and 8 x 400 Gb/s InfiniBand as in the DGX H100."""
-    return replace(_h100x8(), name="h200x8", device="NVIDIA H200 SXM 141GB", memory_bytes=141 * _GB)
+    141 GB of HBM3e at 4.8 TB/s; NVLink 4 and 8 x 400 Gb/s InfiniBand as in the DGX H100."""
+    return replace(
+        _h100x8(),
+        name="h200x8",
+        device="NVIDIA H200 SXM 141GB",
+        memory_bytes=141 * _GB,
+        memory_bandwidth=4800 * _GB,
+    )
 
 
 def _a100x8() -> Cluster:
-    """NVIDIA DGX A100: 8 x A100 SXM4 80GB; BF16 dense 312 TFLOP/s each (NVIDIA's datasheet);
+    """NVIDIA DGX A100: 8 x A100 SXM4 80GB; BF16 dense 312 TFLOP/s each, HBM2e at 2.04 TB/s
+    (NVIDIA's datasheet);
     NVLink 3, 600 GB/s per GPU both directions together (300 GB/s each way); 8 x 200 Gb/s
     ConnectX-6 InfiniBand HDR per node, one per GPU (25 GB/s each way)."""
     return Cluster(
@@ -185,14 +199,16 @@ def _a100x8() -> Cluster:
         efficiency=0.5,
         intra=Link(bandwidth=300 * _GB, latency=10e-6),
         inter=Link(bandwidth=25 * _GB, latency=20e-6),
+        memory_bandwidth=2039 * _GB,
     )
 
 
 def _cpu() -> Cluster:
     """This machine as the CPU runtime uses it: one device per core, each with an equal share of
     the memory. FP32 peak of one AVX2 core: 2 FMA units x 8 lanes x 2 FLOP x ~3 GHz, about
-    96 GFLOP/s. Stages on one machine hand tensors over in memory (a thread hand-off);
-    nodes meet over 10 Gb/s Ethernet. :func:`measure_local` measures instead."""
+    96 GFLOP/s; one core streams about 10 GB/s from memory. Stages on one machine hand
+    tensors over in memory (a thread hand-off); nodes meet over 10 Gb/s Ethernet.
+    :func:`measure_local` measures instead."""
     cores = os.cpu_count() or 1
     return Cluster(
         name="cpu",
@@ -203,6 +219,7 @@ def _cpu() -> Cluster:
         efficiency=0.5,
         intra=Link(bandwidth=10 * _GB, latency=20e-6),
         inter=Link(bandwidth=1.25 * _GB, latency=50e-6),
+        memory_bandwidth=10 * _GB,
     )
 
 
@@ -227,8 +244,9 @@ NAMES = tuple(_PRESETS)
 # -- measuring the machine at hand -------------------------------------------------------------
 def measure_local(device: str | torch.device = "cpu", *, seconds: float = 1.0) -> Cluster:
     """This machine, measured in about ``seconds``: matrix-product FLOP/s of one device, the
-    bandwidth of a copy between devices (within one device when there is only one) and the
-    latency of handing a small tensor over.
+    bandwidth of a copy between devices (within one device when there is only one), the
+    latency of handing a small tensor over, and the memory bandwidth of an in-place sum (as a
+    gradient is added into its sum).
 
     On the CPU a device is one core: the product runs on one thread, as each CPU stage does.
     On CUDA it runs in BF16 on ``device``. The measured rate is what a large product reaches,
@@ -257,8 +275,9 @@ def measure_local(device: str | torch.device = "cpu", *, seconds: float = 1.0) -
     if target.type == "cuda" and target.index is None:
         target = torch.device("cuda", torch.cuda.current_device())
     flops = _matmul_rate(target, seconds / 2)
-    bandwidth = _copy_rate(target, seconds / 3)
-    latency = _handoff_latency(target, seconds / 6)
+    bandwidth = _copy_rate(target, seconds / 4)
+    latency = _handoff_latency(target, seconds / 8)
+    memory = _sum_rate(target, seconds / 8)
     base = _cpu()
     if target.type == "cuda":
         props = torch.cuda.get_device_properties(target)
@@ -274,6 +293,7 @@ def measure_local(device: str | torch.device = "cpu", *, seconds: float = 1.0) -
         flops=flops,
         efficiency=1.0,
         intra=Link(bandwidth=bandwidth, latency=latency),
+        memory_bandwidth=memory,
     )
 
 
@@ -324,6 +344,20 @@ def _copy_rate(device: torch.device, budget: float) -> float:
         _sync(other)()
 
     return _best_rate(lambda: dst.copy_(src), float(src.numel() * src.element_size()), budget, sync)
+
+
+def _sum_rate(device: torch.device, budget: float) -> float:
+    """Bytes per second that ``a += b`` moves (two read, one written) on one core or device."""
+    a = torch.ones(8 << 20, dtype=torch.float32, device=device)  # 32 MiB
+    b = torch.ones_like(a)
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # a CPU device is one core
+    try:
+        moved = 3.0 * a.numel() * a.element_size()
+        return _best_rate(lambda: a.add_(b), moved, budget, _sync(device))
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _handoff_latency(device: torch.device, budget: float) -> float:

@@ -63,6 +63,7 @@ from pipepar.planner.plan_search import unconstrained
 from pipepar.planner.plan_targets import Target, resolve_targets
 from pipepar.planner.profile import Profile
 from pipepar.planner.profile_rows import at_rows
+from pipepar.planner.runtime_fit import RuntimeFit
 from pipepar.planner.search_inputs import (
     check_choices,
     check_count,
@@ -103,6 +104,7 @@ def search_layouts(
     top: int | None = 10,
     profile_device: str = "meta",
     shards: Sequence[bool] = (False, True),
+    runtime: RuntimeFit | None = None,
 ) -> list[Layout]:
     """The fastest layouts of the model on ``devices`` devices that fit, fastest first.
 
@@ -128,6 +130,10 @@ def search_layouts(
         profile_device: where to profile a model.
         shards: for ``dp >= 2``, whether to try each stage's state replicated (``False``)
             and sharded over the replicas (``True``); ``dp = 1`` is replicated only.
+        runtime: what the runtime adds to each action on these machines, as
+            :func:`~pipepar.planner.step_time.predict_step` takes it (fitted to measured
+            steps by :func:`pipepar.planner.calibrate.fit_runtime`); None: the profile's
+            times as they are.
 
     Returns:
         Up to ``top`` :class:`Layout` s, by throughput, fastest first.
@@ -151,6 +157,7 @@ def search_layouts(
         ),
         top=None if top is None else check_count("top", top, "e.g. top=10, or None for all"),
         shards=check_shards(shards),
+        runtime=runtime,
     )
     machines = search_cluster(cluster, n)
     cap = machines.memory_bytes if capacity is None else parse_bytes(capacity, name="capacity")
@@ -176,6 +183,7 @@ class _Options:
     checkpoints: list[str]  # fastest first, the most frugal last
     top: int | None
     shards: list[bool]  # replicated (False) and/or sharded (True), for dp >= 2
+    runtime: RuntimeFit | None
 
 
 @dataclass(frozen=True)
@@ -299,7 +307,8 @@ class _Search:
             found = fit(shape.profile, memory, shape.targets)
             if found is None:
                 return m
-            if _busy_bound(found) <= self._threshold():  # else no step can make the top
+            # a step at least as long as its busiest device cannot make the top otherwise
+            if _busy_bound(found, self.options.runtime) <= self._threshold():
                 self._keep(self._layout(shape, found))
         return misfit
 
@@ -326,6 +335,7 @@ class _Search:
             dp=shape.dp,
             flops=shape.flops,
             dp_shard=shape.shard,
+            runtime=self.options.runtime,
         )
 
     def _layout(self, shape: _Shape, found: Plan) -> Layout:
@@ -446,15 +456,18 @@ def _needed(memory: MemoryModel, foreach: bool) -> int:
     return order.n_stages // order.n_workers * max(c.peak for c in split)
 
 
-def _busy_bound(found: Plan) -> float:
+def _busy_bound(found: Plan, runtime: RuntimeFit | None) -> float:
     """The busiest device's compute over the step (ms), a lower bound of the step: its
-    stages' forward and backward, and the forwards run again for checkpointed micro-batches."""
+    stages' forward and backward, and the forwards run again for checkpointed micro-batches
+    (each scaled as the runtime's fit scales it)."""
+    fit = runtime or RuntimeFit()
     m = found.chunks
     share = {"never": 0.0, "except_last": (m - 1) / m, "always": 1.0}[found.checkpoint]
     busy: dict[int, float] = {}
     for s in found.stages:
         forward = sum(found.layers[i].forward_ms or 0.0 for i in s.layers)
-        busy[s.worker] = busy.get(s.worker, 0.0) + (s.time_ms or 0.0) + share * forward
+        work = fit.scale * (s.time_ms or 0.0) + fit.recompute(share * forward)
+        busy[s.worker] = busy.get(s.worker, 0.0) + work
     return max(busy.values())
 
 

@@ -24,6 +24,9 @@ What the model assumes:
   gradient, so its B computes nothing and W runs its whole backward; a stage with a layer that
   cannot split (:attr:`~pipepar.planner.profile.LayerProfile.splits_backward`) runs it all in B,
   as the runtime does.
+- **Gradient sums.** The action making a micro-batch's parameter gradients (W where split
+  off, else B) adds them into the sums: ``3 * grads_bytes / memory_bandwidth`` of the
+  cluster's device, for every micro-batch but the first (whose gradients become the sums).
 - **Recompute.** A checkpointed micro-batch (:func:`pipepar.core.recompute.should_checkpoint`:
   all under ``"always"``, all but the last under ``"except_last"``) runs its forward again at
   the start of its B, on every stage.
@@ -48,6 +51,11 @@ What the model assumes:
   activations). The gradient sums are reduce-scattered in place of the all-reduce: half its
   traffic and latency terms, starting and queued as the all-reduce does. The profile is the
   unsharded one (its whole weights and gradients).
+- **The runtime** (``runtime=``, a :class:`~pipepar.planner.runtime_fit.RuntimeFit` fitted to
+  steps measured on the machine): each F, B and W takes ``scale`` x its time plus
+  ``action_ms``, a recompute ``scale x recompute_scale`` x the forward: workers slowing each
+  other, the runtime's own work per action, checkpointing's bookkeeping. Without it the
+  actions take the profile's times, which on a shared host predicts short.
 - Not counted: the optimizer step, a loss computed outside the model, sums of weights tied
   across stages, the all-reduce's buckets (one message per stage here), links shared by
   concurrent collectives, the re-shard after the step (it frees memory, moves nothing).
@@ -75,6 +83,7 @@ from pipepar.planner.cluster import Cluster
 from pipepar.planner.dp_comm import position, reduce_spans, ring_ms
 from pipepar.planner.predicted_actions import PredictedAction
 from pipepar.planner.profile import Profile
+from pipepar.planner.runtime_fit import RuntimeFit
 
 __all__ = ["StageTime", "StepPrediction", "predict_step"]
 
@@ -168,6 +177,7 @@ def predict_step(
     flops: Flops | None = None,
     weight_share: float = 0.5,
     dp_shard: bool = False,
+    runtime: RuntimeFit | None = None,
 ) -> StepPrediction:
     """Predict the time of one training step of ``profile`` split by ``balance``.
 
@@ -187,6 +197,10 @@ def predict_step(
             ``dp`` replicas (``pipepar.distributed.wrap(..., dp_shard=True)``): the weights'
             all-gather before each worker's first action, and a reduce-scatter of the
             gradients in place of the all-reduce. Needs ``dp >= 2`` and the unsharded profile.
+        runtime: what the runtime adds to each action on this machine
+            (:class:`~pipepar.planner.runtime_fit.RuntimeFit`, fitted by
+            :func:`~pipepar.planner.calibrate.fit_runtime`); default: nothing, the profile's
+            times as they are.
 
     Returns:
         The :class:`StepPrediction`.
@@ -208,12 +222,21 @@ def predict_step(
     checkpoint = validation.check_checkpoint(checkpoint)
     _check_options(dp, weight_share)
     _check_shard(dp_shard, dp, profile)
+    _check_runtime(runtime)
     m = max(1, min(chunks, profile.batch_size))
     order = make(schedule, len(stage_layers), m, n_workers=n_workers(schedule, len(stage_layers)))
     _check_fits(machines, order.n_workers, dp)
     times = _layer_times(profile, machines, flops)
     model = StepModel(
-        profile, order, stage_layers, times, checkpoint, weight_share, per_call=flops is None
+        profile,
+        order,
+        stage_layers,
+        times,
+        checkpoint,
+        weight_share,
+        per_call=flops is None,
+        runtime=runtime,
+        memory_bandwidth=machines.memory_bandwidth,
     )
     return _predict(model, machines, dp, dp_shard, "measured" if flops is None else "flops")
 
@@ -425,6 +448,14 @@ def _check_shard(shard: object, dp: int, profile: Profile) -> None:
             f"dp_shard=True times the whole weights and gradients, but the profile is already "
             f"sharded (profile.shard={profile.shard}); pass the unsharded profile (the one "
             "given to pipepar.plan(..., shard=n), not plan.profile)"
+        )
+
+
+def _check_runtime(runtime: object) -> None:
+    if runtime is not None and not isinstance(runtime, RuntimeFit):
+        raise TypeError(
+            f"runtime must be a RuntimeFit or None, got {type(runtime).__name__}; fit one with "
+            "pipepar.planner.calibrate.fit_runtime(profile, measured, cluster=...)"
         )
 
 

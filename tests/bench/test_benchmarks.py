@@ -294,13 +294,19 @@ def test_plan_time_quick_predicts_every_layout(tmp_path: Path) -> None:
     for row in rows:
         assert row["error"] is None and row["processes"] == 1 and row["steps"] == 2, row
         assert 0 < row["p10_ms"] <= row["median_ms"] <= row["p90_ms"]
-        assert row["predicted_ms"] > 0 and row["micro_ms"] > 0 and row["cpu_ms"] > 0
+        assert row["predicted_ms"] > 0 and row["raw_ms"] > 0 and row["cpu_ms"] > 0
         measured = row["median_ms"]
         assert row["error_pct"] == pytest.approx(100 * (row["predicted_ms"] - measured) / measured)
+        assert row["raw_error_pct"] == pytest.approx(100 * (row["raw_ms"] - measured) / measured)
+    # the one calibration layout of the quick run is the mlp's fit: predicted as measured
+    fitted = [r for r in rows if r["calibration"]]
+    assert [(r["model"], r["schedule"]) for r in fitted] == [("mlp", "1f1b")]
+    assert fitted[0]["error_pct"] == pytest.approx(0.0, abs=1.0)
     table = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
-    assert len(table) == 1 + len(rows) and all(line.count("|") == 11 for line in table)
+    assert len(table) == 1 + len(rows) and all(line.count("|") == 12 for line in table)
     for model in ("mlp", "gpt2"):
-        assert f"{model}, 1 process(es), two-point profile: predicted best" in text
+        assert f"{model}, 1 process(es), with the runtime's fit: predicted best" in text
+    assert "layouts not used for the fit" in text and "mlp, one process: scale" in text
 
 
 def test_checkpoint_quick_saves_and_loads_both_formats(tmp_path: Path) -> None:
