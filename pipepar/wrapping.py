@@ -18,6 +18,7 @@ from pipepar.core.schedule import Schedule
 from pipepar.local.pipe import Pipe
 from pipepar.planner.auto_layout import keep_layout, local_layout
 from pipepar.planner.layout import Layout
+from pipepar.planner.runtime_fit import RuntimeFit
 from pipepar.program.wrap import wrap_model
 
 __all__ = ["wrap"]
@@ -37,6 +38,7 @@ def wrap(
     schedule: str | Schedule | None = None,
     threads: int | None = None,
     trace: bool = False,
+    runtime: RuntimeFit | None = None,
 ) -> Any:
     """Split ``module`` into pipeline stages and return the pipe.
 
@@ -81,6 +83,9 @@ def wrap(
             ``None``: chosen by the search, or ``"gpipe"`` when ``balance`` or ``split`` is
             given.
         trace: record a timeline of every action in ``pipe.tracer``.
+        runtime: with ``sample`` (a searched layout): what this machine's runtime adds to each
+            action, fitted to steps you measured (:func:`pipepar.planner.fit_runtime`); the
+            search then ranks layouts by those predictions. Default: the profile's times.
 
     Example:
         >>> model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
@@ -104,10 +109,12 @@ def wrap(
             schedule=schedule,
             threads=threads,
             trace=trace,
+            runtime=runtime,
         )
     layout = None
     if balance is None:
-        layout = _planned_layout(module, sample, devices, capacity, chunks, checkpoint, schedule)
+        given = (chunks, checkpoint, schedule)
+        layout = _planned_layout(module, sample, devices, capacity, given, runtime)
         balance = list(layout.balance)
         chunks, checkpoint = layout.chunks, layout.checkpoint
         schedule = schedule if isinstance(schedule, Schedule) else layout.schedule
@@ -131,12 +138,13 @@ def _planned_layout(
     sample: Value | None,
     devices: DeviceSpec,
     capacity: Any,
-    chunks: int | None,
-    checkpoint: str | None,
-    schedule: str | Schedule | None,
+    given: tuple[int | None, str | None, str | Schedule | None],
+    runtime: RuntimeFit | None,
 ) -> Layout:
-    """The searched layout of one pipeline over ``devices``; the values given are fixed."""
+    """The searched layout of one pipeline over ``devices``; the values ``given`` (chunks,
+    checkpoint, schedule) are fixed."""
     module = validation.check_model(module)
+    chunks, checkpoint, schedule = given
     if sample is None:
         raise ValueError(
             "balance is None and no sample was given; pass balance=[...] (layers per stage) or "
@@ -150,4 +158,5 @@ def _planned_layout(
         schedule=schedule,
         chunks=chunks,
         checkpoint=checkpoint,
+        runtime=runtime,
     )

@@ -27,6 +27,7 @@ from pipepar.planner.auto_layout import (
     keep_layout,
 )
 from pipepar.planner.layout import Layout
+from pipepar.planner.runtime_fit import RuntimeFit
 from pipepar.program.rank_pipe import DistributedModelPipe
 from pipepar.ranks.process import ensure_process_group, resolve_device
 
@@ -52,6 +53,7 @@ def wrap(
     state_dict: Mapping[str, Tensor] | None = None,
     timeout: float | None = 300.0,
     routes: bool = True,
+    runtime: RuntimeFit | None = None,
 ) -> DistributedPipe:
     """Split ``model`` over the ranks of ``group``: ``len(balance)`` stages x ``dp`` replicas.
 
@@ -134,6 +136,9 @@ def wrap(
             run in an order that depends on the data (skipping a block for some inputs) ends
             the step with :class:`PipelineError` naming the change: pass ``False`` to run
             every call under the cut's mode.
+        runtime: with ``plan="auto"``: what the runtime adds to each action on these
+            machines, fitted to steps you measured (:func:`pipepar.planner.fit_runtime`);
+            group rank 0's is the one used. Default: the profile's times.
 
     Raises:
         ValueError, TypeError: for inconsistent arguments, before any pipeline group exists;
@@ -156,7 +161,7 @@ def wrap(
     if plan is not None:
         layout = _auto_layout(
             model, plan, balance, split, sample, capacity, chunks, schedule, dp, checkpoint,
-            dp_shard, device, group,
+            dp_shard, device, group, runtime,
         )  # fmt: skip
         balance, chunks, dp = list(layout.balance), layout.chunks, layout.dp
         checkpoint, dp_shard = layout.checkpoint, layout.dp_shard
@@ -216,6 +221,7 @@ def _auto_layout(
     dp_shard: bool | None,
     device: torch.device | str | None,
     group: dist.ProcessGroup | None,
+    runtime: RuntimeFit | None,
 ) -> Layout:
     """The layout every rank of ``group`` builds: chosen on group rank 0 and broadcast. The
     arguments are checked on every rank first, so a bad one fails each rank alike, before
@@ -229,7 +235,7 @@ def _auto_layout(
     failed: Exception | None = None
     if dist.get_rank(group) == 0:
         try:
-            found[0] = _search_here(model, sample, capacity, given, here, group)
+            found[0] = _search_here(model, sample, capacity, given, here, group, runtime)
         except Exception as error:  # sent as text (it always pickles): every rank raises it
             failed, found[0] = error, (type(error).__name__, str(error))
     first = 0 if group is None else dist.get_global_rank(group, 0)  # torch 2.4 has no group_src
@@ -279,6 +285,7 @@ def _search_here(
     given: Given,
     here: torch.device,
     group: dist.ProcessGroup | None,
+    runtime: RuntimeFit | None,
 ) -> Layout:
     """The layout for the group's ranks, found on this rank: the model profiled on this
     rank's device, or on ``meta`` (times from FLOP counts) when it was built there."""
@@ -293,4 +300,5 @@ def _search_here(
         cluster=cluster_for(here, size, per_node=per_node),
         capacity=capacity_bytes(capacity, size, device_memory(here, per_node)),
         profile_device="meta" if on_meta else str(here),
+        runtime=runtime,
     )

@@ -36,6 +36,7 @@ from pipepar.planner.layout import Layout
 from pipepar.planner.layout_search import CHUNKS, search_layouts
 from pipepar.planner.plan import CHECKPOINTS, plan
 from pipepar.planner.profile import Profile
+from pipepar.planner.runtime_fit import RuntimeFit, check_runtime
 from pipepar.planner.search_inputs import search_profile
 from pipepar.planner.step_time import Flops
 
@@ -149,9 +150,11 @@ def choose_layout(
     cluster: Cluster,
     capacity: int,
     profile_device: str = "meta",
+    runtime: RuntimeFit | None = None,
 ) -> Layout:
     """The fastest layout of ``model`` on ``devices`` devices that fits ``capacity`` bytes
-    each, within what ``given`` fixes.
+    each, within what ``given`` fixes; steps predicted with the ``runtime`` fit where given
+    (:func:`pipepar.planner.calibrate.fit_runtime`).
 
     ``sample`` is one step's whole batch (all replicas' rows): each of the ``dp`` replicas
     takes ``rows / dp`` of them. The model is profiled on ``profile_device`` (measured times
@@ -169,6 +172,7 @@ def choose_layout(
         >>> layout.dp, sum(layout.balance) == len(model)
         (1, True)
     """
+    runtime = check_runtime(runtime)
     prof, flops = search_profile(
         model,
         sample,
@@ -178,7 +182,7 @@ def choose_layout(
         chunks=max(given.chunk_counts()),
     )
     _check_given(given, devices, prof)
-    layouts = _search(prof, flops, devices, given, cluster, capacity)
+    layouts = _search(prof, flops, devices, given, cluster, capacity, runtime)
     if given.dp is None:
         return layouts[0]
     chosen = [x for x in layouts if x.dp == given.dp]
@@ -228,6 +232,7 @@ def _search(
     given: Given,
     cluster: Cluster,
     capacity: int,
+    runtime: RuntimeFit | None,
 ) -> list[Layout]:
     """The layouts that fit, fastest first; every one when ``dp`` is given (to filter), else
     the fastest. When none fits, the error adds why one pipeline does not fit, by layer."""
@@ -245,6 +250,7 @@ def _search(
             checkpoints=given.checkpoints(),
             shards=given.shards(),
             top=None if given.dp is not None else 1,
+            runtime=runtime,
         )
     except ValueError as error:
         raise ValueError(f"{error}; {_why_not(prof, devices, given, capacity)}") from None
@@ -363,10 +369,11 @@ def local_layout(
     schedule: str | Schedule | None,
     chunks: int | None,
     checkpoint: str | None,
+    runtime: RuntimeFit | None = None,
 ) -> Layout:
     """The layout of a pipe in this process over ``devices`` (one pipeline, ``dp=1``), the
     model profiled where its parameters are; ``schedule``, ``chunks`` and ``checkpoint`` are
-    fixed where given (not None).
+    fixed where given (not None); steps predicted with the ``runtime`` fit where given.
 
     Example:
         >>> layout = local_layout(model, torch.randn(32, 64), devices=["cpu", "cpu"],
@@ -393,6 +400,7 @@ def local_layout(
             cluster=cluster_for(resolved[0], count),
             capacity=capacity_bytes(capacity, count, default),
             profile_device=str(where),
+            runtime=runtime,
         )
 
 

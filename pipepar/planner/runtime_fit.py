@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["RuntimeFit"]
+__all__ = ["RuntimeFit", "check_runtime"]
 
 BOUNDS = {
     "scale": (0.25, 8.0),
@@ -92,3 +92,13 @@ class RuntimeFit:
             "fitted_to": self.fitted_to,
             "worst_error": self.worst_error,
         }
+
+
+def check_runtime(runtime: object) -> RuntimeFit | None:
+    """``runtime`` if it is a :class:`RuntimeFit` or None; else the TypeError with the fix."""
+    if runtime is not None and not isinstance(runtime, RuntimeFit):
+        raise TypeError(
+            f"runtime must be a RuntimeFit or None, got {type(runtime).__name__}; fit one with "
+            "pipepar.planner.fit_runtime(profile, measured, cluster=...)"
+        )
+    return runtime

@@ -83,7 +83,7 @@ from pipepar.planner.cluster import Cluster
 from pipepar.planner.dp_comm import position, reduce_spans, ring_ms
 from pipepar.planner.predicted_actions import PredictedAction
 from pipepar.planner.profile import Profile
-from pipepar.planner.runtime_fit import RuntimeFit
+from pipepar.planner.runtime_fit import RuntimeFit, check_runtime
 
 __all__ = ["StageTime", "StepPrediction", "predict_step"]
 
@@ -222,7 +222,7 @@ def predict_step(
     checkpoint = validation.check_checkpoint(checkpoint)
     _check_options(dp, weight_share)
     _check_shard(dp_shard, dp, profile)
-    _check_runtime(runtime)
+    runtime = check_runtime(runtime)
     m = max(1, min(chunks, profile.batch_size))
     order = make(schedule, len(stage_layers), m, n_workers=n_workers(schedule, len(stage_layers)))
     _check_fits(machines, order.n_workers, dp)
@@ -448,14 +448,6 @@ def _check_shard(shard: object, dp: int, profile: Profile) -> None:
             f"dp_shard=True times the whole weights and gradients, but the profile is already "
             f"sharded (profile.shard={profile.shard}); pass the unsharded profile (the one "
             "given to pipepar.plan(..., shard=n), not plan.profile)"
-        )
-
-
-def _check_runtime(runtime: object) -> None:
-    if runtime is not None and not isinstance(runtime, RuntimeFit):
-        raise TypeError(
-            f"runtime must be a RuntimeFit or None, got {type(runtime).__name__}; fit one with "
-            "pipepar.planner.calibrate.fit_runtime(profile, measured, cluster=...)"
         )
 
 

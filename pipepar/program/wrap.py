@@ -13,6 +13,7 @@ from pipepar.core.devices import DeviceSpec
 from pipepar.core.schedule import Schedule
 from pipepar.planner.auto_layout import keep_layout, local_layout
 from pipepar.planner.layout import Layout
+from pipepar.planner.runtime_fit import RuntimeFit
 from pipepar.program.pipe import ModelPipe
 
 __all__ = ["wrap_model"]
@@ -32,6 +33,7 @@ def wrap_model(
     schedule: str | Schedule | None = None,
     threads: int | None = None,
     trace: bool = False,
+    runtime: RuntimeFit | None = None,
 ) -> ModelPipe:
     """:func:`pipepar.wrap` for any model that is not an ``nn.Sequential`` (or is split by
     module paths): see there. Without ``balance`` and ``split`` the layout is searched from
@@ -45,7 +47,8 @@ def wrap_model(
     """
     layout = None
     if balance is None and split is None:
-        layout = _planned_layout(model, sample, devices, capacity, chunks, schedule, checkpoint)
+        given = (chunks, schedule, checkpoint)
+        layout = _planned_layout(model, sample, devices, capacity, given, runtime)
         balance = list(layout.balance)
         chunks, checkpoint = layout.chunks, layout.checkpoint
         schedule = schedule if isinstance(schedule, Schedule) else layout.schedule
@@ -71,11 +74,12 @@ def _planned_layout(
     sample: Any,
     devices: DeviceSpec,
     capacity: Any,
-    chunks: int | None,
-    schedule: str | Schedule | None,
-    checkpoint: str | None,
+    given: tuple[int | None, str | Schedule | None, str | None],
+    runtime: RuntimeFit | None,
 ) -> Layout:
-    """The searched layout of one pipeline over ``devices``; the values given are fixed."""
+    """The searched layout of one pipeline over ``devices``; the values ``given`` (chunks,
+    schedule, checkpoint) are fixed."""
+    chunks, schedule, checkpoint = given
     if sample is None:
         raise ValueError(
             "balance and split are None and no sample was given; pass split=[module paths "
@@ -91,4 +95,5 @@ def _planned_layout(
         schedule=schedule,
         chunks=chunks,
         checkpoint=checkpoint,
+        runtime=runtime,
     )

@@ -21,6 +21,7 @@ from pipepar.planner.auto_layout import (
     given_schedule,
 )
 from pipepar.planner.layout import Layout
+from pipepar.planner.runtime_fit import RuntimeFit
 from tests._small_models import Residual, tanh_stack
 
 ROWS, WIDTH = 16, 12
@@ -244,3 +245,22 @@ def test_cpu_stages_are_profiled_with_the_threads_each_gets(
         assert seen == [2] and torch.get_num_threads() == 4
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("make", [_sequential, _residual], ids=["sequential", "any model"])
+def test_a_runtime_fit_ranks_the_layouts(make: Any, searched: list[list[Layout]]) -> None:
+    """The search predicts with the fit (with a second per action, as few micro-batches as
+    possible, and a longer step than without it); the pipe runs the layout the fitted search
+    chose, and still equals the plain model."""
+    costly = RuntimeFit(action_ms=1e3)
+    pipe = _same_as_plain(make, ["cpu", "cpu"], schedule="1f1b", checkpoint="never",
+                          runtime=costly)  # fmt: skip
+    assert next(x for x in searched[-1] if x.dp == 1) == pipe.layout  # one pipeline here
+    assert pipe.layout.chunks == 1  # every action costs a second: as few as possible
+    free = _same_as_plain(make, ["cpu", "cpu"], schedule="1f1b", checkpoint="never")
+    assert pipe.layout.step_ms > free.layout.step_ms + 2 * 1e3  # at least F and B of a stage
+
+
+def test_a_runtime_that_is_not_a_fit_names_the_fix() -> None:
+    with pytest.raises(TypeError, match="runtime must be a RuntimeFit"):
+        pipepar.wrap(_sequential(), sample=torch.randn(ROWS, WIDTH), devices=2, runtime=1.5)
