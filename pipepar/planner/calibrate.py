@@ -58,6 +58,7 @@ def fit_runtime(
     *,
     cluster: Cluster | str,
     predictor: Predictor | None = None,
+    fitted: Sequence[str] | None = None,
 ) -> RuntimeFit:
     """The :class:`RuntimeFit` whose predictions are nearest ``measured`` (least squares of
     ``log(predicted / measured)``), searched within its bounds.
@@ -70,9 +71,12 @@ def fit_runtime(
             them recomputes (``checkpoint`` not ``"never"``).
         cluster: as ``predict_step`` takes it (e.g. ``measure_local()``).
         predictor: how a layout is predicted (default: ``predict_step(profile, ...).step_ms``).
+        fitted: the names of the values to fit (e.g. ``["scale", "action_ms"]``); the rest
+            keep their defaults. Default: those the layouts can separate (above).
 
     Raises:
-        ValueError: no measured layout, or a step time not > 0.
+        ValueError: no measured layout, a step time not > 0, or an unknown name in
+            ``fitted``.
 
     Example:
         >>> fit = fit_runtime(prof, runs, cluster=measure_local())
@@ -80,11 +84,7 @@ def fit_runtime(
     """
     runs = _checked(measured)
     predict = predictor or _step_predictor(profile, cluster)
-    free = ["scale", "action_ms"] if len({r.chunks for r in runs}) > 1 else ["scale"]
-    if len({r.schedule for r in runs}) > 1 and len(free) > 1:
-        free.append("handover_ms")
-    if any(r.checkpoint != "never" for r in runs):
-        free.append("recompute_scale")
+    free = _checked_names(fitted) if fitted is not None else _separable(runs)
 
     def loss(fit: RuntimeFit) -> float:
         return sum(math.log(predict(r, fit) / r.step_ms) ** 2 for r in runs)
@@ -96,6 +96,29 @@ def fit_runtime(
     best = _pattern_search(start, loss, {name: steps[name] for name in free})
     worst = max(abs(predict(r, best) / r.step_ms - 1.0) for r in runs)
     return replace(best, fitted_to=len(runs), worst_error=worst)
+
+
+def _checked_names(fitted: Sequence[str]) -> list[str]:
+    names = list(fitted)
+    unknown = [n for n in names if n not in BOUNDS]
+    if unknown or isinstance(fitted, str):
+        raise ValueError(
+            f"fitted={fitted!r} names no RuntimeFit value {unknown or [fitted]}; pass a list of "
+            f"{sorted(BOUNDS)}"
+        )
+    return names
+
+
+def _separable(runs: Sequence[Measured]) -> list[str]:
+    """The values the layouts can tell apart (see :func:`fit_runtime`)."""
+    free = ["scale"]
+    if len({r.chunks for r in runs}) > 1:
+        free.append("action_ms")
+        if len({r.schedule for r in runs}) > 1:
+            free.append("handover_ms")
+    if any(r.checkpoint != "never" for r in runs):
+        free.append("recompute_scale")
+    return free
 
 
 def _pattern_search(

@@ -313,6 +313,7 @@ class SlowBackward(nn.Module):
         return _SlowBackward.apply(x)
 
 
+@pytest.mark.usefixtures("ctrl_c")
 def test_keyboard_interrupt_during_backward_stops_cleanly() -> None:
     model = nn.Sequential(nn.Linear(4, 4), SlowBackward(), nn.Linear(4, 4), SlowBackward())
     plain = copy.deepcopy(model)

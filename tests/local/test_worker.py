@@ -151,6 +151,7 @@ def test_default_threads_share_the_cores_among_stages_that_overlap(chunks: int, 
     assert pipe.threads == [want, want]
 
 
+@pytest.mark.usefixtures("ctrl_c")
 def test_keyboard_interrupt_stops_cleanly() -> None:
     import _thread
     import time

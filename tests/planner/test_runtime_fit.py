@@ -158,6 +158,13 @@ def test_fit_recovers_a_handover_from_two_schedules() -> None:
     assert fit.worst_error < 0.01
 
 
+def test_fit_only_the_values_named() -> None:
+    prof = _profile(4, rows=16, f=1.0, b=2.0)
+    truth = RuntimeFit(scale=1.3, action_ms=0.7)
+    fit = fit_runtime(prof, _measured(prof, truth), cluster=_cluster(), fitted=["scale"])
+    assert fit.action_ms == 0.0 and fit.recompute_scale == 1.0 and fit.scale > 1.3
+
+
 def test_fit_leaves_what_the_steps_cannot_tell() -> None:
     prof = _profile(4, rows=16)
     truth = RuntimeFit(scale=1.2, action_ms=0.5)
@@ -177,6 +184,11 @@ def test_fit_arguments_say_how_to_fix() -> None:
         fit_runtime(prof, [Measured([1, 1], "1f1b", 4, "never", 0.0)], cluster=_cluster())
     with pytest.raises(TypeError, match=r"measured\[0\] is a tuple"):
         fit_runtime(prof, [([1, 1], "1f1b", 4, "never", 1.0)], cluster=_cluster())  # type: ignore[list-item]
+    runs = [Measured([1, 1], "1f1b", 4, "never", 10.0)]
+    with pytest.raises(ValueError, match="names no RuntimeFit value"):
+        fit_runtime(prof, runs, cluster=_cluster(), fitted=["speed"])
+    with pytest.raises(ValueError, match="names no RuntimeFit value"):
+        fit_runtime(prof, runs, cluster=_cluster(), fitted="scale")
     with pytest.raises(ValueError, match=r"RuntimeFit\.scale"):
         RuntimeFit(scale=0.0)
     with pytest.raises(ValueError, match=r"RuntimeFit\.action_ms"):
