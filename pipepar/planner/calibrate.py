@@ -89,11 +89,10 @@ def fit_runtime(
     def loss(fit: RuntimeFit) -> float:
         return sum(math.log(predict(r, fit) / r.step_ms) ** 2 for r in runs)
 
-    start = RuntimeFit(action_ms=0.0)
     per_action = max(0.05, 0.02 * min(r.step_ms / max(1, r.chunks) for r in runs))
-    steps = {"scale": 0.25, "action_ms": per_action, "handover_ms": per_action}
-    steps["recompute_scale"] = 0.25
-    best = _pattern_search(start, loss, {name: steps[name] for name in free})
+    steps = {"scale": 0.25, "recompute_scale": 0.25, "action_ms": per_action}
+    steps["handover_ms"] = per_action
+    best = _pattern_search(RuntimeFit(), loss, {name: steps[name] for name in free})
     worst = max(abs(predict(r, best) / r.step_ms - 1.0) for r in runs)
     return replace(best, fitted_to=len(runs), worst_error=worst)
 
