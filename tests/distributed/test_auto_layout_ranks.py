@@ -12,6 +12,7 @@ from torch import nn
 
 import pipepar.distributed as ppd
 from pipepar.planner.layout import Layout
+from pipepar.planner.runtime_fit import RuntimeFit
 from tests._ranks import spawn
 from tests._small_models import Residual, tanh_stack
 
@@ -94,6 +95,7 @@ def _cases(rank: int) -> dict[str, Any]:
         "dp=1": _one_step(_sequential, dp=1, schedule="1f1b", checkpoint="always"),
         "meta": _one_step(_sequential, meta=True),
         "residual": _one_step(_residual, dp=1),
+        "fitted": _one_step(_sequential, dp=1, runtime=RuntimeFit(action_ms=1e3)),
         "refused": _refused_everywhere(),
     }
 
@@ -101,7 +103,7 @@ def _cases(rank: int) -> dict[str, Any]:
 @pytest.mark.slow
 def test_every_rank_builds_rank_0s_layout_and_a_step_equals_the_plain_model() -> None:
     got = spawn(WORLD, _cases, timeout=240)
-    for case in ("free", "dp=2", "sharded", "dp=1", "meta", "residual"):
+    for case in ("free", "dp=2", "sharded", "dp=1", "meta", "residual", "fitted"):
         first = got[0][case]
         layout = first["layout"]
         assert all(got[r][case]["layout"] == layout for r in got), case  # all ranks agree
@@ -116,6 +118,8 @@ def test_every_rank_builds_rank_0s_layout_and_a_step_equals_the_plain_model() ->
     fixed = got[0]["dp=1"]["layout"]
     assert (fixed["dp"], fixed["schedule"], fixed["checkpoint"]) == (1, "1f1b", "always")
     assert got[0]["residual"]["layout"]["dp"] == 1
+    fitted = got[0]["fitted"]["layout"]  # a second per action: as few micro-batches as can be
+    assert fitted["chunks"] == 1 and fitted["step_ms"] > 2e3
     sharded = got[0]["sharded"]["layout"]  # dp_shard=True: only sharded layouts, so dp=2
     assert (sharded["dp"], sharded["dp_shard"]) == (2, True)
     assert got[0]["refused"].startswith("no layout fits 2 devices of 1.0 KiB")
