@@ -408,9 +408,7 @@ def calibrated(
         runs = []
         for x in chosen:
             steps = times.get(x.key)
-            if x.processes != procs or _calibration(x) is False or isinstance(steps, str):
-                continue
-            if steps:
+            if x.processes == procs and _calibration(x) and steps and not isinstance(steps, str):
                 ms = 1e3 * statistics.median(steps)
                 runs.append(Measured(balance(model, prof, stages(x.schedule)), x.schedule,
                                      x.chunks, x.checkpoint, ms))  # fmt: skip

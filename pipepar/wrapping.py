@@ -17,7 +17,6 @@ from pipepar.core.microbatch import Value
 from pipepar.core.schedule import Schedule
 from pipepar.local.pipe import Pipe
 from pipepar.planner.auto_layout import keep_layout, local_layout
-from pipepar.planner.layout import Layout
 from pipepar.planner.runtime_fit import RuntimeFit
 from pipepar.program.wrap import wrap_model
 
@@ -113,8 +112,16 @@ def wrap(
         )
     layout = None
     if balance is None:
-        given = (chunks, checkpoint, schedule)
-        layout = _planned_layout(module, sample, devices, capacity, given, runtime)
+        layout = local_layout(
+            validation.check_model(module),
+            _sample_to_plan(sample),
+            devices=devices,
+            capacity=capacity,
+            schedule=schedule,
+            chunks=chunks,
+            checkpoint=checkpoint,
+            runtime=runtime,
+        )
         balance = list(layout.balance)
         chunks, checkpoint = layout.chunks, layout.checkpoint
         schedule = schedule if isinstance(schedule, Schedule) else layout.schedule
@@ -133,30 +140,11 @@ def wrap(
     return pipe
 
 
-def _planned_layout(
-    module: nn.Sequential,
-    sample: Value | None,
-    devices: DeviceSpec,
-    capacity: Any,
-    given: tuple[int | None, str | None, str | Schedule | None],
-    runtime: RuntimeFit | None,
-) -> Layout:
-    """The searched layout of one pipeline over ``devices``; the values ``given`` (chunks,
-    checkpoint, schedule) are fixed."""
-    module = validation.check_model(module)
-    chunks, checkpoint, schedule = given
+def _sample_to_plan(sample: Value | None) -> Value:
+    """``sample``, which a searched layout needs; else the ValueError with the fix."""
     if sample is None:
         raise ValueError(
             "balance is None and no sample was given; pass balance=[...] (layers per stage) or "
             "sample=<an input batch> so pipepar can profile the model and choose the layout"
         )
-    return local_layout(
-        module,
-        sample,
-        devices=devices,
-        capacity=capacity,
-        schedule=schedule,
-        chunks=chunks,
-        checkpoint=checkpoint,
-        runtime=runtime,
-    )
+    return sample

@@ -83,7 +83,7 @@ class RuntimeFit:
         return self.scale * self.recompute_scale * ms
 
     def to_dict(self) -> dict[str, float]:
-        """The values, for a plan's JSON."""
+        """The values as plain numbers (to write as JSON beside measurements)."""
         return {
             "scale": self.scale,
             "action_ms": self.action_ms,

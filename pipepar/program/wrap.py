@@ -12,7 +12,6 @@ from pipepar.core import validation
 from pipepar.core.devices import DeviceSpec
 from pipepar.core.schedule import Schedule
 from pipepar.planner.auto_layout import keep_layout, local_layout
-from pipepar.planner.layout import Layout
 from pipepar.planner.runtime_fit import RuntimeFit
 from pipepar.program.pipe import ModelPipe
 
@@ -47,8 +46,16 @@ def wrap_model(
     """
     layout = None
     if balance is None and split is None:
-        given = (chunks, schedule, checkpoint)
-        layout = _planned_layout(model, sample, devices, capacity, given, runtime)
+        layout = local_layout(
+            model,
+            _sample_to_plan(sample),
+            devices=devices,
+            capacity=capacity,
+            schedule=schedule,
+            chunks=chunks,
+            checkpoint=checkpoint,
+            runtime=runtime,
+        )
         balance = list(layout.balance)
         chunks, checkpoint = layout.chunks, layout.checkpoint
         schedule = schedule if isinstance(schedule, Schedule) else layout.schedule
@@ -69,17 +76,8 @@ def wrap_model(
     return pipe
 
 
-def _planned_layout(
-    model: nn.Module,
-    sample: Any,
-    devices: DeviceSpec,
-    capacity: Any,
-    given: tuple[int | None, str | Schedule | None, str | None],
-    runtime: RuntimeFit | None,
-) -> Layout:
-    """The searched layout of one pipeline over ``devices``; the values ``given`` (chunks,
-    schedule, checkpoint) are fixed."""
-    chunks, schedule, checkpoint = given
+def _sample_to_plan(sample: Any) -> Any:
+    """``sample``, which a searched layout needs; else the ValueError with the fix."""
     if sample is None:
         raise ValueError(
             "balance and split are None and no sample was given; pass split=[module paths "
@@ -87,13 +85,4 @@ def _planned_layout(
             "units), or sample=<an input batch> so pipepar can profile the model and choose "
             "the layout"
         )
-    return local_layout(
-        model,
-        sample,
-        devices=devices,
-        capacity=capacity,
-        schedule=schedule,
-        chunks=chunks,
-        checkpoint=checkpoint,
-        runtime=runtime,
-    )
+    return sample
