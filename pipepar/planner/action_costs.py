@@ -109,23 +109,25 @@ class StepModel:
         checkpointed = should_checkpoint(self.checkpoint, a.microbatch, self.order.n_microbatches)
         if not checkpointed:
             return 0.0
-        return self.runtime.recompute(self.f[a.stage].at(self.share[a.microbatch]))
+        forward = self.f[a.stage].at(self.share[a.microbatch])
+        return self.runtime.recompute(forward, len(self.layers[a.stage]))
 
     def cost(self, a: Action, split: bool) -> float:
         """The time of action ``a``; ``split``: whether the schedule runs a W after its B.
         The runtime's fit applies to each (a W that does not run costs nothing)."""
         r, s, run = self.share[a.microbatch], a.stage, self.runtime
+        n = len(self.layers[s])
         if a.kind == "F":
-            return run.action(self.f[s].at(r))
+            return run.action(self.f[s].at(r), n)
         summed = self.sums[s] if a.microbatch > 0 else 0.0  # the first one's is the sum
         if split and self.w[s].whole > 0:  # W makes the parameter gradients
             if a.kind == "W":
                 return run.weight(self.w[s].at(r) + summed)
-            return self.recompute(a) + run.action(self.b[s].at(r))
+            return self.recompute(a) + run.action(self.b[s].at(r), n)
         if a.kind == "W":
             return 0.0  # B did it all
         backward = self.b[s].at(r) + self.w[s].at(r) + summed
-        return self.recompute(a) + run.action(backward)
+        return self.recompute(a) + run.action(backward, n)
 
     def transfer(
         self, devices: Sequence[int], cluster: Cluster

@@ -67,8 +67,11 @@ def fit_runtime(
         profile: the profile the predictions read (a measured one).
         measured: the layouts run on this machine and runtime, with their step times. Two or
             more with different ``chunks`` fit ``scale`` and ``action_ms``; ``handover_ms``
-            stays 0 unless they also differ in schedule, ``recompute_scale`` 1 unless one of
-            them recomputes (``checkpoint`` not ``"never"``).
+            stays 0 unless two with as many stages also differ in schedule,
+            ``recompute_scale`` 1 unless one of them recomputes (``checkpoint`` not
+            ``"never"``), ``recompute_ms`` 0 unless two recomputing ones differ in
+            ``chunks``, ``layer_ms`` 0 unless they differ in the number of stages (e.g.
+            1f1b and interleaved-1f1b on the same devices).
         cluster: as ``predict_step`` takes it (e.g. ``measure_local()``).
         predictor: how a layout is predicted (default: ``predict_step(profile, ...).step_ms``).
         fitted: the names of the values to fit (e.g. ``["scale", "action_ms"]``); the rest
@@ -91,7 +94,7 @@ def fit_runtime(
 
     per_action = max(0.05, 0.02 * min(r.step_ms / max(1, r.chunks) for r in runs))
     steps = {"scale": 0.25, "recompute_scale": 0.25, "action_ms": per_action}
-    steps["handover_ms"] = per_action
+    steps |= {"handover_ms": per_action, "recompute_ms": per_action, "layer_ms": per_action / 4}
     best = _pattern_search(RuntimeFit(), loss, {name: steps[name] for name in free})
     worst = max(abs(predict(r, best) / r.step_ms - 1.0) for r in runs)
     return replace(best, fitted_to=len(runs), worst_error=worst)
@@ -111,12 +114,18 @@ def _checked_names(fitted: Sequence[str]) -> list[str]:
 def _separable(runs: Sequence[Measured]) -> list[str]:
     """The values the layouts can tell apart (see :func:`fit_runtime`)."""
     free = ["scale"]
+    stages = {len(r.balance) for r in runs}
     if len({r.chunks for r in runs}) > 1:
         free.append("action_ms")
-        if len({r.schedule for r in runs}) > 1:
+        if any(len({r.schedule for r in runs if len(r.balance) == n}) > 1 for n in stages):
             free.append("handover_ms")
-    if any(r.checkpoint != "never" for r in runs):
+    recomputing = [r for r in runs if r.checkpoint != "never"]
+    if recomputing:
         free.append("recompute_scale")
+        if len({r.chunks for r in recomputing}) > 1:
+            free.append("recompute_ms")
+    if len(stages) > 1:
+        free.append("layer_ms")
     return free
 
 

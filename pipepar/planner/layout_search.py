@@ -466,7 +466,8 @@ def _busy_bound(found: Plan, runtime: RuntimeFit | None) -> float:
     busy: dict[int, float] = {}
     for s in found.stages:
         forward = sum(found.layers[i].forward_ms or 0.0 for i in s.layers)
-        work = fit.scale * (s.time_ms or 0.0) + fit.recompute(share * forward)
+        again = m * share * fit.recompute(forward / m, len(s.layers))
+        work = fit.scale * (s.time_ms or 0.0) + again
         busy[s.worker] = busy.get(s.worker, 0.0) + work
     return max(busy.values())
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from benchmarks import _common as common
 from benchmarks._results import RESULTS
@@ -323,3 +324,31 @@ def test_checkpoint_quick_saves_and_loads_both_formats(tmp_path: Path) -> None:
     assert rows[1]["files"] == 1  # one gathered file
     table = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(table) == 1 + len(rows) and all(line.count("|") == 8 for line in table)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_gpu_bench_without_cuda_says_so_and_writes_nothing(tmp_path: Path) -> None:
+    results = tmp_path / "RESULTS.md"
+    cmd = [sys.executable, "benchmarks/bench_gpu.py", "--write", "--results", str(results)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.count("\n") == 1 and "needs a CUDA device" in done.stderr
+    assert not results.exists()
+
+
+def test_plan_time_best_is_decided_head_to_head_where_both_were_rematched() -> None:
+    from benchmarks import bench_plan_time as bench
+
+    def row(key: str, predicted: float, median: float, **more: float) -> dict[str, Any]:
+        return {"model": "mlp", "processes": 1, "key": key, "error": None, "calibration": False,
+                "predicted_ms": predicted, "raw_ms": predicted, "median_ms": median,
+                "error_pct": 0.0, "raw_error_pct": 0.0, "busy_error_pct": None} | more  # fmt: skip
+
+    rows = [row("a", 100.0, 110.0), row("b", 105.0, 100.0), row("c", 120.0, 130.0)]
+    (first,) = bench.best(rows)  # a predicted best, b measured best: a is 10% slower
+    assert (first["predicted"], first["measured"], first["rematched"]) == ("a", "b", False)
+    assert first["slower"] == pytest.approx(0.10) and not first["right"]
+    rows[0]["rematch_ms"], rows[1]["rematch_ms"] = 101.0, 100.0  # head to head: 1% apart
+    (again,) = bench.best(rows)
+    assert again["rematched"] and again["right"] and again["slower"] == pytest.approx(0.01)
+    assert "head to head (6 rounds)" in bench.summary(rows, 6)

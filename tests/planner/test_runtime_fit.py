@@ -1,5 +1,6 @@
-"""The runtime's fit (a scale, a time per action, a recompute factor) and the gradient sums
-in step predictions, against hand-computed timings; fit_runtime recovers known values."""
+"""The runtime's fit (a scale, times per action and per layer, a recompute factor and time, a
+hand-over time) and the gradient sums in step predictions, against hand-computed timings;
+fit_runtime recovers known values."""
 
 from __future__ import annotations
 
@@ -60,6 +61,37 @@ def test_recompute_scale_multiplies_the_repeated_forward() -> None:
     always = _predict(prof, [1] * k, schedule="gpipe", chunks=m, checkpoint="always", runtime=fit)
     assert always.stages[0].recompute_ms == pytest.approx(1.5 * m * f)
     assert always.step_ms == pytest.approx((m + k - 1) * (f + b + 1.5 * f))
+
+
+def test_time_per_layer_counts_each_action_s_layers() -> None:
+    m, f, b, per_layer = 4, 1.0, 2.0, 0.5
+    prof = _profile(3, rows=m, f=f, b=b)
+    fit = RuntimeFit(layer_ms=per_layer)
+    pred = _predict(prof, [3], schedule="gpipe", chunks=m, runtime=fit)
+    # one worker, a stage of 3 layers: each of its 2M actions takes 3 x per_layer more
+    assert pred.step_ms == pytest.approx(3 * m * (f + b) + 2 * m * 3 * per_layer)
+    # four stages of one layer on two workers pay one layer's time per action, not three
+    split = _predict(prof, [1, 1, 1], schedule="gpipe", chunks=m, runtime=fit)
+    plain = _predict(prof, [1, 1, 1], schedule="gpipe", chunks=m)
+    assert split.stages[1].forward_ms == pytest.approx(plain.stages[1].forward_ms + m * per_layer)
+
+
+def test_recompute_time_is_per_recomputed_layer_and_micro_batch() -> None:
+    k, m, f, b, per_layer = 2, 4, 1.0, 2.0, 0.25
+    prof = _profile(2 * k, rows=m, f=f, b=b)
+    fit = RuntimeFit(recompute_ms=per_layer)
+    plain = _predict(prof, [2, 2], schedule="gpipe", chunks=m, checkpoint="always")
+    timed = _predict(prof, [2, 2], schedule="gpipe", chunks=m, checkpoint="always", runtime=fit)
+    # each stage recomputes its 2 layers for each of the M micro-batches
+    assert timed.stages[0].recompute_ms - plain.stages[0].recompute_ms == pytest.approx(
+        m * 2 * per_layer
+    )
+    last = _predict(prof, [2, 2], schedule="gpipe", chunks=m, checkpoint="except_last", runtime=fit)
+    assert last.stages[0].recompute_ms == pytest.approx((m - 1) * (2 * f + 2 * per_layer))
+    never = _predict(prof, [2, 2], schedule="gpipe", chunks=m, runtime=fit)
+    assert never.step_ms == pytest.approx(
+        _predict(prof, [2, 2], schedule="gpipe", chunks=m).step_ms
+    )
 
 
 def test_handover_delays_each_crossing_between_workers() -> None:
@@ -158,6 +190,26 @@ def test_fit_recovers_a_handover_from_two_schedules() -> None:
     assert fit.worst_error < 0.01
 
 
+def test_fit_recovers_per_layer_and_recompute_times() -> None:
+    prof = _profile(4, rows=16, f=1.0, b=2.0, grads=1 << 16)
+    truth = RuntimeFit(scale=1.2, action_ms=0.4, layer_ms=0.3, recompute_scale=1.3,
+                       recompute_ms=0.6)  # fmt: skip
+    layouts = [*LAYOUTS, ("1f1b", 16, "except_last"), ("interleaved-1f1b", 8, "never")]
+    runs = [
+        Measured([1] * 4 if s == "interleaved-1f1b" else [2, 2], s, m, k,
+                 _predict(prof, [1] * 4 if s == "interleaved-1f1b" else [2, 2], schedule=s,
+                          chunks=m, checkpoint=k, runtime=truth).step_ms)
+        for s, m, k in layouts
+    ]  # fmt: skip
+    fit = fit_runtime(prof, runs, cluster=_cluster())
+    assert fit.fitted_to == 5 and fit.worst_error < 0.01
+    for name in ("scale", "action_ms", "layer_ms", "recompute_scale", "recompute_ms"):
+        assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=0.1, abs=0.03), name
+    # three stages' layers and one recomputing M cannot separate them: they stay at 0
+    alone = fit_runtime(prof, _measured(prof, truth), cluster=_cluster())
+    assert alone.layer_ms == 0.0 and alone.recompute_ms == 0.0
+
+
 def test_fit_only_the_values_named() -> None:
     prof = _profile(4, rows=16, f=1.0, b=2.0)
     truth = RuntimeFit(scale=1.3, action_ms=0.7)
@@ -201,7 +253,7 @@ def test_fit_to_dict_is_plain_numbers() -> None:
     fit = RuntimeFit(scale=1.1, action_ms=0.3, recompute_scale=1.2, fitted_to=3)
     assert fit.to_dict() == {
         "scale": 1.1, "action_ms": 0.3, "recompute_scale": 1.2, "handover_ms": 0.0,
-        "fitted_to": 3, "worst_error": 0.0,
+        "layer_ms": 0.0, "recompute_ms": 0.0, "fitted_to": 3, "worst_error": 0.0,
     }  # fmt: skip
 
 
