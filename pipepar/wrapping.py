@@ -16,7 +16,7 @@ from pipepar.core.devices import DeviceSpec
 from pipepar.core.microbatch import Value
 from pipepar.core.schedule import Schedule
 from pipepar.local.pipe import Pipe
-from pipepar.planner.auto_layout import keep_layout, local_layout
+from pipepar.planner.auto_layout import keep_layout, local_layout, pipe_arguments
 from pipepar.planner.runtime_fit import RuntimeFit
 from pipepar.program.wrap import wrap_model
 
@@ -122,9 +122,7 @@ def wrap(
             checkpoint=checkpoint,
             runtime=runtime,
         )
-        balance = list(layout.balance)
-        chunks, checkpoint = layout.chunks, layout.checkpoint
-        schedule = schedule if isinstance(schedule, Schedule) else layout.schedule
+        balance, chunks, checkpoint, schedule = pipe_arguments(layout, schedule)
     pipe = Pipe(
         module,
         balance,

@@ -49,6 +49,7 @@ __all__ = [
     "given_schedule",
     "keep_layout",
     "local_layout",
+    "pipe_arguments",
 ]
 
 
@@ -402,6 +403,20 @@ def local_layout(
             profile_device=str(where),
             runtime=runtime,
         )
+
+
+def pipe_arguments(
+    layout: Layout, schedule: str | Schedule | None
+) -> tuple[list[int], int, str, str | Schedule]:
+    """What a pipe in this process takes from a chosen ``layout``: its balance, chunks,
+    checkpoint and schedule; a :class:`Schedule` the caller gave stays as given (the layout
+    was searched with its name).
+
+    Example:
+        >>> balance, chunks, checkpoint, schedule = pipe_arguments(layout, None)
+    """
+    chosen = schedule if isinstance(schedule, Schedule) else layout.schedule
+    return list(layout.balance), layout.chunks, layout.checkpoint, chosen
 
 
 @contextlib.contextmanager

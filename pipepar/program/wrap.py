@@ -11,7 +11,7 @@ from torch import nn
 from pipepar.core import validation
 from pipepar.core.devices import DeviceSpec
 from pipepar.core.schedule import Schedule
-from pipepar.planner.auto_layout import keep_layout, local_layout
+from pipepar.planner.auto_layout import keep_layout, local_layout, pipe_arguments
 from pipepar.planner.runtime_fit import RuntimeFit
 from pipepar.program.pipe import ModelPipe
 
@@ -56,9 +56,7 @@ def wrap_model(
             checkpoint=checkpoint,
             runtime=runtime,
         )
-        balance = list(layout.balance)
-        chunks, checkpoint = layout.chunks, layout.checkpoint
-        schedule = schedule if isinstance(schedule, Schedule) else layout.schedule
+        balance, chunks, checkpoint, schedule = pipe_arguments(layout, schedule)
     pipe = ModelPipe(
         model,
         balance,
