@@ -21,6 +21,8 @@ from pipepar.core.schedule import VIRTUAL, make
 from pipepar.planner.measure import measure_device
 from pipepar.planner.plan import plan
 from pipepar.planner.profile import profile
+from tests.program import _real as real
+from tests.program._real import SPLITS
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,10 +31,6 @@ pytestmark = [
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v"]
 CHECKPOINTS = ["never", "except_last", "always"]
-SPLITS = {  # one cut for two stages; three for the virtual-stage schedules (2 per worker)
-    "gpt2": ["transformer.h.1", "transformer.h.2", "transformer.h.3"],
-    "llama": ["model.layers.1", "model.layers.2", "model.layers.3"],
-}
 RTOL = 1e-4  # float32 on the GPU, TF32 off: micro-batches reduce in another order
 BF16_RTOL = 3e-2  # bf16 autocast: a few bf16 roundings
 
@@ -49,19 +47,16 @@ def _no_tf32() -> Iterator[None]:
 
 
 def _close(a: Tensor, b: Tensor, what: str, rtol: float = RTOL) -> None:
-    assert a.device == b.device, f"{what}: on {a.device}, expected {b.device}"
-    scale = b.float().abs().max().clamp_min(1e-6)
-    err = ((a.float() - b.float()).abs().max() / scale).item()
-    assert err < rtol, f"{what}: relative error {err:.2e}"
+    real._close(a, b, what, rtol)
 
 
 def _same_grads(pipe: nn.Module, plain: nn.Module, rtol: float = RTOL) -> None:
-    grads = dict(plain.named_parameters())
-    names = [name for name, _ in pipe.named_parameters()]
-    assert names == list(grads), "the pipe lists the plain model's parameters, in its order"
-    for name, p in pipe.named_parameters():
-        assert p.grad is not None, f"{name} got no gradient"
-        _close(p.grad, grads[name].grad, f"gradient of {name}", rtol)  # type: ignore[arg-type]
+    """Every parameter, listed in the plain model's order, has a gradient equal to its."""
+    params = list(pipe.named_parameters())
+    names = [name for name, _ in plain.named_parameters()]
+    assert [name for name, _ in params] == names, "the pipe lists the plain model's parameters"
+    assert all(p.grad is not None for _, p in params), "every parameter gets a gradient"
+    real._same_grads(pipe, plain, rtol)
 
 
 def _on(batch: dict[str, Tensor], device: str) -> dict[str, Tensor]:
@@ -134,16 +129,7 @@ def test_gpt2_tied_head_stays_one_tensor_on_the_gpu() -> None:
         model, split=SPLITS["gpt2"][1:2], devices=["cuda:0", "cuda:0"], chunks=4, schedule="1f1b"
     )
     plain.to("cuda:0")
-    opt_pipe = torch.optim.SGD(pipe.parameters(), lr=0.1)
-    opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1)
-    for step in range(3):
-        batch = _on(_padded("gpt2", seed=step), "cuda:0")
-        pipe.step(**batch)
-        plain(**batch).loss.backward()
-        opt_pipe.step()
-        opt_plain.step()
-        opt_pipe.zero_grad()
-        opt_plain.zero_grad()
+    real.sgd_side_by_side(pipe, plain, (_on(_padded("gpt2", seed=k), "cuda:0") for k in range(3)))
     assert model.lm_head.weight is model.transformer.wte.weight
     assert model.lm_head.weight.device == torch.device("cuda:0")
     after = dict(plain.named_parameters())

@@ -1,9 +1,10 @@
 """What the tests of real models share: where to split them, a batch for each, a plain step
-and a pipe step, gradient comparison, and a count of operations through the cut's mode."""
+and a pipe step, gradient comparison, training both side by side, and a count of operations
+through the cut's mode."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -42,10 +43,13 @@ def mode_calls() -> Iterator[list[int]]:
         Cut.__torch_function__ = original  # type: ignore[method-assign]
 
 
-def _close(a: Tensor, b: Tensor, what: str) -> None:
-    scale = b.abs().max().clamp_min(1e-6)
-    err = ((a - b).abs().max() / scale).item()
-    assert err < RTOL, f"{what}: relative error {err:.2e}"
+def _close(a: Tensor, b: Tensor, what: str, rtol: float = RTOL) -> None:
+    """``a`` on ``b``'s device and within ``rtol`` of it, relative to ``b``'s largest value
+    (compared in float32, so half-precision results compare too)."""
+    assert a.device == b.device, f"{what}: on {a.device}, expected {b.device}"
+    scale = b.float().abs().max().clamp_min(1e-6)
+    err = ((a.float() - b.float()).abs().max() / scale).item()
+    assert err < rtol, f"{what}: relative error {err:.2e}"
 
 
 def _batch(name: str, seed: int) -> tuple[dict[str, Tensor], Tensor | None]:
@@ -67,7 +71,7 @@ def _pipe_step(pipe: nn.Module, batch: dict[str, Tensor], y: Tensor | None) -> T
     return pipe.step(**batch)
 
 
-def _same_grads(pipe: nn.Module, plain: nn.Module) -> None:
+def _same_grads(pipe: nn.Module, plain: nn.Module, rtol: float = RTOL) -> None:
     grads = dict(plain.named_parameters())
     for name, p in pipe.named_parameters():
         expected = grads[name].grad
@@ -75,7 +79,22 @@ def _same_grads(pipe: nn.Module, plain: nn.Module) -> None:
             assert p.grad is None, name
             continue
         assert p.grad is not None, f"{name} got no gradient"
-        _close(p.grad, expected, f"gradient of {name}")
+        _close(p.grad, expected, f"gradient of {name}", rtol)
+
+
+def sgd_side_by_side(
+    pipe: nn.Module, plain: nn.Module, batches: Iterable[dict[str, Tensor]], lr: float = 0.1
+) -> None:
+    """Train the pipe and the plain model on the same batches with their own SGD, each step
+    with the model's own loss."""
+    opt_pipe = torch.optim.SGD(pipe.parameters(), lr=lr)
+    opt_plain = torch.optim.SGD(plain.parameters(), lr=lr)
+    for batch in batches:
+        pipe.step(**batch)
+        plain(**batch).loss.backward()
+        for opt in (opt_pipe, opt_plain):
+            opt.step()
+            opt.zero_grad()
 
 
 class Skipping(torch.nn.Module):

@@ -12,11 +12,10 @@ from torch import nn
 
 import pipepar
 from models import transformers_zoo as zoo
+from tests.program._real import _close, sgd_side_by_side
 
 pytest.importorskip("transformers")
 pytest.importorskip("timm")
-
-RTOL = 1e-5
 
 
 def _split(model: nn.Module, stages: int) -> list[int]:
@@ -30,12 +29,6 @@ def _loss(model: nn.Module, name: str, batch: dict[str, torch.Tensor]) -> torch.
     if name.startswith("vit"):
         return out.float().logsumexp(-1).mean()
     return out.loss
-
-
-def _close(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
-    scale = b.abs().max().clamp_min(1e-6)
-    err = ((a - b).abs().max() / scale).item()
-    assert err < RTOL, f"{what}: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("name", zoo.NAMES)
@@ -102,16 +95,7 @@ def test_tied_weights_stay_one_tensor_over_twenty_steps() -> None:
     assert model.lm_head.weight is model.transformer.wte.weight
     names = [n for n, _ in pipe.named_parameters()]
     assert "lm_head.weight" not in names and "transformer.wte.weight" in names  # listed once
-    opt_pipe = torch.optim.SGD(pipe.parameters(), lr=0.1)
-    opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1)
-    for step in range(20):
-        batch = zoo.sample("gpt2", batch=4, seed=step)
-        pipe.step(**batch)
-        plain(**batch).loss.backward()
-        opt_pipe.step()
-        opt_plain.step()
-        opt_pipe.zero_grad()
-        opt_plain.zero_grad()
+    sgd_side_by_side(pipe, plain, (zoo.sample("gpt2", batch=4, seed=step) for step in range(20)))
     assert model.lm_head.weight is model.transformer.wte.weight
     torch.testing.assert_close(model.lm_head.weight, plain.lm_head.weight, rtol=1e-4, atol=1e-6)
 
