@@ -18,10 +18,13 @@ from pipepar.planner.layout_search import search_layouts
 from pipepar.planner.partition import partition
 from pipepar.planner.plan import Plan, StagePlan, plan
 from pipepar.planner.profile import LayerProfile, Profile, profile
-from pipepar.program.pipe import ModelPipe
 from pipepar.program.units import Unit, units
 from pipepar.tracing.tracer import Timeline, tracing
 from pipepar.wrapping import wrap
+
+ModelPipe = Pipe
+"""The pipe of any model: the same class as :class:`Pipe` (one pipe for every model), kept
+under the name it had when models other than ``nn.Sequential`` had a class of their own."""
 
 __version__ = "0.1.0"
 

@@ -1,7 +1,6 @@
-"""``pipepar.wrap``: an ``nn.Sequential`` becomes a :class:`~pipepar.local.pipe.Pipe`, any other
-model a :class:`~pipepar.program.pipe.ModelPipe` (:func:`pipepar.program.wrap.wrap_model`).
-
-Above both routes: neither pipe knows about the other, nor about this choice.
+"""``pipepar.wrap``: any model becomes a :class:`~pipepar.local.pipe.Pipe`, its layout given
+(``balance`` or ``split``) or chosen from a sample
+(:func:`pipepar.planner.auto_layout.local_layout`).
 """
 
 from __future__ import annotations
@@ -13,12 +12,10 @@ from torch import nn
 
 from pipepar.core import validation
 from pipepar.core.devices import DeviceSpec
-from pipepar.core.microbatch import Value
 from pipepar.core.schedule import Schedule
-from pipepar.local.pipe import Pipe
+from pipepar.local.pipe import Pipe, is_chain
 from pipepar.planner.auto_layout import keep_layout, local_layout, pipe_arguments
 from pipepar.planner.runtime_fit import RuntimeFit
-from pipepar.program.wrap import wrap_model
 
 __all__ = ["wrap"]
 
@@ -38,12 +35,12 @@ def wrap(
     threads: int | None = None,
     trace: bool = False,
     runtime: RuntimeFit | None = None,
-) -> Any:
+) -> Pipe:
     """Split ``module`` into pipeline stages and return the pipe.
 
-    An ``nn.Sequential`` becomes a :class:`Pipe` (the same arguments as ``torchgpipe.GPipe``);
-    any other model a :class:`~pipepar.program.pipe.ModelPipe`, called with the model's own
-    arguments and returning what the model returns, its forward code cut into stages as it
+    One :class:`Pipe` class for every model: an ``nn.Sequential`` takes the same arguments as
+    ``torchgpipe.GPipe`` and runs as a chain of its layers; any other model is called with
+    its own arguments and returns what it returns, its forward code cut into stages as it
     runs. With ``balance=None`` and ``split=None`` the model is profiled on ``sample`` where
     its parameters are and the layout is chosen (:func:`pipepar.search_layouts` with one
     pipeline over the devices): what you pass is fixed, what you leave unset (``chunks``,
@@ -94,27 +91,12 @@ def wrap(
         >>> print(pipe.layout)  # doctest: +SKIP
         pp=2 dp=1 1f1b M=4 recompute=never: ...
     """
-    if not isinstance(module, nn.Sequential) or split is not None or isinstance(sample, dict):
-        return wrap_model(
-            module,
-            balance,
-            devices=devices,
-            chunks=chunks,
-            checkpoint=checkpoint,
-            deferred_batch_norm=deferred_batch_norm,
-            sample=sample,
-            split=split,
-            capacity=capacity,
-            schedule=schedule,
-            threads=threads,
-            trace=trace,
-            runtime=runtime,
-        )
     layout = None
-    if balance is None:
+    if balance is None and split is None:
+        chain = is_chain(module, split, sample)
         layout = local_layout(
-            validation.check_model(module),
-            _sample_to_plan(sample),
+            validation.check_model(module) if chain else module,
+            _sample_to_plan(sample, chain),
             devices=devices,
             capacity=capacity,
             schedule=schedule,
@@ -126,9 +108,11 @@ def wrap(
     pipe = Pipe(
         module,
         balance,
+        split=split,
         devices=devices,
         chunks=1 if chunks is None else chunks,
-        checkpoint="except_last" if checkpoint is None else validation.check_checkpoint(checkpoint),
+        sample=sample,
+        checkpoint=checkpoint,
         deferred_batch_norm=deferred_batch_norm,
         schedule="gpipe" if schedule is None else schedule,
         threads=threads,
@@ -138,11 +122,18 @@ def wrap(
     return pipe
 
 
-def _sample_to_plan(sample: Value | None) -> Value:
+def _sample_to_plan(sample: Any, chain: bool) -> Any:
     """``sample``, which a searched layout needs; else the ValueError with the fix."""
-    if sample is None:
+    if sample is not None:
+        return sample
+    if chain:
         raise ValueError(
-            "balance is None and no sample was given; pass balance=[...] (layers per stage) or "
-            "sample=<an input batch> so pipepar can profile the model and choose the layout"
+            "balance is None and no sample was given; pass balance=[...] (layers per stage) "
+            "or sample=<an input batch> so pipepar can profile the model and choose the layout"
         )
-    return sample
+    raise ValueError(
+        "balance and split are None and no sample was given; pass split=[module paths "
+        "where stages begin], balance=[units per stage] (pipepar.units(model) lists the "
+        "units), or sample=<an input batch> so pipepar can profile the model and choose "
+        "the layout"
+    )

@@ -6,13 +6,14 @@ replicas, launched by torchrun.
     >>> loss = pipe.step(x, y, loss_fn)  # doctest: +SKIP
 
 Modules: :mod:`~pipepar.distributed.wrapping` (``wrap``: an ``nn.Sequential`` or any model),
-:mod:`~pipepar.distributed.pipe` (the ``nn.Sequential`` pipe),
+:mod:`~pipepar.distributed.pipe` (``DistributedPipe``, the one pipe across ranks),
+:mod:`~pipepar.distributed.chain` (how it runs an ``nn.Sequential``: a chain of layers),
 :mod:`~pipepar.distributed.stage` (materializing the local layers) and
 :mod:`~pipepar.distributed.snapshot` (training checkpoints: a directory each rank writes its
-part of through ``torch.distributed.checkpoint``, or one file). What both pipes across ranks
-share (this and :mod:`pipepar.program.rank_pipe`) is in :mod:`pipepar.ranks`: the pp x dp grid,
-transport, the agreement on the arguments at wrap time, the rank executor, dp sync, failures,
-progress and the guard.
+part of through ``torch.distributed.checkpoint``, or one file). How it runs any other model is
+:mod:`pipepar.program.rank_compute`; what both computes share is in :mod:`pipepar.ranks`: the
+pp x dp grid, transport, the agreement on the arguments at wrap time, the rank executor, dp
+sync, failures, progress and the guard.
 """
 
 from pipepar.distributed.pipe import SCHEDULES, DistributedPipe

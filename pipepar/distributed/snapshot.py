@@ -2,9 +2,9 @@
 
 (Not to be confused with activation checkpointing, the ``checkpoint=`` option of ``wrap``.)
 
-:func:`save_checkpoint` is called on every rank of the grid, for either pipe across ranks (an
-``nn.Sequential``'s :class:`~pipepar.distributed.pipe.DistributedPipe` or any model's
-:class:`~pipepar.program.rank_pipe.DistributedModelPipe`); in one process it also saves a
+:func:`save_checkpoint` is called on every rank of the grid, for the pipe across ranks
+(:class:`~pipepar.distributed.pipe.DistributedPipe`, of an ``nn.Sequential`` or any model); in
+one process it also saves a
 ``pipepar.wrap`` pipe or the plain model. Two formats, told apart by the path:
 
 - **A directory** (the default: any path not ending in ``.pt`` or ``.pth``), written with
@@ -49,7 +49,6 @@ from torch.distributed.tensor import DTensor
 
 import pipepar.persist.files
 from pipepar.distributed.pipe import DistributedPipe
-from pipepar.distributed.stage import in_model_order
 from pipepar.persist import directories
 from pipepar.persist import sharded as sharded_
 from pipepar.persist.named_state import (
@@ -61,7 +60,7 @@ from pipepar.persist.named_state import (
 )
 from pipepar.persist.outcome import NotSaved
 from pipepar.program import units
-from pipepar.program.rank_pipe import DistributedModelPipe
+from pipepar.program.rank_compute import RankProgram
 from pipepar.ranks.failure import comm
 from pipepar.ranks.mesh import Mesh
 from pipepar.ranks.sharding import full_tensors, shard_like, shard_state
@@ -75,8 +74,6 @@ __all__ = [
 
 FORMAT = sharded_.FILE_FORMAT
 PathLike = str | os.PathLike[str]
-Pipe = DistributedPipe | DistributedModelPipe
-_PIPES = (DistributedPipe, DistributedModelPipe)
 Writer = Callable[[str, nn.Module, torch.optim.Optimizer | None, dict[str, Any], Mesh | None], None]
 
 
@@ -94,7 +91,7 @@ def save_checkpoint(
     Args:
         path: the checkpoint directory (sharded), or a file ending in ``.pt``/``.pth``; on a
             file system every writing rank sees (a file: the grid's first rank).
-        module: this rank's pipe (``DistributedPipe`` or ``DistributedModelPipe``), or, in
+        module: this rank's pipe (a ``DistributedPipe``), or, in
             one process, a ``pipepar.wrap`` pipe or the plain model.
         optimizer: the optimizer over ``module.parameters()``, or ``None`` for weights only.
         extra: small picklable values to keep alongside (step count, data position ...);
@@ -117,7 +114,7 @@ def save_checkpoint(
     write = _write_sharded if _is_sharded(path, sharded) else _write_file
     if optimizer is not None:
         parameter_names(module, optimizer)  # the same user error on every rank, before any message
-    if not isinstance(module, _PIPES):
+    if not isinstance(module, DistributedPipe):
         write(path, module, optimizer, dict(extra or {}), None)
         return
     outcome: list[BaseException | None] = [None]
@@ -133,7 +130,7 @@ def save_checkpoint(
 def _save(
     write: Writer,
     path: str,
-    pipe: Pipe,
+    pipe: DistributedPipe,
     optimizer: torch.optim.Optimizer | None,
     extra: dict[str, Any],
     outcome: list[BaseException | None],
@@ -173,9 +170,9 @@ def _write_sharded(
     )
 
 
-def _sharded(module: nn.Module) -> TypeGuard[DistributedPipe | DistributedModelPipe]:
+def _sharded(module: nn.Module) -> TypeGuard[DistributedPipe]:
     """Whether ``module`` is a pipe holding shards (``dp_shard``): every replica then writes."""
-    return isinstance(module, _PIPES) and module.dp_shard
+    return isinstance(module, DistributedPipe) and module.dp_shard
 
 
 def _writers(module: nn.Module, mesh: Mesh) -> dist.ProcessGroup | None:
@@ -209,7 +206,7 @@ def _write_file(
         return
     payload = _merge(parts, extra=extra, **_layout(module))
     if isinstance(module, DistributedPipe):
-        payload["model"] = in_model_order(payload["model"], module.layer_names)
+        payload["model"] = module.compute.in_model_order(payload["model"])
     pipepar.persist.files.save(payload, path)
 
 
@@ -278,32 +275,34 @@ def _entries(module: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
 
 def _share(module: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
     """The entries this rank writes: none on replicas but the first (they hold the same
-    values), but for their shards (``dp_shard``); of a DistributedModelPipe, those its stage
-    computes (see :func:`_stage_share`)."""
+    values), but for their shards (``dp_shard``); of a pipe of any model but a chain, those
+    its stages compute (see :func:`_stage_share`)."""
     entries, aliases = _entries(module)
-    if isinstance(module, _PIPES) and module.mesh.where.replica != 0:
+    if isinstance(module, DistributedPipe) and module.mesh.where.replica != 0:
         if not _sharded(module):
             return {}, {}
         entries, aliases = {k: t for k, t in entries.items() if isinstance(t, DTensor)}, {}
-    if isinstance(module, DistributedModelPipe):
-        entries = _stage_share(module, entries)
+    if isinstance(module, DistributedPipe) and isinstance(module.compute, RankProgram):
+        entries = _stage_share(module, module.compute, entries)
     return entries, aliases
 
 
-def _stage_share(pipe: DistributedModelPipe, entries: dict[str, Tensor]) -> dict[str, Tensor]:
+def _stage_share(
+    pipe: DistributedPipe, compute: RankProgram, entries: dict[str, Tensor]
+) -> dict[str, Tensor]:
     """Of the entries a rank holds, those its stages are the source of: their parameters, a
     tied one only on the rank of the first stage using it (``units.owners``, as the pipe
     placed them), and the buffers of their units (every rank keeps every buffer, but only the
     rank running a unit updates its buffers; a buffer outside every unit goes with stage 0)."""
     lay = units.layout(pipe)  # the pipe's children are the model's
     mine = set(pipe.stages)
-    owner = units.owners(lay, pipe.stage_of_unit)
+    owner = units.owners(lay, compute.stage_of_unit)
     held = {id(p) for p in pipe.parameters()}
-    spans = [(u.path, s) for u, s in zip(lay.units, pipe.stage_of_unit)]
+    spans = [(u.path, s) for u, s in zip(lay.units, compute.stage_of_unit)]
 
     def source(name: str, t: Tensor) -> int:
         if id(t) in held:  # a weight, or with dp_shard its shard
-            return owner.get(id(pipe._weight(t)), pipe.stages[0])
+            return owner.get(id(compute.weight(t)), pipe.stages[0])
         return next((s for path, s in spans if not path or name.startswith(path + ".")), 0)
 
     return {k: t for k, t in entries.items() if source(k, t) in mine}
@@ -320,9 +319,6 @@ def _optimizer_share(
 def _layout(module: nn.Module) -> dict[str, Any]:
     if isinstance(module, DistributedPipe):
         return {"balance": list(module.balance), "dp": module.dp}
-    if isinstance(module, DistributedModelPipe):
-        sizes = [module.stage_of_unit.count(s) for s in range(module.schedule.n_stages)]
-        return {"balance": sizes, "dp": module.dp}
     return {"balance": None, "dp": 1}
 
 
@@ -363,7 +359,7 @@ def load_checkpoint(
         read = _read_sharded if sharded else _read_file
         extra.update(read(path, module, optimizer))
 
-    if isinstance(module, _PIPES):
+    if isinstance(module, DistributedPipe):
         module._guarded(load)
     else:
         load()
@@ -408,7 +404,7 @@ def _as_held(module: nn.Module, saved: dict[str, Any]) -> dict[str, Any]:
 
 
 def _load_weights(module: nn.Module, model: Mapping[str, Tensor], path: str) -> None:
-    if not isinstance(module, DistributedModelPipe):
+    if not (isinstance(module, DistributedPipe) and isinstance(module.compute, RankProgram)):
         module.load_state_dict(model)
         return
     # its state_dict() holds only this rank's tensors (or their shards): fill those in place

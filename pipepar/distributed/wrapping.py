@@ -1,8 +1,6 @@
-"""``pipepar.distributed.wrap``: an ``nn.Sequential`` becomes a
-:class:`~pipepar.distributed.pipe.DistributedPipe`, any other model (or one split by module
-paths) a :class:`~pipepar.program.rank_pipe.DistributedModelPipe`.
-
-Above both routes: neither pipe knows about the other, nor about this choice.
+"""``pipepar.distributed.wrap``: any model becomes this rank's
+:class:`~pipepar.distributed.pipe.DistributedPipe`, its layout given (``balance`` or ``split``)
+or chosen on group rank 0 from a sample (``plan="auto"``) and built alike by every rank.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ from pipepar.planner.auto_layout import (
 )
 from pipepar.planner.layout import Layout
 from pipepar.planner.runtime_fit import RuntimeFit
-from pipepar.program.rank_pipe import DistributedModelPipe
 from pipepar.ranks.process import ensure_process_group, resolve_device
 
 __all__ = ["wrap"]
@@ -170,36 +167,19 @@ def wrap(
     chunks = 1 if chunks is None else chunks
     schedule = "gpipe" if schedule is None else schedule
     dp = 1 if dp is None else dp
-    if not isinstance(model, nn.Sequential) or split is not None:
-        model_pipe = DistributedModelPipe(
-            model,
-            balance,
-            split=split,
-            chunks=chunks,
-            schedule=schedule,
-            dp=dp,
-            device=device,
-            group=group,
-            state_dict=state_dict,
-            timeout=timeout,
-            routes=routes,
-            checkpoint="never" if checkpoint is None else checkpoint,
-            deferred_batch_norm=deferred_batch_norm,
-            dp_shard=dp_shard,
-        )
-        keep_layout(model_pipe, layout)
-        return model_pipe  # type: ignore[return-value]
     pipe = DistributedPipe(
         model,
-        balance,  # type: ignore[arg-type]  # None is refused there, with the way out
+        balance,
+        split=split,
         chunks=chunks,
         schedule=schedule,
         dp=dp,
-        checkpoint="except_last" if checkpoint is None else checkpoint,
+        checkpoint=checkpoint,
         device=device,
         group=group,
         state_dict=state_dict,
         timeout=timeout,
+        routes=routes,
         deferred_batch_norm=deferred_batch_norm,
         dp_shard=dp_shard,
     )

@@ -1,10 +1,10 @@
-"""The autograd node of ``pipe.step`` for both pipes of one process
-(:class:`~pipepar.local.pipe.Pipe`, :class:`~pipepar.program.pipe.ModelPipe`), and
-:func:`unalias` for any custom function returning what it was given."""
+"""The autograd node of ``pipe.step`` for both computes of a pipe of one process (a chain of
+layers, a model's program), and :func:`unalias` for any custom function returning what it was
+given."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -14,13 +14,14 @@ __all__ = ["StepFunction", "unalias"]
 
 
 class StepFunction(torch.autograd.Function):
-    """The autograd node of ``pipe.step``: forward runs the whole schedule (F, B and W) through
-    the pipe's ``_step_all(run, weights)``; backward hands the gradients it found to autograd,
-    scaled by the loss's gradient."""
+    """The autograd node of ``pipe.step``: forward runs the whole schedule (F, B and W) by
+    calling ``step_all()``, which returns the joined loss; backward hands the gradients ``run``
+    found (of ``args``: the batch's tensors, then the parameters) to autograd, scaled by the
+    loss's gradient."""
 
     @staticmethod
-    def forward(ctx: Any, pipe: Any, run: Any, weights: list[float], n: int, *args: Tensor) -> Any:
-        loss = pipe._step_all(run, weights)
+    def forward(ctx: Any, step_all: Callable[[], Tensor], run: Any, *args: Tensor) -> Any:
+        loss = step_all()
         ctx.grads = [*run.input_grads(), *run.take_param_grads()]
         return loss.detach()
 
@@ -29,7 +30,7 @@ class StepFunction(torch.autograd.Function):
         grads, ctx.grads = ctx.grads, None
         scale = None if bool((grad == 1).all()) else grad
         scaled = [g if g is None or scale is None else g * scale.to(g.device) for g in grads]
-        return (None, None, None, None, *scaled)
+        return (None, None, *scaled)
 
 
 def unalias(t: Tensor, inputs: Sequence[Tensor]) -> Tensor:

@@ -1,4 +1,17 @@
-"""Pipe: a model split into stages that run micro-batches concurrently, on any schedule."""
+"""Pipe: any model split into stages on the devices of one process, its micro-batches run
+concurrently on any schedule.
+
+One class for every model. What differs between models is how a micro-batch crosses the
+stages, the pipe's *compute*:
+
+- an ``nn.Sequential`` split by ``balance`` is a chain of layers, each stage's output handed to
+  the next (:class:`~pipepar.local.chain.ChainCompute`): its units are its layers;
+- any other model (or an ``nn.Sequential`` split by module paths) runs its own ``forward``,
+  cut into stages while it runs (:class:`~pipepar.program.compute.ProgramCompute`).
+
+Everything else is the pipe's: the schedule, the devices and their worker threads, the
+stages, the random-draw record, the timeline, clipping, and the look of the model it wraps.
+"""
 
 from __future__ import annotations
 
@@ -9,80 +22,160 @@ import torch
 from torch import Tensor, nn
 
 from pipepar.core import validation
-from pipepar.core.batchnorm import commit_all, convert_deferred_batch_norm, reset_all
 from pipepar.core.devices import DeviceSpec, resolve_devices
-from pipepar.core.losses import Items, LossFn, joined_loss, loss_shares, split_target
-from pipepar.core.microbatch import Value, check_value, gather, scatter, tensors
+from pipepar.core.losses import Items
 from pipepar.core.randomness import DrawLog
-from pipepar.core.recompute import should_checkpoint
 from pipepar.core.schedule import Schedule
-from pipepar.core.stage import Stage, iter_layers, split_stages
-from pipepar.core.step import check_output
-from pipepar.local import cpu_malloc
-from pipepar.local.autograd import StepFunction, unalias
-from pipepar.local.executor import BACKWARD, EVERY, FORWARD, Run
+from pipepar.core.stage import Stage, iter_layers
+from pipepar.local.chain import ChainCompute, chain_step_arguments
 from pipepar.local.pipe_args import check_threads, count_workers, schedule_for, schedule_of_batch
 from pipepar.local.placement import check_staying, cuda_device
-from pipepar.local.transfer import move
 from pipepar.local.worker import WorkerPool
+from pipepar.program import generation, hf
+from pipepar.program.calls import StepCall
+from pipepar.program.compute import ProgramCompute
+from pipepar.program.losses import LossFn
 from pipepar.tracing.tracer import Tracer
 
-__all__ = ["Pipe"]
+__all__ = ["Pipe", "is_chain"]
+
+
+def is_chain(module: object, split: object = None, sample: object = None) -> bool:
+    """Whether a pipe runs ``module`` as a chain of layers: an ``nn.Sequential`` split by
+    ``balance`` (not by module paths, and not sampled with keyword arguments)."""
+    return isinstance(module, nn.Sequential) and split is None and not isinstance(sample, dict)
 
 
 class Pipe(nn.Module):
-    """A model whose layers are split into stages on several devices.
+    """Any model split into stages on several devices, called like the model.
 
-    Use :func:`pipepar.wrap` to build one. The pipe has the wrapped model's layers as its own
-    children, under the same names, so ``parameters()``, ``state_dict()`` and
-    ``load_state_dict()`` use exactly the keys of the plain model. Calling it splits the batch
-    into ``chunks`` micro-batches, runs their forwards through the stages concurrently (one
-    worker thread per device), and returns the joined output on the last stage's device;
-    ``backward()`` runs the stages' backward actions concurrently too. :meth:`step` runs forward
-    and backward together in the schedule's own order, so 1F1B and zero-bubble schedules keep
-    their memory bound and fill their bubbles.
+    Build one with :func:`pipepar.wrap`. The pipe's children are the model's, so
+    ``named_parameters()``, ``state_dict()`` and ``load_state_dict()`` use exactly the plain
+    model's keys (a checkpoint of the plain model loads into the pipe and back), and a tied
+    weight is listed once. Calling it splits the batch into ``chunks`` micro-batches, runs
+    their forwards through the stages concurrently (one worker thread per device) and returns
+    what the model returns, joined; ``backward()`` runs the stages' backward actions
+    concurrently too. :meth:`step` runs forward and backward together in the schedule's own
+    order, so 1F1B and the zero-bubble schedules keep their memory bound and fill their
+    bubbles. ``len(pipe)``, ``pipe[i]`` and ``list(pipe)`` are the model's units (an
+    ``nn.Sequential``'s layers).
+
+    To whatever inspects a model (HF ``Trainer``, ``accelerate``) the pipe of a model looks
+    like it: its class is made for the model's class and its ``forward`` has the model's
+    signature, an attribute it lacks is the model's (``__getattr__``), ``hf_device_map`` says
+    where its units sit, and ``to(device)`` is a no-op where every stage is there already.
+
+    Args:
+        module: the model to split (an ``nn.Sequential``, or any ``nn.Module``).
+        balance: units per stage (an ``nn.Sequential``'s layers; :func:`pipepar.units` lists
+            a model's units); or
+        split: module paths where a new stage begins, e.g. ``["transformer.h.6"]``.
+        devices: one device per stage (per device for the virtual-stage schedules).
+        chunks: micro-batches per mini-batch.
+        sample: an example call (a tensor, a tuple of positional arguments, or a dict of
+            keyword arguments): a model's units are then ordered as the model calls them.
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``: which micro-batches the
+            stages recompute in backward; default ``"except_last"`` for an ``nn.Sequential``
+            (as torchgpipe), ``"never"`` for other models.
+        deferred_batch_norm: batch-norm layers track their running statistics over the whole
+            mini-batch, once per call (:mod:`pipepar.core.batchnorm`), not per micro-batch.
+        schedule: a schedule name or object (:mod:`pipepar.core.schedule`).
+        threads: math threads per CPU stage.
+        trace: record a timeline in ``pipe.tracer``.
     """
+
+    _model: nn.Module  # not a child: its children are the pipe's
+    _model_class: type[nn.Module] | None = None  # set on the class made for a model class
+    hf_device_map: dict[str, int | str]
+    is_parallelizable: bool
+    model_parallel: bool
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Pipe:
+        """The pipe of a model other than a chain is an instance of the Pipe subclass made for
+        the model's class, named as it, whose ``forward`` shows the model's signature
+        (:func:`pipepar.program.hf.class_for`)."""
+        model = args[0] if args else kwargs.get("module")
+        chain = is_chain(model, kwargs.get("split"), kwargs.get("sample"))
+        if cls is Pipe and isinstance(model, nn.Module) and not chain:
+            return super().__new__(hf.class_for(Pipe, type(model)))
+        return super().__new__(cls)
 
     def __init__(
         self,
-        module: nn.Sequential,
-        balance: Sequence[int],
+        module: nn.Module,
+        balance: Sequence[int] | None = None,
         *,
+        split: Sequence[str] | None = None,
         devices: DeviceSpec = None,
         chunks: int = 1,
-        checkpoint: str = "except_last",
+        sample: Any = None,
+        checkpoint: str | None = None,
         deferred_batch_norm: bool = False,
         schedule: str | Schedule = "gpipe",
         threads: int | None = None,
         trace: bool = False,
     ) -> None:
         super().__init__()
-        module = validation.check_model(module)
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"module must be an nn.Module, but got {type(module).__name__}; "
+                "pass the model to split"
+            )
         self.chunks = validation.check_chunks(chunks)
-        self.checkpoint = validation.check_checkpoint(checkpoint)
-        balance = validation.check_balance(balance, len(module))
-        validation.check_unique_layers(module)
-        validation.check_shared_parameters(module, balance)
-        workers = resolve_devices(devices, count_workers(schedule, balance, devices))
+        if checkpoint is not None:
+            checkpoint = validation.check_checkpoint(checkpoint)
+        compute: ChainCompute | ProgramCompute = (
+            ChainCompute(module, balance, deferred_batch_norm=deferred_batch_norm)
+            if is_chain(module, split, sample)
+            else ProgramCompute(
+                module,
+                balance,
+                split=split,
+                sample=sample,
+                deferred_batch_norm=deferred_batch_norm,
+            )
+        )
+        self.checkpoint = checkpoint or compute.default_checkpoint
+        workers = resolve_devices(devices, count_workers(schedule, compute.sizes, devices))
         # Built for one micro-batch to check the layout now; the real one per batch size.
-        self._layout = schedule_for(schedule, len(balance), self.chunks, len(workers))
-        if deferred_batch_norm:
-            module = convert_deferred_batch_norm(module)  # type: ignore[assignment]
-        for name, layer in module.named_children():
-            self.add_module(name, layer)
+        self._layout = schedule_for(schedule, len(compute.sizes), self.chunks, len(workers))
         placed = [workers[w] for w in self._layout.placement]
-        names = [name for name, _ in module.named_children()]
-        self._stages = split_stages(list(module), balance, placed, names)
+        stages = compute.place(placed, self.checkpoint)
+        # The model's children first: a layer may have the name of a property that reads the
+        # stages (``partitions``), which ``add_module`` must not find yet.
+        self._adopt(compute.model)
+        self._stages: list[Stage] = stages
+        self._compute = compute
         self._workers_devices = workers
         self._draws = DrawLog()  # which stages draw random numbers, across mini-batches
         self.threads = check_threads(threads, workers, self.chunks)
         self.tracer: Tracer | None = Tracer() if trace else None
         self._pool: WorkerPool | None = None
+        # Placed already, across devices or not: Trainer and accelerate leave it where it is.
+        where = [s.device for s in self._stages for _ in s.layers]
+        self.hf_device_map = hf.device_map(compute.paths, where)
+        self.is_parallelizable = self.model_parallel = hf.spans_devices(placed)
 
-    # -- the nn.Sequential look ---------------------------------------------------------------
+    def _adopt(self, model: nn.Module) -> None:
+        """The model's children, own parameters and buffers become the pipe's (its keys)."""
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        for name, p in model.named_parameters(recurse=False):
+            self.register_parameter(name, p)
+        for name, b in model.named_buffers(recurse=False):
+            self.register_buffer(name, b, persistent=name not in model._non_persistent_buffers_set)
+        # Set after the children: until then no name falls back to the model (__getattr__).
+        object.__setattr__(self, "_model", model)
+
+    # -- what the pipe is ---------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped model."""
+        return self._model
+
     @property
     def balance(self) -> list[int]:
-        """Layers per stage."""
+        """Units (an ``nn.Sequential``'s layers) per stage."""
         return [len(s.layers) for s in self._stages]
 
     @property
@@ -91,10 +184,15 @@ class Pipe(nn.Module):
         return [s.device for s in self._stages]
 
     @property
+    def stage_paths(self) -> list[list[str]]:
+        """The names (module paths) of each stage's units."""
+        return [[n.replace("/", ".") for n in s.names or []] for s in self._stages]
+
+    @property
     def partitions(self) -> nn.ModuleList:
         """The stage modules that run (hooks on them fire); not children of the pipe, so the
         state_dict keys stay the plain model's."""
-        return nn.ModuleList([_stage_module(s) for s in self._stages])
+        return nn.ModuleList([s.module for s in self._stages])
 
     def __len__(self) -> int:
         return sum(len(s.layers) for s in self._stages)
@@ -112,15 +210,22 @@ class Pipe(nn.Module):
         return self._schedule(self.chunks)
 
     def extra_repr(self) -> str:
+        starts = [paths[0] for paths in self.stage_paths if paths]
         return (
-            f"balance={self.balance}, chunks={self.chunks}, checkpoint={self.checkpoint!r}, "
-            f"schedule={self._layout.name!r}"
+            f"balance={self.balance}, stages start at {starts}, chunks={self.chunks}, "
+            f"checkpoint={self.checkpoint!r}, schedule={self._layout.name!r}"
         )
 
-    # -- placement is the pipe's job --------------------------------------------------------
+    def train(self, mode: bool = True) -> Pipe:
+        super().train(mode)
+        self._model.train(mode)  # the model's own flag, read by its forward
+        return self
+
+    # -- placement is the pipe's job ----------------------------------------------------------
     def to(self, *args: Any, **kwargs: Any) -> Pipe:  # type: ignore[override]
         """``to(dtype)`` converts as usual; ``to(device)`` is a no-op where every stage is on
-        that device already and a ValueError otherwise (the pipe places its stages)."""
+        that device already (as HF Trainer and accelerate call it) and a ValueError otherwise:
+        the pipe places its stages."""
         device = torch._C._nn._parse_to(*args, **kwargs)[0]
         if device is not None:
             check_staying("to(device)", self.devices, device)
@@ -136,90 +241,70 @@ class Pipe(nn.Module):
         check_staying("cpu()", self.devices, torch.device("cpu"))
         return super().cpu()
 
-    # -- running: forward now, backward when autograd reaches the pipe ------------------------
-    def forward(self, input: Value) -> Value:
-        """Run the batch through the pipeline; the output is on the last stage's device.
+    # -- looking like the model (for HF Trainer, accelerate, and anything that inspects it) ---
+    def __getattr__(self, name: str) -> Any:
+        """An attribute the pipe lacks is the wrapped model's.
 
-        The forwards run first and the backwards when ``backward()`` reaches the pipe (each in
+        The rule: the pipe's own attributes come first (its methods and properties, and
+        ``hf_device_map``, ``is_parallelizable``, ``model_parallel`` set for its placement),
+        then, as for any module, its parameters, buffers and children (the model's); any other
+        name but a dunder is looked up on the model. So ``pipe.config``,
+        ``pipe.main_input_name``, ``pipe.loss_type`` or ``pipe.get_input_embeddings()`` answer
+        what the model answers. A method found this way runs on the model itself, unsplit.
+        """
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_model")  # absent while building or unpickling
+            if model is None or (name.startswith("__") and name.endswith("__")):
+                raise
+        try:
+            return getattr(model, name)
+        except AttributeError:
+            raise AttributeError(
+                f"{type(self).__qualname__} has no attribute {name!r}, and neither has the "
+                f"wrapped {type(model).__name__}"
+            ) from None
+
+    # -- running ------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model on the batch, micro-batch by micro-batch through the stages, and
+        return what the model returns, joined over the micro-batches (an ``nn.Sequential``'s
+        output on the last stage's device).
+
+        The forwards run now and the backwards when ``backward()`` reaches the pipe (each in
         the schedule's order): the activations of every micro-batch are held in between, as
         under GPipe. Use :meth:`step` for a schedule's own memory bound.
         """
-        try:
-            return self._forward_batch(input)
-        except BaseException:
-            # The micro-batches that got through must not count towards the next mini-batch.
-            reset_all(list(self))
-            raise
+        return self._compute.forward(self, args, kwargs)
 
-    def _forward_batch(self, input: Value) -> Value:
-        input = check_value(input, what="input")
-        microbatches = scatter(input, self.chunks)
-        if self._direct(len(microbatches)):
-            return self._forward_direct(microbatches)
-        params = [p for s in self._stages for p in s.trainable()]
-        needs_grad = torch.is_grad_enabled() and (
-            any(t.requires_grad for t in tensors(input)) or bool(params)
-        )
-        run = self._run(microbatches, grad=needs_grad, input=input)
-        if not needs_grad:
-            return self._forward(run)
-        self._tune_heap()
-        return _PipeFunction.apply(self, run, len(tensors(input)), *tensors(input), *params)
-
-    def _run(self, microbatches: list[Value], *, grad: bool, input: Value, head: Any = None) -> Run:
-        return Run(
-            self._stages,
-            self._schedule(len(microbatches)),
-            microbatches,
-            checkpoint=self.checkpoint,
-            grad=grad,
-            input_requires_grad=any(t.requires_grad for t in tensors(input)),
-            head=head,
-            tracer=self.tracer,
-            draws=self._draws,
-        )
-
-    def _schedule(self, m: int) -> Schedule:
-        return schedule_of_batch(self._layout, m, self.chunks)
-
-    def _direct(self, m: int) -> bool:
-        """One stage and nothing to recompute: plain autograd does it all, with no overhead."""
-        if len(self._stages) > 1 or self.tracer is not None:
-            return False
-        recompute = torch.is_grad_enabled() and self.training
-        return not (recompute and any(should_checkpoint(self.checkpoint, i, m) for i in range(m)))
-
-    def _forward_direct(self, microbatches: list[Value]) -> Value:
-        stage = self._stages[0]
-        outputs = [check_output(stage, x, stage.run(move(x, stage.device))) for x in microbatches]
-        if self.training:
-            commit_all(stage.layers)
-        return gather(outputs)
-
-    def _forward(self, run: Run) -> Value:
-        run.execute(self._workers(backward=False), FORWARD)
-        if run.training:
-            commit_all(list(self))
-        return gather(run.outputs())
-
-    def _backward(self, run: Run, grads: Sequence[Tensor | None]) -> None:
-        run.seed_gradients(grads)
-        run.execute(self._workers(backward=True), BACKWARD)
-
-    # -- running: the whole schedule in one call ------------------------------------------------
     def step(
-        self, input: Value, target: Any, loss_fn: LossFn, *, items: Items | None = None
+        self,
+        *args: Any,
+        loss_fn: LossFn | None = None,
+        target: Any = None,
+        items: Items | None = None,
+        **kwargs: Any,
     ) -> Tensor:
         """Forward and backward of one mini-batch in the schedule's order; returns the loss.
 
-        The last stage applies ``loss_fn(output, target)`` to each micro-batch as soon as its
-        forward is done, so its backward can start at once: under ``"1f1b"`` stage ``j`` holds
-        at most ``K - j`` micro-batches, and the zero-bubble schedules fill idle time with
-        deferred weight gradients. Gradients accumulate into ``.grad`` exactly as with
-        ``loss_fn(model(input), target).backward()``: the micro-batch losses are joined by
-        what the loss averages over (rows; real targets for cross-entropy and NLL with
-        ``ignore_index`` or class weights; nothing for ``reduction="sum"``; see
-        :mod:`pipepar.core.losses`), and ``items`` says it for a custom loss. ``step`` runs the
+        An ``nn.Sequential``'s pipe takes ``step(input, target, loss_fn)`` (positionally or
+        by name); any other model's takes the model's own arguments, and ``loss_fn=`` and
+        ``target=`` by name. The loss is what ``loss_fn(output, target)`` returns for each
+        micro-batch or, without ``loss_fn``, the model's own (``output.loss``, or the first
+        element of a tuple, as transformers models return when given ``labels=``). The last
+        stage applies it to each micro-batch as soon as its forward is done, so its backward
+        can start at once: under ``"1f1b"`` stage ``j`` holds at most ``K - j``
+        micro-batches, and the zero-bubble schedules fill idle time with deferred weight
+        gradients.
+
+        The micro-batch losses are joined into exactly the loss of the whole batch, whatever
+        it averages over: rows, real targets (``-100`` labels, ``ignore_index``, class
+        weights), nothing for ``reduction="sum"``, or a count passed as
+        ``num_items_in_batch`` (see :mod:`pipepar.core.losses` and
+        :mod:`pipepar.program.losses`); ``items(target_i)`` tells what a custom ``loss_fn``
+        averages over, e.g. ``lambda y: (y != pad).sum()``. Gradients accumulate into
+        ``.grad`` exactly as with the plain model's loss ``.backward()``. ``step`` runs the
         backward itself, so wrap the pipe in ``DistributedDataParallel`` only with
         ``pipe(x)`` + ``backward()``; for pipeline x data parallel use
         :mod:`pipepar.distributed` (``dp=``), which runs every schedule.
@@ -228,81 +313,44 @@ class Pipe(nn.Module):
         forward actions of the schedule run, the same loss comes back, ``.grad`` is untouched
         and no activation is kept for a backward (call ``pipe.eval()`` first for dropout off).
 
-        Args:
-            input: the mini-batch (a tensor or a tuple of tensors, batch on dimension 0).
-            target: what ``loss_fn`` compares with; split like the input (tensors with the
-                batch on dimension 0) or passed whole to every micro-batch.
-            loss_fn: ``loss_fn(output, target) -> scalar tensor``, e.g. ``F.cross_entropy``.
-            items: for a custom ``loss_fn`` that averages over something other than rows,
-                ``items(target_i)`` counts it in micro-batch ``i``'s target, e.g.
-                ``lambda y: (y != pad).sum()``.
-
         Example:
-            >>> loss = pipe.step(x, y, nn.functional.mse_loss)
+            >>> loss = pipe.step(x, y, nn.functional.mse_loss)  # an nn.Sequential
+            >>> loss = pipe.step(input_ids=ids, labels=ids)  # a transformers model
             >>> opt.step(); opt.zero_grad()
             >>> with torch.no_grad():
-            ...     val_loss = pipe.eval().step(x_val, y_val, nn.functional.mse_loss)
+            ...     val_loss = pipe.eval().step(input_ids=val_ids, labels=val_ids)
         """
-        try:
-            return self._step(input, target, loss_fn, items)
-        except BaseException:
-            reset_all(list(self))
-            raise
-
-    def _step(self, input: Value, target: Any, loss_fn: LossFn, items: Items | None) -> Tensor:
-        if not callable(loss_fn):
-            raise TypeError(
-                f"loss_fn must be callable, but got {type(loss_fn).__name__}; pass e.g. "
-                "torch.nn.functional.cross_entropy"
+        if isinstance(self._compute, ChainCompute):
+            return self._compute.step(
+                self, chain_step_arguments(args, kwargs, target, loss_fn, items)
             )
-        input = check_value(input, what="input")
-        microbatches = scatter(input, self.chunks)
-        rows = [tensors(x)[0].shape[0] for x in microbatches]
-        targets = split_target(target, rows, self.devices[-1])
-        shares = loss_shares(loss_fn, targets, rows, items)
-        if not torch.is_grad_enabled():
-            run = self._run(microbatches, grad=False, input=input, head=shares.head(targets))
-            return self._evaluate(run, shares.weights)
-        params = [p for s in self._stages for p in s.trainable()]
-        run = self._run(microbatches, grad=True, input=input, head=shares.head(targets))
-        self._tune_heap()
-        weights = shares.weights
-        loss = StepFunction.apply(
-            self, run, weights, len(tensors(input)), *tensors(input), *params
-        )
-        loss.backward()
-        return loss.detach()
+        return self._compute.step(self, StepCall(args, kwargs, loss_fn, target, items))
 
-    def _step_all(self, run: Run, weights: list[float]) -> Tensor:
-        run.seed_losses(weights)
-        run.execute(self._workers(backward=True), EVERY)
-        if run.training:
-            commit_all(list(self))
-        return joined_loss(run.outputs(), weights)
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's own ``generate`` (transformers' ``GenerationMixin``), every forward call
+        of its loop (the prompt, then each new token) run by the pipe; takes and returns what
+        the model's ``generate`` does, without gradients. See :mod:`pipepar.program.generation`.
 
-    def _evaluate(self, run: Run, weights: list[float]) -> Tensor:
-        """The schedule's forward actions only (``step`` under no_grad): the joined loss, with
-        no graph kept (the steps run with ``grad=False``)."""
-        run.execute(self._workers(backward=False), FORWARD)
-        if run.training:
-            commit_all(list(self))
-        return joined_loss(run.outputs(), weights)
+        Example:
+            >>> pipe.eval()
+            >>> ids = pipe.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=8)
+        """
+        return generation.generate(self, *args, **kwargs)
+
+    def _schedule(self, m: int) -> Schedule:
+        return schedule_of_batch(self._layout, m, self.chunks)
 
     # -- workers ------------------------------------------------------------------------------
-    def _workers(self, *, backward: bool) -> WorkerPool | None:
+    def _workers(self, *, backward: bool = False) -> WorkerPool | None:
         """The worker threads, or None to run on the caller's thread: with one worker, and for
-        backward work on CUDA (the autograd engine's device threads would otherwise wait on
-        each other; kernels are asynchronous, so devices still overlap)."""
+        a chain's backward work on CUDA (the autograd engine's device threads would otherwise
+        wait on each other; kernels are asynchronous, so devices still overlap)."""
         cuda = backward and any(d.type == "cuda" for d in self.devices)
         if len(self._workers_devices) == 1 or cuda:
             return None
         if self._pool is None:
             self._pool = WorkerPool(self._workers_devices, threads=self.threads)
         return self._pool
-
-    def _tune_heap(self) -> None:
-        if any(d.type == "cpu" for d in self.devices):
-            cpu_malloc.tune()  # gradient buffers of every micro-batch: see pipepar.local.cpu_malloc
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -321,37 +369,26 @@ class Pipe(nn.Module):
         )
 
     def close(self) -> None:
-        """Stop the worker threads now (they also stop when the pipe is garbage-collected)."""
+        """Stop the worker (and driver) threads now; they also stop when the pipe is
+        garbage-collected."""
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        self._compute.close()
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_pool"] = None
         return state
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # The class made for a model class is found again from it (pickle cannot by name).
+        made_for = type(self).__dict__.get("_model_class")
+        if made_for is None:
+            return super().__reduce_ex__(protocol)
+        return _new_pipe, (made_for,), self.__getstate__()
 
-def _stage_module(stage: Stage) -> nn.Module:
-    return stage.module
 
-
-class _PipeFunction(torch.autograd.Function):
-    """The autograd node standing for the whole pipeline (inputs: batch tensors, parameters)."""
-
-    @staticmethod
-    def forward(ctx: Any, pipe: Pipe, run: Run, n_inputs: int, *args: Tensor) -> Any:
-        out = pipe._forward(run)
-        ctx.pipe, ctx.run, ctx.n_inputs = pipe, run, n_inputs
-        outs = tuple(unalias(t, args) for t in tensors(out))
-        ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
-        return outs[0] if isinstance(out, Tensor) else outs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> Any:
-        pipe, run = ctx.pipe, ctx.run
-        ctx.run = None  # free the records even if backward fails
-        if run is None:
-            raise RuntimeError("pipepar: backward through a pipe output twice is not supported")
-        pipe._backward(run, grads)
-        return (None, None, None, *run.input_grads(), *run.take_param_grads())
+def _new_pipe(model_class: type[nn.Module]) -> Pipe:
+    """An empty pipe of ``model_class`` for unpickling to fill in."""
+    return Pipe.__new__(hf.class_for(Pipe, model_class))

@@ -1,6 +1,5 @@
-"""A pipe's schedule and math threads from ``wrap``'s arguments, shared by both pipes of one
-process (:class:`~pipepar.local.pipe.Pipe` for ``nn.Sequential``,
-:class:`~pipepar.program.pipe.ModelPipe` for any model).
+"""A pipe's schedule and math threads from ``wrap``'s arguments
+(:class:`~pipepar.local.pipe.Pipe`).
 
 A named schedule is built once for one micro-batch (its layout: stages per device) and again,
 cached, for each batch's micro-batch count; a :class:`~pipepar.core.schedule.Schedule` object

@@ -22,7 +22,7 @@ from pipepar.program.losses import own_loss
 from pipepar.program.run import ProgramRun
 
 if TYPE_CHECKING:
-    from pipepar.program.pipe_view import ModelPipeView as ModelPipe
+    from pipepar.local.pipe_view import PipeView
 
 __all__ = ["ProgramFunction", "as_tuple"]
 
@@ -34,7 +34,7 @@ class ProgramFunction(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx: Any,
-        pipe: ModelPipe,
+        pipe: PipeView,
         run: ProgramRun,
         holder: dict[str, Any],
         shares: Sequence[float] | None,

@@ -25,10 +25,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from pipepar.core.losses import weighted_sum
+from pipepar.core.losses import Items, weighted_sum
 from pipepar.program import caches
 
-__all__ = ["Call", "as_call", "join", "split_call"]
+__all__ = ["Call", "StepCall", "as_call", "join", "split_call"]
 
 
 @dataclass
@@ -42,6 +42,19 @@ class Call:
     def tensors(self) -> list[Tensor]:
         leaves = pytree.tree_leaves((self.args, self.kwargs))
         return [t for t in leaves if isinstance(t, Tensor)]
+
+
+@dataclass(frozen=True)
+class StepCall:
+    """What ``pipe.step(...)`` of a model was given: the model's arguments, and what its loss
+    is (``loss_fn(output, target)``, or the model's own without ``loss_fn``; ``items`` counts
+    what a custom loss averages over)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    loss_fn: Any = None
+    target: Any = None
+    items: Items | None = None
 
 
 def as_call(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

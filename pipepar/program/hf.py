@@ -15,7 +15,7 @@ model placed on its devices would:
   :func:`spans_devices`.
 
 Everything else (``config``, ``loss_type``, ``main_input_name``, ``get_input_embeddings``...)
-is the wrapped model's own (see ``ModelPipe.__getattr__``). This module imports neither
+is the wrapped model's own (see ``Pipe.__getattr__``). This module imports neither
 transformers nor accelerate: it only follows their conventions.
 """
 
@@ -36,14 +36,14 @@ _CLASSES: dict[tuple[type[nn.Module], type[nn.Module]], Any] = {}
 
 
 def class_for(base: type[W], model_class: type[nn.Module]) -> type[W]:
-    """The subclass of ``base`` (a wrapper, e.g. ``ModelPipe``) for wrappers of ``model_class``,
+    """The subclass of ``base`` (a wrapper, e.g. ``Pipe``) for wrappers of ``model_class``,
     made once per model class: named as ``model_class`` (its ``__qualname__`` is
     ``Base[Model]``), with a ``forward`` that calls ``base.forward`` and whose signature, read
     off the class as Trainer reads it, is ``model_class.forward``'s. ``base`` itself where
     that signature cannot be read. The class's ``_model_class`` names the model class.
 
     Example:
-        >>> made = class_for(ModelPipe, GPT2LMHeadModel)
+        >>> made = class_for(Pipe, GPT2LMHeadModel)
         >>> made.__name__, list(inspect.signature(made.forward).parameters)[:2]
         ('GPT2LMHeadModel', ['self', 'input_ids'])
     """

@@ -1,6 +1,6 @@
-"""What a rank of a :class:`~pipepar.program.rank_pipe.DistributedModelPipe` holds: the weights
-of its own stages on its device (the others' on ``meta``), each with the own stage that holds
-it, and a process group per set of weights tied across stages of several ranks.
+"""What a rank of a pipe of any model across ranks (:mod:`pipepar.program.rank_compute`)
+holds: the weights of its own stages on its device (the others' on ``meta``), each with the own
+stage that holds it, and a process group per set of weights tied across stages of several ranks.
 
 Weights only: how the stages compute with them is :mod:`pipepar.program.ranks`'s business.
 """

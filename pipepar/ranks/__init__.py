@@ -1,7 +1,6 @@
-"""What a pipeline across processes runs on each rank and between ranks, shared by both pipes
-across ranks (:class:`~pipepar.distributed.pipe.DistributedPipe` for ``nn.Sequential``,
-:class:`~pipepar.program.rank_pipe.DistributedModelPipe` for any model); users reach them
-through :mod:`pipepar.distributed`.
+"""What a pipeline across processes runs on each rank and between ranks, shared by both computes
+of :class:`~pipepar.distributed.pipe.DistributedPipe` (a chain of layers for ``nn.Sequential``,
+the model's own forward for any model); users reach them through :mod:`pipepar.distributed`.
 
 Modules: :mod:`~pipepar.ranks.process` (the process group, this rank's device),
 :mod:`~pipepar.ranks.mesh` (the pp x dp grid of ranks),

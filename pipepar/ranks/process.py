@@ -1,6 +1,5 @@
-"""The process group a pipeline across ranks runs in, and this rank's device; shared by both
-pipes across ranks (:class:`~pipepar.distributed.pipe.DistributedPipe`,
-:class:`~pipepar.program.rank_pipe.DistributedModelPipe`)."""
+"""The process group a pipeline across ranks runs in, and this rank's device
+(:class:`~pipepar.distributed.pipe.DistributedPipe`)."""
 
 from __future__ import annotations
 

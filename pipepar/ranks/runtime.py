@@ -113,7 +113,7 @@ class Runtime:
 
     def run(
         self,
-        x: Tensor | None,
+        x: Value | None,
         target: Tensor | None,
         loss_fn: LossFn,
         *,
@@ -127,7 +127,7 @@ class Runtime:
         run, and the steps keep nothing for a backward."""
         return self._walk(x, target, loss_fn, items, spread, grad).loss_sum
 
-    def forward(self, x: Tensor | None) -> list[Value] | None:
+    def forward(self, x: Value | None) -> list[Value] | None:
         """The forward actions only, with no loss: on the last stage's rank, that stage's
         output of each micro-batch; None on the other ranks."""
         batch = self._walk(x, None, None, None, None, False)
@@ -135,7 +135,7 @@ class Runtime:
 
     def _walk(
         self,
-        x: Tensor | None,
+        x: Value | None,
         target: Tensor | None,
         loss_fn: LossFn | None,
         items: Items | None,
@@ -357,7 +357,7 @@ class Runtime:
         return self.stages[stage].device
 
     # -- signatures and shapes ------------------------------------------------------------------
-    def _signature(self, x: Tensor | None) -> int:
+    def _signature(self, x: Value | None) -> int:
         if not isinstance(x, Tensor):
             raise TypeError(
                 f"x must be the mini-batch tensor on stage 0, but got {type(x).__name__}; pass "
@@ -445,7 +445,7 @@ def fewer_microbatches(schedule: Schedule, m: int) -> Schedule:
     return make(schedule.name, schedule.n_stages, m, n_workers=schedule.n_workers)
 
 
-def _split(value: Tensor | None, m: int, name: str) -> list[Value]:
+def _split(value: Value | None, m: int, name: str) -> list[Value]:
     if not isinstance(value, Tensor):
         raise TypeError(
             f"{name} must be a Tensor on this stage, but got {type(value).__name__}; stage 0 needs "

@@ -23,7 +23,7 @@ is per micro-batch here, and would queue callbacks into every ``autograd.grad`` 
 Weights are gathered whole on the rank for the step; what shards is the memory held between
 steps (parameters, gradients, optimizer state), as with ZeRO-3 and a gather kept for the step.
 
-**Any model** (:mod:`pipepar.program.rank_pipe`) tracks its weights by object identity (which
+**Any model** (:mod:`pipepar.program.rank_compute`) tracks its weights by object identity (which
 stage holds which, weights tied across stages, the stand-ins its cut swaps in), which FSDP's
 swap of the modules' parameters would break. :meth:`ShardedSync.of_parameters` keeps the
 model's parameter objects where they are: ``fully_shard`` shards a holder of *copies*, and

@@ -160,7 +160,7 @@ def case_matches_plain(
     ref_state = plain.state_dict()
     for name, t in pipe.state_dict().items():
         errors["param"] = max(errors["param"], (t - ref_state[name]).abs().max().item())
-    sync = pipe._sync
+    sync = pipe.compute._sync
     result = {
         "errors": errors,
         "keys": sorted(pipe.state_dict()),

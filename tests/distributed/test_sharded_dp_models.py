@@ -1,4 +1,4 @@
-"""pipepar.distributed with dp_shard=True for any model (pipepar.program.rank_pipe): pp=2 x 2
+"""pipepar.distributed with dp_shard=True for any model (pipepar.program.rank_compute): pp=2 x 2
 shards on 4 gloo ranks for transformers' GPT-2 (tied embedding and head, on different ranks)
 and Llama, compared with one plain process on the global batch; bytes per rank counted from
 the local shards; a checkpoint directory round-trips.

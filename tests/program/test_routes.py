@@ -136,7 +136,7 @@ def test_a_step_run_again_draws_the_same_random_numbers() -> None:
         losses, states = [], []
         for pipe in (following, learning):
             if pipe is learning:
-                pipe._routes.__init__()  # forget every route: each step under the mode
+                pipe._compute._routes.__init__()  # forget every route: each step under the mode
             torch.manual_seed(10 + step)
             losses.append(pipe.step(x, loss_fn=lambda out, t: out.sum(), target=x))
             states.append(torch.get_rng_state())

@@ -1,0 +1,189 @@
+"""How a rank runs its stages of an ``nn.Sequential``: a chain of layers, each stage's output
+sent to the next stage's rank (:class:`RankChain`).
+
+The rank materializes only its own stages' layers (:mod:`pipepar.distributed.stage`), walks
+its actions of the schedule through the rank executor (:class:`~pipepar.ranks.runtime.Runtime`)
+and hands values over a channel per stage boundary (:class:`~pipepar.ranks.transport.Transport`);
+gradients are averaged over the replicas bucket by bucket as their stages finish
+(:class:`~pipepar.ranks.replicas.GradientSync`), or reduce-scattered into shards
+(:class:`~pipepar.ranks.sharding.ShardedSync`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from pipepar.core.batchnorm import committing, convert_deferred_batch_norm
+from pipepar.core.microbatch import Value, gather
+from pipepar.core.stage import Stage
+from pipepar.distributed.stage import build_stage, in_model_order
+from pipepar.local.chain import ChainCall
+from pipepar.ranks.arguments import check_model
+from pipepar.ranks.failure import comm
+from pipepar.ranks.pipe_context import PipeContext
+from pipepar.ranks.replicas import (
+    GradientSync,
+    broadcast_from_first,
+    check_replica_inputs,
+    spread_over_replicas,
+)
+from pipepar.ranks.runtime import Runtime
+from pipepar.ranks.sharding import ShardedSync, shard_like
+from pipepar.ranks.transport import Transport
+
+__all__ = ["RankChain"]
+
+
+class RankChain:
+    """An ``nn.Sequential`` split by ``balance`` (layers per stage) over the ranks."""
+
+    default_checkpoint = "except_last"
+
+    def __init__(
+        self, model: nn.Module, balance: Sequence[int] | None, *, deferred_batch_norm: bool
+    ) -> None:
+        chain, self.sizes = check_model(model, balance)
+        if deferred_batch_norm:
+            chain = convert_deferred_batch_norm(chain)  # type: ignore[assignment]
+        self.model: nn.Sequential = chain
+        self.layer_names: list[str] = list(chain._modules)
+        """Names of the whole model's layers, in order (the first part of every key)."""
+
+    def build(
+        self, ctx: PipeContext, state_dict: Mapping[str, Tensor] | None, routes: bool
+    ) -> None:
+        """Materialize the rank's stages as the pipe's children and wire them to their
+        transport, gradient sync and runtime (replicas start from replica 0's weights unless
+        ``state_dict`` is given). ``routes`` concerns other models only."""
+        self._ctx = ctx
+        pipe, mesh = ctx.module, ctx.mesh
+        stages = []
+        for s in ctx.stages:
+            part = build_stage(self.model, self.sizes, s, device=ctx.device, state_dict=state_dict)
+            for name, layer in part.named_children():
+                pipe.add_module(name, layer)
+            stages.append(Stage(s, sum(self.sizes[:s]), list(part.children()), ctx.device))
+        if state_dict is None:  # before sharding: each replica keeps its shard of the same
+            ctx.guard(lambda: broadcast_from_first(_tensors(pipe), mesh))
+        window = ctx.schedule.worker_in_flight(mesh.stage)
+        self._transport = Transport(mesh, ctx.device, send_window=window)
+        self._sync: GradientSync = (
+            ShardedSync(list(pipe.children()), mesh, ctx.device)
+            if ctx.dp_shard
+            else GradientSync(pipe, mesh)
+        )
+        self._runtime = Runtime(
+            stages, mesh, self._transport, ctx.schedule, ctx.checkpoint, on_final=self._sync.ready
+        )
+
+    # -- running --------------------------------------------------------------------------------
+    def step(self, call: ChainCall) -> float:
+        """One mini-batch forward and backward (or, under no_grad, its forwards only); the
+        loss over the replicas, on every rank (see :meth:`DistributedPipe.step`)."""
+        with committing(list(self._ctx.module.children())):
+            if not torch.is_grad_enabled():
+                return self._ctx.guard(lambda: self._evaluate(call))
+            return self._ctx.guard(lambda: self._step(call))
+
+    def _evaluate(self, call: ChainCall) -> float:
+        ctx = self._ctx
+        spread = functools.partial(spread_over_replicas, mesh=ctx.mesh, device=ctx.device)
+        with self._sync.gathered():
+            loss_sum = self._runtime.run(
+                call.input, call.target, call.loss_fn, items=call.items, spread=spread, grad=False
+            )
+        loss = None if loss_sum is None else self._replica_mean(loss_sum.float().reshape(1))
+        return self._share_loss(loss)
+
+    def _step(self, call: ChainCall) -> float:
+        mesh, device, x = self._ctx.mesh, self._ctx.device, call.input
+        same_inputs = check_replica_inputs(x, mesh, device) if mesh.stage == 0 else None
+        self._sync.arm()
+        spread = functools.partial(spread_over_replicas, mesh=mesh, device=device)
+        with self._sync.gathered():  # sharded: all-gathered once for every action of the step
+            loss_sum = self._runtime.run(
+                x, call.target, call.loss_fn, items=call.items, spread=spread
+            )
+            if same_inputs is not None:  # before the averaged gradients are written back
+                same_inputs()
+            loss = None if loss_sum is None else loss_sum.float().reshape(1)
+            self._sync.finish(extra=loss)  # buckets were posted as their stages finished
+        return self._share_loss(loss)
+
+    def _replica_mean(self, loss: Tensor) -> Tensor:
+        """The mean of the replicas' losses (each a share of the batch of every replica), as
+        ``step`` averages it with the gradients."""
+        mesh = self._ctx.mesh
+        if mesh.dp_group is None:
+            return loss
+        what = f"averaging the loss over ranks {mesh.replica_ranks}"
+        with comm(what):
+            work = dist.all_reduce(loss, group=mesh.dp_group, async_op=True)
+        mesh.progress.wait(work, what)
+        return loss / self._ctx.dp
+
+    def _share_loss(self, loss: Tensor | None) -> float:
+        """Give the last stage's loss to every stage of the pipeline.
+
+        An all-reduce (other stages add zero) rather than a broadcast: it completes only once
+        every stage finished its step, so no rank returns from a step that another rank of the
+        grid failed (a failed rank never reaches it, and a replica that lost a rank blocks its
+        peer replicas' gradient all-reduce, hence their loss all-reduce, until it fails too).
+        """
+        mesh = self._ctx.mesh
+        if mesh.ctl is None:
+            assert loss is not None  # a single stage is the last stage
+            return float(loss.item())
+        value = loss if loss is not None else torch.zeros(1, device=self._ctx.device)
+        what = f"sharing the loss over ranks {mesh.pipeline_ranks}"
+        with comm(what):
+            work = dist.all_reduce(value, group=mesh.ctl, async_op=True)
+        mesh.progress.wait(work, what)
+        return float(value.item())
+
+    def forward(self, x: Value | None) -> Value | None:
+        """The forwards of a mini-batch under no_grad: the joined output on the last stage's
+        ranks, None on the others."""
+        with committing(list(self._ctx.module.children())):
+            outputs = self._ctx.guard(lambda: self._gathered_forward(x))
+        return None if outputs is None else gather(outputs)
+
+    def _gathered_forward(self, x: Value | None) -> list[Value] | None:
+        with self._sync.gathered():
+            return self._runtime.forward(x)
+
+    # -- what the rank holds --------------------------------------------------------------------
+    def in_model_order(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """A whole model's entries in the plain model's order."""
+        return in_model_order(state, self.layer_names)
+
+    def local_entries(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+        """The entries of a whole-model (or local) state_dict for the rank's layers, as the
+        pipe holds them (with ``dp_shard``, each replica's shard of them)."""
+        pipe = self._ctx.module
+        own = dict(pipe.named_parameters())
+        return {
+            k: shard_like(v, own[k]) if k in own else v
+            for k, v in state_dict.items()
+            if k.split(".", 1)[0] in pipe._modules
+        }
+
+    def clipped(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The parameters whose gradients the rank counts in the norm, and those it clips."""
+        params: list[Tensor] = list(self._ctx.module.parameters())
+        return params, params
+
+    def close(self) -> None:
+        """Release the transport's and the gradient sync's groups."""
+        self._transport.drop()
+        self._sync.drop()
+
+
+def _tensors(pipe: nn.Module) -> list[Tensor]:
+    return [t.data for t in list(pipe.parameters()) + list(pipe.buffers())]

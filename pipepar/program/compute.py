@@ -1,0 +1,273 @@
+"""How a pipe runs any model: its own ``forward``, cut into stages while it runs
+(:class:`ProgramCompute`).
+
+The model keeps its own code, submodules and names: its units (:mod:`pipepar.program.units`)
+are placed on their stage's device, and each micro-batch's forward runs the model's own
+``forward``, cut into stages while it runs (:mod:`pipepar.program.cut`), in the schedule's
+order (:mod:`pipepar.program.driver`). Values crossing a boundary travel by themselves; a
+weight used by two stages (tied embedding and head) is held by the first and its gradients
+from both are summed there. After the first call of a kind, calls follow the crossings
+learned then (:mod:`pipepar.program.route`), without per-operation interception.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
+
+from pipepar.core.batchnorm import committing, convert_inside, reset_all
+from pipepar.core.losses import LossShares, joined_loss, split_target
+from pipepar.core.stage import Stage
+from pipepar.local import cpu_malloc
+from pipepar.local.autograd import StepFunction
+from pipepar.local.executor import EVERY, FORWARD
+from pipepar.local.pipe_view import PipeView
+from pipepar.program import units as units_
+from pipepar.program.autograd import ProgramFunction, as_tuple, joined
+from pipepar.program.calls import Call, StepCall, split_call
+from pipepar.program.cut import Cut, Ledger
+from pipepar.program.driver import driver_pool, watch_units
+from pipepar.program.losses import ModelLoss, callers, loss_head, step_shares
+from pipepar.program.recompute import checkpoint_units
+from pipepar.program.rerun import Rerun
+from pipepar.program.route import PathChanged, Routes, signature
+from pipepar.program.run import ProgramRun
+from pipepar.program.step import Batch
+
+__all__ = ["ProgramCompute", "ProgramStage"]
+
+T = TypeVar("T")
+
+
+class ProgramStage(Stage):
+    """A stage of a model cut while it runs: its units, named by their module paths."""
+
+    def describe(self) -> str:
+        names = self.paths
+        span = names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+        return f"stage {self.index} ({span} on {self.device})"
+
+    @property
+    def paths(self) -> list[str]:
+        return [n.replace("/", ".") for n in self.names or []]
+
+
+class ProgramCompute:
+    """Any model split into stages by ``balance`` (units per stage) or ``split`` (module paths
+    where a stage begins); with ``sample``, units are ordered as the model calls them."""
+
+    default_checkpoint = "never"  # the model's units recompute one by one when asked
+
+    def __init__(
+        self,
+        model: nn.Module,
+        balance: Sequence[int] | None,
+        *,
+        split: Sequence[str] | None,
+        sample: Any,
+        deferred_batch_norm: bool,
+    ) -> None:
+        if deferred_batch_norm:
+            convert_inside(model)
+        order = [u.path for u in units_.units(model, sample)] if sample is not None else None
+        self._units = units_.layout(model, order)
+        self.sizes = units_.sizes_of(self._units, balance, split)
+        self.model = model
+        self.paths = [u.path for u in self._units.units]
+        """Each unit's module path in the model."""
+        self._stage_of_unit = [s for s, n in enumerate(self.sizes) for _ in range(n)]
+        self._owner = units_.owners(self._units, self._stage_of_unit)
+        self._params: list[list[nn.Parameter]] = []
+        self._routes = Routes()  # where values cross, by kind of call
+        self._drivers: ThreadPoolExecutor | None = None
+
+    def place(self, devices: Sequence[torch.device], checkpoint: str) -> list[Stage]:
+        """Move every weight to its holder's device and every unit's buffers to its stage's;
+        the stages."""
+        lay, stage_of_unit = self._units, self._stage_of_unit
+        _place(self.model, lay, stage_of_unit, self._owner, devices)
+        self._params = _held(self.model, self._owner, len(self.sizes))
+        self._hooks = watch_units(lay.units, stage_of_unit)
+        if checkpoint != "never":
+            checkpoint_units([u.module for u in lay.units if u.has_parameters])
+        self._rerun = Rerun(self.model, devices)  # what a call run again starts from
+        return _stages(lay, stage_of_unit, devices)
+
+    # -- pipe(...) ------------------------------------------------------------------------------
+    def forward(self, pipe: PipeView, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the model on the batch, micro-batch by micro-batch through the stages; what the
+        model returns, joined over the micro-batches."""
+        calls = split_call(args, kwargs, pipe.chunks)
+        shares = ModelLoss(self.model, calls) if "labels" in kwargs else None
+        return self._retrying(lambda: self._forward(pipe, calls, shares))
+
+    def _forward(self, pipe: PipeView, calls: list[Call], shares: ModelLoss | None) -> Any:
+        params = [p for held in self._params for p in held]
+        flat_in = [t for c in calls for t in c.tensors()]
+        needs_grad = torch.is_grad_enabled() and (
+            bool(params) or any(t.requires_grad for t in flat_in)
+        )
+        run = self._run(pipe, calls, grad=needs_grad, shares=shares)
+        if not needs_grad:
+            run.execute(pipe._workers(), FORWARD)
+            return joined(run.results(), run.rows, shares)
+        holder: dict[str, Any] = {}
+        outs = ProgramFunction.apply(pipe, run, holder, shares, len(flat_in), *flat_in, *params)
+        leaves = list(holder["leaves"])
+        for k, t in zip(holder["positions"], as_tuple(outs)):
+            leaves[k] = t
+        return pytree.tree_unflatten(leaves, holder["spec"])
+
+    # -- pipe.step ------------------------------------------------------------------------------
+    def step(self, pipe: PipeView, call: StepCall) -> Tensor:
+        """Forward and backward of one mini-batch in the schedule's order; the joined loss
+        (see :meth:`pipepar.local.pipe.Pipe.step`)."""
+        calls = split_call(call.args, call.kwargs, pipe.chunks)
+        targets = split_target(call.target, [c.rows for c in calls])
+        shares = step_shares(call.loss_fn, self.model, calls, targets, call.items)
+        return self._retrying(lambda: self._step(pipe, calls, targets, shares))
+
+    def _step(
+        self,
+        pipe: PipeView,
+        calls: list[Call],
+        targets: Sequence[Any],
+        shares: LossShares | ModelLoss,
+    ) -> Tensor:
+        grad = torch.is_grad_enabled()
+        run = self._run(pipe, calls, grad=grad, head=loss_head(shares, targets), shares=shares)
+        if not grad:  # evaluation: the schedule's forward actions only, no graph kept
+            run.execute(pipe._workers(), FORWARD)
+            return joined_loss(run.results(), shares.weights)
+        params = [p for held in self._params for p in held]
+        flat_in = [t for c in calls for t in c.tensors()]
+
+        def step_all() -> Tensor:
+            run.open_backward()
+            run.execute(pipe._workers(), EVERY)
+            return joined_loss(run.results(), shares.weights)
+
+        loss = StepFunction.apply(step_all, run, *flat_in, *params)
+        loss.backward()
+        return loss.detach()
+
+    def _retrying(self, attempt: Callable[[], T]) -> T:
+        """``attempt()``; if a micro-batch left the route it followed, again from the same
+        random state and batch-norm statistics with that route forgotten (the call then runs
+        under the cut's mode). Nothing was written to ``.grad`` before the forward ended."""
+        start = self._rerun.start()
+        with committing([self.model]):  # deferred batch norms: the mini-batch's statistics
+            try:
+                return attempt()
+            except PathChanged as changed:
+                self._routes.distrust(changed.key)
+                reset_all([self.model])
+                start.restore()
+                return attempt()
+
+    def _run(
+        self,
+        pipe: PipeView,
+        calls: list[Call],
+        *,
+        grad: bool,
+        head: Any = None,
+        shares: LossShares | ModelLoss | None = None,
+    ) -> ProgramRun:
+        inputs = [c.tensors() for c in calls]
+        context = (self.model.training, grad, head is not None, isinstance(shares, ModelLoss))
+        cuts = [
+            Cut(
+                Ledger(),
+                self._owner,
+                pipe.devices,
+                {id(t): t for t in xs},
+                self._routes,
+                signature(c.args, c.kwargs, *context),
+            )
+            for c, xs in zip(calls, inputs)
+        ]
+        batch = functools.partial(
+            Batch,
+            callers(self.model, calls, shares),
+            cuts,
+            head=head,
+            weights=shares.weights if head is not None and shares is not None else None,
+        )
+        if any(d.type == "cpu" for d in pipe.devices) and grad:
+            cpu_malloc.tune()
+        return ProgramRun(
+            pipe._stages,
+            self._params,
+            pipe._schedule(len(calls)),
+            batch,
+            self._driver_threads(pipe, len(calls)),
+            inputs,
+            [c.rows for c in calls],
+            grad=grad,
+            tracer=pipe.tracer,
+            draws=pipe._draws,
+            checkpoint=pipe.checkpoint,
+        )
+
+    def _driver_threads(self, pipe: PipeView, m: int) -> ThreadPoolExecutor:
+        self._drivers = driver_pool(self._drivers, m, min(pipe.threads), pipe.devices[0])
+        return self._drivers
+
+    def close(self) -> None:
+        """Stop the driver threads."""
+        if self._drivers is not None:
+            self._drivers.shutdown(wait=False)
+            self._drivers = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_drivers"] = None
+        return state
+
+
+# -- building -------------------------------------------------------------------------------
+def _place(
+    model: nn.Module,
+    lay: units_.Layout,
+    stage_of_unit: Sequence[int],
+    owner: dict[int, int],
+    devices: Sequence[torch.device],
+) -> None:
+    """Move each parameter to its holder's device, and each unit's buffers to its stage's."""
+    for p in model.parameters():
+        device = devices[owner.get(id(p), 0)]
+        if p.device != device:
+            p.data = p.data.to(device)
+    for unit, s in zip(lay.units, stage_of_unit):
+        for module in unit.module.modules():
+            for name, b in module.named_buffers(recurse=False):
+                if b is not None and b.device != devices[s]:
+                    module._buffers[name] = b.to(devices[s])
+
+
+def _stages(
+    lay: units_.Layout, stage_of_unit: Sequence[int], devices: Sequence[torch.device]
+) -> list[Stage]:
+    stages: list[Stage] = []
+    start = 0
+    for s, device in enumerate(devices):
+        mine = list(units_.iter_stage_units(lay, stage_of_unit, s))
+        names = [u.path.replace(".", "/") or "model" for u in mine]
+        stages.append(ProgramStage(s, start, [u.module for u in mine], device, names=names))
+        start += len(mine)
+    return stages
+
+
+def _held(model: nn.Module, owner: dict[int, int], n: int) -> list[list[nn.Parameter]]:
+    held: list[list[nn.Parameter]] = [[] for _ in range(n)]
+    for p in model.parameters():  # each once, tied ones included once
+        if p.requires_grad:
+            held[owner.get(id(p), 0)].append(p)
+    return held
