@@ -41,9 +41,9 @@ model in one process >= 0.90 of the limit, across ranks >= 0.85, one stage <= +5
 met, missed, or within the uncertainty of the interval.
 
 Default: 3 rounds x 8 timed steps per contender (24 steps, each block after one untimed step),
-both models, 11 contenders each (the ranks' interleaved-1f1b and zb-v are n/a today): about 8
-minutes on a quiet 2-core CPU, about 15 under a load average of 5 (a round of every contender's
-step takes ~7 s quiet, ~15 s loaded, plus ~30-45 s per model to spawn the ranks and build).
+both models, 13 contenders each: about 10 minutes on a quiet 2-core CPU, about 18 under a load
+average of 5 (a round of every contender's step takes ~8 s quiet, ~17 s loaded, plus ~30-45 s
+per model to spawn the ranks and build).
 
     python benchmarks/bench_models.py --write          # both models, every contender
     python benchmarks/bench_models.py --models gpt2 --rounds 2 --steps 6 \\

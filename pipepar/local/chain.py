@@ -28,7 +28,7 @@ from pipepar.local.executor import BACKWARD, EVERY, FORWARD, Run
 from pipepar.local.pipe_view import PipeView
 from pipepar.local.transfer import move
 
-__all__ = ["ChainCall", "ChainCompute", "chain_step_arguments", "one_input"]
+__all__ = ["ChainCall", "ChainCompute", "chain_step_arguments", "one_input", "runs_directly"]
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class ChainCompute:
     def _forward_batch(self, pipe: PipeView, input: Value) -> Value:
         input = check_value(input, what="input")
         microbatches = scatter(input, pipe.chunks)
-        if _direct(pipe, len(microbatches)):
+        if runs_directly(pipe, len(microbatches)):
             return _forward_direct(pipe, microbatches)
         params = [p for s in pipe._stages for p in s.trainable()]
         needs_grad = torch.is_grad_enabled() and (
@@ -167,8 +167,9 @@ def _run(
     )
 
 
-def _direct(pipe: PipeView, m: int) -> bool:
-    """One stage and nothing to recompute: plain autograd does it all, with no overhead."""
+def runs_directly(pipe: PipeView, m: int) -> bool:
+    """Whether a batch of ``m`` micro-batches runs on plain autograd, on the caller's thread,
+    with no overhead: one stage, no timeline, and nothing to recompute."""
     if len(pipe._stages) > 1 or pipe.tracer is not None:
         return False
     recompute = torch.is_grad_enabled() and pipe.training

@@ -26,6 +26,7 @@ from pipepar.core.losses import LossShares, joined_loss, split_target
 from pipepar.core.stage import Stage
 from pipepar.local import cpu_malloc
 from pipepar.local.autograd import StepFunction
+from pipepar.local.chain import runs_directly
 from pipepar.local.executor import EVERY, FORWARD
 from pipepar.local.pipe_view import PipeView
 from pipepar.program import units as units_
@@ -43,6 +44,7 @@ from pipepar.program.step import Batch
 __all__ = ["ProgramCompute", "ProgramStage"]
 
 T = TypeVar("T")
+Shares = LossShares | ModelLoss
 
 
 class ProgramStage(Stage):
@@ -105,7 +107,15 @@ class ProgramCompute:
         model returns, joined over the micro-batches."""
         calls = split_call(args, kwargs, pipe.chunks)
         shares = ModelLoss(self.model, calls) if "labels" in kwargs else None
+        if runs_directly(pipe, len(calls)):
+            return self._retrying(lambda: self._forward_direct(pipe, calls, shares))
         return self._retrying(lambda: self._forward(pipe, calls, shares))
+
+    def _forward_direct(self, pipe: PipeView, calls: list[Call], shares: ModelLoss | None) -> Any:
+        """One stage, nothing to recompute: the model called on each micro-batch, on plain
+        autograd."""
+        results = [call() for call in callers(self.model, _on(calls, pipe.devices[0]), shares)]
+        return joined(results, [c.rows for c in calls], shares)
 
     def _forward(self, pipe: PipeView, calls: list[Call], shares: ModelLoss | None) -> Any:
         params = [p for held in self._params for p in held]
@@ -131,14 +141,28 @@ class ProgramCompute:
         calls = split_call(call.args, call.kwargs, pipe.chunks)
         targets = split_target(call.target, [c.rows for c in calls])
         shares = step_shares(call.loss_fn, self.model, calls, targets, call.items)
-        return self._retrying(lambda: self._step(pipe, calls, targets, shares))
+        attempt = self._step_direct if runs_directly(pipe, len(calls)) else self._step
+        return self._retrying(lambda: attempt(pipe, calls, targets, shares))
+
+    def _step_direct(
+        self, pipe: PipeView, calls: list[Call], targets: Sequence[Any], shares: Shares
+    ) -> Tensor:
+        """One stage, nothing to recompute: each micro-batch's forward, then its loss's
+        backward seeded with its share, on plain autograd (draws and statistics in the order
+        of the one-stage schedule's forwards)."""
+        head = loss_head(shares, targets)
+        grad = torch.is_grad_enabled()
+        losses = []
+        for i, call in enumerate(callers(self.model, _on(calls, pipe.devices[0]), shares)):
+            loss = head(call(), i)
+            share = shares.weights[i]  # the model's own loss: known once its forward ran
+            if grad and share != 0 and loss.requires_grad:
+                (loss * share).backward()
+            losses.append(loss.detach())
+        return joined_loss(losses, shares.weights)
 
     def _step(
-        self,
-        pipe: PipeView,
-        calls: list[Call],
-        targets: Sequence[Any],
-        shares: LossShares | ModelLoss,
+        self, pipe: PipeView, calls: list[Call], targets: Sequence[Any], shares: Shares
     ) -> Tensor:
         grad = torch.is_grad_enabled()
         run = self._run(pipe, calls, grad=grad, head=loss_head(shares, targets), shares=shares)
@@ -230,6 +254,16 @@ class ProgramCompute:
         state = self.__dict__.copy()
         state["_drivers"] = None
         return state
+
+
+def _on(calls: list[Call], device: torch.device) -> list[Call]:
+    """The micro-batch calls with their tensors on ``device`` (the one stage's)."""
+
+    def there(leaf: Any) -> Any:
+        return leaf.to(device) if isinstance(leaf, Tensor) and leaf.device != device else leaf
+
+    moved = [pytree.tree_map(there, (c.args, c.kwargs)) for c in calls]
+    return [Call(args, kwargs, c.rows) for (args, kwargs), c in zip(moved, calls)]
 
 
 # -- building -------------------------------------------------------------------------------

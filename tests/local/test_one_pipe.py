@@ -114,3 +114,35 @@ def test_a_chain_pipe_pickles_and_both_copy_with_their_class() -> None:
             copied = copy.deepcopy(pipe)
             assert type(copied) is type(pipe)
             torch.testing.assert_close(copied(x), pipe(x))
+
+
+def test_a_one_stage_model_pipe_runs_directly_and_equals_the_plain_model() -> None:
+    """One stage with nothing to recompute runs the model on plain autograd (no drivers), and
+    its step and its call + backward equal the plain model's on padded labels, dropout on."""
+    pytest.importorskip("transformers")
+    from models import transformers_zoo as zoo
+    from tests.program._real import _same_grads
+
+    torch.manual_seed(0)
+    plain = zoo.gpt2()
+    model = copy.deepcopy(plain)
+    batch = zoo.padded_sample("gpt2", batch=4, seq=8)
+    n = len(pipepar.units(model))
+    pipe = pipepar.wrap(model, [n], devices=["cpu"], chunks=2)
+    torch.manual_seed(5)
+    loss = pipe.step(**batch)
+    assert pipe._compute._drivers is None  # no micro-batch ran on a driver thread
+    torch.manual_seed(5)
+    halves = [{k: v[i : i + 2] for k, v in batch.items()} for i in (0, 2)]
+    real = [(h["labels"][:, 1:] != -100).sum() for h in halves]
+    plain_loss = sum(plain(**h).loss * r / sum(real) for h, r in zip(halves, real))
+    plain_loss.backward()
+    torch.testing.assert_close(loss, plain_loss.detach())
+    _same_grads(pipe, plain)
+    pipe.zero_grad()
+    plain.zero_grad()
+    torch.manual_seed(6)
+    pipe(**batch).loss.backward()
+    torch.manual_seed(6)
+    sum(plain(**h).loss * r / sum(real) for h, r in zip(halves, real)).backward()
+    _same_grads(pipe, plain)
