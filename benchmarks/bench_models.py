@@ -26,6 +26,12 @@ labels=ids)``, the pipe joining the micro-batches' losses into the whole batch's
 - ``pipepar.distributed:<schedule>``: ``pipepar.distributed.wrap(model, split=[...], chunks=8,
   schedule=...)`` on two spawned gloo ranks (the model built whole on each), same splits.
 
+- ``pipepar-chain:<schedule>`` (asked for by ``--contenders``; GPT-2 only): the same GPT-2
+  laid out by hand as an ``nn.Sequential`` of its modules (embeddings, blocks, final norm, an
+  untied head) through ``pipepar.wrap(layers, balance, ...)``: the same arithmetic run by the
+  chain compute instead of the model's own forward cut while it runs, which tells what the
+  cut's machinery costs on this model.
+
 A contender that cannot be built or run is reported ``n/a: <error>`` and the rest go on.
 
 Method (as ``bench_schedules.py``, whose machinery this shares through ``_common``): per model,
@@ -89,10 +95,15 @@ LIBRARIES = {  # library: (label, processes, notes)
     "limit": ("limit: one-core job x 2 processes", 2, "physical limit of the 2 cores"),
     "pipepar-1stage": ("pipepar.wrap, 1 stage", 1, "balance=[all units], one worker"),
     "pipepar": ("pipepar.wrap, pipe.step", 1, "one thread per core"),
+    "pipepar-chain": (
+        "pipepar.wrap, the blocks as an nn.Sequential",
+        1,
+        "GPT-2 only: embeddings, blocks, ln_f, an untied head as layers (the chain compute)",
+    ),
     "pipepar.distributed": ("pipepar.distributed", 2, "gloo, model built whole on each rank"),
 }
 REMOTE = ("limit", "pipepar.distributed")
-CHOSEN_BY_USER = ("pipepar-1stage", "pipepar", "pipepar.distributed")
+CHOSEN_BY_USER = ("pipepar-1stage", "pipepar", "pipepar-chain", "pipepar.distributed")
 CONTENDERS = (
     ONE_STAGE,
     *(f"pipepar:{s}" for s in SCHEDULES),
@@ -215,9 +226,69 @@ def one_process(library: str, schedule: str, work: Job, m: int) -> tuple[common.
             model, split=split(work, stages(schedule)), devices=["cpu", "cpu"], chunks=m,
             schedule=schedule, threads=1, checkpoint="never",
         )  # fmt: skip
+    elif library == "pipepar-chain":
+        layers, loss_fn = gpt2_chain(work)
+        n = stages(schedule)
+        per = [len(layers) // n] * n
+        per[0] += len(layers) - sum(per)
+        pipe = pipepar.wrap(
+            layers, per, devices=["cpu", "cpu"], chunks=m, schedule=schedule, threads=1,
+            checkpoint="never",
+        )  # fmt: skip
+
+        def step() -> None:
+            pipe.step(work.ids, work.ids, loss_fn)
+            pipe.zero_grad(set_to_none=True)
+
+        return step, pipe
     else:
-        raise ValueError(f"library {library!r} is not pipepar-1stage or pipepar")
+        raise ValueError(f"library {library!r} is not pipepar-1stage, pipepar or pipepar-chain")
     return _stepped(pipe, work.ids), pipe
+
+
+class _Embed(nn.Module):
+    """GPT-2's token and position embeddings as one layer."""
+
+    def __init__(self, wte: nn.Module, wpe: nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe = wte, wpe
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))
+
+
+class _Block(nn.Module):
+    """A GPT-2 block taking and returning the hidden states alone."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, h: Tensor) -> Tensor:
+        out = self.block(h)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def gpt2_chain(work: Job) -> tuple[nn.Sequential, Callable[[Tensor, Tensor], Tensor]]:
+    """The job's GPT-2 laid out by hand as an ``nn.Sequential`` of the same modules (a copy):
+    embeddings, each block, the final norm, and the head as a layer of its own (untied: a
+    weight shared by the first and last layer would span stages), with the model's causal
+    loss. The same arithmetic as the model's forward, run by the chain compute."""
+    if work.name != "gpt2":
+        raise ValueError(f"pipepar-chain lays out GPT-2 only, not {work.name!r}")
+    transformer = copy.deepcopy(work.model).transformer
+    embed = transformer.wte.weight
+    head = nn.Linear(embed.shape[1], embed.shape[0], bias=False)
+    head.weight = nn.Parameter(embed.detach().clone())
+    blocks = [_Block(b) for b in transformer.h]
+    embeddings = _Embed(transformer.wte, transformer.wpe)
+    layers = nn.Sequential(embeddings, *blocks, transformer.ln_f, head)
+
+    def loss_fn(logits: Tensor, ids: Tensor) -> Tensor:
+        shifted = logits[:, :-1].reshape(-1, logits.shape[-1])
+        return nn.functional.cross_entropy(shifted, ids[:, 1:].reshape(-1))
+
+    return layers, loss_fn
 
 
 def rank_builder(spec: dict[str, Any], rank: int, world: int) -> Callable[[str, int], common.Step]:
