@@ -352,3 +352,17 @@ def test_plan_time_best_is_decided_head_to_head_where_both_were_rematched() -> N
     (again,) = bench.best(rows)
     assert again["rematched"] and again["right"] and again["slower"] == pytest.approx(0.01)
     assert "head to head (6 rounds)" in bench.summary(rows, 6)
+
+
+def test_models_chain_contender_is_the_same_gpt2() -> None:
+    """The by-hand nn.Sequential of bench_models' GPT-2 computes the model's own loss (the
+    same modules, the head an untied copy of the embedding), and is refused for Llama."""
+    from benchmarks import bench_models
+
+    work = bench_models.job("gpt2", quick=True)
+    layers, loss_fn = bench_models.gpt2_chain(work)
+    ids = work.ids
+    expected = work.model(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(loss_fn(layers(ids), ids), expected)
+    with pytest.raises(ValueError, match="GPT-2 only"):
+        bench_models.gpt2_chain(bench_models.job("llama", quick=True))
