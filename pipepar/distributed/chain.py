@@ -163,16 +163,28 @@ class RankChain:
         """A whole model's entries in the plain model's order."""
         return in_model_order(state, self.layer_names)
 
-    def local_entries(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
-        """The entries of a whole-model (or local) state_dict for the rank's layers, as the
-        pipe holds them (with ``dp_shard``, each replica's shard of them)."""
+    def parameters(self, recurse: bool = True) -> Any:
+        """The rank's layers' parameters (with ``dp_shard``, their shards)."""
+        return nn.Module.parameters(self._ctx.module, recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        return nn.Module.named_parameters(self._ctx.module, *args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        """The rank's layers' entries under the model's keys."""
+        return nn.Module.state_dict(self._ctx.module, *args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool, assign: bool) -> Any:
+        """Load the entries of a whole-model (or local) state_dict for the rank's layers (with
+        ``dp_shard``, each replica's shard of them); the other layers' are ignored."""
         pipe = self._ctx.module
         own = dict(pipe.named_parameters())
-        return {
+        local = {
             k: shard_like(v, own[k]) if k in own else v
             for k, v in state_dict.items()
             if k.split(".", 1)[0] in pipe._modules
         }
+        return nn.Module.load_state_dict(pipe, local, strict=strict, assign=assign)
 
     def clipped(self) -> tuple[list[Tensor], list[Tensor]]:
         """The parameters whose gradients the rank counts in the norm, and those it clips."""

@@ -298,20 +298,14 @@ class DistributedPipe(nn.Module):
     # -- what this rank holds -----------------------------------------------------------------
     def parameters(self, recurse: bool = True) -> Any:  # type: ignore[override]
         """This rank's weights (each once; with ``dp_shard``, their ``DTensor`` shards)."""
-        if isinstance(self._compute, RankProgram):
-            return self._compute.parameters()
-        return super().parameters(recurse)
+        return self._compute.parameters(recurse)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
-        if isinstance(self._compute, RankProgram):
-            return self._compute.named_parameters(*args, **kwargs)
-        return super().named_parameters(*args, **kwargs)
+        return self._compute.named_parameters(*args, **kwargs)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         """This rank's entries under the model's keys (with ``dp_shard``, the shards)."""
-        if isinstance(self._compute, RankProgram):
-            return self._compute.state_dict(*args, **kwargs)
-        return super().state_dict(*args, **kwargs)
+        return self._compute.state_dict(*args, **kwargs)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False
@@ -319,10 +313,7 @@ class DistributedPipe(nn.Module):
         """Load the whole model's state_dict, or this rank's entries of it: the entries of
         other stages are ignored; with ``dp_shard``, each replica keeps its shard of the
         weights it holds."""
-        if isinstance(self._compute, RankProgram):
-            return self._compute.load_state_dict(state_dict, strict, assign)
-        local = self._compute.local_entries(state_dict)
-        return super().load_state_dict(local, strict=strict, assign=assign)
+        return self._compute.load_state_dict(state_dict, strict, assign)
 
     def full_state_dict(self) -> dict[str, Tensor]:
         """The whole model's state_dict (original keys, CPU tensors, the plain model's order),

@@ -124,7 +124,7 @@ class RankProgram:
         return self._sync.gathered() if self._sync is not None else contextlib.nullcontext()
 
     # -- what this rank holds -------------------------------------------------------------------
-    def parameters(self) -> Any:
+    def parameters(self, recurse: bool = True) -> Any:
         """This rank's weights (each once; with ``dp_shard``, their ``DTensor`` shards)."""
         return iter(self._shards)
 
