@@ -13,7 +13,8 @@ from torch import nn
 from pipepar.core import validation
 from pipepar.core.devices import DeviceSpec
 from pipepar.core.schedule import Schedule
-from pipepar.local.pipe import Pipe, is_chain
+from pipepar.local.chain import is_chain
+from pipepar.local.pipe import Pipe
 from pipepar.planner.auto_layout import keep_layout, local_layout, pipe_arguments
 from pipepar.planner.runtime_fit import RuntimeFit
 

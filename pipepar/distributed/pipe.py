@@ -36,7 +36,7 @@ from pipepar.core import validation
 from pipepar.core.losses import Items
 from pipepar.core.schedule import Schedule
 from pipepar.distributed.chain import RankChain
-from pipepar.local.chain import chain_step_arguments, one_input
+from pipepar.local.chain import chain_step_arguments, is_chain, one_input
 from pipepar.program.calls import StepCall
 from pipepar.program.losses import LossFn
 from pipepar.program.rank_compute import RankProgram
@@ -49,15 +49,9 @@ from pipepar.ranks.pipe_context import PipeContext
 from pipepar.ranks.process import ensure_process_group, resolve_device
 from pipepar.ranks.sharding import check_dp_shard, full_tensors
 
-__all__ = ["SCHEDULES", "DistributedPipe", "is_rank_chain"]
+__all__ = ["SCHEDULES", "DistributedPipe"]
 
 logger = logging.getLogger(__name__)
-
-
-def is_rank_chain(model: object, split: object = None) -> bool:
-    """Whether a pipe across ranks runs ``model`` as a chain of layers: an ``nn.Sequential``
-    split by ``balance`` (not by module paths)."""
-    return isinstance(model, nn.Sequential) and split is None
 
 
 class DistributedPipe(nn.Module):
@@ -158,7 +152,7 @@ class DistributedPipe(nn.Module):
         self.timeout = check_timeout(timeout)
         compute: RankChain | RankProgram = (
             RankChain(model, balance, deferred_batch_norm=deferred_batch_norm)
-            if is_rank_chain(model, split)
+            if is_chain(model, split)
             else RankProgram(model, balance, split=split, deferred_batch_norm=deferred_batch_norm)
         )
         self._compute = compute

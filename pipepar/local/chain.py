@@ -28,7 +28,21 @@ from pipepar.local.executor import BACKWARD, EVERY, FORWARD, Run
 from pipepar.local.pipe_view import PipeView
 from pipepar.local.transfer import move
 
-__all__ = ["ChainCall", "ChainCompute", "chain_step_arguments", "one_input", "runs_directly"]
+__all__ = [
+    "ChainCall",
+    "ChainCompute",
+    "chain_step_arguments",
+    "is_chain",
+    "one_input",
+    "runs_directly",
+]
+
+
+def is_chain(module: object, split: object = None, sample: object = None) -> bool:
+    """Whether a pipe (of one process or across ranks) runs ``module`` as a chain of layers: an
+    ``nn.Sequential`` split by ``balance`` (not by module paths, and not sampled with keyword
+    arguments)."""
+    return isinstance(module, nn.Sequential) and split is None and not isinstance(sample, dict)
 
 
 @dataclass(frozen=True)

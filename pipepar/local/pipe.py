@@ -27,7 +27,7 @@ from pipepar.core.losses import Items
 from pipepar.core.randomness import DrawLog
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage, iter_layers
-from pipepar.local.chain import ChainCompute, chain_step_arguments
+from pipepar.local.chain import ChainCompute, chain_step_arguments, is_chain
 from pipepar.local.pipe_args import check_threads, count_workers, schedule_for, schedule_of_batch
 from pipepar.local.placement import check_staying, cuda_device
 from pipepar.local.worker import WorkerPool
@@ -37,13 +37,7 @@ from pipepar.program.compute import ProgramCompute
 from pipepar.program.losses import LossFn
 from pipepar.tracing.tracer import Tracer
 
-__all__ = ["Pipe", "is_chain"]
-
-
-def is_chain(module: object, split: object = None, sample: object = None) -> bool:
-    """Whether a pipe runs ``module`` as a chain of layers: an ``nn.Sequential`` split by
-    ``balance`` (not by module paths, and not sampled with keyword arguments)."""
-    return isinstance(module, nn.Sequential) and split is None and not isinstance(sample, dict)
+__all__ = ["Pipe"]
 
 
 class Pipe(nn.Module):

@@ -22,7 +22,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from pipepar.core.batchnorm import committing, convert_inside, reset_all
-from pipepar.core.losses import LossShares, joined_loss, split_target
+from pipepar.core.losses import joined_loss, split_target
 from pipepar.core.stage import Stage
 from pipepar.local import cpu_malloc
 from pipepar.local.autograd import StepFunction
@@ -34,7 +34,7 @@ from pipepar.program.autograd import ProgramFunction, as_tuple, joined
 from pipepar.program.calls import Call, StepCall, split_call
 from pipepar.program.cut import Cut, Ledger
 from pipepar.program.driver import driver_pool, watch_units
-from pipepar.program.losses import ModelLoss, callers, loss_head, step_shares
+from pipepar.program.losses import ModelLoss, Shares, callers, loss_head, step_shares
 from pipepar.program.recompute import checkpoint_units
 from pipepar.program.rerun import Rerun
 from pipepar.program.route import PathChanged, Routes, signature
@@ -44,7 +44,6 @@ from pipepar.program.step import Batch
 __all__ = ["ProgramCompute", "ProgramStage"]
 
 T = TypeVar("T")
-Shares = LossShares | ModelLoss
 
 
 class ProgramStage(Stage):
@@ -83,7 +82,7 @@ class ProgramCompute:
         self.model = model
         self.paths = [u.path for u in self._units.units]
         """Each unit's module path in the model."""
-        self._stage_of_unit = [s for s, n in enumerate(self.sizes) for _ in range(n)]
+        self._stage_of_unit = units_.stage_of_units(self.sizes)
         self._owner = units_.owners(self._units, self._stage_of_unit)
         self._params: list[list[nn.Parameter]] = []
         self._routes = Routes()  # where values cross, by kind of call
@@ -202,7 +201,7 @@ class ProgramCompute:
         *,
         grad: bool,
         head: Any = None,
-        shares: LossShares | ModelLoss | None = None,
+        shares: Shares | None = None,
     ) -> ProgramRun:
         inputs = [c.tensors() for c in calls]
         context = (self.model.training, grad, head is not None, isinstance(shares, ModelLoss))

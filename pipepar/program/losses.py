@@ -25,13 +25,13 @@ from torch import Tensor, nn
 from pipepar.core.losses import LossFn, LossShares, loss_shares, nothing, scalar_loss
 from pipepar.program.calls import Call
 
-__all__ = ["LossFn", "ModelLoss", "callers", "loss_head", "own_loss", "step_shares"]
+__all__ = ["LossFn", "ModelLoss", "Shares", "callers", "loss_head", "own_loss", "step_shares"]
 
 _IGNORE = -100  # transformers' label for "no target here"
 
 
 def loss_head(
-    shares: LossShares | ModelLoss, targets: Sequence[Any]
+    shares: Shares, targets: Sequence[Any]
 ) -> Callable[[Any, int], Tensor]:
     """Micro-batch ``i``'s loss: ``shares``' function (``loss_fn``) or the model's own."""
     if isinstance(shares, LossShares):
@@ -45,7 +45,7 @@ def step_shares(
     calls: Sequence[Call],
     targets: Sequence[Any],
     items: Any = None,
-) -> LossShares | ModelLoss:
+) -> Shares:
     """How ``step`` joins its micro-batch losses: by ``loss_fn``'s rule, or the model's."""
     rows = [c.rows for c in calls]
     if loss_fn is not None:
@@ -126,8 +126,12 @@ class ModelLoss(Sequence[float]):
         return (self.weight(i) for i in range(len(self.rows)))
 
 
+Shares = LossShares | ModelLoss
+"""How a step's micro-batch losses are joined: by a ``loss_fn``'s rule, or the model's own."""
+
+
 def callers(
-    model: nn.Module, calls: Sequence[Call], shares: LossShares | ModelLoss | None
+    model: nn.Module, calls: Sequence[Call], shares: Shares | None
 ) -> list[Callable[[], Any]]:
     """Each micro-batch's call of the model, with what the model's own loss needs added
     (``num_items_in_batch``: see :class:`ModelLoss`)."""

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from pipepar.core.batchnorm import committing, convert_inside
-from pipepar.core.losses import LossShares, joined_loss, split_target
+from pipepar.core.losses import joined_loss, split_target
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.program import units as units_
@@ -33,7 +33,7 @@ from pipepar.program.autograd import joined
 from pipepar.program.calls import Call, StepCall, split_call
 from pipepar.program.cut import Ledger
 from pipepar.program.driver import driver_pool, watch_units
-from pipepar.program.losses import ModelLoss, callers, loss_head, step_shares
+from pipepar.program.losses import ModelLoss, Shares, callers, loss_head, step_shares
 from pipepar.program.meta_values import MetaScalars
 from pipepar.program.rank_weights import holders, keep_only, tied_groups
 from pipepar.program.ranks import Link, RankCut, RankStep, shadow_context, skip_elsewhere
@@ -67,7 +67,7 @@ class RankProgram:
             convert_inside(model)
         self.model = model
         self.sizes = units_.sizes_of(units_.layout(model), balance, split)
-        self.stage_of_unit = [s for s, n in enumerate(self.sizes) for _ in range(n)]
+        self.stage_of_unit = units_.stage_of_units(self.sizes)
         """Each unit's stage, in the model's unit order."""
         self._drivers: ThreadPoolExecutor | None = None
         self._sync: ShardedSync | None = None
@@ -244,7 +244,7 @@ class RankProgram:
         self,
         calls: list[Call],
         schedule: Schedule,
-        shares: LossShares | ModelLoss | None,
+        shares: Shares | None,
         head: Callable[[Any, int], Tensor] | None,
         *,
         grad: bool,

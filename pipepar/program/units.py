@@ -27,7 +27,7 @@ from torch import nn
 
 from pipepar.core import validation
 
-__all__ = ["Layout", "Unit", "layout", "sizes_of", "stages_from_split", "units"]
+__all__ = ["Layout", "Unit", "layout", "sizes_of", "stage_of_units", "stages_from_split", "units"]
 
 
 @dataclass(frozen=True)
@@ -194,6 +194,16 @@ def sizes_of(lay: Layout, balance: Sequence[int] | None, split: Sequence[str] | 
             f"split=[module paths where stages begin] instead"
         )
     return validation.check_balance(balance, len(paths))
+
+
+def stage_of_units(sizes: Sequence[int]) -> list[int]:
+    """Each unit's stage, in unit order, for ``sizes`` units per stage.
+
+    Example:
+        >>> stage_of_units([2, 1])
+        [0, 0, 1]
+    """
+    return [s for s, n in enumerate(sizes) for _ in range(n)]
 
 
 def owners(lay: Layout, stage_of_unit: Sequence[int]) -> dict[int, int]:
