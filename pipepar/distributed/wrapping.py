@@ -19,11 +19,10 @@ from pipepar.planner.auto_layout import (
     Given,
     capacity_bytes,
     choose_layout,
-    cluster_for,
-    device_memory,
     given_schedule,
     keep_layout,
 )
+from pipepar.planner.cluster import cluster_for, device_memory
 from pipepar.planner.layout import Layout
 from pipepar.planner.runtime_fit import RuntimeFit
 from pipepar.ranks.process import ensure_process_group, resolve_device

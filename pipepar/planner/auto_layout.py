@@ -5,8 +5,8 @@ sample=x)`` leave the balance, and whichever of the schedule, micro-batches, rec
 data-parallel degree the user did not pass, to :func:`~pipepar.planner.layout_search.
 search_layouts`: each value given restricts the search to it (:class:`Given`), and the
 fastest layout that fits is the pipe's. The cluster is the machine the devices are on
-(:func:`cluster_for`), and each device holds what :func:`device_memory` says unless a
-capacity is given.
+(:func:`~pipepar.planner.cluster.cluster_for`), and each device holds what
+:func:`~pipepar.planner.cluster.device_memory` says unless a capacity is given.
 
     >>> layout = choose_layout(model, torch.randn(32, 64), devices=2, given=Given(dp=1),
     ...                        cluster=cluster_for(torch.device("cpu"), 2),
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,8 +30,7 @@ from pipepar.core import validation
 from pipepar.core.devices import DeviceSpec, resolve_devices
 from pipepar.core.schedule import NAMES, Schedule
 from pipepar.core.units import format_bytes, parse_bytes
-from pipepar.planner.cluster import NAMES as PRESETS
-from pipepar.planner.cluster import Cluster, measure_local
+from pipepar.planner.cluster import Cluster, cluster_for, device_memory
 from pipepar.planner.layout import Layout
 from pipepar.planner.layout_search import CHUNKS, search_layouts
 from pipepar.planner.plan import CHECKPOINTS, plan
@@ -44,8 +43,6 @@ __all__ = [
     "Given",
     "capacity_bytes",
     "choose_layout",
-    "cluster_for",
-    "device_memory",
     "given_schedule",
     "keep_layout",
     "local_layout",
@@ -277,60 +274,6 @@ def _why_not(prof: Profile, devices: int, given: Given, capacity: int) -> str:
         name, policy = given.schedule or "1f1b", given.checkpoint or "always"
         return f"with {name}, {chunks} micro-batches and checkpoint={policy!r}: {error}"
     return "see pipepar.search_layouts(..., top=None) for the layouts considered"
-
-
-def cluster_for(device: torch.device, count: int, *, per_node: int | None = None) -> Cluster:
-    """``count`` devices like ``device``, ``per_node`` on each node (default: all on one).
-
-    CPU: the ``"cpu"`` preset with each device a share of this machine's memory. CUDA: the
-    preset whose GPU the device's name names (``"H100"`` in ``"NVIDIA H100 80GB HBM3"``) with
-    the device's own memory, else this machine measured (:func:`measure_local`, half a second).
-
-    Example:
-        >>> cluster_for(torch.device("cpu"), 2).devices
-        2
-    """
-    per_node = max(1, min(per_node or count, count))
-    nodes = -(-count // per_node)
-    if device.type != "cuda":
-        cpu = Cluster.named("cpu")
-        total = cpu.memory_bytes * cpu.devices_per_node
-        return replace(
-            cpu, devices_per_node=per_node, nodes=nodes, memory_bytes=max(1, total // per_node)
-        )
-    props = torch.cuda.get_device_properties(device)
-    preset = _preset_named_in(props.name)
-    base = Cluster.named(preset) if preset is not None else measure_local(device, seconds=0.5)
-    return replace(
-        base,
-        device=props.name,
-        devices_per_node=per_node,
-        nodes=nodes,
-        memory_bytes=int(props.total_memory),
-    )
-
-
-def _preset_named_in(device_name: str) -> str | None:
-    """The GPU preset whose model (``"h100"`` of ``"h100x8"``) the device's name contains."""
-    upper = device_name.upper()
-    for name in PRESETS:
-        model = name.split("x")[0].upper()
-        if name != "cpu" and model in upper:
-            return name
-    return None
-
-
-def device_memory(device: torch.device, sharing: int = 1) -> int:
-    """Bytes one stage on ``device`` may hold: a CUDA device's total memory, or this machine's
-    memory over the ``sharing`` CPU stages (or ranks) on it.
-
-    Example:
-        >>> device_memory(torch.device("cpu"), 2) > 0
-        True
-    """
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    return cluster_for(torch.device("cpu"), max(1, sharing)).memory_bytes
 
 
 def capacity_bytes(capacity: object, devices: int, default: int) -> int:

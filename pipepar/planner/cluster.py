@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["NAMES", "Cluster", "Link", "measure_local"]
+__all__ = ["NAMES", "Cluster", "Link", "cluster_for", "device_memory", "measure_local"]
 
 _GB = 10**9
 
@@ -295,6 +295,60 @@ def measure_local(device: str | torch.device = "cpu", *, seconds: float = 1.0) -
         intra=Link(bandwidth=bandwidth, latency=latency),
         memory_bandwidth=memory,
     )
+
+
+def cluster_for(device: torch.device, count: int, *, per_node: int | None = None) -> Cluster:
+    """``count`` devices like ``device``, ``per_node`` on each node (default: all on one).
+
+    CPU: the ``"cpu"`` preset with each device a share of this machine's memory. CUDA: the
+    preset whose GPU the device's name names (``"H100"`` in ``"NVIDIA H100 80GB HBM3"``) with
+    the device's own memory, else this machine measured (:func:`measure_local`, half a second).
+
+    Example:
+        >>> cluster_for(torch.device("cpu"), 2).devices
+        2
+    """
+    per_node = max(1, min(per_node or count, count))
+    nodes = -(-count // per_node)
+    if device.type != "cuda":
+        cpu = Cluster.named("cpu")
+        total = cpu.memory_bytes * cpu.devices_per_node
+        return replace(
+            cpu, devices_per_node=per_node, nodes=nodes, memory_bytes=max(1, total // per_node)
+        )
+    props = torch.cuda.get_device_properties(device)
+    preset = _preset_named_in(props.name)
+    base = Cluster.named(preset) if preset is not None else measure_local(device, seconds=0.5)
+    return replace(
+        base,
+        device=props.name,
+        devices_per_node=per_node,
+        nodes=nodes,
+        memory_bytes=int(props.total_memory),
+    )
+
+
+def _preset_named_in(device_name: str) -> str | None:
+    """The GPU preset whose model (``"h100"`` of ``"h100x8"``) the device's name contains."""
+    upper = device_name.upper()
+    for name in NAMES:
+        model = name.split("x")[0].upper()
+        if name != "cpu" and model in upper:
+            return name
+    return None
+
+
+def device_memory(device: torch.device, sharing: int = 1) -> int:
+    """Bytes one stage on ``device`` may hold: a CUDA device's total memory, or this machine's
+    memory over the ``sharing`` CPU stages (or ranks) on it.
+
+    Example:
+        >>> device_memory(torch.device("cpu"), 2) > 0
+        True
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    return cluster_for(torch.device("cpu"), max(1, sharing)).memory_bytes
 
 
 def _best_rate(

@@ -13,13 +13,14 @@ from torch import nn
 import pipepar
 from pipepar.core.schedule import NAMES, VIRTUAL, gpipe, parse
 from pipepar.planner import auto_layout
+from pipepar.planner import cluster as cluster_module
 from pipepar.planner.auto_layout import (
     Given,
     capacity_bytes,
     choose_layout,
-    cluster_for,
     given_schedule,
 )
+from pipepar.planner.cluster import cluster_for
 from pipepar.planner.layout import Layout
 from pipepar.planner.runtime_fit import RuntimeFit
 from tests._small_models import Residual, tanh_stack
@@ -179,9 +180,9 @@ def test_data_parallel_layouts_from_flop_counts() -> None:
 def test_clusters_and_capacities() -> None:
     cpu = cluster_for(torch.device("cpu"), 4, per_node=2)
     assert (cpu.devices_per_node, cpu.nodes) == (2, 2)
-    assert auto_layout._preset_named_in("NVIDIA H100 80GB HBM3") == "h100x8"
-    assert auto_layout._preset_named_in("NVIDIA A100-SXM4-40GB") == "a100x8"
-    assert auto_layout._preset_named_in("Tesla T4") is None
+    assert cluster_module._preset_named_in("NVIDIA H100 80GB HBM3") == "h100x8"
+    assert cluster_module._preset_named_in("NVIDIA A100-SXM4-40GB") == "a100x8"
+    assert cluster_module._preset_named_in("Tesla T4") is None
     assert capacity_bytes(["1GiB", None], 2, default=2**20) == 2**20
     assert capacity_bytes(None, 2, default=5) == 5
     with pytest.raises(ValueError, match="capacity has 1 entries but there are 2 devices"):
