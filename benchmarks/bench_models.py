@@ -101,9 +101,17 @@ LIBRARIES = {  # library: (label, processes, notes)
         "GPT-2 only: embeddings, blocks, ln_f, an untied head as layers (the chain compute)",
     ),
     "pipepar.distributed": ("pipepar.distributed", 2, "gloo, model built whole on each rank"),
+    "pipepar.distributed-chain": (
+        "pipepar.distributed, the blocks as an nn.Sequential",
+        2,
+        "GPT-2 only: as pipepar-chain, on two gloo ranks",
+    ),
 }
-REMOTE = ("limit", "pipepar.distributed")
-CHOSEN_BY_USER = ("pipepar-1stage", "pipepar", "pipepar-chain", "pipepar.distributed")
+REMOTE = ("limit", "pipepar.distributed", "pipepar.distributed-chain")
+CHOSEN_BY_USER = (
+    "pipepar-1stage", "pipepar", "pipepar-chain", "pipepar.distributed",
+    "pipepar.distributed-chain",
+)  # fmt: skip
 CONTENDERS = (
     ONE_STAGE,
     *(f"pipepar:{s}" for s in SCHEDULES),
@@ -228,12 +236,9 @@ def one_process(library: str, schedule: str, work: Job, m: int) -> tuple[common.
         )  # fmt: skip
     elif library == "pipepar-chain":
         layers, loss_fn = gpt2_chain(work)
-        n = stages(schedule)
-        per = [len(layers) // n] * n
-        per[0] += len(layers) - sum(per)
         pipe = pipepar.wrap(
-            layers, per, devices=["cpu", "cpu"], chunks=m, schedule=schedule, threads=1,
-            checkpoint="never",
+            layers, chain_balance(len(layers), stages(schedule)), devices=["cpu", "cpu"],
+            chunks=m, schedule=schedule, threads=1, checkpoint="never",
         )  # fmt: skip
 
         def step() -> None:
@@ -267,6 +272,16 @@ class _Block(nn.Module):
     def forward(self, h: Tensor) -> Tensor:
         out = self.block(h)
         return out[0] if isinstance(out, tuple) else out
+
+
+def chain_balance(layers: int, n_stages: int) -> list[int]:
+    """Layers per stage of the hand-made chain, cut where ``split`` cuts the model: equal runs
+    of blocks, the embeddings with the first, the final norm and head with the last."""
+    blocks = layers - 3
+    per = [blocks // n_stages] * n_stages
+    per[0] += 1
+    per[-1] += 2
+    return per
 
 
 def gpt2_chain(work: Job) -> tuple[nn.Sequential, Callable[[Tensor, Tensor], Tensor]]:
@@ -303,10 +318,22 @@ def rank_builder(spec: dict[str, Any], rank: int, world: int) -> Callable[[str, 
         library, _, schedule = contender.partition(":")
         if library == "limit":
             return one_core(work, m)
-        if library != "pipepar.distributed":
-            raise ValueError(f"library {library!r} is not limit or pipepar.distributed")
         import pipepar.distributed as ppd
 
+        if library == "pipepar.distributed-chain":
+            layers, loss_fn = gpt2_chain(work)
+            pipe = ppd.wrap(
+                layers, chain_balance(len(layers), stages(schedule)), chunks=m,
+                schedule=schedule, checkpoint="never",
+            )  # fmt: skip
+
+            def chain_step() -> None:
+                pipe.step(work.ids, work.ids, loss_fn)
+                pipe.zero_grad(set_to_none=True)
+
+            return chain_step
+        if library != "pipepar.distributed":
+            raise ValueError(f"library {library!r} is not limit or pipepar.distributed(-chain)")
         paths = split(work, stages(schedule))
         model = copy.deepcopy(work.model)
         pipe = ppd.wrap(model, split=paths, chunks=m, schedule=schedule, checkpoint="never")

@@ -202,6 +202,11 @@ class Cut(TorchFunctionMode):
         """Whether this call follows a learned route (the mode is not entered)."""
         return self.route is not None
 
+    def done(self) -> bool:
+        """Whether the rest of the forward is no business of this process (never, in one
+        process: every stage computes here)."""
+        return False
+
     def running(self) -> contextlib.AbstractContextManager[Any]:
         """What the micro-batch's forward runs under: the mode, unless it follows a route."""
         return contextlib.nullcontext() if self.following else self

@@ -26,7 +26,16 @@ from torch.utils.hooks import RemovableHandle
 
 from pipepar.local.worker import Aborted, _init_thread
 
-__all__ = ["Driver", "Follower", "Weight", "active", "driver_pool", "unit_lock", "watch_units"]
+__all__ = [
+    "Driver",
+    "Finished",
+    "Follower",
+    "Weight",
+    "active",
+    "driver_pool",
+    "unit_lock",
+    "watch_units",
+]
 
 _local = threading.local()
 
@@ -37,8 +46,18 @@ Weight = tuple[nn.Module, str, nn.Parameter]
 """A unit's parameter: the module registering it, its name there, the parameter."""
 
 
+class Finished(BaseException):
+    """Raised at a unit call when the rest of the forward is no business of this process
+    (:meth:`Follower.done`): the driver's call ends there, quietly. A ``BaseException``, so
+    that a model's own ``except Exception`` does not swallow it."""
+
+
 class Follower(Protocol):
     """What a driver's unit hooks tell: the micro-batch's :class:`~pipepar.program.cut.Cut`."""
+
+    def done(self) -> bool:
+        """Whether nothing left of the forward concerns this process (the driver stops)."""
+        ...
 
     def enter_unit(
         self, unit: int, weights: Sequence[Weight], args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -112,12 +131,16 @@ class Driver:
         except BaseException as error:  # handed to the worker that waits, re-raised there
             self._close()
             with self._cond:
-                if not isinstance(error, Aborted):
+                if not isinstance(error, (Aborted, Finished)):
                     self._error = error
             self._finish()
             return
         finally:
             _local.driver = None
+            # The call and context close over the mini-batch that holds this driver: dropped
+            # now, the mini-batch's graphs go with its last reference instead of waiting for
+            # the cycle collector (a step's activations, kept a step or more).
+            self._call = self._context = _spent
         self._finish()
 
     def boundary(self, stage: int) -> None:
@@ -161,6 +184,10 @@ class Driver:
             self._running = False
             self._next = 1 << 30
             self._cond.notify_all()
+
+
+def _spent(*args: Any) -> Any:
+    raise RuntimeError("pipepar: this micro-batch's forward has already run")
 
 
 def watch_units(units: Sequence[Any], stage_of_unit: Sequence[int]) -> list[RemovableHandle]:
@@ -214,6 +241,8 @@ def _entering(
         follower = driver.follower
         if follower is None:
             return None
+        if follower.done():
+            raise Finished
         lock.acquire()
         _held().append(lock)  # released by the forward hook, which runs even if this raises
         return follower.enter_unit(unit, weights, args, kwargs)

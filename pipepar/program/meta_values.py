@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from pipepar.planner.meta_attention import _fusable, _fused
+from pipepar.program.meta_shapes import MetaShapes
 
 __all__ = ["SHADOW_LIMIT", "FusedGroupedAttention", "MetaScalars", "meta_modes"]
 
@@ -69,14 +70,18 @@ class MetaScalars(TorchDispatchMode):
         True
     """
 
-    def __init__(self) -> None:
+    def __init__(self, shapes: MetaShapes | None = None) -> None:
         super().__init__()
         self._values: dict[int, tuple[weakref.ref[Tensor], Tensor]] = {}
+        self._shapes = shapes
+        """Where the outputs of operations seen before are made without their meta kernels
+        (None: every operation runs)."""
 
     def know(self, meta: Tensor, value: Tensor) -> None:
         """Tell the mode the value of ``meta`` (a CPU tensor of its shape and dtype)."""
-        key = id(meta)
-        self._values[key] = (weakref.ref(meta, lambda _: self._values.pop(key, None)), value)
+        # No callback to forget it: one closing over the mode would make a cycle that keeps
+        # the values until the cycle collector runs; a stale entry is told by its dead ref.
+        self._values[id(meta)] = (weakref.ref(meta), value)
 
     def value(self, meta: Tensor) -> Tensor | None:
         """The known value of ``meta``, or None."""
@@ -89,10 +94,24 @@ class MetaScalars(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is _aten._local_scalar_dense.default and args[0].is_meta:
             return self._read(args[0])
-        out = func(*args, **kwargs)
+        out = self._run(func, args, kwargs)
         metas = [t for t in tree_leaves(out) if isinstance(t, Tensor) and t.is_meta]
         if metas:
             self._follow(func, args, kwargs, metas)
+        return out
+
+    def _run(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``func``'s outputs: made from the shapes it gave before on inputs of these shapes,
+        or computed (and their shapes kept)."""
+        shapes = self._shapes
+        key = shapes.key(func, args, kwargs) if shapes is not None else None
+        if key is None:
+            return func(*args, **kwargs)
+        assert shapes is not None
+        out = shapes.made(key)
+        if out is None:
+            out = func(*args, **kwargs)
+            shapes.remember(key, out)
         return out
 
     def _follow(self, func: Any, args: Any, kwargs: Any, metas: list[Tensor]) -> None:

@@ -34,6 +34,7 @@ from pipepar.program.calls import Call, StepCall, split_call
 from pipepar.program.cut import Ledger
 from pipepar.program.driver import driver_pool, watch_units
 from pipepar.program.losses import ModelLoss, Shares, callers, loss_head, step_shares
+from pipepar.program.meta_shapes import MetaShapes
 from pipepar.program.meta_values import MetaScalars
 from pipepar.program.rank_weights import holders, keep_only, tied_groups
 from pipepar.program.ranks import Link, RankCut, RankStep, shadow_context, skip_elsewhere
@@ -71,6 +72,9 @@ class RankProgram:
         """Each unit's stage, in the model's unit order."""
         self._drivers: ThreadPoolExecutor | None = None
         self._sync: ShardedSync | None = None
+        self._shapes = MetaShapes()
+        """What the other stages' operations made on meta, kept from micro-batch to
+        micro-batch (their meta kernels run once per shape)."""
 
     def build(
         self, ctx: PipeContext, state_dict: Mapping[str, Tensor] | None, routes: bool
@@ -196,9 +200,12 @@ class RankProgram:
         schedule = fewer_microbatches(ctx.schedule, len(calls))
         shares = ModelLoss(self.model, calls) if "labels" in kwargs else None
         batch, _ = ctx.guard(lambda: self._gathered_walk(calls, schedule, shares))
-        if ctx.schedule.n_stages - 1 not in self._mine:
-            return None
-        return joined([d.result for d in batch.drivers], [c.rows for c in calls], shares)
+        try:
+            if ctx.schedule.n_stages - 1 not in self._mine:
+                return None
+            return joined([d.result for d in batch.drivers], [c.rows for c in calls], shares)
+        finally:
+            batch.close()
 
     def step(self, call: StepCall) -> float:
         """One mini-batch forward and backward (or, under no_grad, its forwards only); the
@@ -232,7 +239,10 @@ class RankProgram:
             batch, steps = self._walk(calls, schedule, shares, head, grad=grad)
             if grad:
                 self._write_grads(steps)
-        return self._loss(batch, shares.weights)
+        try:
+            return self._loss(batch, shares.weights)
+        finally:
+            batch.close()
 
     def _gathered_walk(
         self, calls: list[Call], schedule: Schedule, shares: ModelLoss | None
@@ -262,7 +272,7 @@ class RankProgram:
                 {},
                 mine=self._mine,
                 link=self._link,
-                values=MetaScalars(),
+                values=MetaScalars(self._shapes),
                 routes=self._routes,
                 key=signature(c.args, c.kwargs, *flags),
             )

@@ -200,6 +200,25 @@ class RankCut(Cut):
         shape = self.route.templates.get(self._open[-1])
         return None if shape is None else lambda: from_template(shape)
 
+    def done(self) -> bool:
+        """Whether the driver may stop at the unit call it enters: it follows a route, runs
+        another rank's stage with no own stage after it, and has sent every value the route
+        sends (the rest runs on other ranks; the own graphs are checked now, as at the
+        forward's end)."""
+        route = self.route
+        if route is None or self.stage in self.mine or max(self.mine) > self.stage:
+            return False
+        if len(self.exports) < route.sends:
+            return False
+        if torch.is_grad_enabled():
+            self._check_graph([])
+        return True
+
+    def finish(self, output: Any) -> None:
+        if self.route is None:  # learning: how many values this rank sends
+            self.record.sends = len(self.exports)
+        super().finish(output)
+
     def shadowing(self) -> contextlib.AbstractContextManager[Any]:
         """What another rank's stage's code runs under when following a route: its tensors on
         ``meta`` (the cut's mode does it otherwise)."""
@@ -319,10 +338,13 @@ def from_template(shape: tuple[Any, list[Any]]) -> Any:
 
 
 def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool) -> Tensor:
-    t = torch.empty(shape, dtype=dtype, device="meta")
-    if requires_grad and dtype.is_floating_point:
-        return t.requires_grad_().clone()
-    return t
+    # Made beside the shadow's modes: a stand-in has no value to follow, and passing the
+    # modes would cost more than the rest of the unit call.
+    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+        t = torch.empty(shape, dtype=dtype, device="meta")
+        if requires_grad and dtype.is_floating_point:
+            return t.requires_grad_().clone()
+        return t
 
 
 def skip_elsewhere(

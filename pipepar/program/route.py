@@ -67,6 +67,9 @@ class Route:
 
     calls: list[UnitCall] = field(default_factory=list)
     outputs: tuple[tuple[int, int], ...] = ()
+    sends: int = 0
+    """Across ranks: how many values the rank that learned it sent to other ranks (once they
+    are sent, a rank with no later stage stops following the forward)."""
     templates: dict[int, Any] = field(default_factory=dict, compare=False)
     """Per unit call, the shape of what it returned (a rank skips the units of other stages
     and stands their outputs in on ``meta``)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, cast
@@ -66,7 +67,7 @@ class ProgramRun(Run):
         draws: DrawLog | None = None,
         checkpoint: str = "never",
     ) -> None:
-        self.batch = batch(self._segment_context)
+        self.batch = batch(_context_of(weakref.ref(self)))
         self.stages, self.schedule, self.m = list(stages), schedule, len(self.batch.drivers)
         self.tracer, self.inputs = tracer, inputs
         self.training = any(u.training for s in stages for u in s.layers)
@@ -168,3 +169,17 @@ class ProgramRun(Run):
         for ledger in self.batch.ledgers:
             ledger.forget()
         return [g for row in sums for g in row]
+
+
+def _context_of(run: weakref.ref[ProgramRun]) -> SegmentContext:
+    """The run's :meth:`ProgramRun._segment_context`, without the batch holding the run (the
+    run holds the batch: a cycle would keep every graph of the mini-batch until the cycle
+    collector ran)."""
+
+    def context(stage: int, i: int) -> contextlib.AbstractContextManager[Any]:
+        alive = run()
+        if alive is None:
+            raise RuntimeError("pipepar: the mini-batch's run has ended")
+        return alive._segment_context(stage, i)
+
+    return context

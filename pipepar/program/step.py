@@ -92,6 +92,20 @@ class Batch:
         for driver in self.drivers:
             driver.abort()
 
+    def close(self) -> None:
+        """Let go of the mini-batch once every forward has run and its results are read:
+        the drivers, cuts and ledgers (which hold the micro-batches' graphs) and the context
+        (the run's, which holds this batch), so that nothing of it waits for the cycle
+        collector."""
+        for ledger in self.ledgers:
+            ledger.forget()
+        self.drivers, self.cuts, self.ledgers = [], [], []
+        self.context = _closed
+
+
+def _closed(stage: int, i: int) -> contextlib.AbstractContextManager[Any]:
+    raise RuntimeError("pipepar: the mini-batch is closed")
+
 
 class SegmentStep(StageStep):
     """Stage ``stage.index``'s F, B and W over the micro-batches of ``batch``.
