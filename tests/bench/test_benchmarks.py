@@ -7,6 +7,7 @@ results file and its rows to JSON, which the tests check for shape and internal 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -366,3 +367,22 @@ def test_models_chain_contender_is_the_same_gpt2() -> None:
     torch.testing.assert_close(loss_fn(layers(ids), ids), expected)
     with pytest.raises(ValueError, match="GPT-2 only"):
         bench_models.gpt2_chain(bench_models.job("llama", quick=True))
+
+
+def test_split_ceiling_times_every_stage_and_plays_every_schedule(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The ceilings come from the measured stage times: equal stages leave each schedule its
+    bubble only (gpipe and 1f1b on 2 stages, M=8: 8/9 of the limit), and no schedule passes 1."""
+    from benchmarks import bench_split_ceiling as ceiling
+
+    assert ceiling.ceiling("1f1b", [1.0, 1.0], [2.0, 2.0], 8) == pytest.approx(8 / 9)
+    assert ceiling.ceiling("gpipe", [1.0, 1.0], [2.0, 2.0], 8) == pytest.approx(8 / 9)
+    slower_last = ceiling.ceiling("1f1b", [1.0, 1.2], [2.0, 2.4], 8)
+    assert slower_last < 8 / 9
+    assert ceiling.ceiling("zb-h1", [1.0, 1.0], [2.0, 2.0], 8) > 8 / 9
+    assert ceiling.main(["--quick", "--models", "gpt2"]) == 0
+    out = capsys.readouterr().out
+    assert "| GPT-2 | 2 |" in out and "zb-h1" in out
+    for value in re.findall(r"(?:gpipe|1f1b|zb-h1) (\d\.\d\d)", out):
+        assert 0 < float(value) <= 1.0
