@@ -107,6 +107,17 @@ class Driver:
                 self._cond.wait()
             self._raise()
 
+    def prepare(self, stage: int) -> None:
+        """Let the forward run on, without waiting for it, through the stages before
+        ``stage`` (others', followed in shadow), so that the :meth:`advance` into ``stage``
+        finds it there."""
+        with self._cond:
+            if self._done or self._running or self._allowed >= stage - 1:
+                return
+            self._allowed = stage - 1
+            self._running = True
+            self._cond.notify_all()
+
     def abort(self) -> None:
         """Stop a driver waiting at a boundary (its forward raises :class:`Aborted`)."""
         with self._cond:

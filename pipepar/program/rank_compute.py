@@ -317,10 +317,13 @@ class RankProgram:
         for driver in batch.drivers:
             pool.submit(driver.run)
         actions = [a for a in schedule.worker(self._ctx.mesh.stage) if grad or a.kind == "F"]
+        ahead = _ahead(actions, min(self._mine))
         try:
-            for action in actions:
+            for k, action in enumerate(actions):
                 step, i = steps[action.stage], action.microbatch
                 progress.begin(describe(action, several=len(steps) > 1))
+                if k in ahead:
+                    batch.drivers[ahead[k]].prepare(min(self._mine))
                 if action.kind == "F":
                     step.forward(i, ())
                 elif action.kind == "B":
@@ -416,3 +419,19 @@ def _stage(lay: units_.Layout, stage_of_unit: Sequence[int], s: int, device: tor
     start = sum(1 for t in stage_of_unit if t < s)
     names = [u.path.replace(".", "/") for u in units]
     return Stage(s, start, [u.module for u in units], device, names=names)
+
+
+def _ahead(actions: Sequence[Any], first: int) -> dict[int, int]:
+    """At which action (by position) to let which micro-batch's forward run on through the
+    stages before ``first`` (the rank's first own stage): at the backward action before its
+    ``F(first)``, so that the walk through others' code overlaps a backward."""
+    out: dict[int, int] = {}
+    if first == 0:
+        return out
+    last_backward = None
+    for k, a in enumerate(actions):
+        if a.kind != "F":
+            last_backward = k
+        elif a.stage == first and last_backward is not None and last_backward not in out:
+            out[last_backward] = a.microbatch
+    return out
