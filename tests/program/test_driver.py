@@ -13,8 +13,9 @@ from pipepar.program.driver import Driver, active
 from pipepar.program.rank_compute import _ahead
 
 
-def _three_stages(ran: list[int]) -> Driver:
-    """A driver whose call computes stages 0, 1 and 2, noting each as it starts it."""
+def _three_stages(ran: list[int]) -> tuple[Driver, threading.Thread]:
+    """A driver whose call computes stages 0, 1 and 2, noting each as it starts it, started
+    on its thread."""
 
     def call() -> str:
         for stage in range(3):
@@ -24,7 +25,10 @@ def _three_stages(ran: list[int]) -> Driver:
             ran.append(stage)
         return "out"
 
-    return Driver(call, lambda stage: contextlib.nullcontext())
+    driver = Driver(call, lambda stage: contextlib.nullcontext())
+    thread = threading.Thread(target=driver.run)
+    thread.start()
+    return driver, thread
 
 
 def _wait_for(condition: object, seconds: float = 5.0) -> None:
@@ -35,9 +39,7 @@ def _wait_for(condition: object, seconds: float = 5.0) -> None:
 
 def test_prepare_runs_the_stages_before_one_without_waiting_then_advance_goes_on() -> None:
     ran: list[int] = []
-    driver = _three_stages(ran)
-    thread = threading.Thread(target=driver.run)
-    thread.start()
+    driver, thread = _three_stages(ran)
     driver.prepare(2)  # returns at once; stages 0 and 1 run on the driver's thread
     _wait_for(lambda: ran == [0, 1])
     time.sleep(0.05)
@@ -49,9 +51,7 @@ def test_prepare_runs_the_stages_before_one_without_waiting_then_advance_goes_on
 
 def test_advance_while_a_prepared_driver_still_runs_takes_it_through() -> None:
     ran: list[int] = []
-    driver = _three_stages(ran)
-    thread = threading.Thread(target=driver.run)
-    thread.start()
+    driver, thread = _three_stages(ran)
     driver.prepare(1)
     driver.advance(2)  # perhaps before stage 0 finished: the driver runs on to the end
     thread.join(5)
@@ -60,9 +60,7 @@ def test_advance_while_a_prepared_driver_still_runs_takes_it_through() -> None:
 
 def test_prepare_after_the_driver_got_there_does_nothing() -> None:
     ran: list[int] = []
-    driver = _three_stages(ran)
-    thread = threading.Thread(target=driver.run)
-    thread.start()
+    driver, thread = _three_stages(ran)
     driver.advance(1)
     assert ran == [0, 1]
     driver.prepare(2)
