@@ -104,10 +104,8 @@ class MetaScalars(TorchDispatchMode):
         """``func``'s outputs: made from the shapes it gave before on inputs of these shapes,
         or computed (and their shapes kept)."""
         shapes = self._shapes
-        key = shapes.key(func, args, kwargs) if shapes is not None else None
-        if key is None:
+        if shapes is None or (key := shapes.key(func, args, kwargs)) is None:
             return func(*args, **kwargs)
-        assert shapes is not None
         out = shapes.made(key)
         if out is None:
             out = func(*args, **kwargs)

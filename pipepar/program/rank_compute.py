@@ -317,13 +317,14 @@ class RankProgram:
         for driver in batch.drivers:
             pool.submit(driver.run)
         actions = [a for a in schedule.worker(self._ctx.mesh.stage) if grad or a.kind == "F"]
-        ahead = _ahead(actions, min(self._mine))
+        first = min(self._mine)
+        ahead = _ahead(actions, first)
         try:
             for k, action in enumerate(actions):
                 step, i = steps[action.stage], action.microbatch
                 progress.begin(describe(action, several=len(steps) > 1))
                 if k in ahead:
-                    batch.drivers[ahead[k]].prepare(min(self._mine))
+                    batch.drivers[ahead[k]].prepare(first)
                 if action.kind == "F":
                     step.forward(i, ())
                 elif action.kind == "B":

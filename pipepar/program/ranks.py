@@ -206,7 +206,7 @@ class RankCut(Cut):
         sends (the rest runs on other ranks; the own graphs are checked now, as at the
         forward's end)."""
         route = self.route
-        if route is None or self.stage in self.mine or max(self.mine) > self.stage:
+        if route is None or max(self.mine) >= self.stage:
             return False
         if len(self.exports) < route.sends:
             return False

@@ -204,7 +204,7 @@ def _following(name: str, schedule: str) -> list[tuple[int, float, dict[str, Any
 
 def _head_calls(schedule: str) -> list[int]:
     """How many times this rank ran into the head (the last unit) in each of three steps of
-    one kind of call, and whether each step's loss is the same as without stopping."""
+    one kind of call."""
     import pipepar.distributed as ppd
 
     torch.manual_seed(0)
