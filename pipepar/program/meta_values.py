@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from pipepar.planner.meta_attention import _fusable, _fused
 from pipepar.program.meta_shapes import MetaShapes
@@ -42,6 +41,19 @@ _aten = torch.ops.aten
 _CPU = torch.device("cpu")
 SHADOW_LIMIT = 1 << 22
 """Largest tensor (elements) whose value :class:`MetaScalars` follows on the CPU."""
+
+
+class _Unknown(Exception):
+    """A meta tensor whose value is not known."""
+
+
+def _tensors(out: Any) -> list[Tensor]:
+    """The tensors an aten operation returned: one, or a tuple or list of them."""
+    if isinstance(out, Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, Tensor)]
+    return []
 
 
 class MetaScalars(TorchDispatchMode):
@@ -77,6 +89,12 @@ class MetaScalars(TorchDispatchMode):
         """Where the outputs of operations seen before are made without their meta kernels
         (None: every operation runs)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Nothing compiles inside this mode: its handler is not wrapped to skip the compiler
+        # (a few microseconds per operation).
+        return False
+
     def know(self, meta: Tensor, value: Tensor) -> None:
         """Tell the mode the value of ``meta`` (a CPU tensor of its shape and dtype)."""
         # No callback to forget it: one closing over the mode would make a cycle that keeps
@@ -95,7 +113,7 @@ class MetaScalars(TorchDispatchMode):
         if func is _aten._local_scalar_dense.default and args[0].is_meta:
             return self._read(args[0])
         out = self._run(func, args, kwargs)
-        metas = [t for t in tree_leaves(out) if isinstance(t, Tensor) and t.is_meta]
+        metas = [t for t in _tensors(out) if t.is_meta]
         if metas:
             self._follow(func, args, kwargs, metas)
         return out
@@ -126,21 +144,32 @@ class MetaScalars(TorchDispatchMode):
             self.know(meta, value)
 
     def _replay(self, func: Any, args: Any, kwargs: Any) -> list[Tensor] | None:
-        flat, spec = tree_flatten((args, kwargs))
-        for k, leaf in enumerate(flat):
-            if isinstance(leaf, Tensor) and leaf.is_meta:
-                value = self.value(leaf)
-                if value is None:
-                    return None
-                flat[k] = value
-            elif isinstance(leaf, torch.device) and leaf.type == "meta":
-                flat[k] = _CPU
-        a, k = tree_unflatten(flat, spec)
+        try:
+            a = [self._on_cpu(v) for v in args]
+            k = {name: self._on_cpu(v) for name, v in kwargs.items()}
+        except _Unknown:
+            return None
         try:
             out = func(*a, **k)
         except Exception:  # an operation the CPU copy cannot take: the value stays unknown
             return None
-        return [t for t in tree_leaves(out) if isinstance(t, Tensor)]
+        return _tensors(out)
+
+    def _on_cpu(self, value: Any) -> Any:
+        """An operation's argument with each meta tensor replaced by its known value (raises
+        :class:`_Unknown` when one has none) and the meta device by the CPU."""
+        if isinstance(value, Tensor):
+            if not value.is_meta:
+                return value
+            known = self.value(value)
+            if known is None:
+                raise _Unknown
+            return known
+        if type(value) in (list, tuple):
+            return type(value)(self._on_cpu(v) for v in value)
+        if isinstance(value, torch.device) and value.type == "meta":
+            return _CPU
+        return value
 
     def _read(self, tensor: Tensor) -> Any:
         value = self.value(tensor)
