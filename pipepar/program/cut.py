@@ -207,6 +207,11 @@ class Cut(TorchFunctionMode):
         process: every stage computes here)."""
         return False
 
+    def stub(self) -> Callable[[], Any] | None:
+        """What stands in for the unit call just entered (never, in one process: every unit
+        runs here)."""
+        return None
+
     def running(self) -> contextlib.AbstractContextManager[Any]:
         """What the micro-batch's forward runs under: the mode, unless it follows a route."""
         return contextlib.nullcontext() if self.following else self

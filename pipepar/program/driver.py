@@ -65,6 +65,10 @@ class Follower(Protocol):
 
     def leave_unit(self, output: Any) -> None: ...
 
+    def stub(self) -> Callable[[], Any] | None:
+        """What stands in for the output of the unit call just entered, if it is not run."""
+        ...
+
 
 def active() -> Driver | None:
     """The driver running on this thread, if any."""

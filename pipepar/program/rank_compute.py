@@ -37,9 +37,10 @@ from pipepar.program.losses import ModelLoss, Shares, callers, loss_head, step_s
 from pipepar.program.meta_shapes import MetaShapes
 from pipepar.program.meta_values import MetaScalars
 from pipepar.program.rank_weights import holders, keep_only, tied_groups
-from pipepar.program.ranks import Link, RankCut, RankStep, shadow_context, skip_elsewhere
+from pipepar.program.ranks import Link, RankCut, RankStep, shadow_context
 from pipepar.program.recompute import checkpoint_units
 from pipepar.program.route import Routes, signature
+from pipepar.program.shadow import skip_elsewhere
 from pipepar.program.step import Batch
 from pipepar.ranks.pipe_context import PipeContext
 from pipepar.ranks.progress import describe

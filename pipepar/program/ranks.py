@@ -22,13 +22,12 @@ message describing them; each (producer, consumer) pair of stages has a channel 
 a rank's actions of two stages may interleave differently on the two sides. The crossings at
 units' arguments are made by the units' hooks, at the same point of the program on every rank;
 once a kind of call has a learned route (:mod:`pipepar.program.route`), a rank runs its own
-stages without the mode, skips the units of the other stages (:func:`skip_elsewhere`: their
-outputs stand in on ``meta``, shaped as the route learned) and runs the few operations between
-those units under :class:`ToMeta`. Backward sends each received leaf's gradient back the same
-way. Weights tied across stages (GPT-2's embedding and head) are held by every rank whose
-stages use them (:mod:`pipepar.program.rank_weights`); within a rank the later stages use an
-alias whose gradient is added to the holder's, as in one process, and the sums are added over
-the ranks after each step, so the copies stay equal.
+stages without the mode, skips the units of the other stages and runs the few operations
+between them on ``meta`` (:mod:`pipepar.program.shadow`). Backward sends each received leaf's
+gradient back the same way. Weights tied across stages (GPT-2's embedding and head) are held
+by every rank whose stages use them (:mod:`pipepar.program.rank_weights`); within a rank the
+later stages use an alias whose gradient is added to the holder's, as in one process, and the
+sums are added over the ranks after each step, so the copies stay equal.
 """
 
 from __future__ import annotations
@@ -39,19 +38,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
-from pipepar.program.cut import Crossing, Cut, Ledger, map_arguments, tag_stage
-from pipepar.program.driver import active
+from pipepar.program.cut import Crossing, Cut, Ledger, tag_stage
 from pipepar.program.meta_values import SHADOW_LIMIT, MetaScalars
 from pipepar.program.route import Routes, check_graphs
+from pipepar.program.shadow import ToMeta, from_template, template
 from pipepar.program.step import SegmentContext, SegmentStep
 from pipepar.ranks.failure import comm
 from pipepar.ranks.mesh import Mesh
 
-__all__ = ["Link", "RankCut", "RankStep"]
+__all__ = ["Link", "RankCut", "RankStep", "shadow_context"]
 
 ACTIVATION, GRADIENT = 1, 2
 _KINDS = {ACTIVATION: "an activation", GRADIENT: "a gradient"}
@@ -222,7 +219,7 @@ class RankCut(Cut):
     def shadowing(self) -> contextlib.AbstractContextManager[Any]:
         """What another rank's stage's code runs under when following a route: its tensors on
         ``meta`` (the cut's mode does it otherwise)."""
-        return ToMeta(self) if self.following else contextlib.nullcontext()
+        return ToMeta(self._meta_of) if self.following else contextlib.nullcontext()
 
     def _check_graph(self, outputs: list[tuple[Tensor, int]]) -> None:
         """The own stages' graphs are their own: from what each returns and hands on to its
@@ -293,78 +290,6 @@ class RankCut(Cut):
         if t.requires_grad and leaf.is_floating_point():
             leaf.requires_grad_()
         return leaf
-
-
-class ToMeta(TorchFunctionMode):
-    """Another stage's code on a rank that follows a route: every real tensor an operation
-    is given becomes its ``meta`` twin (small integer values kept for the model's reads)."""
-
-    def __init__(self, cut: RankCut) -> None:
-        super().__init__()
-        self.cut = cut
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        args = tuple(map_arguments(a, self._meta) for a in args)
-        kwargs = {k: map_arguments(v, self._meta) for k, v in (kwargs or {}).items()}
-        return func(*args, **kwargs)
-
-    def _meta(self, t: Tensor) -> Tensor:
-        return t if t.is_meta else self.cut._meta_of(t)
-
-
-def template(output: Any) -> tuple[Any, list[Any]]:
-    """The shape of a unit's output: its structure, and each tensor's shape and dtype."""
-    leaves, spec = pytree.tree_flatten(output)
-    described = [
-        (tuple(t.shape), t.dtype, t.requires_grad) if isinstance(t, Tensor) else t for t in leaves
-    ]
-    return spec, described
-
-
-def from_template(shape: tuple[Any, list[Any]]) -> Any:
-    """An output of that shape on ``meta``; one that requires grad is made by an operation,
-    as the unit's was (the code after the unit may write into it in place, as
-    ``nn.ReLU(inplace=True)`` does, which a leaf would refuse)."""
-    spec, described = shape
-    leaves = [
-        _stand_in(*d)
-        if isinstance(d, tuple) and len(d) == 3 and isinstance(d[1], torch.dtype)
-        else d
-        for d in described
-    ]
-    return pytree.tree_unflatten(leaves, spec)
-
-
-def _stand_in(shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool) -> Tensor:
-    # Made beside the shadow's modes: a stand-in has no value to follow, and passing the
-    # modes would cost more than the rest of the unit call.
-    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
-        t = torch.empty(shape, dtype=dtype, device="meta")
-        if requires_grad and dtype.is_floating_point:
-            return t.requires_grad_().clone()
-        return t
-
-
-def skip_elsewhere(
-    units: Sequence[Any], stage_of_unit: Sequence[int], mine: Collection[int]
-) -> None:
-    """Let every unit with parameters of a stage not in ``mine`` be skipped by a rank that
-    follows a route (its output stood in on ``meta``; run as usual otherwise)."""
-    for unit, s in zip(units, stage_of_unit):
-        if s not in mine and unit.has_parameters:
-            unit.module.forward = _skippable(unit.module.forward)
-
-
-def _skippable(forward: Callable[..., Any]) -> Callable[..., Any]:
-    def run(*args: Any, **kwargs: Any) -> Any:
-        driver = active()
-        follower = driver.follower if driver is not None else None
-        stand_in = follower.stub() if isinstance(follower, RankCut) else None
-        return forward(*args, **kwargs) if stand_in is None else stand_in()
-
-    return run
 
 
 class RankStep(SegmentStep):
