@@ -105,6 +105,10 @@ class Ledger:
             self.crossings.append(Crossing(producer, consumer, t, found, is_param))
         return found
 
+    def has(self, t: Tensor, consumer: int) -> bool:
+        """Whether stage ``consumer`` has used ``t`` before (it has a leaf for it)."""
+        return (id(t), consumer) in self._leaves
+
     def first_use(self, t: Tensor, consumer: int) -> bool:
         """Whether this is stage ``consumer``'s first use of ``t``, noting the use. For a stage
         computed elsewhere (another rank), which is sent ``t`` once and makes its leaf there:
@@ -239,7 +243,7 @@ class Cut(TorchFunctionMode):
         else:
             crossings = self._expected(unit, flat)
         self._open.append(len(self.record.calls) - 1 if self.route is None else self._seen - 1)
-        subs = {j: self._enter(flat[j], p, stage) for j, p in crossings}
+        subs = self._enter_all(flat, crossings, stage)
         for j, t in enumerate(flat):
             if j not in subs and (placed := self._placed(t, stage)) is not t:
                 subs[j] = placed
@@ -322,6 +326,13 @@ class Cut(TorchFunctionMode):
             if j not in planned and made is not None and made != self.stage:
                 self._changed(f"unit {unit} is given an output of stage {made}")
         return list(crossings)
+
+    def _enter_all(
+        self, flat: list[Tensor], crossings: Sequence[tuple[int, int]], stage: int
+    ) -> dict[int, Tensor]:
+        """What stands for each crossing ``(j, producer)`` of a unit call's tensors ``flat``
+        in ``stage``, by ``j``."""
+        return {j: self._enter(flat[j], p, stage) for j, p in crossings}
 
     def _enter(self, t: Tensor, producer: int, stage: int) -> Tensor:
         """The leaf standing for ``t`` of stage ``producer`` in ``stage``."""

@@ -23,16 +23,18 @@ a rank's actions of two stages may interleave differently on the two sides. The 
 units' arguments are made by the units' hooks, at the same point of the program on every rank;
 once a kind of call has a learned route (:mod:`pipepar.program.route`), a rank runs its own
 stages without the mode, skips the units of the other stages and runs the few operations
-between them on ``meta`` (:mod:`pipepar.program.shadow`). Backward sends each received leaf's
-gradient back the same way. Weights tied across stages (GPT-2's embedding and head) are held
-by every rank whose stages use them (:mod:`pipepar.program.rank_weights`); within a rank the
-later stages use an alias whose gradient is added to the holder's, as in one process, and the
-sums are added over the ranks after each step, so the copies stay equal.
+between them on ``meta`` (:mod:`pipepar.program.shadow`). The values one unit call takes from
+another rank's stage travel in one message. Backward sends each received leaf's gradient back
+the same way. Weights tied across stages (GPT-2's embedding and head) are held by every rank whose
+stages use them (:mod:`pipepar.program.rank_weights`); within a rank the later stages use an
+alias whose gradient is added to the holder's, as in one process, and the sums are added over
+the ranks after each step, so the copies stay equal.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any
 
@@ -87,6 +89,35 @@ class Link:
         self._sends.append((work, what))
         self._buffers.append(buffer)
 
+    def send_many(self, ts: Sequence[Tensor], kind: int, producer: int, consumer: int) -> None:
+        """Send ``ts`` as :meth:`send` does, in one message (their bytes one after another)."""
+        if len(ts) == 1:
+            return self.send(ts[0], kind, producer, consumer)
+        buffer = torch.cat([_bytes(t.detach()) for t in ts])
+        peer = consumer if kind == ACTIVATION else producer
+        what = f"sending {self._whats(ts, kind)} to {self._peer(peer)}"
+        work = self._post(dist.isend, buffer, peer, self._tag(producer, consumer), kind, what)
+        self._sends.append((work, what))
+        self._buffers.append(buffer)
+        return None
+
+    def recv_many(
+        self, likes: Sequence[Tensor], kind: int, producer: int, consumer: int
+    ) -> list[Tensor]:
+        """Receive what :meth:`send_many` sent: tensors shaped as ``likes``."""
+        if len(likes) == 1:
+            return [self.recv(likes[0], kind, producer, consumer)]
+        outs = [torch.empty(like.shape, dtype=like.dtype, device=self.device) for like in likes]
+        sizes = [out.numel() * out.element_size() for out in outs]
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+        peer = producer if kind == ACTIVATION else consumer
+        what = f"receiving {self._whats(outs, kind)} from {self._peer(peer)}"
+        tag = self._tag(producer, consumer)
+        self.progress.wait(self._post(dist.irecv, buffer, peer, tag, kind, what), what)
+        for out, part in zip(outs, buffer.split(sizes)):
+            _bytes(out).copy_(part)
+        return outs
+
     def recv(self, like: Tensor, kind: int, producer: int, consumer: int) -> Tensor:
         """Receive a tensor shaped as ``like``: an activation of ``producer`` for
         ``consumer``, or the gradient of one from ``consumer``'s rank."""
@@ -122,6 +153,16 @@ class Link:
 
     def _what(self, t: Tensor, kind: int) -> str:
         return f"{_KINDS[kind]} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+    def _whats(self, ts: Sequence[Tensor], kind: int) -> str:
+        shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in ts)
+        return f"{len(ts)} values in one message ({_KINDS[kind]} each: {shapes})"
+
+
+def _bytes(t: Tensor) -> Tensor:
+    """The elements of ``t`` as bytes: a view of ``t`` when it is contiguous."""
+    flat = t.contiguous().reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
 
 
 class RankCut(Cut):
@@ -173,6 +214,48 @@ class RankCut(Cut):
             tag_stage(stand_in, self.ledger, stage)
             found = self._stand_ins[(id(t), stage)] = (t, stand_in)
         return found[1]
+
+    def _enter_all(
+        self, flat: list[Tensor], crossings: Sequence[tuple[int, int]], stage: int
+    ) -> dict[int, Tensor]:
+        """As in one process; the values that cross between this rank and another at one unit
+        call travel in one message per pair of stages (each message costs a wait, and a
+        thread that waits must win the interpreter lock back)."""
+        if stage in self.mine:
+            self._receive_all(flat, crossings, stage)
+        else:
+            self._export_all(flat, crossings, stage)
+        return super()._enter_all(flat, crossings, stage)
+
+    def _receive_all(
+        self, flat: list[Tensor], crossings: Sequence[tuple[int, int]], stage: int
+    ) -> None:
+        """Receive what other ranks send for this unit call of own ``stage``: the leaves of the
+        values it has not used before."""
+        wanted: dict[int, list[Tensor]] = {}
+        seen: set[int] = set()
+        for j, p in crossings:
+            t = flat[j]
+            if p not in self.mine and id(t) not in seen and not self.ledger.has(t, stage):
+                seen.add(id(t))
+                wanted.setdefault(p, []).append(t)
+        for p, ts in wanted.items():
+            for t, value in zip(ts, self.link.recv_many(ts, ACTIVATION, p, stage)):
+                self.ledger.leaf_from(t, p, stage, functools.partial(_leaf, value, t))
+
+    def _export_all(
+        self, flat: list[Tensor], crossings: Sequence[tuple[int, int]], stage: int
+    ) -> None:
+        """Send the own stages' values that this unit call of another rank's ``stage`` uses
+        for the first time."""
+        going: dict[int, list[Tensor]] = {}
+        for j, p in crossings:
+            t = flat[j]
+            if p in self.mine and self.ledger.first_use(t, stage):
+                self.exports.append(Crossing(p, stage, t, t))
+                going.setdefault(p, []).append(t)
+        for p, ts in going.items():
+            self.link.send_many(ts, ACTIVATION, p, stage)
 
     def _export(self, t: Tensor, producer: int | None, stage: int) -> None:
         """Send ``t`` to the rank of ``stage`` (not this one's) on that stage's first use of
@@ -286,10 +369,15 @@ class RankCut(Cut):
         return self.ledger.leaf_from(t, made, self.stage, lambda: self._recv(t, made))
 
     def _recv(self, t: Tensor, made: int) -> Tensor:
-        leaf = self.link.recv(t, ACTIVATION, made, self.stage)
-        if t.requires_grad and leaf.is_floating_point():
-            leaf.requires_grad_()
-        return leaf
+        return _leaf(self.link.recv(t, ACTIVATION, made, self.stage), t)
+
+
+def _leaf(value: Tensor, like: Tensor) -> Tensor:
+    """A received ``value`` as the leaf of shadow value ``like``: needing a gradient if it
+    does."""
+    if like.requires_grad and value.is_floating_point():
+        value.requires_grad_()
+    return value
 
 
 class RankStep(SegmentStep):

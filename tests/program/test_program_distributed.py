@@ -275,6 +275,34 @@ def _disagreeing(rank: int) -> dict[str, str]:
     return out
 
 
+def _activation_messages() -> list[int]:
+    """How many activation messages this rank posted (sends and receives) in each of three
+    steps of Llama over two ranks (1f1b, two micro-batches)."""
+    import pipepar.distributed as ppd
+    from pipepar.program import ranks
+
+    torch.manual_seed(0)
+    pipe = ppd.wrap(zoo.llama(), split=[SPLITS["llama"]], chunks=2, schedule="1f1b")
+    posts = [0]
+    post = ranks.Link._post
+
+    def counted(self: Any, op: Any, t: Any, stage: int, tag: int, kind: int, what: str) -> Any:
+        posts[0] += kind == ranks.ACTIVATION
+        return post(self, op, t, stage, tag, kind, what)
+
+    ranks.Link._post = counted  # type: ignore[method-assign]
+    try:
+        seen = []
+        for step in range(3):
+            posts[0] = 0
+            pipe.step(**_follow_batch("llama", step))
+            seen.append(posts[0])
+    finally:
+        ranks.Link._post = post  # type: ignore[method-assign]
+        pipe.close()
+    return seen
+
+
 def _two_ranks(rank: int) -> dict[str, Any]:
     out = {name: _one_model(name) for name in zoo.NAMES}
     out["tied"] = _tied_over_steps()
@@ -287,6 +315,7 @@ def _two_ranks(rank: int) -> dict[str, Any]:
     out["padded_replicas"] = _padded_replicas(rank)
     out["eval"] = _evaluation()
     out["head_calls"] = {schedule: _head_calls(schedule) for schedule in ("1f1b", "zb-v")}
+    out["messages"] = _activation_messages()
     out["path_change"] = _path_change()
     out["without_routes"] = _without_routes()
     out["following"] = {
@@ -443,6 +472,17 @@ def test_ranks_following_a_route_equal_the_plain_model(
                 err = ((torch.from_numpy(g) - ref).abs().max() / scale).item()
                 assert err < RTOL, f"rank {r} step {step}: gradient of {key}, error {err:.2e}"
         plain.zero_grad()
+
+
+def test_the_values_a_unit_call_takes_from_another_rank_travel_in_one_message(
+    ranks: dict[int, Any],
+) -> None:
+    """Llama's first layer of the second stage takes the hidden states, the rotary cosines
+    and sines and the positions from the first stage: one message per micro-batch, sent by
+    rank 0 and received by rank 1 (two micro-batches a step; the later layers reuse them).
+    (The results are the plain model's: tests above.)"""
+    assert ranks[0]["messages"] == [2, 2, 2]
+    assert ranks[1]["messages"] == [2, 2, 2]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
