@@ -318,6 +318,7 @@ class RankProgram:
         for driver in batch.drivers:
             pool.submit(driver.run)
         actions = [a for a in schedule.worker(self._ctx.mesh.stage) if grad or a.kind == "F"]
+        self._link.early = grad and _in_order(schedule)
         first = min(self._mine)
         ahead = _ahead(actions, first)
         try:
@@ -421,6 +422,19 @@ def _stage(lay: units_.Layout, stage_of_unit: Sequence[int], s: int, device: tor
     start = sum(1 for t in stage_of_unit if t < s)
     names = [u.path.replace(".", "/") for u in units]
     return Stage(s, start, [u.module for u in units], device, names=names)
+
+
+def _in_order(schedule: Schedule) -> bool:
+    """Whether every stage runs its forwards, and its backwards, in micro-batch order (so the
+    gradients of a pair of stages come back in the order their values were sent)."""
+    for work in schedule.actions:
+        last: dict[tuple[int, str], int] = {}
+        for a in work:
+            key = (a.stage, a.kind)
+            if last.get(key, -1) > a.microbatch:
+                return False
+            last[key] = a.microbatch
+    return True
 
 
 def _ahead(actions: Sequence[Any], first: int) -> dict[int, int]:

@@ -78,6 +78,11 @@ class Link:
         self.progress = mesh.progress
         self._sends: list[tuple[dist.Work | None, str]] = []
         self._buffers: list[Tensor] = []  # alive until sent
+        self._expected: dict[tuple[int, int, int], tuple[Tensor, str, list[dist.Work | None]]] = {}
+        self.early = False
+        """Whether :meth:`expect` posts a receive at once (only where each stage's backwards
+        run in the order of its forwards: the messages of a channel meet the receives posted
+        on it in the order they were posted)."""
 
     def send(self, t: Tensor, kind: int, producer: int, consumer: int) -> None:
         """Send ``t``: an activation of ``producer`` to ``consumer``'s rank, or the gradient
@@ -118,25 +123,51 @@ class Link:
             _bytes(out).copy_(part)
         return outs
 
+    def expect(self, like: Tensor, producer: int, consumer: int) -> None:
+        """Post now the receive of the gradient of ``like``, a value ``producer`` sent to
+        ``consumer``, which :meth:`recv` takes later: the peer's send then finds it waiting
+        (a receive posted after the message came costs a round trip between the ranks)."""
+        if self.early:
+            out, what = self._buffer(like, GRADIENT, producer, consumer)
+            work = self._post(
+                dist.irecv, out, consumer, self._tag(producer, consumer), GRADIENT, what
+            )
+            self._expected[(id(like), producer, consumer)] = (out, what, [work])
+
     def recv(self, like: Tensor, kind: int, producer: int, consumer: int) -> Tensor:
         """Receive a tensor shaped as ``like``: an activation of ``producer`` for
         ``consumer``, or the gradient of one from ``consumer``'s rank."""
-        out = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+        key = (id(like), producer, consumer)
+        if kind == GRADIENT and key in self._expected:
+            out, what, work = self._expected.pop(key)
+            self.progress.wait(work.pop(), what)
+            return out
+        out, what = self._buffer(like, kind, producer, consumer)
         peer = producer if kind == ACTIVATION else consumer
-        what = f"receiving {self._what(out, kind)} from {self._peer(peer)}"
         tag = self._tag(producer, consumer)
         self.progress.wait(self._post(dist.irecv, out, peer, tag, kind, what), what)
         return out
 
+    def _buffer(self, like: Tensor, kind: int, producer: int, consumer: int) -> tuple[Tensor, str]:
+        """Where a message shaped as ``like`` is received, and what it is."""
+        out = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+        peer = producer if kind == ACTIVATION else consumer
+        return out, f"receiving {self._what(out, kind)} from {self._peer(peer)}"
+
     def flush(self) -> None:
-        """Wait until every message sent has left."""
+        """Wait until every message sent has left (every receive posted early was taken)."""
         self.progress.wait_all(self._sends)
         self._buffers.clear()
+        if self._expected:
+            left = ", ".join(what for _, what, _ in self._expected.values())
+            self._expected.clear()
+            raise RuntimeError(f"pipepar: receives posted but never taken: {left}")
 
     def drop(self) -> None:
-        """Forget every pending send without waiting (after a failure)."""
+        """Forget every pending send and receive without waiting (after a failure)."""
         self._sends.clear()
         self._buffers.clear()
+        self._expected.clear()
 
     def _tag(self, producer: int, consumer: int) -> int:
         """The channel of values from ``producer`` to ``consumer`` (and of their gradients)."""
@@ -256,6 +287,8 @@ class RankCut(Cut):
                 going.setdefault(p, []).append(t)
         for p, ts in going.items():
             self.link.send_many(ts, ACTIVATION, p, stage)
+            for t in ts:
+                self._expect(t, p, stage)
 
     def _export(self, t: Tensor, producer: int | None, stage: int) -> None:
         """Send ``t`` to the rank of ``stage`` (not this one's) on that stage's first use of
@@ -263,6 +296,13 @@ class RankCut(Cut):
         if producer in self.mine and self.ledger.first_use(t, stage):
             self.exports.append(Crossing(producer, stage, t, t))
             self.link.send(t, ACTIVATION, producer, stage)
+            self._expect(t, producer, stage)
+
+    def _expect(self, t: Tensor, producer: int, stage: int) -> None:
+        """Post the receive of the gradient of ``t``, sent to ``stage``, if it will have one
+        (what :class:`RankStep` receives in the producer's backward)."""
+        if t.requires_grad and torch.is_grad_enabled():
+            self.link.expect(t, producer, stage)
 
     def _placed(self, t: Tensor, stage: int) -> Tensor:
         return t if stage not in self.mine or t.is_meta else super()._placed(t, stage)

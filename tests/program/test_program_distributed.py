@@ -525,3 +525,17 @@ def test_ranks_that_disagree_at_wrap_all_fail_naming_both_values() -> None:
         assert "routes is False on rank(s) [0] but True on rank(s) [1]" in got[r]["routes"]
         assert "chunks" in got[r]["refused"], got[r]
     assert got[0]["refused"].startswith("rank 1 refused the arguments of ppd.wrap")
+
+
+def test_gradients_are_awaited_early_only_where_backwards_keep_the_forwards_order() -> None:
+    """A rank posts the receive of a sent value's gradient when it sends the value, so the
+    peer's send finds it waiting; the messages of a pair of stages then meet those receives in
+    the order they were posted, which holds where every stage runs its backwards in the order
+    of its forwards (not under GPipe, whose backwards run last micro-batch first)."""
+    from pipepar.core.schedule import gpipe, make, parse
+    from pipepar.program.rank_compute import _in_order
+
+    assert not _in_order(gpipe(2, 4))
+    for name, stages in (("1f1b", 2), ("zb-h1", 2), ("interleaved-1f1b", 4), ("zb-v", 4)):
+        assert _in_order(make(name, stages, 8, n_workers=2)), name
+    assert not _in_order(parse(["F0 F1 B1 B0", "F0 F1 B0 B1"]))
