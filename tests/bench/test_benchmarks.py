@@ -386,3 +386,18 @@ def test_split_ceiling_times_every_stage_and_plays_every_schedule(
     assert "| GPT-2 | 2 |" in out and "zb-h1" in out
     for value in re.findall(r"(?:gpipe|1f1b|zb-h1) (\d\.\d\d)", out):
         assert 0 < float(value) <= 1.0
+
+
+def test_messages_times_a_receive_posted_late_and_early(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every case and load gets its row of waits (two gloo processes)."""
+    from benchmarks import bench_messages
+
+    assert bench_messages.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    for case in bench_messages.CASES:
+        for load in ("idle", "busy"):
+            assert re.search(
+                rf"\| {re.escape(case)} \| {load} \| 3 \| \d+\.\d+ \| \d+\.\d+ \|", out
+            )
