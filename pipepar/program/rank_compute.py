@@ -33,11 +33,12 @@ from pipepar.program.autograd import joined
 from pipepar.program.calls import Call, StepCall, split_call
 from pipepar.program.cut import Ledger
 from pipepar.program.driver import driver_pool, watch_units
+from pipepar.program.link import Link
 from pipepar.program.losses import ModelLoss, Shares, callers, loss_head, step_shares
 from pipepar.program.meta_shapes import MetaShapes
 from pipepar.program.meta_values import MetaScalars
 from pipepar.program.rank_weights import holders, keep_only, tied_groups
-from pipepar.program.ranks import Link, RankCut, RankStep, shadow_context
+from pipepar.program.ranks import RankCut, RankStep, shadow_context
 from pipepar.program.recompute import checkpoint_units
 from pipepar.program.route import Routes, signature
 from pipepar.program.shadow import skip_elsewhere

@@ -18,17 +18,17 @@ of the program on every rank, each value that crosses into or out of the rank's 
   in one process: a leaf of the later stage, whose gradient goes back through the ledger.
 
 Both sides meet the crossings in program order, so sends and receives pair up without any
-message describing them; each (producer, consumer) pair of stages has a channel of its own, as
-a rank's actions of two stages may interleave differently on the two sides. The crossings at
+message describing them; each (producer, consumer) pair of stages has a channel of its own, as a
+rank's actions of two stages may interleave differently on the two sides. The crossings at
 units' arguments are made by the units' hooks, at the same point of the program on every rank;
 once a kind of call has a learned route (:mod:`pipepar.program.route`), a rank runs its own
-stages without the mode, skips the units of the other stages and runs the few operations
-between them on ``meta`` (:mod:`pipepar.program.shadow`). The values one unit call takes from
-another rank's stage travel in one message. Backward sends each received leaf's gradient back
-the same way. Weights tied across stages (GPT-2's embedding and head) are held by every rank whose
-stages use them (:mod:`pipepar.program.rank_weights`); within a rank the later stages use an
-alias whose gradient is added to the holder's, as in one process, and the sums are added over
-the ranks after each step, so the copies stay equal.
+stages without the mode, skips the units of the other stages and runs the few operations between
+them on ``meta`` (:mod:`pipepar.program.shadow`). The values one unit call takes from another
+rank's stage travel in one message (:mod:`pipepar.program.link`). Backward sends each received
+leaf's gradient back the same way. Weights tied across stages (GPT-2's embedding and head) are
+held by every rank whose stages use them (:mod:`pipepar.program.rank_weights`); within a rank
+the later stages use an alias whose gradient is added to the holder's, as in one process, and
+the sums are added over the ranks after each step, so the copies stay equal.
 """
 
 from __future__ import annotations
@@ -39,161 +39,16 @@ from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipepar.program.cut import Crossing, Cut, Ledger, tag_stage
+from pipepar.program.link import ACTIVATION, GRADIENT, Link
 from pipepar.program.meta_values import SHADOW_LIMIT, MetaScalars
 from pipepar.program.route import Routes, check_graphs
 from pipepar.program.shadow import ToMeta, from_template, template
 from pipepar.program.step import SegmentContext, SegmentStep
-from pipepar.ranks.failure import comm
-from pipepar.ranks.mesh import Mesh
 
-__all__ = ["Link", "RankCut", "RankStep", "shadow_context"]
-
-ACTIVATION, GRADIENT = 1, 2
-_KINDS = {ACTIVATION: "an activation", GRADIENT: "a gradient"}
-
-
-class Link:
-    """This rank's point-to-point messages to the ranks of the other stages.
-
-    Activations travel on the mesh's ``fwd`` group, gradients on its ``bwd`` group (closing
-    the mesh after a failure wakes a peer blocked on this rank), each pair of stages
-    (producer, consumer) on a tag of its own, and every wait goes through
-    the mesh's :class:`~pipepar.distributed.progress.Progress`, which gives up after the pipe's
-    timeout naming the message and the peer. No frame of this class holds a work while it
-    waits (a failure's traceback would keep the groups' connections open).
-
-    Args:
-        mesh: this rank's pipeline: the global rank of each position, the groups, the progress.
-        device: where received tensors go.
-        placement: the schedule's position of each stage.
-    """
-
-    def __init__(self, mesh: Mesh, device: torch.device, placement: Sequence[int]) -> None:
-        self.ranks, self.device = [mesh.pipeline_ranks[w] for w in placement], device
-        self.groups = {ACTIVATION: mesh.fwd, GRADIENT: mesh.bwd}
-        self.progress = mesh.progress
-        self._sends: list[tuple[dist.Work | None, str]] = []
-        self._buffers: list[Tensor] = []  # alive until sent
-        self._expected: dict[tuple[int, int, int], tuple[Tensor, str, list[dist.Work | None]]] = {}
-        self.early = False
-        """Whether :meth:`expect` posts a receive at once (only where each stage's backwards
-        run in the order of its forwards: the messages of a channel meet the receives posted
-        on it in the order they were posted)."""
-
-    def send(self, t: Tensor, kind: int, producer: int, consumer: int) -> None:
-        """Send ``t``: an activation of ``producer`` to ``consumer``'s rank, or the gradient
-        of one back to ``producer``'s."""
-        buffer = t.detach().contiguous()
-        peer = consumer if kind == ACTIVATION else producer
-        what = f"sending {self._what(buffer, kind)} to {self._peer(peer)}"
-        work = self._post(dist.isend, buffer, peer, self._tag(producer, consumer), kind, what)
-        self._sends.append((work, what))
-        self._buffers.append(buffer)
-
-    def send_many(self, ts: Sequence[Tensor], kind: int, producer: int, consumer: int) -> None:
-        """Send ``ts`` as :meth:`send` does, in one message (their bytes one after another)."""
-        if len(ts) == 1:
-            return self.send(ts[0], kind, producer, consumer)
-        buffer = torch.cat([_bytes(t.detach()) for t in ts])
-        peer = consumer if kind == ACTIVATION else producer
-        what = f"sending {self._whats(ts, kind)} to {self._peer(peer)}"
-        work = self._post(dist.isend, buffer, peer, self._tag(producer, consumer), kind, what)
-        self._sends.append((work, what))
-        self._buffers.append(buffer)
-        return None
-
-    def recv_many(
-        self, likes: Sequence[Tensor], kind: int, producer: int, consumer: int
-    ) -> list[Tensor]:
-        """Receive what :meth:`send_many` sent: tensors shaped as ``likes``."""
-        if len(likes) == 1:
-            return [self.recv(likes[0], kind, producer, consumer)]
-        outs = [torch.empty(like.shape, dtype=like.dtype, device=self.device) for like in likes]
-        sizes = [out.numel() * out.element_size() for out in outs]
-        buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-        peer = producer if kind == ACTIVATION else consumer
-        what = f"receiving {self._whats(outs, kind)} from {self._peer(peer)}"
-        tag = self._tag(producer, consumer)
-        self.progress.wait(self._post(dist.irecv, buffer, peer, tag, kind, what), what)
-        for out, part in zip(outs, buffer.split(sizes)):
-            _bytes(out).copy_(part)
-        return outs
-
-    def expect(self, like: Tensor, producer: int, consumer: int) -> None:
-        """Post now the receive of the gradient of ``like``, a value ``producer`` sent to
-        ``consumer``, which :meth:`recv` takes later: the peer's send then finds it waiting
-        (a receive posted after the message came costs a round trip between the ranks)."""
-        if self.early:
-            out, what = self._buffer(like, GRADIENT, producer, consumer)
-            work = self._post(
-                dist.irecv, out, consumer, self._tag(producer, consumer), GRADIENT, what
-            )
-            self._expected[(id(like), producer, consumer)] = (out, what, [work])
-
-    def recv(self, like: Tensor, kind: int, producer: int, consumer: int) -> Tensor:
-        """Receive a tensor shaped as ``like``: an activation of ``producer`` for
-        ``consumer``, or the gradient of one from ``consumer``'s rank."""
-        key = (id(like), producer, consumer)
-        if kind == GRADIENT and key in self._expected:
-            out, what, work = self._expected.pop(key)
-            self.progress.wait(work.pop(), what)
-            return out
-        out, what = self._buffer(like, kind, producer, consumer)
-        peer = producer if kind == ACTIVATION else consumer
-        tag = self._tag(producer, consumer)
-        self.progress.wait(self._post(dist.irecv, out, peer, tag, kind, what), what)
-        return out
-
-    def _buffer(self, like: Tensor, kind: int, producer: int, consumer: int) -> tuple[Tensor, str]:
-        """Where a message shaped as ``like`` is received, and what it is."""
-        out = torch.empty(like.shape, dtype=like.dtype, device=self.device)
-        peer = producer if kind == ACTIVATION else consumer
-        return out, f"receiving {self._what(out, kind)} from {self._peer(peer)}"
-
-    def flush(self) -> None:
-        """Wait until every message sent has left (every receive posted early was taken)."""
-        self.progress.wait_all(self._sends)
-        self._buffers.clear()
-        if self._expected:
-            left = ", ".join(what for _, what, _ in self._expected.values())
-            self._expected.clear()
-            raise RuntimeError(f"pipepar: receives posted but never taken: {left}")
-
-    def drop(self) -> None:
-        """Forget every pending send and receive without waiting (after a failure)."""
-        self._sends.clear()
-        self._buffers.clear()
-        self._expected.clear()
-
-    def _tag(self, producer: int, consumer: int) -> int:
-        """The channel of values from ``producer`` to ``consumer`` (and of their gradients)."""
-        return producer * len(self.ranks) + consumer
-
-    def _post(
-        self, op: Any, t: Tensor, stage: int, tag: int, kind: int, what: str
-    ) -> dist.Work | None:
-        with comm(what):
-            return op(t, self.ranks[stage], group=self.groups[kind], tag=tag)
-
-    def _peer(self, stage: int) -> str:
-        return f"rank {self.ranks[stage]} (stage {stage})"
-
-    def _what(self, t: Tensor, kind: int) -> str:
-        return f"{_KINDS[kind]} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
-
-    def _whats(self, ts: Sequence[Tensor], kind: int) -> str:
-        shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in ts)
-        return f"{len(ts)} values in one message ({_KINDS[kind]} each: {shapes})"
-
-
-def _bytes(t: Tensor) -> Tensor:
-    """The elements of ``t`` as bytes: a view of ``t`` when it is contiguous."""
-    flat = t.contiguous().reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+__all__ = ["RankCut", "RankStep", "shadow_context"]
 
 
 class RankCut(Cut):

@@ -279,18 +279,18 @@ def _activation_messages() -> list[int]:
     """How many activation messages this rank posted (sends and receives) in each of three
     steps of Llama over two ranks (1f1b, two micro-batches)."""
     import pipepar.distributed as ppd
-    from pipepar.program import ranks
+    from pipepar.program import link
 
     torch.manual_seed(0)
     pipe = ppd.wrap(zoo.llama(), split=[SPLITS["llama"]], chunks=2, schedule="1f1b")
     posts = [0]
-    post = ranks.Link._post
+    post = link.Link._post
 
     def counted(self: Any, op: Any, t: Any, stage: int, tag: int, kind: int, what: str) -> Any:
-        posts[0] += kind == ranks.ACTIVATION
+        posts[0] += kind == link.ACTIVATION
         return post(self, op, t, stage, tag, kind, what)
 
-    ranks.Link._post = counted  # type: ignore[method-assign]
+    link.Link._post = counted  # type: ignore[method-assign]
     try:
         seen = []
         for step in range(3):
@@ -298,7 +298,7 @@ def _activation_messages() -> list[int]:
             pipe.step(**_follow_batch("llama", step))
             seen.append(posts[0])
     finally:
-        ranks.Link._post = post  # type: ignore[method-assign]
+        link.Link._post = post  # type: ignore[method-assign]
         pipe.close()
     return seen
 

@@ -1,0 +1,165 @@
+"""Messages between the ranks of a pipeline: the activations and gradients that cross stages.
+
+:class:`Link` sends each value one stage of a rank makes for a stage of another rank, and its
+gradient back, on a channel of its own per pair of stages; the values one unit call takes from
+another rank travel in one message (:meth:`Link.send_many`), and the receive of a gradient can
+be posted when its value leaves (:meth:`Link.expect`), before the peer sends it: on gloo a
+receive posted after its message came waits a round trip between the ranks' transport threads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from pipepar.ranks.failure import comm
+from pipepar.ranks.mesh import Mesh
+
+__all__ = ["ACTIVATION", "GRADIENT", "Link"]
+
+ACTIVATION, GRADIENT = 1, 2
+_KINDS = {ACTIVATION: "an activation", GRADIENT: "a gradient"}
+
+
+class Link:
+    """This rank's point-to-point messages to the ranks of the other stages.
+
+    Activations travel on the mesh's ``fwd`` group, gradients on its ``bwd`` group (closing
+    the mesh after a failure wakes a peer blocked on this rank), each pair of stages
+    (producer, consumer) on a tag of its own, and every wait goes through
+    the mesh's :class:`~pipepar.distributed.progress.Progress`, which gives up after the pipe's
+    timeout naming the message and the peer. No frame of this class holds a work while it
+    waits (a failure's traceback would keep the groups' connections open).
+
+    Args:
+        mesh: this rank's pipeline: the global rank of each position, the groups, the progress.
+        device: where received tensors go.
+        placement: the schedule's position of each stage.
+    """
+
+    def __init__(self, mesh: Mesh, device: torch.device, placement: Sequence[int]) -> None:
+        self.ranks, self.device = [mesh.pipeline_ranks[w] for w in placement], device
+        self.groups = {ACTIVATION: mesh.fwd, GRADIENT: mesh.bwd}
+        self.progress = mesh.progress
+        self._sends: list[tuple[dist.Work | None, str]] = []
+        self._buffers: list[Tensor] = []  # alive until sent
+        self._expected: dict[tuple[int, int, int], tuple[Tensor, str, list[dist.Work | None]]] = {}
+        self.early = False
+        """Whether :meth:`expect` posts a receive at once (only where each stage's backwards
+        run in the order of its forwards: the messages of a channel meet the receives posted
+        on it in the order they were posted)."""
+
+    def send(self, t: Tensor, kind: int, producer: int, consumer: int) -> None:
+        """Send ``t``: an activation of ``producer`` to ``consumer``'s rank, or the gradient
+        of one back to ``producer``'s."""
+        buffer = t.detach().contiguous()
+        peer = consumer if kind == ACTIVATION else producer
+        what = f"sending {self._what(buffer, kind)} to {self._peer(peer)}"
+        work = self._post(dist.isend, buffer, peer, self._tag(producer, consumer), kind, what)
+        self._sends.append((work, what))
+        self._buffers.append(buffer)
+
+    def send_many(self, ts: Sequence[Tensor], kind: int, producer: int, consumer: int) -> None:
+        """Send ``ts`` as :meth:`send` does, in one message (their bytes one after another)."""
+        if len(ts) == 1:
+            return self.send(ts[0], kind, producer, consumer)
+        buffer = torch.cat([_bytes(t.detach()) for t in ts])
+        peer = consumer if kind == ACTIVATION else producer
+        what = f"sending {self._whats(ts, kind)} to {self._peer(peer)}"
+        work = self._post(dist.isend, buffer, peer, self._tag(producer, consumer), kind, what)
+        self._sends.append((work, what))
+        self._buffers.append(buffer)
+        return None
+
+    def recv_many(
+        self, likes: Sequence[Tensor], kind: int, producer: int, consumer: int
+    ) -> list[Tensor]:
+        """Receive what :meth:`send_many` sent: tensors shaped as ``likes``."""
+        if len(likes) == 1:
+            return [self.recv(likes[0], kind, producer, consumer)]
+        outs = [torch.empty(like.shape, dtype=like.dtype, device=self.device) for like in likes]
+        sizes = [out.numel() * out.element_size() for out in outs]
+        buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
+        peer = producer if kind == ACTIVATION else consumer
+        what = f"receiving {self._whats(outs, kind)} from {self._peer(peer)}"
+        tag = self._tag(producer, consumer)
+        self.progress.wait(self._post(dist.irecv, buffer, peer, tag, kind, what), what)
+        for out, part in zip(outs, buffer.split(sizes)):
+            _bytes(out).copy_(part)
+        return outs
+
+    def expect(self, like: Tensor, producer: int, consumer: int) -> None:
+        """Post now the receive of the gradient of ``like``, a value ``producer`` sent to
+        ``consumer``, which :meth:`recv` takes later: the peer's send then finds it waiting
+        (a receive posted after the message came costs a round trip between the ranks)."""
+        if self.early:
+            out, what = self._buffer(like, GRADIENT, producer, consumer)
+            work = self._post(
+                dist.irecv, out, consumer, self._tag(producer, consumer), GRADIENT, what
+            )
+            self._expected[(id(like), producer, consumer)] = (out, what, [work])
+
+    def recv(self, like: Tensor, kind: int, producer: int, consumer: int) -> Tensor:
+        """Receive a tensor shaped as ``like``: an activation of ``producer`` for
+        ``consumer``, or the gradient of one from ``consumer``'s rank."""
+        key = (id(like), producer, consumer)
+        if kind == GRADIENT and key in self._expected:
+            out, what, work = self._expected.pop(key)
+            self.progress.wait(work.pop(), what)
+            return out
+        out, what = self._buffer(like, kind, producer, consumer)
+        peer = producer if kind == ACTIVATION else consumer
+        tag = self._tag(producer, consumer)
+        self.progress.wait(self._post(dist.irecv, out, peer, tag, kind, what), what)
+        return out
+
+    def _buffer(self, like: Tensor, kind: int, producer: int, consumer: int) -> tuple[Tensor, str]:
+        """Where a message shaped as ``like`` is received, and what it is."""
+        out = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+        peer = producer if kind == ACTIVATION else consumer
+        return out, f"receiving {self._what(out, kind)} from {self._peer(peer)}"
+
+    def flush(self) -> None:
+        """Wait until every message sent has left (every receive posted early was taken)."""
+        self.progress.wait_all(self._sends)
+        self._buffers.clear()
+        if self._expected:
+            left = ", ".join(what for _, what, _ in self._expected.values())
+            self._expected.clear()
+            raise RuntimeError(f"pipepar: receives posted but never taken: {left}")
+
+    def drop(self) -> None:
+        """Forget every pending send and receive without waiting (after a failure)."""
+        self._sends.clear()
+        self._buffers.clear()
+        self._expected.clear()
+
+    def _tag(self, producer: int, consumer: int) -> int:
+        """The channel of values from ``producer`` to ``consumer`` (and of their gradients)."""
+        return producer * len(self.ranks) + consumer
+
+    def _post(
+        self, op: Any, t: Tensor, stage: int, tag: int, kind: int, what: str
+    ) -> dist.Work | None:
+        with comm(what):
+            return op(t, self.ranks[stage], group=self.groups[kind], tag=tag)
+
+    def _peer(self, stage: int) -> str:
+        return f"rank {self.ranks[stage]} (stage {stage})"
+
+    def _what(self, t: Tensor, kind: int) -> str:
+        return f"{_KINDS[kind]} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+    def _whats(self, ts: Sequence[Tensor], kind: int) -> str:
+        shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in ts)
+        return f"{len(ts)} values in one message ({_KINDS[kind]} each: {shapes})"
+
+
+def _bytes(t: Tensor) -> Tensor:
+    """The elements of ``t`` as bytes: a view of ``t`` when it is contiguous."""
+    flat = t.contiguous().reshape(-1)
+    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
