@@ -57,23 +57,27 @@ class Link:
         """Send ``t``: an activation of ``producer`` to ``consumer``'s rank, or the gradient
         of one back to ``producer``'s."""
         buffer = t.detach().contiguous()
-        peer = consumer if kind == ACTIVATION else producer
-        what = f"sending {self._what(buffer, kind)} to {self._peer(peer)}"
-        work = self._post(dist.isend, buffer, peer, self._tag(producer, consumer), kind, what)
-        self._sends.append((work, what))
-        self._buffers.append(buffer)
+        self._send(buffer, self._what(buffer, kind), kind, producer, consumer)
 
     def send_many(self, ts: Sequence[Tensor], kind: int, producer: int, consumer: int) -> None:
         """Send ``ts`` as :meth:`send` does, in one message (their bytes one after another)."""
         if len(ts) == 1:
             return self.send(ts[0], kind, producer, consumer)
         buffer = torch.cat([_bytes(t.detach()) for t in ts])
-        peer = consumer if kind == ACTIVATION else producer
-        what = f"sending {self._whats(ts, kind)} to {self._peer(peer)}"
-        work = self._post(dist.isend, buffer, peer, self._tag(producer, consumer), kind, what)
-        self._sends.append((work, what))
-        self._buffers.append(buffer)
-        return None
+        return self._send(buffer, self._whats(ts, kind), kind, producer, consumer)
+
+    def recv(self, like: Tensor, kind: int, producer: int, consumer: int) -> Tensor:
+        """Receive a tensor shaped as ``like``: an activation of ``producer`` for
+        ``consumer``, or the gradient of one from ``consumer``'s rank (the receive
+        :meth:`expect` posted for it, if any)."""
+        key = (id(like), producer, consumer)
+        if kind == GRADIENT and key in self._expected:
+            out, what, work = self._expected.pop(key)
+            self.progress.wait(work.pop(), what)
+            return out
+        out = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+        self._recv(out, self._what(out, kind), kind, producer, consumer)
+        return out
 
     def recv_many(
         self, likes: Sequence[Tensor], kind: int, producer: int, consumer: int
@@ -84,10 +88,7 @@ class Link:
         outs = [torch.empty(like.shape, dtype=like.dtype, device=self.device) for like in likes]
         sizes = [out.numel() * out.element_size() for out in outs]
         buffer = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
-        peer = producer if kind == ACTIVATION else consumer
-        what = f"receiving {self._whats(outs, kind)} from {self._peer(peer)}"
-        tag = self._tag(producer, consumer)
-        self.progress.wait(self._post(dist.irecv, buffer, peer, tag, kind, what), what)
+        self._recv(buffer, self._whats(outs, kind), kind, producer, consumer)
         for out, part in zip(outs, buffer.split(sizes)):
             _bytes(out).copy_(part)
         return outs
@@ -97,31 +98,11 @@ class Link:
         ``consumer``, which :meth:`recv` takes later: the peer's send then finds it waiting
         (a receive posted after the message came costs a round trip between the ranks)."""
         if self.early:
-            out, what = self._buffer(like, GRADIENT, producer, consumer)
-            work = self._post(
-                dist.irecv, out, consumer, self._tag(producer, consumer), GRADIENT, what
+            out = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+            work, what = self._posted_recv(
+                out, self._what(out, GRADIENT), GRADIENT, producer, consumer
             )
             self._expected[(id(like), producer, consumer)] = (out, what, [work])
-
-    def recv(self, like: Tensor, kind: int, producer: int, consumer: int) -> Tensor:
-        """Receive a tensor shaped as ``like``: an activation of ``producer`` for
-        ``consumer``, or the gradient of one from ``consumer``'s rank."""
-        key = (id(like), producer, consumer)
-        if kind == GRADIENT and key in self._expected:
-            out, what, work = self._expected.pop(key)
-            self.progress.wait(work.pop(), what)
-            return out
-        out, what = self._buffer(like, kind, producer, consumer)
-        peer = producer if kind == ACTIVATION else consumer
-        tag = self._tag(producer, consumer)
-        self.progress.wait(self._post(dist.irecv, out, peer, tag, kind, what), what)
-        return out
-
-    def _buffer(self, like: Tensor, kind: int, producer: int, consumer: int) -> tuple[Tensor, str]:
-        """Where a message shaped as ``like`` is received, and what it is."""
-        out = torch.empty(like.shape, dtype=like.dtype, device=self.device)
-        peer = producer if kind == ACTIVATION else consumer
-        return out, f"receiving {self._what(out, kind)} from {self._peer(peer)}"
 
     def flush(self) -> None:
         """Wait until every message sent has left (every receive posted early was taken)."""
@@ -138,15 +119,35 @@ class Link:
         self._buffers.clear()
         self._expected.clear()
 
+    def _send(self, buffer: Tensor, value: str, kind: int, producer: int, consumer: int) -> None:
+        peer = _sender_peer(kind, producer, consumer)
+        what = f"sending {value} to {self._peer(peer)}"
+        work = self._post(dist.isend, buffer, what, kind, peer, self._tag(producer, consumer))
+        self._sends.append((work, what))
+        self._buffers.append(buffer)
+
+    def _recv(self, buffer: Tensor, value: str, kind: int, producer: int, consumer: int) -> None:
+        self.progress.wait(*self._posted_recv(buffer, value, kind, producer, consumer))
+
+    def _posted_recv(
+        self, buffer: Tensor, value: str, kind: int, producer: int, consumer: int
+    ) -> tuple[dist.Work | None, str]:
+        """Post the receive into ``buffer``: its work and what it is."""
+        peer = _receiver_peer(kind, producer, consumer)
+        what = f"receiving {value} from {self._peer(peer)}"
+        tag = self._tag(producer, consumer)
+        return self._post(dist.irecv, buffer, what, kind, peer, tag), what
+
     def _tag(self, producer: int, consumer: int) -> int:
         """The channel of values from ``producer`` to ``consumer`` (and of their gradients)."""
         return producer * len(self.ranks) + consumer
 
     def _post(
-        self, op: Any, t: Tensor, stage: int, tag: int, kind: int, what: str
+        self, op: Any, t: Tensor, what: str, kind: int, peer: int, tag: int
     ) -> dist.Work | None:
+        """``op`` (isend or irecv) of ``t`` with the rank of stage ``peer`` on channel ``tag``."""
         with comm(what):
-            return op(t, self.ranks[stage], group=self.groups[kind], tag=tag)
+            return op(t, self.ranks[peer], group=self.groups[kind], tag=tag)
 
     def _peer(self, stage: int) -> str:
         return f"rank {self.ranks[stage]} (stage {stage})"
@@ -157,6 +158,18 @@ class Link:
     def _whats(self, ts: Sequence[Tensor], kind: int) -> str:
         shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in ts)
         return f"{len(ts)} values in one message ({_KINDS[kind]} each: {shapes})"
+
+
+def _sender_peer(kind: int, producer: int, consumer: int) -> int:
+    """The stage a message goes to: an activation to its consumer, a gradient back to the
+    producer."""
+    return consumer if kind == ACTIVATION else producer
+
+
+def _receiver_peer(kind: int, producer: int, consumer: int) -> int:
+    """The stage a message comes from: an activation from its producer, a gradient from the
+    consumer."""
+    return producer if kind == ACTIVATION else consumer
 
 
 def _bytes(t: Tensor) -> Tensor:

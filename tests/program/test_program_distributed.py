@@ -286,9 +286,9 @@ def _activation_messages() -> list[int]:
     posts = [0]
     post = link.Link._post
 
-    def counted(self: Any, op: Any, t: Any, stage: int, tag: int, kind: int, what: str) -> Any:
+    def counted(self: Any, op: Any, t: Any, what: str, kind: int, peer: int, tag: int) -> Any:
         posts[0] += kind == link.ACTIVATION
-        return post(self, op, t, stage, tag, kind, what)
+        return post(self, op, t, what, kind, peer, tag)
 
     link.Link._post = counted  # type: ignore[method-assign]
     try:
