@@ -153,11 +153,16 @@ class Link:
         return f"rank {self.ranks[stage]} (stage {stage})"
 
     def _what(self, t: Tensor, kind: int) -> str:
-        return f"{_KINDS[kind]} {tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+        return f"{_KINDS[kind]} {_described(t)}"
 
     def _whats(self, ts: Sequence[Tensor], kind: int) -> str:
-        shapes = ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in ts)
+        shapes = ", ".join(_described(t) for t in ts)
         return f"{len(ts)} values in one message ({_KINDS[kind]} each: {shapes})"
+
+
+def _described(t: Tensor) -> str:
+    """``t``'s shape and dtype, e.g. ``(2, 64) int64``."""
+    return f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}"
 
 
 def _sender_peer(kind: int, producer: int, consumer: int) -> int:

@@ -428,13 +428,12 @@ def _stage(lay: units_.Layout, stage_of_unit: Sequence[int], s: int, device: tor
 def _in_order(schedule: Schedule) -> bool:
     """Whether every stage runs its forwards, and its backwards, in micro-batch order (so the
     gradients of a pair of stages come back in the order their values were sent)."""
-    for work in schedule.actions:
-        last: dict[tuple[int, str], int] = {}
-        for a in work:
-            key = (a.stage, a.kind)
-            if last.get(key, -1) > a.microbatch:
+    for s in range(schedule.n_stages):
+        actions = schedule.stage(s)
+        for kind in ("F", "B", "W"):
+            order = [a.microbatch for a in actions if a.kind == kind]
+            if order != sorted(order):
                 return False
-            last[key] = a.microbatch
     return True
 
 

@@ -86,14 +86,14 @@ class RankCut(Cut):
     def _enter(self, t: Tensor, producer: int, stage: int) -> Tensor:
         """A value of ``producer`` given to a unit of ``stage``: for an own stage, a leaf
         (received from the producer's rank, or handed over by an own producer), else a
-        stand-in on ``meta``, sent first to that stage's rank when an own stage made it."""
+        stand-in on ``meta`` (an own stage's value was sent to that stage's rank by
+        :meth:`_enter_all`)."""
         if stage in self.mine and producer in self.mine:
             return super()._enter(t, producer, stage)
         if stage in self.mine:
             return self.ledger.leaf_from(t, producer, stage, lambda: self._recv(t, producer))
         found = self._stand_ins.get((id(t), stage))
         if found is None or found[0] is not t:
-            self._export(t, producer, stage)
             stand_in = (t if t.is_meta else self._meta_of(t)).detach()
             if t.requires_grad and stand_in.is_floating_point():
                 stand_in.requires_grad_()
@@ -136,28 +136,29 @@ class RankCut(Cut):
         for the first time."""
         going: dict[int, list[Tensor]] = {}
         for j, p in crossings:
-            t = flat[j]
-            if p in self.mine and self.ledger.first_use(t, stage):
-                self.exports.append(Crossing(p, stage, t, t))
-                going.setdefault(p, []).append(t)
+            if p in self.mine:
+                going.setdefault(p, []).append(flat[j])
         for p, ts in going.items():
-            self.link.send_many(ts, ACTIVATION, p, stage)
-            for t in ts:
-                self._expect(t, p, stage)
+            self._send_first(ts, p, stage)
 
     def _export(self, t: Tensor, producer: int | None, stage: int) -> None:
         """Send ``t`` to the rank of ``stage`` (not this one's) on that stage's first use of
         it, if an own stage made it."""
-        if producer in self.mine and self.ledger.first_use(t, stage):
-            self.exports.append(Crossing(producer, stage, t, t))
-            self.link.send(t, ACTIVATION, producer, stage)
-            self._expect(t, producer, stage)
+        if producer in self.mine:
+            self._send_first([t], producer, stage)
 
-    def _expect(self, t: Tensor, producer: int, stage: int) -> None:
-        """Post the receive of the gradient of ``t``, sent to ``stage``, if it will have one
-        (what :class:`RankStep` receives in the producer's backward)."""
-        if t.requires_grad and torch.is_grad_enabled():
-            self.link.expect(t, producer, stage)
+    def _send_first(self, ts: Sequence[Tensor], producer: int, stage: int) -> None:
+        """Send, in one message, those of own stage ``producer``'s values ``ts`` that
+        ``stage`` uses for the first time, and post the receives of their gradients (what
+        :class:`RankStep` takes in the producer's backward) for those that will have one."""
+        first = [t for t in ts if self.ledger.first_use(t, stage)]
+        if not first:
+            return
+        self.exports += [Crossing(producer, stage, t, t) for t in first]
+        self.link.send_many(first, ACTIVATION, producer, stage)
+        for t in first:
+            if t.requires_grad and torch.is_grad_enabled():
+                self.link.expect(t, producer, stage)
 
     def _placed(self, t: Tensor, stage: int) -> Tensor:
         return t if stage not in self.mine or t.is_meta else super()._placed(t, stage)
