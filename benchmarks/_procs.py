@@ -6,6 +6,9 @@ alternate within one run. Each rank runs one math thread, joins a gloo group on 
 localhost port, and builds its contenders lazily through a *factory*: a ``"module:function"``
 name called as ``factory(spec, rank, world)`` that returns ``build(contender, m) -> step``.
 
+With ``bind_cores``, each rank binds its threads to its share of the cores first
+(:func:`pipepar.distributed.bind_cores`; rank ``r`` of ``world``, every rank on this host).
+
 A rank times ``steps`` calls of ``step`` between two barriers; rank 0's seconds per step come
 back. :meth:`ProcessGroup.step_times` instead starts every step together on all ranks (a
 barrier before each) and returns each step's seconds, the slowest rank's. An error while
@@ -28,6 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from pipepar.distributed import bind_cores
+
 Step = Callable[[], None]
 Builder = Callable[[str, int], Step]
 
@@ -42,7 +47,15 @@ def free_port() -> int:
 class ProcessGroup:
     """``world`` spawned ranks serving ``time(contender, m, steps)`` requests."""
 
-    def __init__(self, world: int, factory: str, spec: dict[str, Any], *, timeout: float = 300):
+    def __init__(
+        self,
+        world: int,
+        factory: str,
+        spec: dict[str, Any],
+        *,
+        timeout: float = 300,
+        bind_cores: bool = False,
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.world, self.timeout = world, timeout
         self._inbox = [ctx.Queue() for _ in range(world)]
@@ -51,7 +64,16 @@ class ProcessGroup:
         self._procs = [
             ctx.Process(
                 target=_serve,
-                args=(rank, world, port, factory, spec, self._inbox[rank], self._outbox),
+                args=(
+                    rank,
+                    world,
+                    port,
+                    factory,
+                    spec,
+                    bind_cores,
+                    self._inbox[rank],
+                    self._outbox,
+                ),
                 daemon=True,
             )
             for rank in range(world)
@@ -123,10 +145,19 @@ class ProcessGroup:
 
 
 def _serve(
-    rank: int, world: int, port: int, factory: str, spec: dict[str, Any], inbox: Any, outbox: Any
+    rank: int,
+    world: int,
+    port: int,
+    factory: str,
+    spec: dict[str, Any],
+    bind: bool,
+    inbox: Any,
+    outbox: Any,
 ) -> None:
     torch.set_num_threads(1)
     try:
+        if bind:
+            bind_cores(rank, world)
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",

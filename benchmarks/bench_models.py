@@ -108,6 +108,11 @@ LIBRARIES = {  # library: (label, processes, notes)
     ),
 }
 REMOTE = ("limit", "pipepar.distributed", "pipepar.distributed-chain")
+BOUND = (
+    "Every two-process contender, the limit included, binds each rank to a core of its own "
+    "(pipepar.distributed.bind_cores: rank r on core r)."
+)
+UNBOUND = "The two-process contenders' threads may run on either core (--no-bind-cores)."
 CHOSEN_BY_USER = (
     "pipepar-1stage", "pipepar", "pipepar-chain", "pipepar.distributed",
     "pipepar.distributed-chain",
@@ -375,7 +380,9 @@ def measure(work: Job, args: argparse.Namespace) -> dict[str, list[float] | str]
     spec = {"model": work.name, "quick": args.quick}
     wanted = {"limit"} | {k.partition(":")[0] for k in args.contenders}
     groups = {
-        lib: ProcessGroup(2, "benchmarks.bench_models:rank_builder", spec)
+        lib: ProcessGroup(
+            2, "benchmarks.bench_models:rank_builder", spec, bind_cores=args.bind_cores
+        )
         for lib in REMOTE
         if lib in wanted
     }
@@ -460,7 +467,8 @@ def notes(args: argparse.Namespace, before: str) -> str:
     return (
         f"M={args.chunks}, the model's own loss (labels = input ids), forward + backward, "
         "gradients set to None each step, no optimizer, one math thread per stage or process "
-        "(threads=1; torch.set_num_threads(1) in each rank). Two stages split at the middle "
+        "(threads=1; torch.set_num_threads(1) in each rank). "
+        f"{BOUND if args.bind_cores else UNBOUND} Two stages split at the middle "
         "block; interleaved-1f1b and zb-v four equal stages (8 blocks: split at blocks 2, 4 "
         f"and 6), two per worker. Per model: {args.rounds} round(s) x {block} timed steps per "
         f"contender after {args.warmup} untimed step(s) per block, order rotating; a step's "
@@ -507,6 +515,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per block")
     parser.add_argument("--chunks", type=int, default=8, help="micro-batches (M)")
     parser.add_argument("--write", action="store_true", help="write the section (--results)")
+    parser.add_argument(
+        "--no-bind-cores",
+        dest="bind_cores",
+        action="store_false",
+        help="leave the two-process contenders' threads on every core (default: each rank "
+        "bound to a core of its own, pipepar.distributed.bind_cores)",
+    )
     parser.add_argument(
         "--models", type=_listed, default=list(MODELS), help="comma list of: gpt2, llama"
     )

@@ -70,6 +70,8 @@ def main() -> None:
             depth=args.depth, width=args.width, heads=4, vocab=args.vocab, seq_len=args.seq_len
         )
     warn_if_restarts_share_the_store()
+    if args.bind_cores:  # CPU hosts: each rank's threads on cores of its own
+        ppd.bind_cores()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     torch.manual_seed(0)  # reset_parameters on replica 0, broadcast to the others
@@ -187,6 +189,12 @@ def parse() -> argparse.Namespace:
         type=float,
         default=300.0,
         help="seconds a rank waits for a peer before every rank stops with an error",
+    )
+    p.add_argument(
+        "--bind-cores",
+        action="store_true",
+        help="bind each rank to its share of the host's cores (CPU hosts; torchrun's "
+        "LOCAL_RANK and LOCAL_WORLD_SIZE)",
     )
     args = p.parse_args()
     if args.save_every < 0:

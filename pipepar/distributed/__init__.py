@@ -13,16 +13,19 @@ Modules: :mod:`~pipepar.distributed.wrapping` (``wrap``: an ``nn.Sequential`` or
 part of through ``torch.distributed.checkpoint``, or one file). How it runs any other model is
 :mod:`pipepar.program.rank_compute`; what both computes share is in :mod:`pipepar.ranks`: the
 pp x dp grid, transport, the agreement on the arguments at wrap time, the rank executor, dp
-sync, failures, progress and the guard.
+sync, failures, progress and the guard; :func:`bind_cores` keeps each rank of a CPU host on
+cores of its own.
 """
 
 from pipepar.distributed.pipe import SCHEDULES, DistributedPipe
 from pipepar.distributed.snapshot import load_checkpoint, save_checkpoint
 from pipepar.distributed.wrapping import wrap
+from pipepar.ranks.cores import bind_cores
 from pipepar.ranks.failure import PipelineError
 
 __all__ = [
     "SCHEDULES",
+    "bind_cores",
     "DistributedPipe",
     "PipelineError",
     "load_checkpoint",
