@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from pipepar.local.worker import Aborted, _init_thread
+from pipepar.program.core_follow import CoreFollower
 
 __all__ = [
     "Driver",
@@ -96,6 +97,7 @@ class Driver:
         self.stage = 0
         self._stack: contextlib.ExitStack | None = None
         self.follower: Follower | None = None  # told of every unit call
+        self._core = CoreFollower()  # the driver's thread runs on its worker's core
 
     # -- the worker's side --------------------------------------------------------------------
     def advance(self, stage: int) -> None:
@@ -104,6 +106,7 @@ class Driver:
             if self._done or self._next > stage:
                 self._raise()
                 return  # no unit of ``stage`` runs in this micro-batch
+            self._core.follow()
             self._allowed = stage
             self._running = True
             self._cond.notify_all()
@@ -118,6 +121,7 @@ class Driver:
         with self._cond:
             if self._done or self._running or self._allowed >= stage - 1:
                 return
+            self._core.follow()
             self._allowed = stage - 1
             self._running = True
             self._cond.notify_all()
@@ -137,6 +141,7 @@ class Driver:
     def run(self) -> None:
         """The driver thread's body."""
         _local.driver = self
+        self._core.started()
         try:
             self._wait_for(0)
             self._enter(0)
