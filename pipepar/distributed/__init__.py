@@ -25,9 +25,9 @@ from pipepar.ranks.failure import PipelineError
 
 __all__ = [
     "SCHEDULES",
-    "bind_cores",
     "DistributedPipe",
     "PipelineError",
+    "bind_cores",
     "load_checkpoint",
     "save_checkpoint",
     "wrap",

@@ -4,9 +4,9 @@ A driver computes only while the worker that advanced it waits (:mod:`pipepar.pr
 the two never run at once. Left to the operating system, the woken driver often lands on
 another core than the worker's, one that another stage's worker (or, across ranks, another
 rank) is computing on, and takes its time from it while the worker's core idles. Measured on 2
-cores (transformers' GPT-2, two stages, zb-v, one math thread each), pinning each driver to
-its worker's core at every hand-over took one process's step from 531-538 ms to 443-459, and
-two unbound ranks' from 495-500 to 452-458.
+cores (transformers' GPT-2, two stages, zb-v, one math thread each; ``python
+benchmarks/bench_models.py``), pinning each driver to its worker's core at every hand-over took
+one process from 0.65 of the same-run limit to 0.80.
 
 Only a driver computing with one math thread is pinned: the threads torch's parallel regions
 start inherit their creator's cores, so a driver with several must keep all it may use.
