@@ -29,8 +29,9 @@ def bind_cores(local_rank: int | None = None, local_world_size: int | None = Non
 
     The cores are split into ``local_world_size`` equal runs, in order, and local rank ``k``
     takes the ``k``-th (with fewer cores than ranks, ranks share cores evenly). The cores
-    the process may use are read once: a launcher's or ``taskset``'s binding is respected,
-    and calling again binds from the same set.
+    the process may use are read once (``taskset`` around the whole job is respected), and
+    calling again binds from the same set. Leave it out where the launcher already gives each
+    rank cores of its own (SLURM's ``--cpu-bind``): it would split them again.
 
     Args:
         local_rank: this rank's index among the ranks of its host; default: ``LOCAL_RANK``
