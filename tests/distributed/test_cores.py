@@ -57,9 +57,12 @@ def _bound(args: tuple[int | None, int | None], env: dict[str, str], out: Any) -
 def _run(args: tuple[int | None, int | None], env: dict[str, str] | None = None) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
-    p = ctx.Process(target=_bound, args=(args, env or {}, out))
+    p = ctx.Process(target=_bound, args=(args, env or {}, out), daemon=True)
     p.start()
     p.join(60)
+    if p.is_alive():  # never leave a child behind (pytest would wait for it at exit)
+        p.kill()
+        p.join()
     assert p.exitcode == 0
     return dict(out.get())
 
