@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pipepar.distributed import bind_cores
+import pipepar.distributed as ppd
 
 Step = Callable[[], None]
 Builder = Callable[[str, int], Step]
@@ -157,7 +157,7 @@ def _serve(
     torch.set_num_threads(1)
     try:
         if bind:
-            bind_cores(rank, world)
+            ppd.bind_cores(rank, world)
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",

@@ -248,7 +248,7 @@ class RankCut(Cut):
     def _meta_of(self, t: Tensor) -> Tensor:
         found = self._metas.get(id(t))
         if found is None or found[0] is not t:
-            with torch._C._DisableTorchDispatch():  # its value is told below, not followed
+            with torch._C._DisableTorchDispatch():  # its value is told here, not followed
                 meta = t.to("meta")
                 if not t.is_floating_point() and t.numel() <= SHADOW_LIMIT:
                     self.values.know(meta, t.detach().cpu())

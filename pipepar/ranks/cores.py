@@ -67,9 +67,9 @@ def bind_cores(local_rank: int | None = None, local_world_size: int | None = Non
     for tid in _threads():
         try:
             os.sched_setaffinity(tid, cores)
-        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+        except (ProcessLookupError, PermissionError):  # ended meanwhile, or not ours to bind
             continue
-    os.sched_setaffinity(0, cores)
+    os.sched_setaffinity(0, cores)  # this thread, also where /proc/self/task cannot be read
     if torch.get_num_threads() > len(cores):
         torch.set_num_threads(len(cores))
     return sorted(os.sched_getaffinity(0))
