@@ -107,6 +107,15 @@ class WeightWork:
         """True if some parameter needs autograd again in W."""
         return any(params for _, params in self.junctions) or bool(self.roots and self.root_params)
 
+    def generic_params(self) -> list[Tensor]:
+        """The parameters :meth:`run` computes, each once."""
+        found: dict[int, Tensor] = {}
+        for _, params in self.junctions:
+            found.update((id(p), p) for p in params)
+        if self.roots:
+            found.update((id(p), p) for p in self.root_params)
+        return list(found.values())
+
     def run(self) -> list[tuple[Tensor, Tensor]]:
         """Compute the generic parameter gradients: a list of (parameter, gradient); the
         caller computes the :attr:`direct` terms (see :meth:`run_direct`)."""

@@ -241,9 +241,9 @@ class StageStep:
         large = self._large and readable
         plan = plan_backward(outs, gouts, inputs, self.params, reach=True) if large else None
         direct = {id(p) for p in plan.direct_params()} if plan is not None else set()
-        with self._summing(gouts, last=last) as fresh:
+        generic = [p for p in self.params if id(p) not in direct]
+        with self._summing(gouts, last=last, params=generic) as fresh:
             if plan is not None and direct:
-                generic = [p for p in self.params if id(p) not in direct]
                 adder = self._direct_adder(plan.work.direct, last)
                 grads_in = backward_whole(plan, outs, gouts, inputs, generic, adder, retain=retain)
             else:
@@ -287,7 +287,7 @@ class StageStep:
         if work.generic():
             shared = [g for gs in work.grads.values() for g in gs if g is not None]
             shared += [g for _, g in work.roots]
-            with self._summing(shared, last=last) as fresh:
+            with self._summing(shared, last=last, params=work.generic_params()) as fresh:
                 work.run()
             self._disown(fresh, [])
         work.run_direct(self._direct_adder(work.direct, last))
@@ -306,17 +306,18 @@ class StageStep:
         self._closed = 0
 
     @contextlib.contextmanager
-    def _summing(self, shared: Sequence[Tensor], *, last: bool) -> Iterator[list[int]]:
-        """Add each parameter gradient into its sum as soon as autograd computes it, while it
-        is still in cache (hooks on the parameters, removed afterwards), and on the ``last``
-        pass hand each final sum to :attr:`on_final`. Yields the indices of the sums that took
-        a gradient of this pass as their buffer."""
+    def _summing(
+        self, shared: Sequence[Tensor], *, last: bool, params: Sequence[Tensor]
+    ) -> Iterator[list[int]]:
+        """Add each gradient of ``params`` (those the pass computes) into its sum as soon as
+        autograd computes it, while it is still in cache (hooks on the parameters, removed
+        afterwards), and on the ``last`` pass hand each final sum to :attr:`on_final`. Yields
+        the indices of the sums that took a gradient of this pass as their buffer."""
         keep = {t.untyped_storage().data_ptr() for t in shared}
         fresh: list[int] = []
         final = self.on_final if last else None
-        handles = [
-            p.register_hook(self._adder(k, keep, fresh, final)) for k, p in enumerate(self.params)
-        ]
+        index = self._index
+        handles = [p.register_hook(self._adder(index[id(p)], keep, fresh, final)) for p in params]
         try:
             yield fresh
         finally:

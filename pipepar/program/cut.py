@@ -109,6 +109,10 @@ class Ledger:
         """Whether stage ``consumer`` has used ``t`` before (it has a leaf for it)."""
         return (id(t), consumer) in self._leaves
 
+    def leaf_of(self, t: Tensor, consumer: int) -> Tensor | None:
+        """The leaf standing for ``t`` in stage ``consumer``, if it has one."""
+        return self._leaves.get((id(t), consumer))
+
     def first_use(self, t: Tensor, consumer: int) -> bool:
         """Whether this is stage ``consumer``'s first use of ``t``, noting the use. For a stage
         computed elsewhere (another rank), which is sent ``t`` once and makes its leaf there:

@@ -81,6 +81,8 @@ class RankCut(Cut):
         self._stand_ins: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
         self.exports: list[Crossing] = []
         """The own stages' values sent to other ranks (their gradients come back)."""
+        self._sent: set[tuple[int, int]] = set()
+        """``(id(value), rank)`` for each value sent to a rank (held by :attr:`exports`)."""
 
     # -- at units' arguments --------------------------------------------------------------------
     def _enter(self, t: Tensor, producer: int, stage: int) -> Tensor:
@@ -124,7 +126,11 @@ class RankCut(Cut):
             t = flat[j]
             if p not in self.mine and id(t) not in seen and not self.ledger.has(t, stage):
                 seen.add(id(t))
-                wanted.setdefault(p, []).append(t)
+                kept = self._received(t, stage)
+                if kept is not None:
+                    self.ledger.leaf_from(t, p, stage, functools.partial(_leaf, kept, t))
+                else:
+                    wanted.setdefault(p, []).append(t)
         for p, ts in wanted.items():
             for t, value in zip(ts, self.link.recv_many(ts, ACTIVATION, p, stage)):
                 self.ledger.leaf_from(t, p, stage, functools.partial(_leaf, value, t))
@@ -155,10 +161,31 @@ class RankCut(Cut):
         if not first:
             return
         self.exports += [Crossing(producer, stage, t, t) for t in first]
-        self.link.send_many(first, ACTIVATION, producer, stage)
+        going = [t for t in first if self._first_to_rank(t, stage)]
+        if going:
+            self.link.send_many(going, ACTIVATION, producer, stage)
         for t in first:
             if t.requires_grad and torch.is_grad_enabled():
                 self.link.expect(t, producer, stage)
+
+    def _first_to_rank(self, t: Tensor, stage: int) -> bool:
+        """Whether ``t`` goes to ``stage``'s rank for the first time (noting it): a rank
+        computing several stages is sent a value once, and its later stages copy what it
+        received (:meth:`_received`, the same decision on the receiving side)."""
+        key = (id(t), self.link.ranks[stage])
+        if key in self._sent:
+            return False
+        self._sent.add(key)
+        return True
+
+    def _received(self, t: Tensor, stage: int) -> Tensor | None:
+        """A copy of the value of another rank's ``t`` that an own stage other than
+        ``stage`` received before, or None (it is received now)."""
+        for other in self.mine:
+            leaf = self.ledger.leaf_of(t, other) if other != stage else None
+            if leaf is not None:
+                return leaf.detach().clone()  # a stage may write into its own copy
+        return None
 
     def _placed(self, t: Tensor, stage: int) -> Tensor:
         return t if stage not in self.mine or t.is_meta else super()._placed(t, stage)
@@ -266,7 +293,10 @@ class RankCut(Cut):
         return self.ledger.leaf_from(t, made, self.stage, lambda: self._recv(t, made))
 
     def _recv(self, t: Tensor, made: int) -> Tensor:
-        return _leaf(self.link.recv(t, ACTIVATION, made, self.stage), t)
+        kept = self._received(t, self.stage)
+        if kept is None:
+            kept = self.link.recv(t, ACTIVATION, made, self.stage)
+        return _leaf(kept, t)
 
 
 def _leaf(value: Tensor, like: Tensor) -> Tensor:

@@ -6,7 +6,9 @@ the loss and every gradient equal the plain model's."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -90,12 +92,33 @@ def _following(
         pipe.zero_grad()
         return loss, grads
 
-    steps = _counting_mode_calls(step)
+    with _counting_messages() as messages:
+        steps = _counting_mode_calls(step)
     with torch.no_grad():
         out = pipe(**_batch(name, 0))
     pipe.close()
     output = None if out is None else (out if name.startswith("vit") else out.logits).numpy()
-    return {"stages": pipe.stages, "steps": steps, "output": output}
+    return {"stages": pipe.stages, "steps": steps, "output": output, "messages": messages}
+
+
+@contextlib.contextmanager
+def _counting_messages() -> Iterator[Counter[tuple[int, int]]]:
+    """Count the activation messages this rank sends, by (producer, consumer) stage."""
+    from pipepar.program.link import ACTIVATION, Link
+
+    counts: Counter[tuple[int, int]] = Counter()
+    send = Link._send
+
+    def counted(self: Link, buffer: Any, value: str, kind: int, *stages: int) -> None:
+        if kind == ACTIVATION:
+            counts[stages] += 1
+        send(self, buffer, value, kind, *stages)
+
+    Link._send = counted  # type: ignore[method-assign]
+    try:
+        yield counts
+    finally:
+        Link._send = send  # type: ignore[method-assign]
 
 
 def _skipping(schedule: str, routes: bool) -> list[float] | str:
@@ -105,9 +128,7 @@ def _skipping(schedule: str, routes: bool) -> list[float] | str:
 
     torch.manual_seed(0)
     split = ["blocks.1", "blocks.2", "blocks.3"]
-    pipe = ppd.wrap(
-        Skipping(), split=split, chunks=2, schedule=schedule, routes=routes, timeout=30
-    )
+    pipe = ppd.wrap(Skipping(), split=split, chunks=2, schedule=schedule, routes=routes, timeout=30)
     x = torch.rand(4, 4)
     losses = []
     try:
@@ -233,6 +254,16 @@ def test_two_stages_per_rank_equal_the_plain_model(
         else:
             assert got["output"] is None
     assert held == {n for n, _ in plain.named_parameters()}
+
+
+@pytest.mark.parametrize("schedule", VIRTUAL)
+def test_a_rank_of_two_stages_is_sent_each_value_once(two: dict[int, Any], schedule: str) -> None:
+    """GPT-2's first stage makes values that both stages of the other rank use (positions,
+    the attention mask); they travel once, to the first of them, per micro-batch."""
+    first, later = STAGES[schedule][1]  # the other rank's stages
+    sent = two[0][("gpt2", schedule)]["messages"]
+    assert sent[(0, first)] == 3 * 2, sent  # three steps of two micro-batches
+    assert sent[(0, later)] == 0, sent
 
 
 @pytest.mark.parametrize("schedule", VIRTUAL)
