@@ -127,6 +127,10 @@ class SegmentStep(StageStep):
         self._owned = [False] * len(params)
         self._large = any(p.dim() == 2 and p.numel() >= 1 << 17 for p in params)
         self.tied: list[tuple[nn.Parameter, Tensor]] = []
+        """Per weight another stage holds and this one uses, its gradient summed over the
+        micro-batches (added to the holder's by the runtime)."""
+        self._tied_at: dict[int, int] = {}
+        self._tied_owned: list[bool] = []
 
     def segment_context(self, stage: int, i: int) -> contextlib.AbstractContextManager[Any]:
         """What the driver enters while it computes this stage of micro-batch ``i``."""
@@ -172,11 +176,27 @@ class SegmentStep(StageStep):
             if g is None:
                 continue
             if crossing.is_param:
-                self.tied.append((crossing.original, g))  # type: ignore[arg-type]
+                self._add_tied(crossing.original, g)  # type: ignore[arg-type]
             else:
                 ledger.add_grad(crossing.original, g)
+
+    def _add_tied(self, param: nn.Parameter, g: Tensor) -> None:
+        """Sum a used weight's gradient as it comes (one buffer per weight, not one per
+        micro-batch; in place into a sum this step made)."""
+        k = self._tied_at.get(id(param))
+        if k is None:
+            self._tied_at[id(param)] = len(self.tied)
+            self.tied.append((param, g))
+            self._tied_owned.append(False)  # autograd's tensor: it may share its storage
+        elif self._tied_owned[k]:
+            self.tied[k][1].add_(g)
+        else:
+            self.tied[k] = (param, self.tied[k][1] + g)
+            self._tied_owned[k] = True
 
     def release(self) -> None:
         super().release()
         self._sums = [None] * len(self.params)
         self.tied = []
+        self._tied_at = {}
+        self._tied_owned = []

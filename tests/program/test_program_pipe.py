@@ -51,6 +51,48 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def test_a_weight_held_by_another_stage_sums_its_gradient_in_one_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The last stage uses the embedding's weight (held by the first): its gradient is summed
+    over the four micro-batches as they come, one buffer per weight, not kept per micro-batch;
+    the sum is the plain model's share."""
+    from pipepar.program.step import SegmentStep
+
+    torch.manual_seed(0)
+    plain = SkipNet()
+    model = copy.deepcopy(plain)
+    seen: list[list[tuple[nn.Parameter, torch.Tensor]]] = []
+    release = SegmentStep.release
+
+    def kept(self: SegmentStep) -> None:
+        seen.append([(p, g.clone()) for p, g in self.tied])
+        release(self)
+
+    monkeypatch.setattr(SegmentStep, "release", kept)
+    pipe = pipepar.wrap(model, [3, 4], devices=["cpu", "cpu"], chunks=4)
+    x = torch.randn(8, 6)
+    pipe.step(x, loss_fn=lambda o, _: _loss(o))
+    first, last = seen
+    assert first == [] and len(last) == 1
+    param, total = last[0]
+    assert param is model.emb.weight
+    h = plain.norm(_stacked(plain, x))  # the last stage's use: h @ emb.weight, through the loss
+    used = plain.emb.weight.detach().requires_grad_()
+    logits = plain.head(h) + h @ used
+    loss = logits.pow(2).mean() + h.mean() * 0.1
+    (expected,) = torch.autograd.grad(loss, used)
+    torch.testing.assert_close(total, expected)
+
+
+def _stacked(model: SkipNet, x: torch.Tensor) -> torch.Tensor:
+    h = model.emb(x)
+    skip = h * model.scale
+    for block in model.blocks:
+        h = block(h) + skip
+    return h
+
+
 @pytest.mark.parametrize("schedule", NAMES)
 def test_every_schedule_equals_plain(schedule: str) -> None:
     torch.manual_seed(0)
