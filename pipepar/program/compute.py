@@ -30,6 +30,7 @@ from pipepar.local.chain import runs_directly
 from pipepar.local.executor import EVERY, FORWARD
 from pipepar.local.pipe_view import PipeView
 from pipepar.program import units as units_
+from pipepar.program.aliases import alias_leaves, of_stage, used_elsewhere
 from pipepar.program.autograd import ProgramFunction, as_tuple, joined
 from pipepar.program.calls import Call, StepCall, split_call
 from pipepar.program.cut import Cut, Ledger
@@ -94,6 +95,7 @@ class ProgramCompute:
         lay, stage_of_unit = self._units, self._stage_of_unit
         _place(self.model, lay, stage_of_unit, self._owner, devices)
         self._params = _held(self.model, self._owner, len(self.sizes))
+        self._uses = used_elsewhere(lay, stage_of_unit, self._owner, range(len(self.sizes)))
         self._hooks = watch_units(lay.units, stage_of_unit)
         if checkpoint != "never":
             checkpoint_units([u.module for u in lay.units if u.has_parameters])
@@ -205,6 +207,7 @@ class ProgramCompute:
     ) -> ProgramRun:
         inputs = [c.tensors() for c in calls]
         context = (self.model.training, grad, head is not None, isinstance(shares, ModelLoss))
+        aliases = alias_leaves(self._uses, pipe.devices)
         cuts = [
             Cut(
                 Ledger(),
@@ -213,6 +216,7 @@ class ProgramCompute:
                 {id(t): t for t in xs},
                 self._routes,
                 signature(c.args, c.kwargs, *context),
+                aliases,
             )
             for c, xs in zip(calls, inputs)
         ]
@@ -237,6 +241,7 @@ class ProgramCompute:
             tracer=pipe.tracer,
             draws=pipe._draws,
             checkpoint=pipe.checkpoint,
+            aliases=[of_stage(self._uses, aliases, s) for s in range(len(self.sizes))],
         )
 
     def _driver_threads(self, pipe: PipeView, m: int) -> ThreadPoolExecutor:

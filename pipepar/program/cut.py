@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from pipepar.program.aliases import Aliases
 from pipepar.program.driver import Weight
 from pipepar.program.route import (
     PathChanged,
@@ -183,6 +184,8 @@ class Cut(TorchFunctionMode):
             from :data:`CALLER` when they need a gradient).
         routes: where a learned route is kept, under ``key`` (None: always run under the mode).
         key: this call's :func:`~pipepar.program.route.signature`.
+        aliases: the mini-batch's alias of each weight a stage uses and another holds
+            (:mod:`pipepar.program.aliases`); a weight without one gets a leaf per micro-batch.
     """
 
     def __init__(
@@ -193,9 +196,11 @@ class Cut(TorchFunctionMode):
         inputs: dict[int, Tensor],
         routes: Routes | None = None,
         key: Hashable = None,
+        aliases: Aliases | None = None,
     ) -> None:
         super().__init__()
         self.ledger, self.owner, self.devices, self.inputs = ledger, owner, devices, inputs
+        self.aliases: Aliases = aliases if aliases is not None else {}
         self.stage = 0
         self.routes, self.key = routes, key
         self.route = routes.get(key) if routes is not None else None
@@ -292,8 +297,12 @@ class Cut(TorchFunctionMode):
         """Each stage's graph is its own (:func:`~pipepar.program.route.check_graphs`)."""
         crossings = self.ledger.crossings
         roots = outputs + [(c.original, c.producer) for c in crossings if c.producer != CALLER]
-        entering = {id(c.leaf): c.consumer for c in crossings}
+        entering = self.alias_stages() | {id(c.leaf): c.consumer for c in crossings}
         check_graphs(roots, entering, self.owner, self.key)
+
+    def alias_stages(self) -> dict[int, int]:
+        """The stage using each alias, by the alias's ``id`` (a leaf of that stage)."""
+        return {id(leaf): s for (_, s), leaf in self.aliases.items()}
 
     def _alias(self, weights: Sequence[Weight], stage: int) -> None:
         swapped = []
@@ -301,10 +310,18 @@ class Cut(TorchFunctionMode):
             module, name, param = weight
             holder = self.owner.get(id(param), stage)
             if holder != stage:
-                leaf = self.ledger.leaf(param, holder, stage, self.devices[stage], is_param=True)
+                leaf = self._stand_in_for(param, holder, stage)
                 module._parameters[name] = leaf  # type: ignore[assignment]
                 swapped.append((weight, param))
         self._swapped.append(swapped)
+
+    def _stand_in_for(self, param: Tensor, holder: int, stage: int) -> Tensor:
+        """What ``stage`` computes with for weight ``param`` that stage ``holder`` holds: its
+        alias for the mini-batch, or a leaf of this micro-batch."""
+        alias = self.aliases.get((id(param), stage))
+        if alias is not None:
+            return alias
+        return self.ledger.leaf(param, holder, stage, self.devices[stage], is_param=True)
 
     def _producer(self, t: Tensor) -> int | None:
         """The stage ``t`` crosses from into the current stage, or None if it does not cross."""
@@ -380,7 +397,7 @@ class Cut(TorchFunctionMode):
             holder = self.owner.get(id(t), s)
             if holder == s:
                 return t
-            return self.ledger.leaf(t, holder, s, device, is_param=True)
+            return self._stand_in_for(t, holder, s)
         made = self.ledger.stage_of(t)
         if made is None:
             if t.requires_grad and id(t) in self.inputs:

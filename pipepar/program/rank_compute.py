@@ -29,6 +29,7 @@ from pipepar.core.losses import joined_loss, split_target
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.program import units as units_
+from pipepar.program.aliases import alias_leaves, of_stage, used_elsewhere
 from pipepar.program.autograd import joined
 from pipepar.program.calls import Call, StepCall, split_call
 from pipepar.program.cut import Ledger
@@ -97,6 +98,7 @@ class RankProgram:
             pipe.add_module(name, child)
         for name, p in model.named_parameters(recurse=False):
             pipe.register_parameter(name, p)
+        self._uses = used_elsewhere(lay, self.stage_of_unit, self._owner, mine)
         self._hooks = watch_units(lay.units, self.stage_of_unit)
         skip_elsewhere(lay.units, self.stage_of_unit, mine)
         if ctx.checkpoint != "never":
@@ -266,6 +268,7 @@ class RankProgram:
         nothing is kept for a backward."""
         weights = shares.weights if shares is not None else None
         flags = (self.model.training, grad, head is not None, isinstance(shares, ModelLoss))
+        aliases = alias_leaves(self._uses, [self._ctx.device] * self._ctx.schedule.n_stages)
         cuts = [
             RankCut(
                 Ledger(),
@@ -277,6 +280,7 @@ class RankProgram:
                 values=MetaScalars(self._shapes),
                 routes=self._routes,
                 key=signature(c.args, c.kwargs, *flags),
+                aliases=aliases,
             )
             for c in calls
         ]
@@ -294,6 +298,7 @@ class RankProgram:
                 len(calls),
                 batch=batch,
                 params=self._trained(stage.index),
+                aliases=of_stage(self._uses, aliases, stage.index),
                 checkpoint=self._ctx.checkpoint,
                 grad=grad,
                 input_grad=True,
@@ -352,7 +357,7 @@ class RankProgram:
         mesh = self._ctx.mesh
         fresh: dict[int, Tensor | None] = {}
         for step in steps:
-            fresh.update((id(p), g) for p, g in zip(step.params, step.param_grads()))
+            fresh.update((id(p), g) for p, g in zip(step.held, step.param_grads()))
         for step in steps:  # the aliases' gradients, added to their holder's
             for p, part in step.tied:
                 total = fresh.get(id(p))

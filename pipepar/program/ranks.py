@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from pipepar.program.aliases import Aliases
 from pipepar.program.cut import Crossing, Cut, Ledger, tag_stage
 from pipepar.program.link import ACTIVATION, GRADIENT, Link
 from pipepar.program.meta_values import SHADOW_LIMIT, MetaScalars
@@ -60,6 +61,7 @@ class RankCut(Cut):
         mine: the stages this rank computes.
         link: messages to the other stages' ranks.
         values: the values of the small integer tensors the shadow stages read.
+        routes, key, aliases: as for :class:`~pipepar.program.cut.Cut`.
     """
 
     def __init__(
@@ -74,8 +76,9 @@ class RankCut(Cut):
         values: MetaScalars,
         routes: Routes | None = None,
         key: Hashable = None,
+        aliases: Aliases | None = None,
     ) -> None:
-        super().__init__(ledger, owner, devices, inputs, routes, key)
+        super().__init__(ledger, owner, devices, inputs, routes, key, aliases)
         self.mine, self.link, self.values = frozenset(mine), link, values
         self._metas: dict[int, tuple[Tensor, Tensor]] = {}
         self._stand_ins: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
@@ -235,7 +238,8 @@ class RankCut(Cut):
         roots += [(c.original, c.producer) for c in self.exports if not c.original.is_meta]
         crossings = [c for c in self.ledger.crossings if c.consumer in mine]
         roots += [(c.original, c.producer) for c in crossings if c.producer in mine]
-        check_graphs(roots, {id(c.leaf): c.consumer for c in crossings}, self.owner, self.key)
+        leaves = self.alias_stages() | {id(c.leaf): c.consumer for c in crossings}
+        check_graphs(roots, leaves, self.owner, self.key)
 
     def _changed(self, why: str) -> None:
         super()._changed(

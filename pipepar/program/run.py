@@ -47,6 +47,7 @@ class ProgramRun(Run):
             :class:`~pipepar.core.randomness.DrawLog`).
         checkpoint: which micro-batches the stages recompute (``"always"``,
             ``"except_last"``, ``"never"``; :mod:`pipepar.program.recompute`).
+        aliases: per stage, its ``(weight, alias)`` pairs (:mod:`pipepar.program.aliases`).
 
     Each W runs where the schedule lists it (no early W on an idle worker, unlike
     :class:`~pipepar.local.executor.Run`): a stage's forward state lives on its drivers.
@@ -66,6 +67,7 @@ class ProgramRun(Run):
         tracer: Tracer | None = None,
         draws: DrawLog | None = None,
         checkpoint: str = "never",
+        aliases: Sequence[Sequence[tuple[nn.Parameter, Tensor]]] | None = None,
     ) -> None:
         self.batch = batch(_context_of(weakref.ref(self)))
         self.stages, self.schedule, self.m = list(stages), schedule, len(self.batch.drivers)
@@ -84,6 +86,7 @@ class ProgramRun(Run):
                 self.m,
                 batch=self.batch,
                 params=params[stage.index],
+                aliases=aliases[stage.index] if aliases is not None else (),
                 checkpoint=checkpoint,
                 grad=grad,
                 input_grad=True,
@@ -157,7 +160,7 @@ class ProgramRun(Run):
     def take_param_grads(self) -> list[Tensor | None]:
         """Per-parameter sums, stage by stage, the tied uses added to their holder's."""
         steps: list[SegmentStep] = self.steps  # type: ignore[assignment]
-        where = {id(p): (j, k) for j, s in enumerate(steps) for k, p in enumerate(s.params)}
+        where = {id(p): (j, k) for j, s in enumerate(steps) for k, p in enumerate(s.held)}
         sums = [list(s.param_grads()) for s in steps]
         for step in steps:
             for param, g in step.tied:

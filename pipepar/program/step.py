@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -113,24 +113,36 @@ class SegmentStep(StageStep):
     Args:
         batch: the mini-batch's drivers and ledgers.
         params: the parameters this stage holds (tied ones once, on their first stage).
+        aliases: ``(weight, alias)`` for each weight another stage holds that this one uses
+            (:mod:`pipepar.program.aliases`): the alias takes a gradient as a held weight.
         **kwargs: as for :class:`~pipepar.core.step.StageStep`.
     """
 
     def __init__(
-        self, stage: Any, m: int, *, batch: Batch, params: list[nn.Parameter], **kwargs: Any
+        self,
+        stage: Any,
+        m: int,
+        *,
+        batch: Batch,
+        params: list[nn.Parameter],
+        aliases: Sequence[tuple[nn.Parameter, Tensor]] = (),
+        **kwargs: Any,
     ) -> None:
         super().__init__(stage, m, **kwargs)
         self.batch = batch
-        self.params = params
-        self._index = {id(p): k for k, p in enumerate(params)}
-        self._sums = [None] * len(params)
-        self._owned = [False] * len(params)
-        self._large = any(p.dim() == 2 and p.numel() >= 1 << 17 for p in params)
-        self.tied: list[tuple[nn.Parameter, Tensor]] = []
-        """Per weight another stage holds and this one uses, its gradient summed over the
-        micro-batches (added to the holder's by the runtime)."""
-        self._tied_at: dict[int, int] = {}
-        self._tied_owned: list[bool] = []
+        self.held = params
+        """The weights this stage holds that take a gradient (:meth:`param_grads`' order)."""
+        self._aliased = [(p, leaf) for p, leaf in aliases if leaf.requires_grad]
+        # The backward computes the aliases' gradients as the stage's own weights' (an alias
+        # is a plain leaf tensor standing for a parameter).
+        self.params = [*params, *(cast(nn.Parameter, leaf) for _, leaf in self._aliased)]
+        self._index = {id(p): k for k, p in enumerate(self.params)}
+        self._sums = [None] * len(self.params)
+        self._owned = [False] * len(self.params)
+        self._large = any(p.dim() == 2 and p.numel() >= 1 << 17 for p in self.params)
+        self._per_call: list[tuple[nn.Parameter, Tensor]] = []
+        self._per_call_at: dict[int, int] = {}
+        self._per_call_owned: list[bool] = []
 
     def segment_context(self, stage: int, i: int) -> contextlib.AbstractContextManager[Any]:
         """What the driver enters while it computes this stage of micro-batch ``i``."""
@@ -181,22 +193,34 @@ class SegmentStep(StageStep):
                 ledger.add_grad(crossing.original, g)
 
     def _add_tied(self, param: nn.Parameter, g: Tensor) -> None:
-        """Sum a used weight's gradient as it comes (one buffer per weight, not one per
-        micro-batch; in place into a sum this step made)."""
-        k = self._tied_at.get(id(param))
+        """Sum the gradient of a weight used through a leaf of one micro-batch (one without
+        an alias) as it comes: one buffer per weight, in place into a sum this step made."""
+        k = self._per_call_at.get(id(param))
         if k is None:
-            self._tied_at[id(param)] = len(self.tied)
-            self.tied.append((param, g))
-            self._tied_owned.append(False)  # autograd's tensor: it may share its storage
-        elif self._tied_owned[k]:
-            self.tied[k][1].add_(g)
+            self._per_call_at[id(param)] = len(self._per_call)
+            self._per_call.append((param, g))
+            self._per_call_owned.append(False)  # autograd's tensor: it may share its storage
+        elif self._per_call_owned[k]:
+            self._per_call[k][1].add_(g)
         else:
-            self.tied[k] = (param, self.tied[k][1] + g)
-            self._tied_owned[k] = True
+            self._per_call[k] = (param, self._per_call[k][1] + g)
+            self._per_call_owned[k] = True
+
+    @property
+    def tied(self) -> list[tuple[nn.Parameter, Tensor]]:
+        """Per weight another stage holds and this one uses, its gradient summed over the
+        micro-batches (the runtime adds it to the holder's)."""
+        sums = self._sums[len(self.held) :]
+        found = [(p, g) for (p, _), g in zip(self._aliased, sums) if g is not None]
+        return found + self._per_call  # type: ignore[misc]
+
+    def param_grads(self) -> list[Tensor | None]:
+        """The held weights' gradient sums, in :attr:`held`'s order."""
+        return list(self._sums[: len(self.held)])
 
     def release(self) -> None:
         super().release()
         self._sums = [None] * len(self.params)
-        self.tied = []
-        self._tied_at = {}
-        self._tied_owned = []
+        self._per_call = []
+        self._per_call_at = {}
+        self._per_call_owned = []

@@ -5,6 +5,7 @@ equal the plain model's, for 2 and 3 stages and 1, 2 and 4 micro-batches."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -85,6 +86,51 @@ def test_step_in_schedule_order_equals_plain(name: str, schedule: str) -> None:
     grads = dict(plain.named_parameters())
     for pname, p in pipe.named_parameters():
         _close(p.grad, grads[pname].grad, f"gradient of {pname}")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_tied_head_computes_with_one_alias_per_step(
+    monkeypatch: pytest.MonkeyPatch, schedule: str
+) -> None:
+    """GPT-2's head uses the embedding's weight, held by the first stage: the last stage
+    computes with one alias of it for the whole step, whose gradient is a weight gradient of
+    that stage (under zb-h1 computed in W, not in the B the first stage waits for) summed over
+    the micro-batches; no micro-batch makes a leaf of its own for it. Gradients equal the
+    plain model's."""
+    from pipepar.program.step import SegmentStep
+
+    per_call: list[object] = []
+    monkeypatch.setattr(SegmentStep, "_add_tied", lambda self, p, g: per_call.append(p))
+    after: list[tuple[str, int]] = []
+
+    def told(kind: str, run: Any) -> Any:
+        def action(self: SegmentStep, i: int, *args: Any) -> Any:
+            out = run(self, i, *args)
+            if self.stage.index == 1:
+                after.append((kind, len(self.tied)))
+            return out
+
+        return action
+
+    monkeypatch.setattr(SegmentStep, "backward", told("B", SegmentStep.backward))
+    monkeypatch.setattr(SegmentStep, "weight", told("W", SegmentStep.weight))
+    torch.manual_seed(0)
+    plain = zoo.gpt2()
+    model = copy.deepcopy(plain)
+    batch = zoo.sample("gpt2", batch=4)
+    pipe = pipepar.wrap(
+        model, split=["transformer.h.2"], devices=["cpu", "cpu"], chunks=4, schedule=schedule
+    )
+    loss = pipe.step(**batch)
+    expected = _loss(plain, "gpt2", batch)
+    expected.backward()
+    _close(loss, expected.detach(), "loss")
+    grads = dict(plain.named_parameters())
+    for pname, p in pipe.named_parameters():
+        _close(p.grad, grads[pname].grad, f"gradient of {pname}")  # type: ignore[arg-type]
+    assert per_call == []
+    assert after[0] == ("B", 0 if schedule == "zb-h1" else 1), after
+    assert after[-1][1] == 1, after
 
 
 def test_tied_weights_stay_one_tensor_over_twenty_steps() -> None:
