@@ -140,9 +140,8 @@ class SegmentStep(StageStep):
         self._sums = [None] * len(self.params)
         self._owned = [False] * len(self.params)
         self._large = any(p.dim() == 2 and p.numel() >= 1 << 17 for p in self.params)
-        self._per_call: list[tuple[nn.Parameter, Tensor]] = []
-        self._per_call_at: dict[int, int] = {}
-        self._per_call_owned: list[bool] = []
+        self._per_call: dict[int, tuple[nn.Parameter, Tensor]] = {}
+        """By weight ``id``: the gradient sum of a weight used through a leaf per micro-batch."""
 
     def segment_context(self, stage: int, i: int) -> contextlib.AbstractContextManager[Any]:
         """What the driver enters while it computes this stage of micro-batch ``i``."""
@@ -194,17 +193,10 @@ class SegmentStep(StageStep):
 
     def _add_tied(self, param: nn.Parameter, g: Tensor) -> None:
         """Sum the gradient of a weight used through a leaf of one micro-batch (one without
-        an alias) as it comes: one buffer per weight, in place into a sum this step made."""
-        k = self._per_call_at.get(id(param))
-        if k is None:
-            self._per_call_at[id(param)] = len(self._per_call)
-            self._per_call.append((param, g))
-            self._per_call_owned.append(False)  # autograd's tensor: it may share its storage
-        elif self._per_call_owned[k]:
-            self._per_call[k][1].add_(g)
-        else:
-            self._per_call[k] = (param, self._per_call[k][1] + g)
-            self._per_call_owned[k] = True
+        an alias, :mod:`pipepar.program.aliases`) as it comes: one sum per weight, not one
+        gradient per micro-batch kept to the step's end."""
+        found = self._per_call.get(id(param))
+        self._per_call[id(param)] = (param, g if found is None else found[1] + g)
 
     @property
     def tied(self) -> list[tuple[nn.Parameter, Tensor]]:
@@ -212,7 +204,7 @@ class SegmentStep(StageStep):
         micro-batches (the runtime adds it to the holder's)."""
         sums = self._sums[len(self.held) :]
         found = [(p, g) for (p, _), g in zip(self._aliased, sums) if g is not None]
-        return found + self._per_call  # type: ignore[misc]
+        return found + list(self._per_call.values())  # type: ignore[misc]
 
     def param_grads(self) -> list[Tensor | None]:
         """The held weights' gradient sums, in :attr:`held`'s order."""
@@ -221,6 +213,4 @@ class SegmentStep(StageStep):
     def release(self) -> None:
         super().release()
         self._sums = [None] * len(self.params)
-        self._per_call = []
-        self._per_call_at = {}
-        self._per_call_owned = []
+        self._per_call = {}
