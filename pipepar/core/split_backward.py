@@ -57,6 +57,20 @@ __all__ = [
 
 _MATMUL = {"AddmmBackward0": (1, 2, 0), "MmBackward0": (0, 1, None)}
 """Node name: indices of (input, weight, bias) among its next edges."""
+_ACCUMULATE = "torch::autograd::AccumulateGrad"
+_NAMES: dict[type, str] = {}
+"""Node names by the node's Python type, for the types named after their node (asking a node
+builds a new string each time)."""
+
+
+def _name(node: Node) -> str:
+    kind = type(node)
+    name = _NAMES.get(kind)
+    if name is None:
+        name = node.name()
+        if name.rpartition("::")[2] == kind.__name__:  # not a type several kinds share
+            _NAMES[kind] = name
+    return name
 
 
 @dataclass
@@ -189,14 +203,16 @@ def plan_backward(
     """
     graph = _Graph(outputs, inputs, params)
     hooked = {id(p) for p in graph.params.values() if p._backward_hooks}
-    on_path, needed = graph.input_path(set())
+    # A split looks for products on the input path; a whole backward (reach) at every one,
+    # so it walks the path once, with them.
+    on_path, needed = (set(), set()) if reach else graph.input_path(set())
     candidates = {}
-    for node, name in graph.names.items():
-        if name in _MATMUL and (reach or node in on_path):
+    for node, name in graph.products:
+        if reach or node in on_path:
             found = _direct_edges(graph, node, name, hooked)
             if found is not None:
                 candidates[node] = found
-    if reach and candidates:
+    if reach:
         on_path, needed = graph.input_path(set(candidates))
     work = WeightWork(keep=outputs)
     routes: Counter[int] = Counter()
@@ -217,51 +233,84 @@ def plan_backward(
 class _Graph:
     """The nodes reachable from ``outputs`` in post order (each after every node reachable
     from it), their next nodes and names (read once: each read builds new Python objects),
-    the gradient accumulators of ``params`` among them and the nodes of ``inputs``. Leaves
-    are recognised by their accumulator's ``variable`` (asking a leaf for its accumulator
-    costs a view per tensor)."""
+    the matrix products among them (:data:`_MATMUL`), the gradient accumulators of ``params``
+    and the nodes of ``inputs``. Leaves are recognised by their accumulator's ``variable``
+    (asking a leaf for its accumulator costs a view per tensor)."""
 
     def __init__(
         self, outputs: Sequence[Tensor], inputs: Sequence[Tensor], params: Sequence[Tensor]
     ) -> None:
-        param_ids = {id(p): p for p in params if p.requires_grad}
-        input_ids = {id(t) for t in inputs if t.requires_grad and t.grad_fn is None}
         self.inputs: set[Node] = {t.grad_fn for t in inputs if t.grad_fn is not None}
         self.params: dict[Node, Tensor] = {}
         self.names: dict[Node, str] = {}
         self.nexts: dict[Node, list[Node | None]] = {}
         self.order: list[Node] = []
-        stack = [(t.grad_fn, False) for t in outputs if t.grad_fn is not None]
-        while stack:
-            node, expanded = stack.pop()
-            if expanded:
-                self.order.append(node)
-            elif node not in self.nexts:
-                self._visit(node, param_ids, input_ids)
-                stack.append((node, True))
-                stack += [(c, False) for c in self.nexts[node] if c is not None]
+        self.products: list[tuple[Node, str]] = []
+        self._walk([t.grad_fn for t in outputs if t.grad_fn is not None], params, inputs)
 
-    def _visit(self, node: Node, param_ids: dict[int, Tensor], input_ids: set[int]) -> None:
+    def _walk(self, starts: list[Node], params: Sequence[Tensor], inputs: Sequence[Tensor]) -> None:
+        """Visit every node reachable from ``starts`` once, depth first and each node's next
+        nodes last to first (the order of a stack they are all pushed onto), appending each
+        to :attr:`order` after every node below it. The stack holds (node, its next nodes,
+        how many of them are left to enter)."""
+        param_ids = {id(p): p for p in params if p.requires_grad}
+        input_ids = {id(t) for t in inputs if t.requires_grad and t.grad_fn is None}
+        nexts, order = self.nexts, self.order
+        for start in reversed(starts):
+            if start in nexts:
+                continue
+            children = self._visit(start, param_ids, input_ids)
+            stack = [(start, children, len(children))]
+            while stack:
+                node, children, k = stack[-1]
+                k -= 1
+                while k >= 0 and (children[k] is None or children[k] in nexts):
+                    k -= 1
+                if k < 0:
+                    stack.pop()
+                    order.append(node)
+                    continue
+                stack[-1] = (node, children, k)
+                child = children[k]
+                below = self._visit(child, param_ids, input_ids)  # type: ignore[arg-type]
+                stack.append((child, below, len(below)))  # type: ignore[arg-type]
+
+    def _visit(
+        self, node: Node, param_ids: dict[int, Tensor], input_ids: set[int]
+    ) -> list[Node | None]:
+        """Read ``node``'s next nodes and name (once); note a parameter's or an input's
+        accumulator and a matrix product."""
         nexts = [c for c, _ in node.next_functions]
-        self.nexts[node], self.names[node] = nexts, node.name()
-        if not nexts and self.names[node] == "torch::autograd::AccumulateGrad":
+        name = _name(node)
+        self.nexts[node], self.names[node] = nexts, name
+        if not nexts and name == _ACCUMULATE:
             key = id(node.variable)  # type: ignore[attr-defined]
             if key in param_ids:
                 self.params[node] = param_ids[key]
             elif key in input_ids:
                 self.inputs.add(node)
+        elif name in _MATMUL:
+            self.products.append((node, name))
+        return nexts
 
     def input_path(self, direct: set[Node]) -> tuple[set[Node], set[Node]]:
         """The nodes from which an input or a ``direct`` junction is reachable (on the path),
         and those B must run: from which one is reachable through a next edge."""
-        leads: dict[Node, bool] = {}
+        leads: set[Node] = set()
         needed: set[Node] = set()
+        inputs, nexts = self.inputs, self.nexts
         for node in self.order:
-            below = any(leads[c] for c in self.nexts[node] if c is not None)
-            if below or node in self.inputs:
+            below = False
+            for child in nexts[node]:
+                if child in leads:
+                    below = True
+                    break
+            if below or node in inputs:
                 needed.add(node)
-            leads[node] = below or node in self.inputs or node in direct
-        return {n for n in self.order if leads[n]}, needed
+                leads.add(node)
+            elif node in direct:
+                leads.add(node)
+        return leads, needed
 
     def reachable_params(self, starts: Sequence[Node | None]) -> list[Tensor]:
         """The parameters reachable from ``starts``, each once."""

@@ -252,11 +252,20 @@ class Cut(TorchFunctionMode):
         else:
             crossings = self._expected(unit, flat)
         self._open.append(len(self.record.calls) - 1 if self.route is None else self._seen - 1)
+        if self._skipped(bool(weights), flat, crossings, stage):
+            return None
         subs = self._enter_all(flat, crossings, stage)
         for j, t in enumerate(flat):
             if j not in subs and (placed := self._placed(t, stage)) is not t:
                 subs[j] = placed
         return replaced(args, kwargs, subs) if subs else None
+
+    def _skipped(
+        self, weighted: bool, flat: list[Tensor], crossings: Sequence[tuple[int, int]], stage: int
+    ) -> bool:
+        """Whether the unit call just entered does not run here (never, in one process), after
+        making what it needs all the same (a rank's sends to another)."""
+        return False
 
     def leave_unit(self, output: Any) -> None:
         """After a unit ran (or failed): its weights back, its outputs tagged with the stage."""

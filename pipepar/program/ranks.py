@@ -118,6 +118,22 @@ class RankCut(Cut):
             self._export_all(flat, crossings, stage)
         return super()._enter_all(flat, crossings, stage)
 
+    def _skipped(
+        self, weighted: bool, flat: list[Tensor], crossings: Sequence[tuple[int, int]], stage: int
+    ) -> bool:
+        """A unit with weights of another rank's stage, followed on a route that knows its
+        output, is stood in by :meth:`stub`: its own stages' values are sent, and no stand-ins
+        are made for arguments nothing computes with."""
+        stood_in = (
+            weighted
+            and stage not in self.mine
+            and self.route is not None
+            and self.route.templates.get(self._open[-1]) is not None
+        )
+        if stood_in:
+            self._export_all(flat, crossings, stage)
+        return stood_in
+
     def _receive_all(
         self, flat: list[Tensor], crossings: Sequence[tuple[int, int]], stage: int
     ) -> None:

@@ -238,3 +238,27 @@ def test_a_split_that_needs_no_generic_pass_does_not_keep_the_graph() -> None:
     y = layers(x)
     _, work = backward_input([y], [torch.ones_like(y)], [x], list(layers.parameters()))
     assert work is not None and work.keep is None and len(work.direct) == 4
+
+
+def test_the_walk_orders_every_node_once_after_the_nodes_below_it() -> None:
+    """The plan's walk (shared by every backward) lists each reachable node once, after all
+    the nodes it leads to, names each by its own name (a node type shared by several kinds
+    of node is asked each time) and finds every matrix product."""
+    from pipepar.core.split_backward import _Graph
+
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    h = lin(torch.tanh(lin(x)))
+    y = h.clone()
+    y[0] += 1  # CopySlices: a node named in a namespace
+    out = [y.sum() + (x @ lin.weight).sum(), h.mean()]
+    graph = _Graph(out, [x], list(lin.parameters()))
+    position = {node: k for k, node in enumerate(graph.order)}
+    assert len(position) == len(graph.order) == len(graph.nexts)
+    for node, k in position.items():
+        assert node.name() == graph.names[node]
+        assert all(position[c] < k for c in graph.nexts[node] if c is not None)
+    products = {n for n in graph.order if n.name() in ("AddmmBackward0", "MmBackward0")}
+    assert {n for n, _ in graph.products} == products and len(products) == 3
+    assert set(graph.params.values()) == set(lin.parameters())

@@ -92,13 +92,19 @@ def _following(
         pipe.zero_grad()
         return loss, grads
 
-    with _counting_messages() as messages:
+    with _counting_messages() as messages, _counting_stand_ins() as stand_ins:
         steps = _counting_mode_calls(step)
     with torch.no_grad():
         out = pipe(**_batch(name, 0))
     pipe.close()
     output = None if out is None else (out if name.startswith("vit") else out.logits).numpy()
-    return {"stages": pipe.stages, "steps": steps, "output": output, "messages": messages}
+    return {
+        "stages": pipe.stages,
+        "steps": steps,
+        "output": output,
+        "messages": messages,
+        "stand_ins": stand_ins[0],
+    }
 
 
 @contextlib.contextmanager
@@ -119,6 +125,27 @@ def _counting_messages() -> Iterator[Counter[tuple[int, int]]]:
         yield counts
     finally:
         Link._send = send  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _counting_stand_ins() -> Iterator[list[int]]:
+    """Count the stand-ins on ``meta`` made for the arguments of other ranks' unit calls while
+    a route is followed."""
+    from pipepar.program.ranks import RankCut
+
+    count = [0]
+    enter = RankCut._enter
+
+    def counted(self: RankCut, t: Any, producer: int, stage: int) -> Any:
+        if stage not in self.mine and self.following:
+            count[0] += 1
+        return enter(self, t, producer, stage)
+
+    RankCut._enter = counted  # type: ignore[method-assign]
+    try:
+        yield count
+    finally:
+        RankCut._enter = enter  # type: ignore[method-assign]
 
 
 def _skipping(schedule: str, routes: bool) -> list[float] | str:
@@ -264,6 +291,16 @@ def test_a_rank_of_two_stages_is_sent_each_value_once(two: dict[int, Any], sched
     sent = two[0][("gpt2", schedule)]["messages"]
     assert sent[(0, first)] == 3 * 2, sent  # three steps of two micro-batches
     assert sent[(0, later)] == 0, sent
+
+
+@pytest.mark.parametrize("schedule", VIRTUAL)
+def test_a_skipped_unit_of_another_rank_is_given_no_stand_ins(
+    two: dict[int, Any], schedule: str
+) -> None:
+    """Following the route, a rank skips the other ranks' blocks (their outputs stood in): it
+    sends its values to them but makes no meta stand-ins for arguments nothing reads."""
+    for r in (0, 1):
+        assert two[r][("gpt2", schedule)]["stand_ins"] == 0, r
 
 
 @pytest.mark.parametrize("schedule", VIRTUAL)
