@@ -100,6 +100,10 @@ CASES: dict[str, tuple[Callable[[int], list[nn.Module]], tuple[int, ...]]] = {
     "weight-used-twice": (lambda w: [Twice(w), nn.ReLU(), nn.Linear(w, w)], (4, 8)),
     "right-weight": (lambda w: [RightWeight(w), nn.ReLU(), RightWeight(w)], (4, 8)),
     "mixed": (_mixed, (4, 8)),
+    "norms-stacked": (  # generic junctions one below the other: W restarts at each apart
+        lambda w: [nn.LayerNorm(w), nn.Linear(w, w), nn.GELU(), nn.LayerNorm(w), nn.Tanh()],
+        (4, 8),
+    ),
     "conv-then-linear": (
         lambda w: [nn.Conv1d(2, 2, 3, padding=1), nn.Flatten(), nn.Linear(2 * w, w)],
         (4, 2, 8),
