@@ -36,6 +36,7 @@ def wrap(
     threads: int | None = None,
     trace: bool = False,
     runtime: RuntimeFit | None = None,
+    gc_every: int | None = None,
 ) -> Pipe:
     """Split ``module`` into pipeline stages and return the pipe.
 
@@ -83,6 +84,10 @@ def wrap(
         runtime: with ``sample`` (a searched layout): what this machine's runtime adds to each
             action, fitted to steps you measured (:func:`pipepar.planner.fit_runtime`); the
             search then ranks layouts by those predictions. Default: the profile's times.
+        gc_every: Python's cycle collector during ``pipe.step``: ``None`` (default) leaves it
+            as it is; ``N`` turns it off while a step runs, collects what the step left after
+            it, and runs a full collection every ``N`` steps (e.g. 100), so its pauses come
+            at known steps (:mod:`pipepar.core.garbage`).
 
     Example:
         >>> model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
@@ -118,6 +123,7 @@ def wrap(
         schedule="gpipe" if schedule is None else schedule,
         threads=threads,
         trace=trace,
+        gc_every=gc_every,
     )
     keep_layout(pipe, layout)
     return pipe

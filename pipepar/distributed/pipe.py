@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipepar.core import validation
+from pipepar.core.garbage import StepCollector
 from pipepar.core.losses import Items
 from pipepar.core.schedule import Schedule
 from pipepar.distributed.chain import RankChain
@@ -85,6 +86,7 @@ class DistributedPipe(nn.Module):
         routes: bool = True,
         deferred_batch_norm: bool = False,
         dp_shard: bool = False,
+        gc_every: int | None = None,
     ) -> None:
         super().__init__()
         try:
@@ -93,6 +95,7 @@ class DistributedPipe(nn.Module):
                 deferred_batch_norm,
             )  # fmt: skip
             self.dp_shard = check_dp_shard(dp_shard, self.dp)
+            self._collector = StepCollector(gc_every)
         except (ValueError, TypeError) as error:
             if dist.is_initialized():  # peers must not wait for this rank: tell them why
                 handshake.refuse(error, group=group)
@@ -107,7 +110,7 @@ class DistributedPipe(nn.Module):
             checkpoint=self.checkpoint,
             state_dict=state_dict,
         )
-        extra = {"dp_shard": str(self.dp_shard), "routes": str(routes)}
+        extra = {"dp_shard": str(self.dp_shard), "routes": str(routes), "gc_every": str(gc_every)}
         handshake.agree(fields | extra, group=group, timeout=self.timeout)
         self.group = group
         """The parent group of the grid (``None``: the world)."""
@@ -254,11 +257,12 @@ class DistributedPipe(nn.Module):
             >>> loss = pipe.step(x, y, nn.functional.mse_loss)  # doctest: +SKIP
             >>> loss = pipe.step(input_ids=ids, labels=ids)  # doctest: +SKIP
         """
-        if isinstance(self._compute, RankChain):
-            return self._compute.step(
-                chain_step_arguments(args, kwargs, target, loss_fn, items, name="x")
-            )
-        return self._compute.step(StepCall(args, kwargs, loss_fn, target, items))
+        with self._collector.step():
+            if isinstance(self._compute, RankChain):
+                return self._compute.step(
+                    chain_step_arguments(args, kwargs, target, loss_fn, items, name="x")
+                )
+            return self._compute.step(StepCall(args, kwargs, loss_fn, target, items))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Evaluate the model on a mini-batch: under ``torch.no_grad()`` (or

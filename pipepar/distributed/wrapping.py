@@ -50,6 +50,7 @@ def wrap(
     timeout: float | None = 300.0,
     routes: bool = True,
     runtime: RuntimeFit | None = None,
+    gc_every: int | None = None,
 ) -> DistributedPipe:
     """Split ``model`` over the ranks of ``group``: ``len(balance)`` stages x ``dp`` replicas.
 
@@ -135,6 +136,13 @@ def wrap(
         runtime: with ``plan="auto"``: what the runtime adds to each action on these
             machines, fitted to steps you measured (:func:`pipepar.planner.fit_runtime`);
             group rank 0's is the one used. Default: the profile's times.
+        gc_every: Python's cycle collector during ``pipe.step``: ``None`` (default) leaves it
+            as it is; ``N`` turns it off while a step runs, collects what the step left after
+            it, and runs a full collection every ``N`` steps (e.g. 100), the same step on
+            every rank. A full pass pauses a rank (about 0.2 s in a process that imported
+            transformers) and the whole pipeline waits for it; left to Python, each rank
+            pauses at a step of its own, so the stalls add up with the ranks
+            (:mod:`pipepar.core.garbage`).
 
     Raises:
         ValueError, TypeError: for inconsistent arguments, before any pipeline group exists;
@@ -181,6 +189,7 @@ def wrap(
         routes=routes,
         deferred_batch_norm=deferred_batch_norm,
         dp_shard=dp_shard,
+        gc_every=gc_every,
     )
     keep_layout(pipe, layout)
     return pipe

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from pipepar.core import validation
 from pipepar.core.devices import DeviceSpec, resolve_devices
+from pipepar.core.garbage import StepCollector
 from pipepar.core.losses import Items
 from pipepar.core.randomness import DrawLog
 from pipepar.core.schedule import Schedule
@@ -76,6 +77,9 @@ class Pipe(nn.Module):
         schedule: a schedule name or object (:mod:`pipepar.core.schedule`).
         threads: math threads per CPU stage.
         trace: record a timeline in ``pipe.tracer``.
+        gc_every: Python's cycle collector during :meth:`step`: ``None`` leaves it as it is;
+            ``N`` turns it off while a step runs, collects what the step left after it and
+            runs a full collection every ``N`` steps (:mod:`pipepar.core.garbage`).
     """
 
     _model: nn.Module  # not a child: its children are the pipe's
@@ -108,8 +112,10 @@ class Pipe(nn.Module):
         schedule: str | Schedule = "gpipe",
         threads: int | None = None,
         trace: bool = False,
+        gc_every: int | None = None,
     ) -> None:
         super().__init__()
+        self._collector = StepCollector(gc_every)
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"module must be an nn.Module, but got {type(module).__name__}; "
@@ -314,11 +320,12 @@ class Pipe(nn.Module):
             >>> with torch.no_grad():
             ...     val_loss = pipe.eval().step(input_ids=val_ids, labels=val_ids)
         """
-        if isinstance(self._compute, ChainCompute):
-            return self._compute.step(
-                self, chain_step_arguments(args, kwargs, target, loss_fn, items)
-            )
-        return self._compute.step(self, StepCall(args, kwargs, loss_fn, target, items))
+        with self._collector.step():
+            if isinstance(self._compute, ChainCompute):
+                return self._compute.step(
+                    self, chain_step_arguments(args, kwargs, target, loss_fn, items)
+                )
+            return self._compute.step(self, StepCall(args, kwargs, loss_fn, target, items))
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The model's own ``generate`` (transformers' ``GenerationMixin``), every forward call

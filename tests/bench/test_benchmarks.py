@@ -401,3 +401,17 @@ def test_messages_times_a_receive_posted_late_and_early(
             assert re.search(
                 rf"\| {re.escape(case)} \| {load} \| 3 \| \d+\.\d+ \| \d+\.\d+ \|", out
             )
+
+
+@pytest.mark.slow
+def test_bench_gc_quick_times_both_collector_policies(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Both contenders (Python's automatic collector, gc_every) get a row of step times."""
+    from benchmarks import bench_gc
+
+    assert bench_gc.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    for name in bench_gc.CONTENDERS:
+        cells = r"\| 2 \| \d+ \| \d+ \| \d+ \| \d+ \| \d+ \| [\d.]+ / [\d.]+ \| \d+ / \d+ \|"
+        assert re.search(rf"\| {re.escape(name)} {cells}", out), out

@@ -7,6 +7,7 @@ input by position or by the name ``x``."""
 from __future__ import annotations
 
 import copy
+import gc
 from typing import Any
 
 import pytest
@@ -73,7 +74,39 @@ def _two_ranks(rank: int) -> dict[str, Any]:
     out["plain_keys"] = list(plain)
     out["full_equal"] = all(torch.equal(whole[k], plain[k]) for k in plain)
     pipe.close()
+    out["gc"] = _collecting(rank)
     return out
+
+
+def _collecting(rank: int) -> dict[str, Any]:
+    """Two steps with ``gc_every=2``: whether Python's collector was on in the loss (the last
+    stage's rank), after each step, and the generations of the passes that ended."""
+    import pipepar.distributed as ppd
+
+    torch.manual_seed(0)
+    pipe = ppd.wrap(Tied(), split=["blocks.1"], chunks=2, gc_every=2)
+    seen: list[bool] = []
+    passes: list[int] = []
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        seen.append(gc.isenabled())
+        return nn.functional.cross_entropy(out.flatten(0, 1), target.flatten())
+
+    def record(phase: str, info: dict[str, int]) -> None:
+        if phase == "stop":
+            passes.append(info["generation"])
+
+    ids = torch.arange(8).reshape(2, 4) % 11
+    after = []
+    gc.callbacks.append(record)
+    try:
+        for _ in range(2):
+            pipe.step(ids, target=ids, loss_fn=loss_fn)
+            after.append(gc.isenabled())
+    finally:
+        gc.callbacks.remove(record)
+    pipe.close()
+    return {"seen": seen, "after": after, "full": passes.count(2), "young": passes.count(1)}
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +143,16 @@ def test_full_state_dict_of_any_model_is_the_plain_models(ranks: dict[int, Any])
         r = ranks[rank]
         assert r["full_keys"] == r["plain_keys"]  # the tied head under both of its names
         assert r["full_equal"]
+
+
+def test_gc_every_turns_the_collector_off_during_steps_on_every_rank(
+    ranks: dict[int, Any],
+) -> None:
+    """``gc_every=2``: off in the loss (the last stage's rank computes it), on after each step,
+    a young pass after the first step and a full one after the second, on both ranks."""
+    assert ranks[1]["gc"]["seen"]
+    assert not any(ranks[0]["gc"]["seen"] + ranks[1]["gc"]["seen"])
+    for rank in (0, 1):
+        got = ranks[rank]["gc"]
+        assert got["after"] == [True, True], rank
+        assert got["full"] >= 1 and got["young"] >= 1, (rank, got)
