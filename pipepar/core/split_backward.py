@@ -20,7 +20,10 @@ and the bias gradient ``grad.sum(0)``. Such a parameter is a :class:`Direct` ter
 from the saved input and the recorded gradient, summing into the running sum in the same
 product (``addmm_``), without re-entering autograd. Every other parameter keeps the generic
 route, and so does a parameter that is also reached along any generic path, or that carries a
-tensor hook. When no generic work is left, B does not retain the graph.
+tensor hook. A LayerNorm's weight and bias are direct terms of a split too: W runs the norm's own
+backward kernel (``native_layer_norm_backward``, asked for those two outputs, as autograd does)
+on what the node saved, instead of an autograd pass from the node (a third of its cost). When no
+generic work is left, B does not retain the graph.
 
 :func:`backward_whole` uses the same terms for an unsplit backward: one engine pass for the input
 and the generic parameters, each direct term computed the moment its gradient arrives. There the
@@ -57,6 +60,8 @@ __all__ = [
 
 _MATMUL = {"AddmmBackward0": (1, 2, 0), "MmBackward0": (0, 1, None)}
 """Node name: indices of (input, weight, bias) among its next edges."""
+_NORM = "NativeLayerNormBackward0"
+"""A LayerNorm: next edges (input, weight, bias)."""
 _ACCUMULATE = "torch::autograd::AccumulateGrad"
 _NAMES: dict[type, str] = {}
 """Node names by the node's Python type, for the types named after their node (asking a node
@@ -71,6 +76,28 @@ def _name(node: Node) -> str:
         if name.rpartition("::")[2] == kind.__name__:  # not a type several kinds share
             _NAMES[kind] = name
     return name
+
+
+@dataclass(frozen=True)
+class NormSaved:
+    """What a LayerNorm's backward node saved: W computes its weight's and bias's gradients
+    with the norm's own backward kernel (the one autograd runs, asked for those outputs only),
+    with no autograd pass."""
+
+    input: Tensor
+    shape: list[int]
+    mean: Tensor
+    rstd: Tensor
+    weight: Tensor | None
+    bias: Tensor | None
+
+    def grad(self, grad: Tensor, edge: int) -> Tensor:
+        """The gradient of the parameter on next edge ``edge`` (1: weight, 2: bias)."""
+        mask = [False, edge == 1, edge == 2]
+        out = torch.ops.aten.native_layer_norm_backward(
+            grad, self.input, self.shape, self.mean, self.rstd, self.weight, self.bias, mask
+        )
+        return out[edge]
 
 
 @dataclass
@@ -88,11 +115,15 @@ class Direct:
     junction: int
     saved: Tensor | None
     transposed: bool = True
+    norm: NormSaved | None = None
+    """For a LayerNorm's weight or bias (``saved`` is None): what its backward saved."""
+    edge: int = 0
+    """The norm node's next edge of the parameter."""
 
     def add(self, grad: Tensor, total: Tensor | None, owned: bool) -> Tensor:
         """``total + this gradient``: in place into ``total`` if ``owned``, else a new tensor."""
         if self.saved is None:
-            part = grad.sum(0)
+            part = grad.sum(0) if self.norm is None else self.norm.grad(grad, self.edge)
             if total is None:
                 return part
             return total.add_(part) if owned else total + part
@@ -100,6 +131,12 @@ class Direct:
         if total is None:
             return torch.mm(a, b)
         return total.addmm_(a, b) if owned else torch.addmm(total, a, b)
+
+    def kept(self) -> list[Tensor]:
+        """What the term reads of the forward (kept until W runs)."""
+        if self.norm is not None:
+            return [self.norm.input, self.norm.mean, self.norm.rstd]
+        return [] if self.saved is None else [self.saved]
 
 
 Adder = Callable[[Direct, Tensor | None], None]
@@ -208,10 +245,14 @@ def plan_backward(
     on_path, needed = (set(), set()) if reach else graph.input_path(set())
     candidates = {}
     for node, name in graph.products:
-        if reach or node in on_path:
+        if name == _NORM:  # a whole backward runs the norm anyway: its weights come free
+            found = None if reach or node not in on_path else _norm_edges(graph, node, hooked)
+        elif reach or node in on_path:
             found = _direct_edges(graph, node, name, hooked)
-            if found is not None:
-                candidates[node] = found
+        else:
+            continue
+        if found is not None:
+            candidates[node] = found
     if reach:
         on_path, needed = graph.input_path(set(candidates))
     work = WeightWork(keep=outputs)
@@ -289,7 +330,7 @@ class _Graph:
                 self.params[node] = param_ids[key]
             elif key in input_ids:
                 self.inputs.add(node)
-        elif name in _MATMUL:
+        elif name in _MATMUL or name == _NORM:
             self.products.append((node, name))
         return nexts
 
@@ -327,9 +368,9 @@ class _Graph:
         return found
 
 
-_Candidate = tuple[dict[int, tuple[Tensor, bool]], Tensor, int | None]
-"""A matrix-product node's direct edges ``{edge: (param, transposed)}``, its saved input and
-the index of its bias edge."""
+_Candidate = tuple[dict[int, tuple[Tensor, bool]], "Tensor | NormSaved", int | None]
+"""A node's direct edges ``{edge: (param, transposed)}``, what its terms read (a matrix
+product's saved input, a norm's :class:`NormSaved`) and the index of a product's bias edge."""
 
 
 def _junctions(
@@ -339,11 +380,11 @@ def _junctions(
     candidates: dict[Node, _Candidate],
     routes: Counter[int],
     generic: set[int],
-) -> list[tuple[int, int, Tensor, bool, Tensor | None]]:
+) -> list[tuple[int, int, Tensor, bool, Tensor | NormSaved | None]]:
     """Add every junction to ``work`` with its generic parameters; count each parameter's
     routes; return the direct edges as (junction, edge, parameter, transposed, saved)."""
     index: dict[Node, int] = {}
-    pending: list[tuple[int, int, Tensor, bool, Tensor | None]] = []
+    pending: list[tuple[int, int, Tensor, bool, Tensor | NormSaved | None]] = []
     for node in graph.order:
         if node not in on_path:
             continue
@@ -368,19 +409,22 @@ def _junctions(
 
 def _settle(
     work: WeightWork,
-    pending: list[tuple[int, int, Tensor, bool, Tensor | None]],
+    pending: list[tuple[int, int, Tensor, bool, Tensor | NormSaved | None]],
     generic: set[int],
 ) -> None:
     """Make each pending direct edge a :class:`Direct` term, or, if its parameter is reached
     along a generic route too (or is hooked), a generic junction parameter: a parameter is
     either all direct or all generic, so one pass never counts an edge twice."""
-    for k, _, param, transposed, saved in pending:
+    for k, edge, param, transposed, saved in pending:
         have = work.junctions[k][1]
         if id(param) in generic:
             if all(p is not param for p in have):
                 have.append(param)
             continue
-        work.direct.append(Direct(param, k, saved, transposed))
+        if isinstance(saved, NormSaved):
+            work.direct.append(Direct(param, k, None, False, norm=saved, edge=edge))
+        else:
+            work.direct.append(Direct(param, k, saved, transposed))
 
 
 def _junction(work: WeightWork, index: dict[Node, int], node: Node, params: list[Tensor]) -> int:
@@ -424,6 +468,34 @@ def _direct_edges(graph: _Graph, node: Node, name: str, hooked: set[int]) -> _Ca
         if id(p) not in hooked and p.dtype == x.dtype and p.device == x.device
     }
     return (found, x, bias) if found else None
+
+
+def _norm_edges(graph: _Graph, node: Node, hooked: set[int]) -> _Candidate | None:
+    """A LayerNorm node's weight and bias edges (parameters as they are, on the input's dtype
+    and device, without tensor hooks) and what its backward saved; ``None`` if none."""
+    try:
+        saved = NormSaved(
+            node._saved_input,  # type: ignore[attr-defined]
+            [int(d) for d in node._saved_normalized_shape],  # type: ignore[attr-defined]
+            node._saved_result1,  # type: ignore[attr-defined]
+            node._saved_result2,  # type: ignore[attr-defined]
+            node._saved_weight,  # type: ignore[attr-defined]
+            node._saved_bias,  # type: ignore[attr-defined]
+        )
+    except (AttributeError, RuntimeError):  # freed, or another version's node
+        return None
+    x, nexts = saved.input, graph.nexts[node]
+    found = {
+        e: (graph.params[nexts[e]], False)  # type: ignore[index]
+        for e in (1, 2)
+        if len(nexts) > e and nexts[e] in graph.params
+    }
+    found = {
+        e: (p, t)
+        for e, (p, t) in found.items()
+        if id(p) not in hooked and p.dtype == x.dtype and p.device == x.device
+    }
+    return (found, saved, None) if found else None
 
 
 def _plain_product(node: Node, name: str, x: Tensor) -> bool:

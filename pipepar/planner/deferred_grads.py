@@ -10,13 +10,15 @@ their size per layer; it is read here from the very split the runtime does, run 
 on ``meta`` (sizes only, no memory, whatever device the profile is for).
 
 The same split says which parameters take the *direct* route (a matrix product's weight
-gradient made from the saved input and the recorded gradient, ``grad^T @ input``): from a
-stage's second micro-batch on their gradients are summed in place (``addmm_``), so no temporary
+gradient made from the saved input and the recorded gradient, ``grad^T @ input``; a
+LayerNorm's weight and bias from its own backward kernel on what it saved): from a stage's
+second micro-batch on a product's gradients are summed in place (``addmm_``), so no temporary
 exists for them; and when nothing is left for the generic route, B does not keep the graph:
-the micro-batch then waits for W with only the recorded gradients and the products' saved
-inputs. An unsplit backward takes the direct route too, but only on a stage with a weight matrix
-of at least ``2**17`` elements (:class:`pipepar.core.step.StageStep`); its terms come from the
-plan of a whole backward (``plan_backward(reach=True)``).
+the micro-batch then waits for W with only the recorded gradients and what the direct terms
+read (products' saved inputs, norms' inputs and statistics). An unsplit backward takes the
+direct route too (products only: it runs a norm's kernel anyway), but only on a stage with a
+weight matrix of at least ``2**17`` elements (:class:`pipepar.core.step.StageStep`); its terms
+come from the plan of a whole backward (``plan_backward(reach=True)``).
 
 This module only measures; when W runs and what is alive then is the schedule's business
 (:mod:`pipepar.planner.peak_moments`).
@@ -149,11 +151,12 @@ def _in_place(plan: Plan) -> int:
 
 
 def _saved(plan: Plan) -> dict[int, int]:
-    """The direct products' saved inputs: storage -> bytes."""
+    """What the direct terms read of the forward (products' saved inputs, norms' inputs and
+    statistics): storage -> bytes."""
     return {
-        storage_key(t.saved): t.saved.untyped_storage().nbytes()
+        storage_key(kept): kept.untyped_storage().nbytes()
         for t in plan.work.direct
-        if t.saved is not None
+        for kept in t.kept()
     }
 
 

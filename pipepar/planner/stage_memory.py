@@ -366,8 +366,11 @@ class MemoryModel:
         # layers from q on, that gradient is their own incoming one, already in their figure.
         q = max(self._new_grad_upto[b], a)
         best = last
+        held_out = self._out[b]
+        if sweep is self._freeing and self._keeps_incoming[b]:
+            held_out = 0  # the engine's incoming gradient is the one kept for W: in ``left``
         for lo, hi, table, extra in (
-            (a, q - 1, sweep.inner, self._out[b]),
+            (a, q - 1, sweep.inner, held_out),
             (q, b - 1, sweep.outer, 0),
         ):
             if lo <= hi:

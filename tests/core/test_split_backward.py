@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from pipepar.core import step as step_module
-from pipepar.core.split_backward import backward_input, plan_backward
+from pipepar.core.split_backward import Direct, backward_input, plan_backward
 from pipepar.core.stage import Stage
 from pipepar.core.step import StageStep
 
@@ -193,6 +193,40 @@ def test_linear_junctions_become_direct_terms() -> None:
     plan = plan_backward([y], [torch.ones_like(y)], [x], list(layers.parameters()))
     assert {id(p) for p in plan.direct_params()} == {id(p) for p in layers.parameters()}
     assert not plan.work.generic() and not plan.conflict
+
+
+def test_layer_norm_weights_become_direct_terms_with_the_plain_bits() -> None:
+    """A split's W computes a LayerNorm's weight and bias with the norm's own backward kernel
+    from what the node saved, not with an autograd pass: nothing generic is left, so B does
+    not keep the graph, and the gradients are autograd's bit for bit. A whole backward (the
+    norm runs there anyway) and a hooked weight keep the generic route."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8))
+    params = list(layers.parameters())
+    x = torch.randn(4, 8, requires_grad=True)
+    y = layers(x)
+    g = torch.randn_like(y)
+    plan = plan_backward([y], [g], [x], params)
+    norms = [t for t in plan.work.direct if t.norm is not None]
+    assert len(norms) == 4 and {id(p) for p in plan.direct_params()} == {id(p) for p in params}
+    assert not plan.work.generic()
+    want = torch.autograd.grad([y], [x, *params], [g], retain_graph=True)
+    dx, work = backward_input([y], [g], [x], params)
+    assert work is not None and work.keep is None  # the graph is not kept for W
+    got: dict[int, Tensor] = {}
+
+    def add(term: Direct, grad: Tensor | None) -> None:
+        assert grad is not None
+        got[id(term.param)] = term.add(grad, None, False)
+
+    work.run_direct(add)
+    assert torch.equal(dx[0], want[0])  # type: ignore[arg-type]
+    assert all(torch.equal(got[id(p)], w) for p, w in zip(params, want[1:]))
+    whole = plan_backward([y], [g], [x], params, reach=True)
+    assert not any(t.norm is not None for t in whole.work.direct)
+    layers[0].weight.register_hook(lambda grad: grad)
+    hooked = plan_backward([layers(x)], [g], [x], params)
+    assert id(layers[0].weight) not in {id(p) for p in hooked.direct_params()}
 
 
 def test_hooked_or_shared_weights_keep_the_generic_route() -> None:
