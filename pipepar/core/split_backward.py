@@ -462,11 +462,7 @@ def _direct_edges(graph: _Graph, node: Node, name: str, hooked: set[int]) -> _Ca
         param = graph.params[nexts[bias]]  # type: ignore[index]
         if param.shape == (n,):
             found[bias] = (param, False)
-    found = {
-        e: (p, t)
-        for e, (p, t) in found.items()
-        if id(p) not in hooked and p.dtype == x.dtype and p.device == x.device
-    }
+    found = _usable(found, x, hooked)
     return (found, x, bias) if found else None
 
 
@@ -484,18 +480,26 @@ def _norm_edges(graph: _Graph, node: Node, hooked: set[int]) -> _Candidate | Non
         )
     except (AttributeError, RuntimeError):  # freed, or another version's node
         return None
-    x, nexts = saved.input, graph.nexts[node]
-    found = {
+    nexts = graph.nexts[node]
+    edges = {
         e: (graph.params[nexts[e]], False)  # type: ignore[index]
         for e in (1, 2)
         if len(nexts) > e and nexts[e] in graph.params
     }
-    found = {
+    found = _usable(edges, saved.input, hooked)
+    return (found, saved, None) if found else None
+
+
+def _usable(
+    edges: dict[int, tuple[Tensor, bool]], x: Tensor, hooked: set[int]
+) -> dict[int, tuple[Tensor, bool]]:
+    """The direct edges whose parameter carries no tensor hook and has the dtype and device of
+    what the term computes with (``x``)."""
+    return {
         e: (p, t)
-        for e, (p, t) in found.items()
+        for e, (p, t) in edges.items()
         if id(p) not in hooked and p.dtype == x.dtype and p.device == x.device
     }
-    return (found, saved, None) if found else None
 
 
 def _plain_product(node: Node, name: str, x: Tensor) -> bool:
