@@ -22,8 +22,10 @@ product (``addmm_``), without re-entering autograd. Every other parameter keeps 
 route, and so does a parameter that is also reached along any generic path, or that carries a
 tensor hook. A LayerNorm's weight and bias are direct terms of a split too: W runs the norm's own
 backward kernel (``native_layer_norm_backward``, asked for those two outputs, as autograd does)
-on what the node saved, instead of an autograd pass from the node (a third of its cost). When no
-generic work is left, B does not retain the graph.
+on what the node saved, instead of an autograd pass from the node (a third of its cost); so is a
+parameter scaling a tensor elementwise (an RMSNorm written in Python, ``weight * normalized``):
+``grad * normalized`` summed to the weight's shape, as autograd computes it. When no generic work
+is left, B does not retain the graph.
 
 :func:`backward_whole` uses the same terms for an unsplit backward: one engine pass for the input
 and the generic parameters, each direct term computed the moment its gradient arrives. There the
@@ -62,6 +64,10 @@ _MATMUL = {"AddmmBackward0": (1, 2, 0), "MmBackward0": (0, 1, None)}
 """Node name: indices of (input, weight, bias) among its next edges."""
 _NORM = "NativeLayerNormBackward0"
 """A LayerNorm: next edges (input, weight, bias)."""
+_SCALE = "MulBackward0"
+"""An elementwise product of two tensors: next edges (self, other)."""
+_TERMS = frozenset((*_MATMUL, _NORM, _SCALE))
+"""The nodes that may have direct terms."""
 _ACCUMULATE = "torch::autograd::AccumulateGrad"
 _NAMES: dict[type, str] = {}
 """Node names by the node's Python type, for the types named after their node (asking a node
@@ -99,31 +105,53 @@ class NormSaved:
         )
         return out[edge]
 
+    def kept(self) -> list[Tensor]:
+        return [self.input, self.mean, self.rstd]
+
+
+@dataclass(frozen=True)
+class ScaleSaved:
+    """The other operand of an elementwise product with a parameter (an RMSNorm's
+    ``weight * normalized``): the parameter's gradient is ``grad * other`` summed to the
+    parameter's shape, the very ops autograd runs."""
+
+    other: Tensor
+    shape: torch.Size
+
+    def grad(self, grad: Tensor, edge: int) -> Tensor:
+        """The parameter's gradient (``edge``, its side of the product, changes nothing)."""
+        return (grad * self.other).sum_to_size(self.shape)
+
+    def kept(self) -> list[Tensor]:
+        return [self.other]
+
 
 @dataclass
 class Direct:
-    """One parameter gradient of a matrix-product junction, computed without autograd.
+    """One parameter gradient of a junction, computed without autograd.
 
-    ``saved`` is the product's left operand (the layer input, 2-D); ``None`` marks a bias, whose
-    gradient is the incoming gradient summed over rows. ``transposed`` says the parameter entered
-    as ``param.t()`` (``nn.Linear``): its gradient is ``grad^T @ saved``, else ``saved^T @ grad``.
-    Both are the very products autograd would make, so the first term equals autograd's bit for
-    bit; later ones are summed into the running sum by the product itself.
+    ``saved`` is a matrix product's left operand (the layer input, 2-D); ``None`` marks a term
+    that is no product: a bias, whose gradient is the incoming gradient summed over rows, or a
+    :attr:`kernel` term. ``transposed`` says the parameter entered as ``param.t()``
+    (``nn.Linear``): its gradient is ``grad^T @ saved``, else ``saved^T @ grad``. Both are the
+    very products autograd would make, so the first term equals autograd's bit for bit; later
+    ones are summed into the running sum by the product itself.
     """
 
     param: Tensor
     junction: int
     saved: Tensor | None
     transposed: bool = True
-    norm: NormSaved | None = None
-    """For a LayerNorm's weight or bias (``saved`` is None): what its backward saved."""
+    kernel: NormSaved | ScaleSaved | None = None
+    """For a LayerNorm's weight or bias, or a parameter scaling a tensor elementwise (``saved``
+    is None): what the node saved, and how its gradient is made of it."""
     edge: int = 0
-    """The norm node's next edge of the parameter."""
+    """The node's next edge of the parameter."""
 
     def add(self, grad: Tensor, total: Tensor | None, owned: bool) -> Tensor:
         """``total + this gradient``: in place into ``total`` if ``owned``, else a new tensor."""
         if self.saved is None:
-            part = grad.sum(0) if self.norm is None else self.norm.grad(grad, self.edge)
+            part = grad.sum(0) if self.kernel is None else self.kernel.grad(grad, self.edge)
             if total is None:
                 return part
             return total.add_(part) if owned else total + part
@@ -134,8 +162,8 @@ class Direct:
 
     def kept(self) -> list[Tensor]:
         """What the term reads of the forward (kept until W runs)."""
-        if self.norm is not None:
-            return [self.norm.input, self.norm.mean, self.norm.rstd]
+        if self.kernel is not None:
+            return self.kernel.kept()
         return [] if self.saved is None else [self.saved]
 
 
@@ -245,8 +273,8 @@ def plan_backward(
     on_path, needed = (set(), set()) if reach else graph.input_path(set())
     candidates = {}
     for node, name in graph.products:
-        if name == _NORM:  # a whole backward runs the norm anyway: its weights come free
-            found = None if reach or node not in on_path else _norm_edges(graph, node, hooked)
+        if name not in _MATMUL:  # a whole backward runs the node anyway: its weights come free
+            found = None if reach or node not in on_path else _kernel_edges(graph, node, hooked)
         elif reach or node in on_path:
             found = _direct_edges(graph, node, name, hooked)
         else:
@@ -330,7 +358,7 @@ class _Graph:
                 self.params[node] = param_ids[key]
             elif key in input_ids:
                 self.inputs.add(node)
-        elif name in _MATMUL or name == _NORM:
+        elif name in _TERMS:
             self.products.append((node, name))
         return nexts
 
@@ -368,7 +396,7 @@ class _Graph:
         return found
 
 
-_Candidate = tuple[dict[int, tuple[Tensor, bool]], "Tensor | NormSaved", int | None]
+_Candidate = tuple[dict[int, tuple[Tensor, bool]], "Tensor | NormSaved | ScaleSaved", int | None]
 """A node's direct edges ``{edge: (param, transposed)}``, what its terms read (a matrix
 product's saved input, a norm's :class:`NormSaved`) and the index of a product's bias edge."""
 
@@ -380,11 +408,11 @@ def _junctions(
     candidates: dict[Node, _Candidate],
     routes: Counter[int],
     generic: set[int],
-) -> list[tuple[int, int, Tensor, bool, Tensor | NormSaved | None]]:
+) -> list[tuple[int, int, Tensor, bool, Tensor | NormSaved | ScaleSaved | None]]:
     """Add every junction to ``work`` with its generic parameters; count each parameter's
     routes; return the direct edges as (junction, edge, parameter, transposed, saved)."""
     index: dict[Node, int] = {}
-    pending: list[tuple[int, int, Tensor, bool, Tensor | NormSaved | None]] = []
+    pending: list[tuple[int, int, Tensor, bool, Tensor | NormSaved | ScaleSaved | None]] = []
     for node in graph.order:
         if node not in on_path:
             continue
@@ -409,7 +437,7 @@ def _junctions(
 
 def _settle(
     work: WeightWork,
-    pending: list[tuple[int, int, Tensor, bool, Tensor | NormSaved | None]],
+    pending: list[tuple[int, int, Tensor, bool, Tensor | NormSaved | ScaleSaved | None]],
     generic: set[int],
 ) -> None:
     """Make each pending direct edge a :class:`Direct` term, or, if its parameter is reached
@@ -421,8 +449,8 @@ def _settle(
             if all(p is not param for p in have):
                 have.append(param)
             continue
-        if isinstance(saved, NormSaved):
-            work.direct.append(Direct(param, k, None, False, norm=saved, edge=edge))
+        if isinstance(saved, (NormSaved, ScaleSaved)):
+            work.direct.append(Direct(param, k, None, False, kernel=saved, edge=edge))
         else:
             work.direct.append(Direct(param, k, saved, transposed))
 
@@ -464,6 +492,33 @@ def _direct_edges(graph: _Graph, node: Node, name: str, hooked: set[int]) -> _Ca
             found[bias] = (param, False)
     found = _usable(found, x, hooked)
     return (found, x, bias) if found else None
+
+
+def _kernel_edges(graph: _Graph, node: Node, hooked: set[int]) -> _Candidate | None:
+    """A LayerNorm's or an elementwise product's direct edges (see :func:`_norm_edges`,
+    :func:`_scale_edges`)."""
+    if graph.names[node] == _NORM:
+        return _norm_edges(graph, node, hooked)
+    return _scale_edges(graph, node, hooked)
+
+
+def _scale_edges(graph: _Graph, node: Node, hooked: set[int]) -> _Candidate | None:
+    """The parameter edge of an elementwise product of a parameter (as it is: an RMSNorm's
+    weight) and another tensor, with that tensor as the product saved it; ``None`` if the
+    product is of anything else."""
+    nexts = graph.nexts[node]
+    params = [(e, graph.params[c]) for e, c in enumerate(nexts) if c in graph.params]
+    if len(nexts) != 2 or len(params) != 1:
+        return None
+    edge, param = params[0]
+    try:
+        other = getattr(node, "_saved_other" if edge == 0 else "_saved_self")
+    except (AttributeError, RuntimeError):  # freed, or another version's node
+        return None
+    if not isinstance(other, Tensor) or other.layout != torch.strided or other.is_complex():
+        return None
+    found = _usable({edge: (param, False)}, other, hooked)
+    return (found, ScaleSaved(other, param.shape), None) if found else None
 
 
 def _norm_edges(graph: _Graph, node: Node, hooked: set[int]) -> _Candidate | None:

@@ -76,6 +76,20 @@ class Transposed(nn.Module):
         return self.lin(x.transpose(0, 1)).transpose(0, 1)
 
 
+class RMSNorm(nn.Module):
+    """An RMSNorm as transformers writes it: ``weight * normalized``, an elementwise product
+    (``right`` puts the weight on the right of it)."""
+
+    def __init__(self, width: int, *, right: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + torch.randn(width) / 10)
+        self.right = right
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return h * self.weight if self.right else self.weight * h
+
+
 def _mlp(width: int, *, bias: bool = True) -> list[nn.Module]:
     return [nn.Linear(width, width, bias=bias), nn.ReLU(), nn.Linear(width, width, bias=bias)]
 
@@ -103,6 +117,10 @@ CASES: dict[str, tuple[Callable[[int], list[nn.Module]], tuple[int, ...]]] = {
     "norms-stacked": (  # generic junctions one below the other: W restarts at each apart
         lambda w: [nn.LayerNorm(w), nn.Linear(w, w), nn.GELU(), nn.LayerNorm(w), nn.Tanh()],
         (4, 8),
+    ),
+    "rms-norms": (  # elementwise scales: the weight on either side, broadcast over rows
+        lambda w: [RMSNorm(w), nn.Linear(w, w), nn.SiLU(), RMSNorm(w, right=True), nn.Tanh()],
+        (2, 3, 8),
     ),
     "conv-then-linear": (
         lambda w: [nn.Conv1d(2, 2, 3, padding=1), nn.Flatten(), nn.Linear(2 * w, w)],
@@ -195,21 +213,8 @@ def test_linear_junctions_become_direct_terms() -> None:
     assert not plan.work.generic() and not plan.conflict
 
 
-def test_layer_norm_weights_become_direct_terms_with_the_plain_bits() -> None:
-    """A split's W computes a LayerNorm's weight and bias with the norm's own backward kernel
-    from what the node saved, not with an autograd pass: nothing generic is left, so B does
-    not keep the graph, and the gradients are autograd's bit for bit. A whole backward (the
-    norm runs there anyway) and a hooked weight keep the generic route."""
-    torch.manual_seed(0)
-    layers = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8))
-    params = list(layers.parameters())
-    x = torch.randn(4, 8, requires_grad=True)
-    y = layers(x)
-    g = torch.randn_like(y)
-    plan = plan_backward([y], [g], [x], params)
-    norms = [t for t in plan.work.direct if t.norm is not None]
-    assert len(norms) == 4 and {id(p) for p in plan.direct_params()} == {id(p) for p in params}
-    assert not plan.work.generic()
+def _split_has_the_plain_bits(y: Tensor, g: Tensor, x: Tensor, params: list[Tensor]) -> None:
+    """B and W of ``y`` (a split that keeps no graph for W) give autograd's bits exactly."""
     want = torch.autograd.grad([y], [x, *params], [g], retain_graph=True)
     dx, work = backward_input([y], [g], [x], params)
     assert work is not None and work.keep is None  # the graph is not kept for W
@@ -222,11 +227,50 @@ def test_layer_norm_weights_become_direct_terms_with_the_plain_bits() -> None:
     work.run_direct(add)
     assert torch.equal(dx[0], want[0])  # type: ignore[arg-type]
     assert all(torch.equal(got[id(p)], w) for p, w in zip(params, want[1:]))
+
+
+def test_layer_norm_weights_become_direct_terms_with_the_plain_bits() -> None:
+    """A split's W computes a LayerNorm's weight and bias with the norm's own backward kernel
+    from what the node saved, not with an autograd pass: nothing generic is left, so B does
+    not keep the graph, and the gradients are autograd's bit for bit. A whole backward (the
+    norm runs there anyway) and a hooked weight keep the generic route."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8))
+    params = list(layers.parameters())
+    x = torch.randn(4, 8, requires_grad=True)
+    y = layers(x)
+    g = torch.randn_like(y)
+    plan = plan_backward([y], [g], [x], params)
+    norms = [t for t in plan.work.direct if t.kernel is not None]
+    assert len(norms) == 4 and {id(p) for p in plan.direct_params()} == {id(p) for p in params}
+    assert not plan.work.generic()
+    _split_has_the_plain_bits(y, g, x, params)
     whole = plan_backward([y], [g], [x], params, reach=True)
-    assert not any(t.norm is not None for t in whole.work.direct)
+    assert not any(t.kernel is not None for t in whole.work.direct)
     layers[0].weight.register_hook(lambda grad: grad)
     hooked = plan_backward([layers(x)], [g], [x], params)
     assert id(layers[0].weight) not in {id(p) for p in hooked.direct_params()}
+
+
+def test_elementwise_scales_become_direct_terms_with_the_plain_bits() -> None:
+    """An RMSNorm's weight (on either side of its product) is a direct term of a split:
+    ``grad * normalized`` summed to the weight's shape, autograd's bits; a Llama-style block
+    then leaves B nothing to keep. A weight scaling another weight is no such term."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(RMSNorm(8), nn.Linear(8, 8), RMSNorm(8, right=True))
+    params = list(layers.parameters())
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    y = layers(x)
+    g = torch.randn_like(y)
+    plan = plan_backward([y], [g], [x], params)
+    assert {id(t.param) for t in plan.work.direct if t.kernel is not None} == {
+        id(layers[0].weight),
+        id(layers[2].weight),
+    }
+    _split_has_the_plain_bits(y, g, x, params)
+    w, v = nn.Parameter(torch.ones(8)), nn.Parameter(torch.ones(8))
+    z = x * (w * v)  # the product's both edges are parameters: nothing direct
+    assert not plan_backward([z], [torch.ones_like(z)], [x], [w, v]).work.direct
 
 
 def test_hooked_or_shared_weights_keep_the_generic_route() -> None:
