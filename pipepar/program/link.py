@@ -61,6 +61,7 @@ class Link:
 
     def __init__(self, mesh: Mesh, device: torch.device, placement: Sequence[int]) -> None:
         self.ranks, self.device = [mesh.pipeline_ranks[w] for w in placement], device
+        self.mesh = mesh
         self.groups = {ACTIVATION: mesh.fwd, GRADIENT: mesh.bwd}
         self.progress = mesh.progress
         self._sends: list[tuple[dist.Work | None, str]] = []
@@ -145,7 +146,7 @@ class Link:
     def _send(self, buffer: Tensor, value: str, kind: int, producer: int, consumer: int) -> None:
         peer = _sender_peer(kind, producer, consumer)
         what = f"sending {value} to {self._peer(peer)}"
-        work = self._post(dist.isend, buffer, what, kind, peer, self._tag(producer, consumer))
+        work = self._post(self.mesh.isend, buffer, what, kind, peer, self._tag(producer, consumer))
         self._sends.append((work, what))
         self._buffers.append(buffer)
 
@@ -159,7 +160,7 @@ class Link:
         peer = _receiver_peer(kind, producer, consumer)
         what = f"receiving {value} from {self._peer(peer)}"
         tag = self._tag(producer, consumer)
-        return self._post(dist.irecv, buffer, what, kind, peer, tag), what
+        return self._post(self.mesh.irecv, buffer, what, kind, peer, tag), what
 
     def _tag(self, producer: int, consumer: int) -> int:
         """The channel of values from ``producer`` to ``consumer`` (and of their gradients)."""
@@ -170,7 +171,7 @@ class Link:
     ) -> dist.Work | None:
         """``op`` (isend or irecv) of ``t`` with the rank of stage ``peer`` on channel ``tag``."""
         with comm(what):
-            return op(t, self.ranks[peer], group=self.groups[kind], tag=tag)
+            return op(t, self.ranks[peer], self.groups[kind], tag)
 
     def _peer(self, stage: int) -> str:
         return f"rank {self.ranks[stage]} (stage {stage})"

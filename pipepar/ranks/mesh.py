@@ -25,11 +25,14 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
+from torch import Tensor
 
 from pipepar.ranks.failure import Where
 from pipepar.ranks.progress import Progress
+from pipepar.ranks.shared_memory import SharedMemory, connect
 
 __all__ = ["Mesh", "build_mesh", "check_grid"]
 
@@ -62,6 +65,8 @@ class Mesh:
     closed: bool = field(default=False)
     progress: Progress = field(default_factory=Progress)
     """What this rank runs and waits for; every wait on the groups goes through it."""
+    shared: SharedMemory | None = None
+    """Messages with same-host neighbours through shared memory, if any (gloo only)."""
 
     @property
     def stage(self) -> int:
@@ -78,11 +83,32 @@ class Mesh:
         """Global rank at the next position of this replica, if any."""
         return self.pipeline_ranks[self.stage + 1] if self.stage < self.pp - 1 else None
 
+    def isend(self, t: Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> Any:
+        """Send ``t`` to global rank ``peer`` on ``group`` (:attr:`fwd` or :attr:`bwd`) with
+        ``tag``: through shared memory where :attr:`shared` covers it, else the group's own
+        ``isend``. Returns the work to wait for."""
+        name = self._name(group)
+        if self.shared is not None and self.shared.covers(peer, t, name):
+            return self.shared.isend(t, peer, name, tag)
+        return dist.isend(t, peer, group=group, tag=tag)
+
+    def irecv(self, t: Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> Any:
+        """Receive into ``t`` from global rank ``peer`` (see :meth:`isend`)."""
+        name = self._name(group)
+        if self.shared is not None and self.shared.covers(peer, t, name):
+            return self.shared.irecv(t, peer, name, tag)
+        return dist.irecv(t, peer, group=group, tag=tag)
+
+    def _name(self, group: dist.ProcessGroup | None) -> str:
+        return "fwd" if group is self.fwd else "bwd" if group is self.bwd else ""
+
     def close(self) -> None:
         """Destroy this pipeline's groups so that peers blocked on this rank see it leave."""
         if self.closed:
             return
         self.closed = True
+        if self.shared is not None:
+            self.shared.close()
         for name in ("fwd", "bwd", "ctl", "dp_group"):
             group = getattr(self, name)
             setattr(self, name, None)
@@ -173,6 +199,8 @@ def build_mesh(
         mesh.fwd = _new_group(mesh.pipeline_ranks, timeout, "pipepar-fwd")
         mesh.bwd = _new_group(mesh.pipeline_ranks, timeout, "pipepar-bwd")
         mesh.ctl = _new_group(mesh.pipeline_ranks, timeout, "pipepar-ctl")
+        if backend == "gloo":
+            mesh.shared = connect(mesh.ctl, ranks[g], mesh.pipeline_ranks)
     if dp > 1:
         mesh.dp_group = _new_group(mesh.replica_ranks, timeout, "pipepar-dp")
     return mesh

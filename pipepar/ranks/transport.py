@@ -4,10 +4,12 @@ The peer of a message is the rank that holds the other stage: for stage ``s``, t
 position ``placement[s + 1]`` (or ``[s - 1]``) of ``pipeline_ranks``. That is the next position,
 or any position with virtual stages (looped placement sends from the last rank back to rank 0).
 Neighbouring stages on one rank never come here; the runtime hands their values over in memory.
-Only ``torch.distributed`` isend/irecv move bytes. A receive needs a buffer of the right shape,
-so when the shapes of a mini-batch are new, each activation is preceded by a small metadata
-message (dtype, requires_grad, shape of every tensor); the runtime caches the shapes and later
-mini-batches with the same input signature post their receives early, before the data is sent.
+Bytes move by the mesh's isend/irecv (``torch.distributed``'s, or shared memory between CPU
+neighbours on one host: :mod:`~pipepar.ranks.shared_memory`). A receive needs a buffer of the
+right shape, so when the shapes of a mini-batch are new, each activation is preceded by a small
+metadata message (dtype, requires_grad, shape of every tensor); the runtime caches the shapes
+and later mini-batches with the same input signature post their receives early, before the data
+is sent.
 
 Every stage boundary has its own channels, one per (direction, receiving stage): activations
 into stage ``s`` travel on the ``fwd`` group, the gradients of stage ``s``'s output back into
@@ -288,13 +290,13 @@ class Transport:
         self, t: Tensor, dst: int | None, group: dist.ProcessGroup | None, tag: int, what: str
     ) -> dist.Work | None:
         with comm(f"sending {what} to rank {dst}"):
-            return dist.isend(t, dst, group=group, tag=tag)
+            return self.mesh.isend(t, dst, group, tag)  # type: ignore[arg-type]
 
     def _irecv(
         self, t: Tensor, src: int | None, group: dist.ProcessGroup | None, tag: int, what: str
     ) -> dist.Work | None:
         with comm(f"receiving {what} from rank {src}"):
-            return dist.irecv(t, src, group=group, tag=tag)
+            return self.mesh.irecv(t, src, group, tag)  # type: ignore[arg-type]
 
     def _wait(self, work: dist.Work | None, what: str) -> None:
         self.mesh.progress.wait(work, what)

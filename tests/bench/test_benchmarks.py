@@ -404,6 +404,18 @@ def test_messages_times_a_receive_posted_late_and_early(
 
 
 @pytest.mark.slow
+def test_bench_transport_quick_times_both_transports(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each transport (gloo, shared memory) gets a row per message size."""
+    from benchmarks import bench_transport
+
+    assert bench_transport.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    for name in bench_transport.TRANSPORTS:
+        for size in bench_transport.SIZES:
+            assert re.search(rf"\| {name} \| {re.escape(size)} \| 5 \| \d+ \| \d+ \| \d+ \|", out)
+
+
+@pytest.mark.slow
 def test_bench_gc_quick_times_both_collector_policies(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
