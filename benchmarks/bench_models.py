@@ -100,7 +100,11 @@ LIBRARIES = {  # library: (label, processes, notes)
         1,
         "GPT-2 only: embeddings, blocks, ln_f, an untied head as layers (the chain compute)",
     ),
-    "pipepar.distributed": ("pipepar.distributed", 2, "gloo, model built whole on each rank"),
+    "pipepar.distributed": (
+        "pipepar.distributed",
+        2,
+        "gloo, stage messages through shared memory, model built whole on each rank",
+    ),
     "pipepar.distributed-chain": (
         "pipepar.distributed, the blocks as an nn.Sequential",
         2,

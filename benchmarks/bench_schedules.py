@@ -60,7 +60,7 @@ LIBRARIES = {  # library: (label, processes, notes)
     "pipepar": ("pipepar.wrap, pipe.step", 1, "one thread per core"),
     "pipepar-call": ("pipepar.wrap, pipe(x) + backward", 1, "all forwards, then backward"),
     "torchgpipe": ("torchgpipe.GPipe", 1, "both 'cpu' stages on one thread (one per device)"),
-    "pipepar.distributed": ("pipepar.distributed", 2, "gloo"),
+    "pipepar.distributed": ("pipepar.distributed", 2, "gloo, stage messages through shared memory"),
     "torch": ("torch.distributed.pipelining", 2, "gloo"),
 }
 REMOTE = ("limit", "pipepar.distributed", "torch")
