@@ -426,6 +426,8 @@ def _open(info: tuple) -> mmap.mmap | None:
         return None
     try:
         file = mmap.mmap(fd, 0)
+    except (OSError, ValueError):  # not mappable (an empty file): no shared memory with it
+        return None
     finally:
         os.close(fd)
     if file[_TOKEN : _TOKEN + 32] != token.encode():
