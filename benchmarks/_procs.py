@@ -44,6 +44,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def spawn_pair(rank: Callable[..., None], *args: Any) -> dict[str, Any]:
+    """``rank(r, port, *args, out)`` on two spawned processes (``port``: free, for their
+    process group); what they put into the shared dict ``out``."""
+    out = mp.Manager().dict()
+    mp.spawn(rank, args=(free_port(), *args, out), nprocs=2)
+    return dict(out)
+
+
 class ProcessGroup:
     """``world`` spawned ranks serving ``time(contender, m, steps)`` requests."""
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pipepar.distributed as ppd
 from benchmarks._contenders import torch_pipelining
+from benchmarks._procs import free_port
 from benchmarks._results import markdown_table, record
 
 BASELINE = "one core, same micro-batches"
@@ -168,12 +168,6 @@ def _more(rounds: list[list[Block]], args: argparse.Namespace) -> bool:
     return min(len(f) for f in quiet.values()) < args.quiet
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _fractions(rounds: list[list[Block]], m: int, *, quiet: bool) -> dict[str, list[float]]:
     """Per round: (one core's median step x (M+1)/(2M)) / the variant's median step."""
     out: dict[str, list[float]] = {name: [] for name in VARIANTS}
@@ -214,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = _parse(argv)
     load_before = os.getloadavg()[0]
     queue: mp.SimpleQueue = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_worker, args=(_free_port(), args, queue), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), args, queue), nprocs=2, join=True)
     rounds: list[list[Block]] = queue.get()
     if args.verbose:
         for blocks in rounds:

@@ -30,7 +30,6 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
-import socket
 import statistics
 import sys
 import threading
@@ -39,10 +38,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._procs import spawn_pair
 from benchmarks._results import markdown_table, record
 
 TITLE = "Messages between ranks: a receive posted after its message came, or before (gloo)"
@@ -111,13 +110,7 @@ def _rank(rank: int, port: int, trials: int, out: dict[str, list[float]]) -> Non
 
 def measure(trials: int) -> dict[str, list[float]]:
     """Rank 1's waits, per ``"load:case"``."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    manager = mp.Manager()
-    out = manager.dict()
-    mp.spawn(_rank, args=(port, trials, out), nprocs=2)
-    return dict(out)
+    return spawn_pair(_rank, trials)
 
 
 def table(waits: dict[str, list[float]]) -> str:

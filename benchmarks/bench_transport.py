@@ -22,7 +22,6 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
-import socket
 import statistics
 import sys
 import time
@@ -31,10 +30,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks._procs import spawn_pair
 from benchmarks._results import markdown_table, record
 from pipepar.ranks.shared_memory import connect, supported
 
@@ -102,13 +101,7 @@ def _rank(rank: int, port: int, trips: int, out: Any) -> None:
 
 def measure(trips: int) -> dict[str, Any]:
     """Per ``"transport:size:rank"``: the round trips' wall times and the rank's CPU time."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    manager = mp.Manager()
-    out = manager.dict()
-    mp.spawn(_rank, args=(port, trips, out), nprocs=2)
-    return dict(out)
+    return spawn_pair(_rank, trips)
 
 
 def table(got: dict[str, Any]) -> str:
