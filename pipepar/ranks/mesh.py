@@ -87,20 +87,27 @@ class Mesh:
         """Send ``t`` to global rank ``peer`` on ``group`` (:attr:`fwd` or :attr:`bwd`) with
         ``tag``: through shared memory where :attr:`shared` covers it, else the group's own
         ``isend``. Returns the work to wait for."""
-        name = self._name(group)
-        if self.shared is not None and self.shared.covers(peer, t, name):
-            return self.shared.isend(t, peer, name, tag)
+        route = self._shared(t, peer, group)
+        if route is not None:
+            return route[0].isend(t, peer, route[1], tag)
         return dist.isend(t, peer, group=group, tag=tag)
 
     def irecv(self, t: Tensor, peer: int, group: dist.ProcessGroup | None, tag: int) -> Any:
         """Receive into ``t`` from global rank ``peer`` (see :meth:`isend`)."""
-        name = self._name(group)
-        if self.shared is not None and self.shared.covers(peer, t, name):
-            return self.shared.irecv(t, peer, name, tag)
+        route = self._shared(t, peer, group)
+        if route is not None:
+            return route[0].irecv(t, peer, route[1], tag)
         return dist.irecv(t, peer, group=group, tag=tag)
 
-    def _name(self, group: dist.ProcessGroup | None) -> str:
-        return "fwd" if group is self.fwd else "bwd" if group is self.bwd else ""
+    def _shared(
+        self, t: Tensor, peer: int, group: dist.ProcessGroup | None
+    ) -> tuple[SharedMemory, str] | None:
+        """:attr:`shared` and the group's name (``"fwd"``, ``"bwd"``) if the message goes
+        through shared memory; ``None`` if it goes through the group itself."""
+        name = "fwd" if group is self.fwd else "bwd" if group is self.bwd else ""
+        if self.shared is not None and self.shared.covers(peer, t, name):
+            return self.shared, name
+        return None
 
     def close(self) -> None:
         """Destroy this pipeline's groups so that peers blocked on this rank see it leave."""

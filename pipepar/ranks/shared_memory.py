@@ -38,6 +38,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -315,9 +316,7 @@ class SharedMemory:
                 if posted:
                     r.work = posted.popleft()
                     r.into = r.work.buffer
-                    if r.work.size != size:
-                        self._error = _mismatch(p.rank, size, r.work.size)
-                        raise RuntimeError(self._error)
+                    self._expect(r.work, size)
                 else:
                     r.into = torch.empty(size, dtype=torch.uint8)
             assert r.into is not None
@@ -341,11 +340,30 @@ class SharedMemory:
             self._stash.setdefault(channel, deque()).append(data)
 
     def _deliver(self, work: _Work, data: Tensor) -> None:
-        if work.size != data.numel():
-            self._error = _mismatch(work.peer, data.numel(), work.size)
-            raise RuntimeError(self._error)
+        self._expect(work, data.numel())
         ctypes.memmove(work.address, data.data_ptr(), work.size)
         work.done = True
+
+    def _expect(self, work: _Work, size: int) -> None:
+        """Fail (now and from now on) if a message of ``size`` bytes does not fit ``work``'s
+        buffer exactly."""
+        if work.size != size:
+            self._error = (
+                f"rank {work.peer} sent {size} bytes where {work.size} were expected (the ranks "
+                "disagree on a message's shape)"
+            )
+            raise RuntimeError(self._error)
+
+
+class _Card(NamedTuple):
+    """What a rank tells its pipeline at set-up: its file (``None``: none), the token written
+    in it, its process and process namespace, its neighbours (its rings' order)."""
+
+    path: str | None
+    token: str
+    pid: int
+    namespace: int | None
+    neighbours: list[int]
 
 
 def connect(
@@ -361,38 +379,39 @@ def connect(
     token = uuid.uuid4().hex
     if mine is not None:
         mine[1][_TOKEN : _TOKEN + 32] = token.encode()
-    info = (mine[0] if mine else None, token, os.getpid(), _namespace(), neighbours)
-    every: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, info, group=group)
-    infos = dict(zip(dist.get_process_group_ranks(group), every))
-    opened = {r: _open(infos[r]) for r in neighbours if mine is not None}  # type: ignore[arg-type]
+    card = _Card(mine[0] if mine else None, token, os.getpid(), _namespace(), neighbours)
+    cards: dict[int, _Card] = _gathered(group, card)
+    opened = {r: _open(cards[r]) for r in neighbours if mine is not None}
     usable = [r for r, f in opened.items() if f is not None]
-    agreed: list[object] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(agreed, usable, group=group)
-    both = dict(zip(dist.get_process_group_ranks(group), agreed))
-    if mine is not None:
-        os.unlink(mine[0])  # every peer mapped it: nothing is left behind on any exit
+    agreed: dict[int, list[int]] = _gathered(group, usable)
+    if mine is None:
+        return None
+    os.unlink(mine[0])  # every peer mapped it: nothing is left behind on any exit
     peers = {}
     for r in usable:
-        if rank not in both[r]:  # type: ignore[operator]
-            continue
         theirs = opened[r]
-        assert theirs is not None and mine is not None
-        slot_in, slot_out = neighbours.index(r), infos[r][4].index(rank)  # type: ignore[index]
+        if theirs is None or rank not in agreed[r]:
+            continue
         peers[r] = _Peer(
             rank=r,
-            pid=infos[r][2] if infos[r][3] == _namespace() else None,  # type: ignore[index]
+            pid=cards[r].pid if cards[r].namespace == _namespace() else None,
             file=theirs,
-            inbox=_ring_at(mine[1], slot_in, capacity),
-            outbox=_ring_at(theirs, slot_out, capacity),
+            inbox=_ring_at(mine[1], neighbours.index(r), capacity),
+            outbox=_ring_at(theirs, cards[r].neighbours.index(rank), capacity),
             bell=ctypes.c_int32.from_buffer(theirs, _BELL),
             closed=ctypes.c_int64.from_buffer(theirs, _CLOSED),
         )
     if not peers:
         return None
-    assert mine is not None
     logger.debug("rank %d: shared-memory messages with ranks %s", rank, sorted(peers))
     return SharedMemory(rank, mine[1], peers)
+
+
+def _gathered(group: dist.ProcessGroup, value: Any) -> dict[int, Any]:
+    """``value`` of every rank of ``group``, by global rank."""
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, value, group=group)
+    return dict(zip(dist.get_process_group_ranks(group), every))
 
 
 def _create(rings: int, capacity: int) -> tuple[str, mmap.mmap] | None:
@@ -415,9 +434,9 @@ def _create(rings: int, capacity: int) -> tuple[str, mmap.mmap] | None:
         os.close(fd)
 
 
-def _open(info: tuple) -> mmap.mmap | None:
+def _open(card: _Card) -> mmap.mmap | None:
     """The peer's file mapped, if this rank sees the very file (same host); else ``None``."""
-    path, token = info[0], info[1]
+    path, token = card.path, card.token
     if path is None:
         return None
     try:
@@ -443,13 +462,6 @@ def _ring_at(file: mmap.mmap, slot: int, capacity: int) -> _Ring:
 def _channel(sender: int, group: str, tag: int) -> int:
     """A channel's number: the sending rank, the group, the tag."""
     return (sender << 40) | (_GROUPS.index(group) << 32) | tag
-
-
-def _mismatch(peer: int, sent: int, expected: int) -> str:
-    return (
-        f"rank {peer} sent {sent} bytes where {expected} were expected (the ranks disagree "
-        "on a message's shape)"
-    )
 
 
 def _ring(bell: ctypes.c_int32) -> None:
