@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import traceback
 from collections.abc import Callable
@@ -11,21 +12,39 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["spawn"]
+__all__ = ["context", "spawn"]
+
+PRELOAD = ["torch", "torch.distributed", "pipepar", "pipepar.distributed", "transformers"]
+"""What the fork server imports once, so that every rank forks with it imported (each fresh
+interpreter spent 4-7 s of CPU importing torch and transformers; missing modules are
+skipped)."""
+
+
+def context() -> Any:
+    """The multiprocessing context the tests' ranks start in: a fork server that imported
+    :data:`PRELOAD` (a rank still starts from a clean, single-threaded process: the server
+    runs no torch operation, so no thread pool exists when it forks)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
 
 
 def spawn(world: int, body: Callable[[int], Any], *, timeout: float = 300.0) -> dict[int, Any]:
     """``body(rank)`` on ``world`` fresh processes joined in a gloo group (one math thread
     each); its return value per rank. A rank's exception fails the caller with its traceback.
 
-    ``body`` must be importable (a module-level function), as the processes are spawned.
+    ``body`` must be importable (a module-level function): the processes are started by a
+    fork server (:func:`context`), which imports its module.
     """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = context()
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, body, results)) for r in range(world)]
+    env = dict(os.environ)  # the server's is the one it started with
+    procs = [
+        ctx.Process(target=_rank, args=(r, world, port, body, results, env)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     got = dict(results.get(timeout=timeout) for _ in range(world))
@@ -43,7 +62,11 @@ class _Failed:
         self.text = text
 
 
-def _rank(rank: int, world: int, port: int, body: Callable[[int], Any], results: Any) -> None:
+def _rank(
+    rank: int, world: int, port: int, body: Callable[[int], Any], results: Any, env: dict[str, str]
+) -> None:
+    os.environ.clear()
+    os.environ.update(env)
     torch.set_num_threads(1)
     address = f"tcp://127.0.0.1:{port}"
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)

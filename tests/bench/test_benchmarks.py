@@ -119,16 +119,16 @@ def test_schedules_quick_table_shape(tmp_path: Path) -> None:
 
 
 def test_models_quick_table_shape(tmp_path: Path) -> None:
+    """GPT-2 through every quick contender (each model takes the same code from its job on;
+    Llama's job is checked below, in this process)."""
     from benchmarks import bench_models
 
-    rows, text = _run("bench_models.py", tmp_path, "--write")
+    rows, text = _run("bench_models.py", tmp_path, "--write", "--models", "gpt2")
     assert "## Real models as they are: what the cut costs" in text
-    assert "### GPT-2: GPT-2 2 blocks" in text and "### Llama: Llama 2 blocks" in text
+    assert "### GPT-2: GPT-2 2 blocks" in text
     keys = ["one core:", "limit:", *bench_models.QUICK]
-    assert [(r["model"], r["key"]) for r in rows] == [
-        (m, k) for m in ("gpt2", "llama") for k in keys
-    ]
-    for model in ("gpt2", "llama"):
+    assert [(r["model"], r["key"]) for r in rows] == [("gpt2", k) for k in keys]
+    for model in ("gpt2",):
         by = {r["key"]: r for r in rows if r["model"] == model}
         # two blocks do not make four stages: reported, not fatal
         assert by["pipepar:zb-v"]["error"].startswith("n/a: ") and by["pipepar:zb-v"]["steps"] == 0
@@ -146,8 +146,18 @@ def test_models_quick_table_shape(tmp_path: Path) -> None:
         low, high = one_stage["overhead_interval"]
         assert -1 < low <= high and one_stage["overhead"] > -1
     table = [line for line in text.splitlines() if line.startswith("| ") and "---" not in line]
-    assert len(table) == 2 + len(rows) and all(line.count("|") == 11 for line in table)
-    assert text.count("one-stage pipe over the one-core run (median step times):") == 2
+    assert len(table) == 1 + len(rows) and all(line.count("|") == 11 for line in table)
+    assert text.count("one-stage pipe over the one-core run (median step times):") == 1
+
+
+def test_models_quick_llama_job_trains() -> None:
+    from benchmarks import bench_models
+
+    work = bench_models.job("llama", quick=True)
+    assert work.layers == 2 and "Llama 2 blocks" in work.description
+    loss = work.model(input_ids=work.ids, labels=work.ids).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in work.model.parameters())
 
 
 def test_overhead_quick(tmp_path: Path) -> None:

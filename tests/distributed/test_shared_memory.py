@@ -114,5 +114,5 @@ def _switched_off(rank: int) -> bool:
 
 
 def test_it_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PIPEPAR_SHARED_MEMORY", "0")  # the spawned ranks inherit it
+    monkeypatch.setenv("PIPEPAR_SHARED_MEMORY", "0")  # the ranks get the caller's environment
     assert spawn(2, _switched_off) == {0: True, 1: True}
