@@ -89,6 +89,46 @@ def test_trainer_trains_the_pipe_as_the_plain_model(tmp_path: Path, chunks: int)
     pipe.close()
 
 
+def test_trainer_evaluates_and_predicts_as_the_plain_model(tmp_path: Path) -> None:
+    """Evaluation between steps and ``predict`` (eval batches of 5 rows, the last of 2 for 4
+    chunks) give the plain model's losses and logits, and the training around them stays the
+    plain model's."""
+    model = _gpt2()
+    plain = copy.deepcopy(model)
+    pipe = pipepar.wrap(model, split=SPLIT, devices=CPU2, chunks=4, schedule="1f1b")
+    runs = []
+    for run, which in (("plain", plain), ("pipe", pipe)):
+        trainer = transformers.Trainer(
+            model=which,
+            args=_arguments(
+                tmp_path / run,
+                eval_strategy="steps",
+                eval_steps=2,
+                per_device_eval_batch_size=5,
+                gradient_accumulation_steps=2,
+                max_grad_norm=1.0,
+            ),
+            train_dataset=_Padded(32),
+            eval_dataset=_Padded(12),
+        )
+        trainer.train()
+        logged = [
+            (e["step"], e.get("loss", 0.0), e.get("eval_loss")) for e in trainer.state.log_history
+        ]
+        runs.append((logged, trainer.predict(_Padded(12)).predictions))
+    (theirs, their_logits), (ours, our_logits) = runs
+    assert [s for s, _, e in ours if e is not None] == [2, 4]
+    assert len(ours) == len(theirs)
+    for (step, loss, eval_loss), (_, plain_loss, plain_eval) in zip(ours, theirs):
+        assert loss == pytest.approx(plain_loss, rel=1e-5), step
+        assert (eval_loss is None) == (plain_eval is None), step
+        assert eval_loss is None or eval_loss == pytest.approx(plain_eval, rel=1e-5), step
+    ours_p, theirs_p = (p[0] if isinstance(p, tuple) else p for p in (our_logits, their_logits))
+    assert ours_p.shape == (12, SEQ, VOCAB)
+    torch.testing.assert_close(torch.as_tensor(ours_p), torch.as_tensor(theirs_p))
+    pipe.close()
+
+
 def test_trainer_checkpoints_an_untied_pipe_and_save_pretrained_any(tmp_path: Path) -> None:
     config = transformers.GPT2Config(
         n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ, use_cache=False,
