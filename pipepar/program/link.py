@@ -128,6 +128,15 @@ class Link:
             )
             self._expected[(id(like), producer, consumer)] = (out, what, [work])
 
+    def arrived(self, like: Tensor, producer: int, consumer: int) -> bool:
+        """Whether the gradient of ``like`` (a value ``producer`` sent to ``consumer``) is
+        here: the receive :meth:`expect` posted for it is complete. True where none was
+        posted (only :meth:`recv` can tell; it does not wait any less for being asked)."""
+        found = self._expected.get((id(like), producer, consumer))
+        if found is None or not found[2] or found[2][0] is None:
+            return True
+        return bool(found[2][0].is_completed())
+
     def flush(self) -> None:
         """Wait until every message sent has left (every receive posted early was taken)."""
         self.progress.wait_all(self._sends)

@@ -28,12 +28,14 @@ from pipepar.core.batchnorm import committing, convert_inside
 from pipepar.core.losses import joined_loss, split_target
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
+from pipepar.program import early_weights
 from pipepar.program import units as units_
 from pipepar.program.aliases import alias_leaves, of_stage, used_elsewhere
 from pipepar.program.autograd import joined
 from pipepar.program.calls import Call, StepCall, split_call
 from pipepar.program.cut import Ledger
 from pipepar.program.driver import driver_pool, watch_units
+from pipepar.program.early_weights import EarlyWeights
 from pipepar.program.link import Link
 from pipepar.program.losses import ModelLoss, Shares, callers, loss_head, step_shares
 from pipepar.program.meta_shapes import MetaShapes
@@ -78,6 +80,8 @@ class RankProgram:
         self._shapes = MetaShapes()
         """What the other stages' operations made on meta, kept from micro-batch to
         micro-batch (their meta kernels run once per shape)."""
+        self.weights_run_early = 0
+        """W actions run early while a B waited (:mod:`pipepar.program.early_weights`)."""
 
     def build(
         self, ctx: PipeContext, state_dict: Mapping[str, Tensor] | None, routes: bool
@@ -327,21 +331,37 @@ class RankProgram:
         self._link.early = grad and _in_order(schedule)
         first = min(self._mine)
         ahead = _ahead(actions, first)
+        order = EarlyWeights(actions) if self._link.early and early_weights.enabled() else None
+        several = len(steps) > 1
         try:
             for k, action in enumerate(actions):
+                if order is not None and order.ran(k):
+                    continue
                 step, i = steps[action.stage], action.microbatch
-                progress.begin(describe(action, several=len(steps) > 1))
                 if k in ahead:
                     batch.drivers[ahead[k]].prepare(first)
+                if action.kind == "B" and order is not None and step.defers_weights(i):
+                    for w, early in order.while_waiting(
+                        k, functools.partial(step.gradients_arrived, i)
+                    ):
+                        if w in ahead:
+                            batch.drivers[ahead[w]].prepare(first)
+                        progress.begin(describe(early, several=several))
+                        steps[early.stage].weight(early.microbatch)
+                progress.begin(describe(action, several=several))
                 if action.kind == "F":
                     step.forward(i, ())
                 elif action.kind == "B":
                     step.backward(i, ())
+                    if order is not None:
+                        order.backward_done(action)
                 else:
                     step.weight(i)
         except BaseException:
             batch.abort()
             raise
+        finally:
+            self.weights_run_early += order.count if order is not None else 0
         progress.begin("end of the mini-batch")
         self._link.flush()
 

@@ -367,6 +367,29 @@ class RankStep(SegmentStep):
                 self.link.send(sent, GRADIENT, crossing.producer, self.stage.index)
         return ()
 
+    def defers_weights(self, i: int) -> bool:
+        """Whether B of micro-batch ``i`` will compute no weight gradient: nothing enters the
+        stage with a gradient to give back, its backward splits and what it made has a
+        graph, so its W runs the whole backward (an embedding's stage)."""
+        s, ledger = self.stage.index, self.batch.ledgers[i]
+        if not self.grad or ledger.entering(s) or not self._saved_readable(i):
+            return False
+        if not self.split(i):
+            return False
+        made = [c.original for c in self.cuts[i].exports if c.producer == s]
+        made += [c.original for c in ledger.crossings if c.producer == s]
+        made += [t for p, t in ledger.outputs if p == s]
+        return all(t.grad_fn is not None for t in made if t.requires_grad)
+
+    def gradients_arrived(self, i: int) -> bool:
+        """Whether every gradient B of micro-batch ``i`` takes from other ranks is here."""
+        s = self.stage.index
+        return all(
+            self.link.arrived(c.original, s, c.consumer)
+            for c in self.cuts[i].exports
+            if c.producer == s and c.original.requires_grad
+        )
+
     def _leaving(self, i: int) -> list[tuple[Tensor, Tensor]]:
         """``(value, gradient)`` for what the stage made that got a gradient: sent to other
         ranks (their gradients received now), handed to own stages, or the loss."""

@@ -142,6 +142,8 @@ class _Work:
         return True
 
     def is_completed(self) -> bool:
+        if not self.done:
+            self.owner.poll()
         return self.done
 
 
@@ -260,6 +262,11 @@ class SharedMemory:
                 raise RuntimeError(
                     f"Connection closed by peer: rank {peer.rank} (process {peer.pid}) is gone"
                 )
+
+    def poll(self) -> None:
+        """Move what can move now, without waiting (a failure is raised by the next wait)."""
+        with self._lock:
+            self._pump()
 
     def close(self) -> None:
         """Mark this rank's file closed and wake its peers (they fail what waits on it)."""
