@@ -42,28 +42,28 @@ class EarlyWeights:
         self._weights = [k for k, a in enumerate(actions) if a.kind == "W"]
         self._next = 0  # index into _weights of the first W not yet run early or reached
         self._ran: set[int] = set()
-        self._backwards: set[tuple[int, int]] = set()
+        self._backward_at = {
+            (a.stage, a.microbatch): k for k, a in enumerate(actions) if a.kind == "B"
+        }
+        """Each B's position: the walk runs B actions in order, so those before ``k`` ran."""
         self.count = 0
-        """How many W actions ran early (over the pipe's life: a figure for tests)."""
+        """How many W actions ran early in this mini-batch (a figure for tests)."""
 
     def ran(self, k: int) -> bool:
         """Whether action ``k`` already ran early (the walk skips it)."""
         return k in self._ran
 
-    def backward_done(self, action: Action) -> None:
-        """Note that ``action`` (a B) ran: its micro-batch's W may now run early."""
-        self._backwards.add((action.stage, action.microbatch))
-
     def while_waiting(self, k: int, arrived: Callable[[], bool]) -> Iterator[tuple[int, Action]]:
         """The W actions (with their positions) to run before action ``k`` (a B that defers
         its weights), one at a time, while ``arrived()`` says its gradients are not here:
-        each the first W after ``k`` not yet run, as long as its own B has run."""
+        each the first W after ``k`` not yet run, as long as its own B has run (stands
+        before ``k``)."""
         while not arrived():
             w = self._first_after(k)
             if w is None:
                 return
             action = self._actions[w]
-            if (action.stage, action.microbatch) not in self._backwards:
+            if self._backward_at.get((action.stage, action.microbatch), k) >= k:
                 return
             self._ran.add(w)
             self.count += 1

@@ -35,7 +35,6 @@ from pipepar.program.autograd import joined
 from pipepar.program.calls import Call, StepCall, split_call
 from pipepar.program.cut import Ledger
 from pipepar.program.driver import driver_pool, watch_units
-from pipepar.program.early_weights import EarlyWeights
 from pipepar.program.link import Link
 from pipepar.program.losses import ModelLoss, Shares, callers, loss_head, step_shares
 from pipepar.program.meta_shapes import MetaShapes
@@ -331,7 +330,8 @@ class RankProgram:
         self._link.early = grad and _in_order(schedule)
         first = min(self._mine)
         ahead = _ahead(actions, first)
-        order = EarlyWeights(actions) if self._link.early and early_weights.enabled() else None
+        early_ok = self._link.early and early_weights.enabled()
+        order = early_weights.EarlyWeights(actions) if early_ok else None
         several = len(steps) > 1
         try:
             for k, action in enumerate(actions):
@@ -353,8 +353,6 @@ class RankProgram:
                     step.forward(i, ())
                 elif action.kind == "B":
                     step.backward(i, ())
-                    if order is not None:
-                        order.backward_done(action)
                 else:
                     step.weight(i)
         except BaseException:

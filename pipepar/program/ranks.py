@@ -372,9 +372,7 @@ class RankStep(SegmentStep):
         stage with a gradient to give back, its backward splits and what it made has a
         graph, so its W runs the whole backward (an embedding's stage)."""
         s, ledger = self.stage.index, self.batch.ledgers[i]
-        if not self.grad or ledger.entering(s) or not self._saved_readable(i):
-            return False
-        if not self.split(i):
+        if not self.grad or ledger.entering(s) or not (self._saved_readable(i) and self.split(i)):
             return False
         made = [c.original for c in self.cuts[i].exports if c.producer == s]
         made += [c.original for c in ledger.crossings if c.producer == s]

@@ -80,12 +80,10 @@ def _actions(text: str) -> list[Action]:
 def test_only_the_first_w_not_yet_run_runs_early_and_only_after_its_b() -> None:
     actions = _actions("F0.0 B0.0 B0.1 W0.0 F1.0 W0.1 B1.0 W1.0")
     order = EarlyWeights(actions)
-    order.backward_done(actions[1])
     waiting = iter([False, False, False])  # never arrives
     ran = list(order.while_waiting(2, lambda: next(waiting)))
     assert [a for _, a in ran] == [actions[3]]  # W0.0 runs; W0.1 waits for B0.1
     assert order.ran(3) and not order.ran(5) and order.count == 1
-    order.backward_done(actions[2])
     assert list(order.while_waiting(4, lambda: True)) == []  # arrived: nothing runs
     ran = list(order.while_waiting(4, lambda: False))
     assert [w for w, _ in ran] == [5]  # W0.1; then W1.0 waits for B1.0
