@@ -420,8 +420,15 @@ def _watching(log: DrawLog, stage: int, flags: Hashable) -> Iterator[None]:
         )
 
 
+def _state_bytes(generator: torch.Generator) -> bytes:
+    """``generator``'s state as bytes, read past any torch function mode: a model's stage may
+    run under one that moves every tensor it sees (onto the stage's GPU, say), the state too."""
+    with torch._C.DisableTorchFunction():
+        return generator.get_state().numpy().tobytes()
+
+
 def _cpu_state() -> bytes:
-    return torch.default_generator.get_state().numpy().tobytes()
+    return _state_bytes(torch.default_generator)
 
 
 def _fingerprints(*, locked_cpu: bool = False) -> list[bytes]:
@@ -435,7 +442,7 @@ def _fingerprints(*, locked_cpu: bool = False) -> list[bytes]:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         for k, gen in enumerate(torch.cuda.default_generators):
             with _lock(torch.device("cuda", k)):
-                states.append(gen.get_state().numpy().tobytes())
+                states.append(_state_bytes(gen))
     return states
 
 

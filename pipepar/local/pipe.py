@@ -344,8 +344,9 @@ class Pipe(nn.Module):
     # -- workers ------------------------------------------------------------------------------
     def _workers(self, *, backward: bool = False) -> WorkerPool | None:
         """The worker threads, or None to run on the caller's thread: with one worker, and for
-        a chain's backward work on CUDA (the autograd engine's device threads would otherwise
-        wait on each other; kernels are asynchronous, so devices still overlap)."""
+        backward work on CUDA. The backward of ``pipe(...)`` runs on the autograd engine's
+        thread of the output's device; a worker's backward on that device would queue behind
+        it and wait forever. Kernels are asynchronous, so devices still overlap."""
         cuda = backward and any(d.type == "cuda" for d in self.devices)
         if len(self._workers_devices) == 1 or cuda:
             return None

@@ -65,7 +65,9 @@ class ProgramFunction(torch.autograd.Function):
             raise RuntimeError("pipepar: backward through a pipe output twice is not supported")
         _seed(run, ctx.results, grads, run.rows, ctx.weights)
         run.open_backward()
-        run.execute(ctx.pipe._workers(), BACKWARD)
+        # on CUDA this runs on the autograd engine's device thread: the stage workers'
+        # backwards would queue behind it there, so the pipe runs them on this thread instead
+        run.execute(ctx.pipe._workers(backward=True), BACKWARD)
         return (None, None, None, None, None, *run.input_grads(), *run.take_param_grads())
 
 

@@ -215,3 +215,21 @@ def test_streams_skip_the_mode_only_for_a_known_quiet_stage_and_a_block_not_repl
     with Streams(seed=1, log=log).drawing(0, 1, replay=True, flags=(True,)):
         torch.rand(2)  # will be replayed: still on the stream, the generator untouched
     assert torch.equal(torch.get_rng_state(), before) and log.quiet(0, (True,)) is False
+
+
+class _OntoMeta(torch.overrides.TorchFunctionMode):
+    """Moves every tensor an operation is given, as a model's stage on a GPU moves the
+    caller's CPU tensors onto its device."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_quiet_stage_under_a_mode_that_moves_tensors_reads_the_generators_on_the_cpu() -> None:
+    log = DrawLog()
+    with Streams(seed=1, log=log).drawing(0, 0, replay=False, flags=(True,)):
+        pass  # learns that stage 0 draws nothing: its next mini-batch's blocks are only watched
+    with _OntoMeta(), Streams(seed=1, log=log).drawing(0, 1, replay=False, flags=(True,)):
+        torch.zeros(2)
+    assert log.quiet(0, (True,))

@@ -229,3 +229,35 @@ def test_a_tensor_with_history_from_outside_the_call_is_refused() -> None:
     pipe(torch.randn(3, 2))
     with pytest.raises(RuntimeError, match=r"not made by a torch operation of this call"):
         pipe(torch.randn(3, 2))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_backward_of_a_call_runs_on_the_callers_thread_where_the_pipe_asks_it(
+    schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA the backward of ``pipe(...)`` runs on the autograd engine's device thread, where
+    a stage worker's backward would queue behind it: the pipe asks for the caller's thread
+    (``_workers(backward=True)`` is None there). The same walk on the CPU equals the plain
+    model."""
+    from pipepar.local.pipe import Pipe
+
+    asked: list[bool] = []
+    workers = Pipe._workers
+
+    def caller_thread_for_backward(self: Pipe, *, backward: bool = False) -> object:
+        asked.append(backward)
+        return None if backward else workers(self)
+
+    monkeypatch.setattr(Pipe, "_workers", caller_thread_for_backward)
+    torch.manual_seed(0)
+    plain = SkipNet()
+    split = ["blocks.1", "blocks.2", "blocks.3"] if schedule in VIRTUAL else ["blocks.2"]
+    pipe = pipepar.wrap(
+        copy.deepcopy(plain), split=split, devices=["cpu", "cpu"], chunks=4, schedule=schedule
+    )
+    x = torch.randn(8, 6)
+    _loss(pipe(x)).backward()
+    _loss(plain(x)).backward()
+    assert asked[-1] is True and not any(asked[:-1])
+    for name, g in _grads(plain).items():
+        torch.testing.assert_close(_grads(pipe)[name], g, msg=name)

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# What a machine with a CUDA GPU checks, in one run: the CUDA tests, the examples on the GPU,
+# and benchmarks/bench_gpu.py. It uses the machine's own python3 and torch (no virtual
+# environment); wheels in .whl/ (torchgpipe, for bench_gpu's peer) are installed beside it.
+#
+#     bash scripts/gpu_check.sh            # logs and tables under $OUT (default out/gpu)
+#     GPU_CHECK_STEPS="tests bench" GPU_CHECK_BENCH_ARGS="--models gpt2" bash scripts/gpu_check.sh
+#
+# The tests step needs pytest-xdist and pytest-timeout (the GPU image has both).
+#
+# Each step runs under its own time limit, so one that hangs cannot take the others' time.
+set -u
+OUT=${OUT:-out/gpu}
+STEPS=${GPU_CHECK_STEPS:-"info tests examples bench"}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/gpu_check_site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_site"
+fi
+
+CUDA_TESTS=(
+    tests/local/test_cuda.py
+    tests/local/test_cuda_models.py
+    tests/planner/test_plan.py::test_predicted_peaks_within_10_percent_on_cuda
+    tests/planner/test_profile.py::test_cuda_profile_matches_meta
+    tests/program/test_trainer.py::test_trainer_leaves_a_pipe_on_one_gpu_where_it_is
+    tests/examples/test_example_alexnet.py::test_runs_on_every_gpu_by_default
+    tests/render/test_timeline.py::test_cuda_pipe_records_transfers_and_every_action
+    tests/core/test_determinism.py::test_dropout_in_several_cuda_stages_is_reproducible
+)
+
+step() {  # step NAME SECONDS COMMAND...: run COMMAND under a limit, its output into $OUT/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    local start=$SECONDS
+    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: exit $rc in $((SECONDS - start)) s (limit $limit s)"
+    tail -n "${GPU_CHECK_TAIL:-15}" "$OUT/$name.log"
+}
+
+for s in $STEPS; do
+    case $s in
+    info)
+        step info 60 bash -c 'nvidia-smi -L; python3 -c "
+import torch, transformers, timm, torchvision
+print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name(0))
+print(\"transformers\", transformers.__version__, \"timm\", timm.__version__, \"torchvision\", torchvision.__version__)"'
+        ;;
+    tests)
+        # -v: each test's outcome is in the log as it ends, also if the step is cut short
+        step tests "${GPU_CHECK_TEST_LIMIT:-180}" python3 -m pytest -v -rfEs -p no:cacheprovider \
+            -p no:benchmark --timeout 90 -n "${GPU_CHECK_WORKERS:-12}" "${CUDA_TESTS[@]}"
+        ;;
+    examples)
+        step alexnet 60 python3 examples/alexnet_split.py
+        step gpt2 60 python3 examples/gpt2_split.py --devices cuda:0,cuda:0
+        ;;
+    bench)
+        cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
+        step bench "${GPU_CHECK_BENCH_LIMIT:-180}" python3 benchmarks/bench_gpu.py \
+            --results "$OUT/RESULTS.md" --json "$OUT/bench_gpu.json" ${GPU_CHECK_BENCH_ARGS:-}
+        ;;
+    *) echo "unknown step $s (info, tests, examples, bench)" ;;
+    esac
+done
