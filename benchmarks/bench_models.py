@@ -15,6 +15,11 @@ Two references, measured in the same run as everything else:
 - **limit**: that job in each of two processes at once, a barrier around each step; twice its
   rate is what the two cores do together while they share caches and memory bandwidth.
 
+A third, on by default (``limit-threads``): that job on each of two threads of this process at
+once (a copy of the model each, one math thread each), both started together every step. Its
+rate over the limit's is what one interpreter lock leaves of the two cores: the ceiling of any
+pipe whose stages are threads of one process, as ``pipepar.wrap``'s are.
+
 The contenders differ only in how the model is run (all call ``pipe.step(input_ids=ids,
 labels=ids)``, the pipe joining the micro-batches' losses into the whole batch's):
 
@@ -47,7 +52,7 @@ model in one process >= 0.90 of the limit, across ranks >= 0.85, one stage <= +5
 met, missed, or within the uncertainty of the interval.
 
 Default: 3 rounds x 8 timed steps per contender (24 steps, each block after one untimed step),
-both models, 13 contenders each: about 10 minutes on a quiet 2-core CPU, about 18 under a load
+both models, 14 contenders each: about 10 minutes on a quiet 2-core CPU, about 18 under a load
 average of 5 (a round of every contender's step takes ~8 s quiet, ~17 s loaded, plus ~30-45 s
 per model to spawn the ranks and build).
 
@@ -69,6 +74,7 @@ import copy
 import math
 import statistics
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,10 +95,16 @@ TITLE = "Real models as they are: what the cut costs"  # the section --write rep
 MODELS = {"gpt2": "GPT-2", "llama": "Llama"}
 BLOCKS = {"gpt2": "transformer.h", "llama": "model.layers"}  # module path of the block list
 UNIT, LIMIT, ONE_STAGE = "one core:", "limit:", "pipepar-1stage:gpipe"
+THREADS = "limit-threads:"  # the one-core job on two threads of one process
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
 LIBRARIES = {  # library: (label, processes, notes)
     "one core": ("one core (reference)", 1, "the micro-batches one after another"),
     "limit": ("limit: one-core job x 2 processes", 2, "physical limit of the 2 cores"),
+    "limit-threads": (
+        "one-core job x 2 threads of one process",
+        1,
+        "what one interpreter lock leaves of the 2 cores: a ceiling of pipepar.wrap",
+    ),
     "pipepar-1stage": ("pipepar.wrap, 1 stage", 1, "balance=[all units], one worker"),
     "pipepar": ("pipepar.wrap, pipe.step", 1, "one thread per core"),
     "pipepar-chain": (
@@ -118,10 +130,11 @@ BOUND = (
 )
 UNBOUND = "The two-process contenders' threads may run on either core (--no-bind-cores)."
 CHOSEN_BY_USER = (
-    "pipepar-1stage", "pipepar", "pipepar-chain", "pipepar.distributed",
+    "limit-threads", "pipepar-1stage", "pipepar", "pipepar-chain", "pipepar.distributed",
     "pipepar.distributed-chain",
 )  # fmt: skip
 CONTENDERS = (
+    THREADS,
     ONE_STAGE,
     *(f"pipepar:{s}" for s in SCHEDULES),
     *(f"pipepar.distributed:{s}" for s in SCHEDULES),
@@ -221,6 +234,46 @@ def one_core(work: Job, m: int) -> common.Step:
     return step
 
 
+class TwoThreads:
+    """The one-core job on each of two threads of this process at once: :meth:`step` starts
+    both and returns when both are done (a failure on either is raised there)."""
+
+    def __init__(self, work: Job, m: int) -> None:
+        self._start, self._end = threading.Barrier(3), threading.Barrier(3)
+        self._errors: list[BaseException] = []
+        self._threads = [
+            threading.Thread(target=self._serve, args=(one_core(work, m),), daemon=True)
+            for _ in range(2)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _serve(self, job: common.Step) -> None:
+        torch.set_num_threads(1)
+        while True:
+            try:
+                self._start.wait()
+            except threading.BrokenBarrierError:
+                return  # closed
+            try:
+                job()
+            except BaseException as error:
+                self._errors.append(error)
+            self._end.wait()
+
+    def step(self) -> None:
+        self._start.wait()
+        self._end.wait()
+        if self._errors:
+            error, self._errors[:] = self._errors[0], []
+            raise error
+
+    def close(self) -> None:
+        self._start.abort()
+        for thread in self._threads:
+            thread.join()
+
+
 def _stepped(pipe: Any, ids: Tensor) -> common.Step:
     def step() -> None:
         pipe.step(input_ids=ids, labels=ids)
@@ -230,7 +283,11 @@ def _stepped(pipe: Any, ids: Tensor) -> common.Step:
 
 
 def one_process(library: str, schedule: str, work: Job, m: int) -> tuple[common.Step, Any]:
-    """``(step, pipe)`` of ``"pipepar-1stage"`` or ``"pipepar"`` (two CPU workers)."""
+    """``(step, pipe)`` of ``"pipepar-1stage"``, ``"pipepar"`` (two CPU workers),
+    ``"pipepar-chain"`` or ``"limit-threads"`` (:class:`TwoThreads`, in place of a pipe)."""
+    if library == "limit-threads":
+        threads = TwoThreads(work, m)
+        return threads.step, threads
     model = copy.deepcopy(work.model)
     if library == "pipepar-1stage":
         balance = [len(pipepar.units(model))]
@@ -256,7 +313,9 @@ def one_process(library: str, schedule: str, work: Job, m: int) -> tuple[common.
 
         return step, pipe
     else:
-        raise ValueError(f"library {library!r} is not pipepar-1stage, pipepar or pipepar-chain")
+        raise ValueError(
+            f"library {library!r} is not limit-threads, pipepar-1stage, pipepar or pipepar-chain"
+        )
     return _stepped(pipe, work.ids), pipe
 
 
@@ -405,7 +464,7 @@ def measure(work: Job, args: argparse.Namespace) -> dict[str, list[float] | str]
 def rows(name: str, times: dict[str, list[float] | str], batch: int) -> list[dict[str, Any]]:
     """One row per contender of model ``name``: rate quantiles, x one core, fraction of the
     limit; the one-stage row also has the overhead (median step time over one core's)."""
-    samples = {k: batch * (2 if k == LIMIT else 1) for k in times}
+    samples = {k: batch * (2 if k in (LIMIT, THREADS) else 1) for k in times}
     stats = common.against_limit(times, samples, UNIT, LIMIT)
     out = []
     for key in times:
@@ -447,6 +506,14 @@ def summary(result: list[dict[str, Any]]) -> str:
             f"{best['of_limit']:.2f} of the limit (90% interval {lo:.2f}-{hi:.2f}; median "
             f"{best['of_limit_median']:.2f}); target >= {target:.2f}: "
             f"{_verdict(lo, hi, target)}."
+        )
+    threads = next((r for r in result if r["key"] == THREADS and not r["error"]), None)
+    if threads is not None and threads["of_limit"] is not None:
+        lo, hi = threads["of_limit_interval"]
+        lines.append(
+            f"- {LIBRARIES['limit-threads'][0]}: {threads['of_limit']:.2f} of the limit (90% "
+            f"interval {lo:.2f}-{hi:.2f}; median {threads['of_limit_median']:.2f}): the "
+            "ceiling of a pipe whose stages are threads of one process."
         )
     one = next((r for r in result if "overhead" in r), None)
     if one is not None:
@@ -508,6 +575,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _keyed(contender: str) -> str:
+    """``library:schedule`` (gpipe where no schedule is named; none for the threads' limit)."""
+    if contender.partition(":")[0] == THREADS[:-1]:
+        return THREADS
+    return contender if ":" in contender else f"{contender}:gpipe"
+
+
 def _listed(text: str) -> list[str]:
     return [p.strip() for p in text.split(",") if p.strip()]
 
@@ -539,7 +613,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     args.contenders = args.contenders or list(QUICK if args.quick else CONTENDERS)
-    args.contenders = [c if ":" in c else f"{c}:gpipe" for c in args.contenders]
+    args.contenders = [_keyed(c) for c in args.contenders]
     bad = [c for c in args.contenders if c.partition(":")[0] not in CHOSEN_BY_USER]
     if bad:
         parser.error(f"unknown library in {bad}; use e.g. pipepar:1f1b or pipepar-1stage:gpipe")

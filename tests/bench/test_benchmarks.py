@@ -437,3 +437,40 @@ def test_bench_gc_quick_times_both_collector_policies(
     for name in bench_gc.CONTENDERS:
         cells = r"\| 2 \| \d+ \| \d+ \| \d+ \| \d+ \| \d+ \| [\d.]+ / [\d.]+ \| \d+ / \d+ \|"
         assert re.search(rf"\| {re.escape(name)} {cells}", out), out
+
+
+def test_models_threads_limit_runs_the_job_on_two_threads_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``limit-threads``: each step runs the one-core job once on each of two threads (not the
+    caller's), and a job's failure is raised by that step."""
+    import threading
+
+    from benchmarks import bench_models
+
+    ran: list[int] = []
+    fail = threading.Event()
+
+    def one_core(work: object, m: int) -> Any:
+        def job() -> None:
+            ran.append(threading.get_ident())
+            if fail.is_set():
+                raise RuntimeError("the job failed")
+
+        return job
+
+    monkeypatch.setattr(bench_models, "one_core", one_core)
+    step, threads = bench_models.one_process("limit-threads", "", None, 2)  # type: ignore[arg-type]
+    try:
+        step()
+        step()
+        assert len(ran) == 4 and len(set(ran)) == 2 and threading.get_ident() not in ran
+        fail.set()
+        with pytest.raises(RuntimeError, match="the job failed"):
+            step()
+    finally:
+        threads.close()
+    assert bench_models._parse(["--contenders", "limit-threads,pipepar"]).contenders == [
+        "limit-threads:",
+        "pipepar:gpipe",
+    ]
