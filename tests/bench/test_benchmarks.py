@@ -474,3 +474,25 @@ def test_models_threads_limit_runs_the_job_on_two_threads_at_once(
         "limit-threads:",
         "pipepar:gpipe",
     ]
+
+
+def test_walk_quick_times_the_pipe_on_one_thread_and_on_its_workers(tmp_path: Path) -> None:
+    from benchmarks import bench_walk
+
+    out = tmp_path / "walk.json"
+    assert (
+        bench_walk.main(
+            ["--quick", "--write", "--json", str(out), "--results", str(tmp_path / "r.md")]
+        )
+        == 0
+    )
+    rows = json.loads(out.read_text())
+    assert [(r["model"], r["schedule"]) for r in rows] == [("gpt2", "1f1b"), ("llama", "1f1b")]
+    for r in rows:
+        assert min(r["plain_ms"], r["one thread_ms"], r["two workers_ms"]) > 0
+        for key in ("one thread_compute_ms", "two workers_compute_ms"):
+            assert len(r[key]) == 2 and min(r[key]) > 0
+    assert (
+        "## Real models in one process: the walk and the workers at once"
+        in (tmp_path / "r.md").read_text()
+    )

@@ -1,0 +1,180 @@
+"""Where a real model's pipe in one process loses to the two cores: its walk, and two at once.
+
+Three contenders, alternating step by step in one run (``bench_models.py``'s job: transformers'
+GPT-2 or Llama, 8 blocks x 256, 16 x 64 tokens, M=8, one math thread each, checkpoint off):
+
+- ``plain``: the one-core job (the 8 micro-batches one after another on the plain model);
+- ``one thread``: ``pipepar.wrap(model, split=..., devices=["cpu", "cpu"], schedule=...)``
+  with every action run on the calling thread, one after another in an order that never waits
+  (the pipe's own walk: hand-offs, driver threads, hooks, split backwards, no overlap);
+- ``two workers``: the same pipe as users run it, a worker thread per stage.
+
+``one thread / plain`` is what the walk costs over the model's own arithmetic, and
+``plain / 2 / two workers`` the fraction of the two cores' ideal that the pipe reaches. A
+second pass traces both pipes (``trace=True``) and sums each worker's forward, backward and
+weight actions: the sum of the two workers over the sum on one thread is what running the
+actions at once adds to them, and worker 0 over worker 1 the stages' imbalance. The
+``limit-threads`` row of ``bench_models.py`` says how much two copies of the plain model lose
+on two threads of one process (1-3% here).
+
+    python benchmarks/bench_walk.py --write                     # GPT-2 and Llama, zb-v and 1f1b
+    python benchmarks/bench_walk.py --models gpt2 --schedules zb-v --rounds 6
+    python benchmarks/bench_walk.py --quick                     # seconds; CI smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import pipepar
+from benchmarks import _common as common
+from benchmarks import bench_models as models
+from benchmarks._results import markdown_table, record
+from pipepar.local import cpu_malloc
+
+TITLE = "Real models in one process: the walk and the workers at once"
+HEADERS = [
+    "model", "schedule", "plain ms", "one thread ms (x plain)", "two workers ms (of ideal)",
+    "compute on one thread: worker 0 + 1 ms", "compute at once: worker 0 + 1 ms",
+    "at once / one thread",
+]  # fmt: skip
+
+
+def _pipe(work: models.Job, schedule: str, *, trace: bool, one_thread: bool) -> Any:
+    pipe = pipepar.wrap(
+        copy.deepcopy(work.model), split=models.split(work, models.stages(schedule)),
+        devices=["cpu", "cpu"], chunks=8, schedule=schedule, threads=1, checkpoint="never",
+        trace=trace,
+    )  # fmt: skip
+    if one_thread:  # every action on the caller's thread, as the pipe does with one worker
+        pipe._workers = lambda backward=False: None
+    return pipe
+
+
+def _timed(step: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
+def _stepper(pipe: Any, work: models.Job) -> Callable[[], None]:
+    def step() -> None:
+        if pipe.tracer is not None:
+            pipe.tracer.clear()
+        pipe.step(input_ids=work.ids, labels=work.ids)
+        pipe.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _compute(pipe: Any) -> list[float]:
+    """Each worker's forward, backward and weight actions of the step just traced, seconds."""
+    placement = pipe.schedule.placement
+    events = pipe.tracer.events
+    kinds = ("forward", "backward", "weight")
+    return [
+        sum(e.duration for e in events if e.lane(placement) == w and e.kind in kinds)
+        for w in sorted(set(placement))
+    ]
+
+
+def measure(work: models.Job, schedule: str, rounds: int) -> dict[str, Any]:
+    """Median step times of the three contenders (alternating) and, from a traced pass, the
+    median compute per worker of the pipe on one thread and on its workers."""
+    plain = models.one_core(work, 8)
+    steps = {
+        "plain": plain,
+        "one thread": _stepper(_pipe(work, schedule, trace=False, one_thread=True), work),
+        "two workers": _stepper(_pipe(work, schedule, trace=False, one_thread=False), work),
+    }
+    times: dict[str, list[float]] = {k: [] for k in steps}
+    for r in range(rounds + 1):
+        for key, step in steps.items():
+            seconds = _timed(step)
+            if r > 0:  # the first round warms up
+                times[key].append(seconds)
+    traced = {
+        k: _pipe(work, schedule, trace=True, one_thread=k == "one thread")
+        for k in ("one thread", "two workers")
+    }
+    compute: dict[str, list[list[float]]] = {k: [] for k in traced}
+    for r in range(max(2, rounds // 2) + 1):
+        for key, pipe in traced.items():
+            _stepper(pipe, work)()
+            if r > 0:
+                compute[key].append(_compute(pipe))
+    return {
+        "model": work.name,
+        "schedule": schedule,
+        **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()},
+        **{
+            f"{k}_compute_ms": [statistics.median(c[w] for c in v) * 1e3 for w in range(2)]
+            for k, v in compute.items()
+        },
+    }
+
+
+def row(r: dict[str, Any]) -> list[object]:
+    plain, one, two = (r[f"{k}_ms"] for k in ("plain", "one thread", "two workers"))
+    alone, together = r["one thread_compute_ms"], r["two workers_compute_ms"]
+    return [
+        models.MODELS[r["model"]], r["schedule"], f"{plain:.1f}", f"{one:.1f} ({one / plain:.2f})",
+        f"{two:.1f} ({plain / 2 / two:.2f})",
+        f"{alone[0]:.1f} + {alone[1]:.1f} = {sum(alone):.1f}",
+        f"{together[0]:.1f} + {together[1]:.1f} = {sum(together):.1f}",
+        f"{sum(together) / sum(alone):.2f}",
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    cpu_malloc.tune()
+    torch.set_num_threads(1)
+    before = common.load()
+    results = []
+    for name in args.models:
+        work = models.job(name, quick=args.quick)
+        for schedule in args.schedules:
+            results.append(measure(work, schedule, args.rounds))
+            print(markdown_table(HEADERS, [row(results[-1])]).splitlines()[-1], flush=True)
+    table = markdown_table(HEADERS, [row(r) for r in results])
+    print(table)
+    notes = (
+        f"Medians of {args.rounds} rounds (each: one step of every contender in turn, after a "
+        f"warm-up round); compute from {max(2, args.rounds // 2)} traced steps of each pipe. "
+        f"Load before: {before}; after: {common.load()}."
+    )
+    if args.write:
+        record(TITLE, table, notes=notes, path=common.results_path(args, "walk"))
+    common.write_json(args.json, results)
+    return 0
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_options(parser, rounds=12)
+    parser.add_argument("--models", type=models._listed, default=list(models.MODELS))
+    parser.add_argument("--schedules", type=models._listed, default=["zb-v", "1f1b"])
+    parser.add_argument("--write", action="store_true", help="write the section (--results)")
+    args = parser.parse_args(argv)
+    unknown = [m for m in args.models if m not in models.MODELS]
+    if unknown:
+        parser.error(f"unknown models {unknown}; choose from {', '.join(models.MODELS)}")
+    if args.quick:
+        args.rounds, args.schedules = 1, ["1f1b"]
+    return args
+
+
+if __name__ == "__main__":
+    sys.exit(main())
