@@ -50,9 +50,12 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get
 print(\"transformers\", transformers.__version__, \"timm\", timm.__version__, \"torchvision\", torchvision.__version__)"'
         ;;
     tests)
-        # -v: each test's outcome is in the log as it ends, also if the step is cut short
+        # -v: each test's outcome is in the log as it ends, also if the step is cut short;
+        # a test past 90 s has every thread's stack dumped (a hang shows where it waits) and
+        # its worker replaced, so the report still comes
         step tests "${GPU_CHECK_TEST_LIMIT:-180}" python3 -m pytest -v -rfEs -p no:cacheprovider \
-            -p no:benchmark --timeout 90 -n "${GPU_CHECK_WORKERS:-12}" "${CUDA_TESTS[@]}"
+            -p no:benchmark --tb=short --timeout 90 --timeout-method thread \
+            -n "${GPU_CHECK_WORKERS:-12}" "${CUDA_TESTS[@]}"
         ;;
     examples)
         step alexnet 60 python3 examples/alexnet_split.py
