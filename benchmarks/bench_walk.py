@@ -28,7 +28,6 @@ import argparse
 import copy
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,6 +40,7 @@ import pipepar
 from benchmarks import _common as common
 from benchmarks import bench_models as models
 from benchmarks._results import markdown_table, record
+from benchmarks.gap_analysis import per_worker
 from pipepar.local import cpu_malloc
 
 TITLE = "Real models in one process: the walk and the workers at once"
@@ -62,58 +62,41 @@ def _pipe(work: models.Job, schedule: str, *, trace: bool, one_thread: bool) -> 
     return pipe
 
 
-def _timed(step: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    step()
-    return time.perf_counter() - start
+def _traced(pipe: Any, work: models.Job) -> Callable[[], list[float]]:
+    """A step of the traced ``pipe``; each worker's forward, backward and weight actions in it,
+    seconds."""
+    step = models._stepped(pipe, work.ids)
 
+    def compute() -> list[float]:
+        pipe.tracer.clear()
+        step()
+        rows = per_worker(pipe.tracer.events, pipe.schedule.placement)
+        return [r["forward"] + r["backward"] + r["weight"] for r in rows]
 
-def _stepper(pipe: Any, work: models.Job) -> Callable[[], None]:
-    def step() -> None:
-        if pipe.tracer is not None:
-            pipe.tracer.clear()
-        pipe.step(input_ids=work.ids, labels=work.ids)
-        pipe.zero_grad(set_to_none=True)
-
-    return step
-
-
-def _compute(pipe: Any) -> list[float]:
-    """Each worker's forward, backward and weight actions of the step just traced, seconds."""
-    placement = pipe.schedule.placement
-    events = pipe.tracer.events
-    kinds = ("forward", "backward", "weight")
-    return [
-        sum(e.duration for e in events if e.lane(placement) == w and e.kind in kinds)
-        for w in sorted(set(placement))
-    ]
+    return compute
 
 
 def measure(work: models.Job, schedule: str, rounds: int) -> dict[str, Any]:
-    """Median step times of the three contenders (alternating) and, from a traced pass, the
-    median compute per worker of the pipe on one thread and on its workers."""
-    plain = models.one_core(work, 8)
+    """Median step times of the three contenders (alternating, after a step each to warm up)
+    and, from a traced pass, the median compute per worker of the pipe on one thread and on its
+    workers."""
     steps = {
-        "plain": plain,
-        "one thread": _stepper(_pipe(work, schedule, trace=False, one_thread=True), work),
-        "two workers": _stepper(_pipe(work, schedule, trace=False, one_thread=False), work),
+        "plain": models.one_core(work, 8),
+        **{
+            k: models._stepped(_pipe(work, schedule, trace=False, one_thread=alone), work.ids)
+            for k, alone in (("one thread", True), ("two workers", False))
+        },
     }
-    times: dict[str, list[float]] = {k: [] for k in steps}
-    for r in range(rounds + 1):
-        for key, step in steps.items():
-            seconds = _timed(step)
-            if r > 0:  # the first round warms up
-                times[key].append(seconds)
+    for step in steps.values():
+        step()
+    times = common.alternate({k: common.timer(s, 1) for k, s in steps.items()}, rounds)
     traced = {
-        k: _pipe(work, schedule, trace=True, one_thread=k == "one thread")
-        for k in ("one thread", "two workers")
+        k: _traced(_pipe(work, schedule, trace=True, one_thread=alone), work)
+        for k, alone in (("one thread", True), ("two workers", False))
     }
-    compute: dict[str, list[list[float]]] = {k: [] for k in traced}
-    for r in range(max(2, rounds // 2) + 1):
-        for key, pipe in traced.items():
-            _stepper(pipe, work)()
-            if r > 0:
-                compute[key].append(_compute(pipe))
+    for compute_step in traced.values():
+        compute_step()
+    compute = common.alternate(traced, max(2, rounds // 2))
     return {
         "model": work.name,
         "schedule": schedule,
@@ -151,8 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     table = markdown_table(HEADERS, [row(r) for r in results])
     print(table)
     notes = (
-        f"Medians of {args.rounds} rounds (each: one step of every contender in turn, after a "
-        f"warm-up round); compute from {max(2, args.rounds // 2)} traced steps of each pipe. "
+        f"Medians of {args.rounds} rounds (each: one step of every contender, the order "
+        "rotating, after a warm-up step each); compute from "
+        f"{max(2, args.rounds // 2)} traced steps of each pipe. "
         f"Load before: {before}; after: {common.load()}."
     )
     if args.write:

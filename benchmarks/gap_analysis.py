@@ -60,11 +60,19 @@ def _traced(schedule: str, steps: int) -> list[dict[str, float]]:
     return rows
 
 
+def per_worker(events, placement) -> list[dict[str, float]]:  # type: ignore[no-untyped-def]
+    """Per worker, in order: the seconds its traced ``events`` of each kind of :data:`KINDS`
+    took (``placement``: the schedule's stage -> worker)."""
+    return [
+        {kind: sum(e.duration for e in events if e.lane(placement) == w and e.kind == kind)
+         for kind in KINDS}
+        for w in sorted(set(placement))
+    ]  # fmt: skip
+
+
 def _split(events, placement, start: float, end: float) -> list[dict[str, float]]:  # type: ignore[no-untyped-def]
     rows = []
-    for w in sorted(set(placement)):
-        mine = [e for e in events if e.lane(placement) == w]
-        row = {kind: sum(e.duration for e in mine if e.kind == kind) for kind in KINDS}
+    for w, row in enumerate(per_worker(events, placement)):
         busy = sum(row[k] for k in ("forward", "backward", "weight", "wait", "transfer"))
         row.update(worker=w, step=end - start, idle=(end - start) - busy)
         rows.append(row)
