@@ -234,7 +234,7 @@ def _step(pipe: PipeView, call: ChainCall) -> Tensor:
 
 def _step_all(pipe: PipeView, run: Run, weights: list[float]) -> Tensor:
     run.seed_losses(weights)
-    run.execute(pipe._workers(backward=True), EVERY)
+    run.execute(pipe._workers(), EVERY)
     if run.training:
         commit_all(list(iter_layers(pipe._stages)))
     return joined_loss(run.outputs(), weights)

@@ -186,6 +186,8 @@ def trace_layers(
         rec.records.setdefault(storage_key(tensor), StorageRecord(-1, _nbytes(tensor), False, -1))
     traces = [LayerTrace() for _ in layers]
     probe = _Peak(tracker, device)
+    if device.type == "cuda":
+        _create_cublas_workspaces(device)
     inputs: list[Any] = []
     # The CPU allocator's events need torch.profiler; never take over the user's own session.
     own_profiler = torch._C._autograd._profiler_enabled()
@@ -206,6 +208,20 @@ def trace_layers(
     for trace in traces:
         trace.output = None
     return traces, rec.all_records()
+
+
+def _create_cublas_workspaces(device: torch.device) -> None:
+    """Have cuBLAS make its workspaces for this thread and the autograd engine's thread.
+
+    cuBLAS allocates one workspace per thread and stream (32 MiB on Hopper) at its first
+    matrix product there, through the caching allocator. A pipe allocates it in its first step
+    and keeps it; without this, the profile would count it in whichever layer's forward or
+    backward first multiplies matrices.
+    """
+    with torch.cuda.device(device):
+        a = torch.ones(8, 8, device=device, requires_grad=True)
+        torch.autograd.grad((a @ a).sum(), a)
+        torch.cuda.synchronize(device)
 
 
 def _fold_inplace_successors(traces: list[LayerTrace]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+import threading
 import weakref
 from collections import Counter
 from typing import ClassVar
@@ -69,6 +70,38 @@ def test_call_and_backward_match_the_plain_model(schedule: str) -> None:
     torch.testing.assert_close(pipe(x), plain(x))
     nn.functional.mse_loss(pipe(x), y).backward()
     nn.functional.mse_loss(plain(x), y).backward()
+    for a, b in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_step_runs_on_the_workers_where_a_calls_backward_takes_the_callers_thread(
+    schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA only the backward of ``pipe(...)`` must run on the caller's thread (it runs on the
+    autograd engine's device thread, see ``Pipe._workers``); ``pipe.step`` runs its forwards
+    and backwards on the stage workers there too. Simulated on the CPU: the pipe answers
+    ``_workers(backward=True)`` with the caller's thread, and the step still runs every layer's
+    forward on a worker and equals the plain model."""
+    from pipepar.local.pipe import Pipe
+
+    workers = Pipe._workers
+    monkeypatch.setattr(
+        Pipe, "_workers", lambda self, *, backward=False: None if backward else workers(self)
+    )
+    rng = random.Random(schedule)
+    plain = random_stack(rng, 10)
+    model = copy.deepcopy(plain)
+    threads: set[str] = set()
+    for layer in model:
+        layer.register_forward_hook(lambda *_: threads.add(threading.current_thread().name))
+    pipe = pipepar.wrap(
+        model, _balance(schedule, rng, 10, 2), devices=["cpu", "cpu"], chunks=4, schedule=schedule
+    )
+    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+    pipe.step(x, y, nn.functional.mse_loss)
+    _plain_step(plain, x, y)
+    assert threading.current_thread().name not in threads and len(threads) == 2
     for a, b in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
 
