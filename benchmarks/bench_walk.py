@@ -17,6 +17,11 @@ actions at once adds to them, and worker 0 over worker 1 the stages' imbalance. 
 ``limit-threads`` row of ``bench_models.py`` says how much two copies of the plain model lose
 on two threads of one process (1-3% here).
 
+A second table splits the walk on one thread against the plain job: the plain micro-batches'
+forwards and backwards (timed apart), the pipe's forward actions and its backward and weight
+actions (traced), and what the pipe's step spends outside any action (splitting the batch,
+setting up the run, joining the losses, handing gradients to ``.grad``).
+
     python benchmarks/bench_walk.py --write                     # GPT-2 and Llama, zb-v and 1f1b
     python benchmarks/bench_walk.py --models gpt2 --schedules zb-v --rounds 6
     python benchmarks/bench_walk.py --quick                     # seconds; CI smoke test
@@ -28,6 +33,7 @@ import argparse
 import copy
 import statistics
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -49,6 +55,12 @@ HEADERS = [
     "compute on one thread: worker 0 + 1 ms", "compute at once: worker 0 + 1 ms",
     "at once / one thread",
 ]  # fmt: skip
+PARTS_TITLE = "Real models in one process: where the walk's time goes"
+PARTS_HEADERS = [
+    "model", "schedule", "plain forward ms", "walk forward ms (x)", "plain backward ms",
+    "walk backward + weight ms (x)", "walk outside actions ms",
+    "two workers: forward ms (x walk)", "two workers: backward + weight ms (x walk)",
+]  # fmt: skip
 
 
 def _pipe(work: models.Job, schedule: str, *, trace: bool, one_thread: bool) -> Any:
@@ -62,18 +74,44 @@ def _pipe(work: models.Job, schedule: str, *, trace: bool, one_thread: bool) -> 
     return pipe
 
 
-def _traced(pipe: Any, work: models.Job) -> Callable[[], list[float]]:
-    """A step of the traced ``pipe``; each worker's forward, backward and weight actions in it,
-    seconds."""
+def _traced(pipe: Any, work: models.Job) -> Callable[[], dict[str, Any]]:
+    """A step of the traced ``pipe``: each worker's forward, backward and weight actions in it,
+    the forward and the backward + weight actions of both, and the step, seconds."""
     step = models._stepped(pipe, work.ids)
 
-    def compute() -> list[float]:
+    def compute() -> dict[str, Any]:
         pipe.tracer.clear()
+        start = time.perf_counter()
         step()
+        wall = time.perf_counter() - start
         rows = per_worker(pipe.tracer.events, pipe.schedule.placement)
-        return [r["forward"] + r["backward"] + r["weight"] for r in rows]
+        return {
+            "workers": [r["forward"] + r["backward"] + r["weight"] for r in rows],
+            "forward": sum(r["forward"] for r in rows),
+            "backward": sum(r["backward"] + r["weight"] for r in rows),
+            "step": wall,
+        }
 
     return compute
+
+
+def _plain_parts(work: models.Job, m: int) -> Callable[[], dict[str, float]]:
+    """The one-core job with its forwards and backwards timed apart, seconds per step."""
+    model = copy.deepcopy(work.model)
+    parts = work.ids.tensor_split(m)
+
+    def step() -> dict[str, float]:
+        forward = backward = 0.0
+        for part in parts:
+            start = time.perf_counter()
+            loss = model(input_ids=part, labels=part).loss / m
+            middle = time.perf_counter()
+            loss.backward()
+            forward, backward = forward + middle - start, backward + time.perf_counter() - middle
+        model.zero_grad(set_to_none=True)
+        return {"forward": forward, "backward": backward}
+
+    return step
 
 
 def measure(work: models.Job, schedule: str, rounds: int) -> dict[str, Any]:
@@ -90,22 +128,37 @@ def measure(work: models.Job, schedule: str, rounds: int) -> dict[str, Any]:
     for step in steps.values():
         step()
     times = common.alternate({k: common.timer(s, 1) for k, s in steps.items()}, rounds)
-    traced = {
+    traced: dict[str, Callable[[], dict[str, Any]]] = {
         k: _traced(_pipe(work, schedule, trace=True, one_thread=alone), work)
         for k, alone in (("one thread", True), ("two workers", False))
     }
+    traced["plain"] = _plain_parts(work, 8)
     for compute_step in traced.values():
         compute_step()
     compute = common.alternate(traced, max(2, rounds // 2))
+    walk = compute.pop("one thread")
     return {
         "model": work.name,
         "schedule": schedule,
         **{f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()},
         **{
-            f"{k}_compute_ms": [statistics.median(c[w] for c in v) * 1e3 for w in range(2)]
-            for k, v in compute.items()
+            f"{k}_compute_ms": [statistics.median(c["workers"][w] for c in v) * 1e3 for w in (0, 1)]
+            for k, v in (("one thread", walk), ("two workers", compute["two workers"]))
+        },
+        "plain_parts_ms": {k: _median_ms(compute["plain"], k) for k in ("forward", "backward")},
+        "walk_parts_ms": {
+            **{k: _median_ms(walk, k) for k in ("forward", "backward")},
+            "outside": statistics.median(c["step"] - c["forward"] - c["backward"] for c in walk)
+            * 1e3,
+        },
+        "at_once_parts_ms": {
+            k: _median_ms(compute["two workers"], k) for k in ("forward", "backward")
         },
     }
+
+
+def _median_ms(samples: list[dict[str, Any]], key: str) -> float:
+    return statistics.median(s[key] for s in samples) * 1e3
 
 
 def row(r: dict[str, Any]) -> list[object]:
@@ -117,6 +170,19 @@ def row(r: dict[str, Any]) -> list[object]:
         f"{alone[0]:.1f} + {alone[1]:.1f} = {sum(alone):.1f}",
         f"{together[0]:.1f} + {together[1]:.1f} = {sum(together):.1f}",
         f"{sum(together) / sum(alone):.2f}",
+    ]  # fmt: skip
+
+
+def parts_row(r: dict[str, Any]) -> list[object]:
+    plain, walk, both = r["plain_parts_ms"], r["walk_parts_ms"], r["at_once_parts_ms"]
+    return [
+        models.MODELS[r["model"]], r["schedule"], f"{plain['forward']:.1f}",
+        f"{walk['forward']:.1f} ({walk['forward'] / plain['forward']:.2f})",
+        f"{plain['backward']:.1f}",
+        f"{walk['backward']:.1f} ({walk['backward'] / plain['backward']:.2f})",
+        f"{walk['outside']:.1f}",
+        f"{both['forward']:.1f} ({both['forward'] / walk['forward']:.2f})",
+        f"{both['backward']:.1f} ({both['backward'] / walk['backward']:.2f})",
     ]  # fmt: skip
 
 
@@ -132,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
             results.append(measure(work, schedule, args.rounds))
             print(markdown_table(HEADERS, [row(results[-1])]).splitlines()[-1], flush=True)
     table = markdown_table(HEADERS, [row(r) for r in results])
+    parts = markdown_table(PARTS_HEADERS, [parts_row(r) for r in results])
     print(table)
+    print(parts)
     notes = (
         f"Medians of {args.rounds} rounds (each: one step of every contender, the order "
         "rotating, after a warm-up step each); compute from "
@@ -141,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.write:
         record(TITLE, table, notes=notes, path=common.results_path(args, "walk"))
+        record(PARTS_TITLE, parts, notes=notes, path=common.results_path(args, "walk"))
     common.write_json(args.json, results)
     return 0
 

@@ -492,7 +492,10 @@ def test_walk_quick_times_the_pipe_on_one_thread_and_on_its_workers(tmp_path: Pa
         assert min(r["plain_ms"], r["one thread_ms"], r["two workers_ms"]) > 0
         for key in ("one thread_compute_ms", "two workers_compute_ms"):
             assert len(r[key]) == 2 and min(r[key]) > 0
-    assert (
-        "## Real models in one process: the walk and the workers at once"
-        in (tmp_path / "r.md").read_text()
-    )
+        plain, walk = r["plain_parts_ms"], r["walk_parts_ms"]
+        assert min(plain["forward"], plain["backward"], walk["forward"], walk["backward"]) > 0
+        assert walk["outside"] >= 0  # one thread runs the actions one after another in the step
+        assert min(r["at_once_parts_ms"].values()) > 0
+    written = (tmp_path / "r.md").read_text()
+    assert "## Real models in one process: the walk and the workers at once" in written
+    assert "## Real models in one process: where the walk's time goes" in written
