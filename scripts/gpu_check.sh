@@ -3,7 +3,7 @@
 # and benchmarks/bench_gpu.py. It uses the machine's own python3 and torch (no virtual
 # environment); wheels in .whl/ (torchgpipe, for bench_gpu's peer) are installed beside it.
 #
-#     bash scripts/gpu_check.sh            # logs and tables under $OUT (default out/gpu)
+#     bash scripts/gpu_check.sh            # logs (01-info.log, ...) and tables under $OUT (default out/gpu)
 #     GPU_CHECK_STEPS="tests bench" GPU_CHECK_BENCH_ARGS="--models gpt2" bash scripts/gpu_check.sh
 #
 # The tests step needs pytest-xdist and pytest-timeout (the GPU image has both).
@@ -31,14 +31,20 @@ CUDA_TESTS=(
     tests/core/test_determinism.py::test_dropout_in_several_cuda_stages_is_reproducible
 )
 
-step() {  # step NAME SECONDS COMMAND...: run COMMAND under a limit, its output into $OUT/NAME.log
+# Each step's log is $OUT/NN-NAME.log, numbered in the order the steps ran: a machine that
+# hands back only the first few files of $OUT (sorted by name) returns the earliest steps'.
+COUNT=0
+step() {  # step NAME SECONDS COMMAND...: run COMMAND under a limit, its output into its log
     local name=$1 limit=$2
     shift 2
+    COUNT=$((COUNT + 1))
+    local log
+    log="$OUT/$(printf %02d "$COUNT")-$name.log"
     local start=$SECONDS
-    timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+    timeout "$limit" "$@" >"$log" 2>&1
     local rc=$?
     echo "== $name: exit $rc in $((SECONDS - start)) s (limit $limit s)"
-    tail -n "${GPU_CHECK_TAIL:-15}" "$OUT/$name.log"
+    tail -n "${GPU_CHECK_TAIL:-15}" "$log"
 }
 
 for s in $STEPS; do
@@ -62,9 +68,9 @@ print(\"transformers\", transformers.__version__, \"timm\", timm.__version__, \"
         step gpt2 60 python3 examples/gpt2_split.py --devices cuda:0,cuda:0
         ;;
     bench)
-        cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
+        cp benchmarks/RESULTS.md "$OUT/z-RESULTS.md"
         step bench "${GPU_CHECK_BENCH_LIMIT:-180}" python3 benchmarks/bench_gpu.py \
-            --results "$OUT/RESULTS.md" --json "$OUT/bench_gpu.json" ${GPU_CHECK_BENCH_ARGS:-}
+            --results "$OUT/z-RESULTS.md" --json "$OUT/bench_gpu.json" ${GPU_CHECK_BENCH_ARGS:-}
         ;;
     *) echo "unknown step $s (info, tests, examples, bench)" ;;
     esac
