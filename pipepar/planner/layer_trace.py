@@ -140,6 +140,8 @@ class _Peak:
     def __init__(self, tracker: MemoryTracker, device: torch.device) -> None:
         self.tracker = tracker
         self.cuda = device if device.type == "cuda" else None
+        if self.cuda is not None:
+            _create_cublas_workspaces(self.cuda)
 
     def start(self) -> int:
         self.tracker.reset_peak()
@@ -186,8 +188,6 @@ def trace_layers(
         rec.records.setdefault(storage_key(tensor), StorageRecord(-1, _nbytes(tensor), False, -1))
     traces = [LayerTrace() for _ in layers]
     probe = _Peak(tracker, device)
-    if device.type == "cuda":
-        _create_cublas_workspaces(device)
     inputs: list[Any] = []
     # The CPU allocator's events need torch.profiler; never take over the user's own session.
     own_profiler = torch._C._autograd._profiler_enabled()

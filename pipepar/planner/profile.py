@@ -16,8 +16,9 @@ Times are only measured on real devices.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -30,7 +31,7 @@ from pipepar.planner.layer_trace import StorageRecord, stand_ins, time_layers, t
 from pipepar.planner.memory_tracker import storage_key
 from pipepar.planner.optimizer_state import OptimizerSpec, optimizer_cost, resolve_optimizer
 
-__all__ = ["LayerProfile", "Profile", "check_device", "profile"]
+__all__ = ["LayerProfile", "Profile", "check_device", "profile", "training_step", "usable"]
 
 logger = logging.getLogger(__name__)
 
@@ -265,11 +266,12 @@ def profile(
     layers = list(validation.check_model(model, "model"))
     target = check_device(device)
     spec = resolve_optimizer(optimizer)
-    x = _on_device(_check_sample(sample), target)
-    params = [stand_ins(layer, target) for layer in layers]
-    traces, records = trace_layers(layers, x, params, target)
-    deferred = deferred_grads(layers, x)
-    times = time_layers(layers, x, params, target) if target.type != "meta" else None
+    with training_step():
+        x = _on_device(_check_sample(sample), target)
+        params = [stand_ins(layer, target) for layer in layers]
+        traces, records = trace_layers(layers, x, params, target)
+        deferred = deferred_grads(layers, x)
+        times = time_layers(layers, x, params, target) if target.type != "meta" else None
     costs = _parameter_costs(layers, spec)
     profiles = []
     # model._modules, not named_children(): a module used twice is two layers.
@@ -318,6 +320,21 @@ def profile(
         storages=kept,
         trained=_trained_specs(layers),
     )
+
+
+@contextlib.contextmanager
+def training_step() -> Iterator[None]:
+    """Autograd on while a profile measures a training step, whatever the caller's mode: from
+    inside ``torch.no_grad()`` no graph would be kept (every activation and backward figure
+    read 0), and inside ``torch.inference_mode()`` no tensor could be differentiated."""
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
+def usable(value: Any) -> Any:
+    """``value``, or a copy of it if it is an inference tensor (made under
+    ``torch.inference_mode()``, which autograd cannot record); call it in :func:`training_step`."""
+    return value.clone() if isinstance(value, torch.Tensor) and value.is_inference() else value
 
 
 def check_device(device: str | torch.device) -> torch.device:

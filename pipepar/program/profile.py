@@ -34,7 +34,14 @@ from torch import Tensor, nn
 from pipepar.planner.deferred_grads import DeferredGrads
 from pipepar.planner.layer_trace import LayerTrace
 from pipepar.planner.optimizer_state import OptimizerSpec, optimizer_cost, resolve_optimizer
-from pipepar.planner.profile import LayerProfile, ParamSpec, Profile, check_device
+from pipepar.planner.profile import (
+    LayerProfile,
+    ParamSpec,
+    Profile,
+    check_device,
+    training_step,
+    usable,
+)
 from pipepar.program import units as units_
 from pipepar.program.calls import as_call, batch_size, split_call
 from pipepar.program.meta_values import SHADOW_LIMIT, meta_modes
@@ -91,13 +98,15 @@ def profile_model(
     target = check_device(device if device is not None else _where(model))
     spec = resolve_optimizer(optimizer)
     args, kwargs = _check_sample(sample)
-    call = _unit_call(model, args, kwargs, target)
-    lay = units_.layout(model, _call_order(call))
-    call = _with_layout(call, model, lay)
-    traces, records = _checked(lambda: trace_units(call), model, call)
-    meta = call if target.type == "meta" else _unit_call_like(call, model, lay, args, kwargs)
-    deferred = deferred_units(meta)
-    times = time_units(call) if target.type != "meta" else None
+    with training_step():
+        args, kwargs = pytree.tree_map(usable, (args, kwargs))
+        call = _unit_call(model, args, kwargs, target)
+        lay = units_.layout(model, _call_order(call))
+        call = _with_layout(call, model, lay)
+        traces, records = _checked(lambda: trace_units(call), model, call)
+        meta = call if target.type == "meta" else _unit_call_like(call, model, lay, args, kwargs)
+        deferred = deferred_units(meta)
+        times = time_units(call) if target.type != "meta" else None
     costs, trained = _parameter_costs(model, lay, spec)
     saved = [0] * len(lay.units)
     for r in records:

@@ -91,6 +91,26 @@ def test_meta_and_cpu_agree() -> None:
     assert on_meta.input_bytes == on_cpu.input_bytes == x.numel() * 4
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("device", ["meta", "cpu"])
+def test_a_profile_taken_under_no_grad_or_inference_mode_is_the_training_steps(
+    mode: str, device: str
+) -> None:
+    """A profile measures a training step: called from inside ``torch.no_grad()`` (an
+    evaluation loop) or ``torch.inference_mode()`` it gives the figures it gives outside, where
+    it used to keep no graph (every activation 0) or fail; the caller's mode is left as it was."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    expected = profile(model, torch.randn(4, 16), device=device)
+    with getattr(torch, mode)():
+        x = torch.randn(4, 16)
+        got = profile(model, x, device=device)
+        assert not torch.is_grad_enabled()
+    assert sum(layer.activation_bytes for layer in got.layers) > 0
+    for a, b in zip(expected.layers, got.layers, strict=True):
+        for field in (*_SAME_ON_EVERY_DEVICE, "backward_peak_bytes", "backward_points"):
+            assert getattr(a, field) == getattr(b, field), (a.index, field)
+
+
 def test_inplace_ops_views_and_outputs_are_counted_at_their_creator() -> None:
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Flatten(), nn.Linear(32, 4))
     prof = profile(model, torch.randn(8, 16), optimizer=None)

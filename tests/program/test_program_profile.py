@@ -84,6 +84,22 @@ def replace_times(prof: pipepar.Profile) -> pipepar.Profile:
     )
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_model_profiled_under_no_grad_or_inference_mode_gets_the_training_figures(
+    mode: str,
+) -> None:
+    """Called from an evaluation loop (or with a batch made under ``inference_mode``), the
+    profile of a model still measures its training step."""
+    model = zoo.gpt2(layers=2)
+    expected = profile_model(model, zoo.sample("gpt2", batch=4), device="cpu")
+    with getattr(torch, mode)():
+        got = profile_model(model, zoo.sample("gpt2", batch=4), device="cpu")
+    assert [layer.activation_bytes for layer in got.layers] == [
+        layer.activation_bytes for layer in expected.layers
+    ]
+    assert sum(layer.activation_bytes for layer in got.layers) > 0
+
+
 def test_attention_counted_as_the_fused_kernel_keeps_it() -> None:
     """Llama's grouped-query attention on meta keeps keys and values at their own heads and
     no T x T probabilities: a block's activations grow linearly with the sequence."""
@@ -123,8 +139,13 @@ def test_llama3_70b_plans_in_seconds_on_meta() -> None:
     prof = profile_model(model, dict(input_ids=ids, labels=ids))
     assert len(prof) == len(pipepar.units(model)) == 84
     plan = pipepar.plan(
-        prof, devices=8, capacity="80GiB", chunks=8, optimizer="sgd-momentum",
-        checkpoint="always", schedule="1f1b",
+        prof,
+        devices=8,
+        capacity="80GiB",
+        chunks=8,
+        optimizer="sgd-momentum",
+        checkpoint="always",
+        schedule="1f1b",
     )
     assert time.perf_counter() - start < 30
     assert len(plan.balance) == 8 and sum(plan.balance) == 84
@@ -135,8 +156,13 @@ def test_llama3_70b_plans_in_seconds_on_meta() -> None:
     # 4096-token micro-batches fits, and the planner says by how much.
     with pytest.raises(ValueError, match="short by"):
         pipepar.plan(
-            prof, devices=8, capacity="80GiB", chunks=8, optimizer="adam",
-            checkpoint="always", schedule="1f1b",
+            prof,
+            devices=8,
+            capacity="80GiB",
+            chunks=8,
+            optimizer="adam",
+            checkpoint="always",
+            schedule="1f1b",
         )
 
 
