@@ -218,7 +218,7 @@ def _create_cublas_workspaces(device: torch.device) -> None:
     and keeps it; without this, the profile would count it in whichever layer's forward or
     backward first multiplies matrices.
     """
-    with torch.cuda.device(device):
+    with torch.cuda.device(device), torch.enable_grad():
         a = torch.ones(8, 8, device=device, requires_grad=True)
         torch.autograd.grad((a @ a).sum(), a)
         torch.cuda.synchronize(device)
