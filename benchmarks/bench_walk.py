@@ -116,8 +116,9 @@ def _plain_parts(work: models.Job, m: int) -> Callable[[], dict[str, float]]:
 
 def measure(work: models.Job, schedule: str, rounds: int) -> dict[str, Any]:
     """Median step times of the three contenders (alternating, after a step each to warm up)
-    and, from a traced pass, the median compute per worker of the pipe on one thread and on its
-    workers."""
+    and, from a traced pass alternating with the plain job timed in parts, the median compute
+    per worker of the pipe on one thread and on its workers, and the forward, backward + weight
+    and outside-action times against the plain job's forwards and backwards."""
     steps = {
         "plain": models.one_core(work, 8),
         **{
