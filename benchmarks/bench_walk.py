@@ -11,11 +11,11 @@ GPT-2 or Llama, 8 blocks x 256, 16 x 64 tokens, M=8, one math thread each, check
 
 ``one thread / plain`` is what the walk costs over the model's own arithmetic, and
 ``plain / 2 / two workers`` the fraction of the two cores' ideal that the pipe reaches. A
-second pass traces both pipes (``trace=True``) and sums each worker's forward, backward and
-weight actions: the sum of the two workers over the sum on one thread is what running the
-actions at once adds to them, and worker 0 over worker 1 the stages' imbalance. The
-``limit-threads`` row of ``bench_models.py`` says how much two copies of the plain model lose
-on two threads of one process (1-3% here).
+second pass traces the same two pipes (``pipepar.tracing``) and sums each worker's
+forward, backward and weight actions: the sum of the two workers over the sum on one thread is
+what running the actions at once adds to them, and worker 0 over worker 1 the stages'
+imbalance. The ``limit-threads`` row of ``bench_models.py`` says how much two copies of the
+plain model lose on two threads of one process (1-3% here).
 
 A second table splits the walk on one thread against the plain job: the plain micro-batches'
 forwards and backwards (timed apart), the pipe's forward actions and its backward and weight
@@ -55,6 +55,7 @@ HEADERS = [
     "compute on one thread: worker 0 + 1 ms", "compute at once: worker 0 + 1 ms",
     "at once / one thread",
 ]  # fmt: skip
+WALKS = ("one thread", "two workers")
 PARTS_TITLE = "Real models in one process: where the walk's time goes"
 PARTS_HEADERS = [
     "model", "schedule", "plain forward ms", "walk forward ms (x)", "plain backward ms",
@@ -63,11 +64,10 @@ PARTS_HEADERS = [
 ]  # fmt: skip
 
 
-def _pipe(work: models.Job, schedule: str, *, trace: bool, one_thread: bool) -> Any:
+def _pipe(work: models.Job, schedule: str, *, one_thread: bool) -> Any:
     pipe = pipepar.wrap(
         copy.deepcopy(work.model), split=models.split(work, models.stages(schedule)),
         devices=["cpu", "cpu"], chunks=8, schedule=schedule, threads=1, checkpoint="never",
-        trace=trace,
     )  # fmt: skip
     if one_thread:  # every action on the caller's thread, as the pipe does with one worker
         pipe._workers = lambda backward=False: None
@@ -75,16 +75,16 @@ def _pipe(work: models.Job, schedule: str, *, trace: bool, one_thread: bool) -> 
 
 
 def _traced(pipe: Any, work: models.Job) -> Callable[[], dict[str, Any]]:
-    """A step of the traced ``pipe``: each worker's forward, backward and weight actions in it,
-    the forward and the backward + weight actions of both, and the step, seconds."""
+    """A step of ``pipe``, traced: each worker's forward, backward and weight actions in it, the
+    forward and the backward + weight actions of both, and the step, seconds."""
     step = models._stepped(pipe, work.ids)
 
     def compute() -> dict[str, Any]:
-        pipe.tracer.clear()
-        start = time.perf_counter()
-        step()
-        wall = time.perf_counter() - start
-        rows = per_worker(pipe.tracer.events, pipe.schedule.placement)
+        with pipepar.tracing(pipe) as tracer:
+            start = time.perf_counter()
+            step()
+            wall = time.perf_counter() - start
+        rows = per_worker(tracer.events, pipe.schedule.placement)
         return {
             "workers": [r["forward"] + r["backward"] + r["weight"] for r in rows],
             "forward": sum(r["forward"] for r in rows),
@@ -119,19 +119,16 @@ def measure(work: models.Job, schedule: str, rounds: int) -> dict[str, Any]:
     and, from a traced pass alternating with the plain job timed in parts, the median compute
     per worker of the pipe on one thread and on its workers, and the forward, backward + weight
     and outside-action times against the plain job's forwards and backwards."""
+    pipes = {k: _pipe(work, schedule, one_thread=k == "one thread") for k in WALKS}
     steps = {
         "plain": models.one_core(work, 8),
-        **{
-            k: models._stepped(_pipe(work, schedule, trace=False, one_thread=alone), work.ids)
-            for k, alone in (("one thread", True), ("two workers", False))
-        },
+        **{k: models._stepped(pipe, work.ids) for k, pipe in pipes.items()},
     }
     for step in steps.values():
         step()
     times = common.alternate({k: common.timer(s, 1) for k, s in steps.items()}, rounds)
     traced: dict[str, Callable[[], dict[str, Any]]] = {
-        k: _traced(_pipe(work, schedule, trace=True, one_thread=alone), work)
-        for k, alone in (("one thread", True), ("two workers", False))
+        k: _traced(pipe, work) for k, pipe in pipes.items()
     }
     traced["plain"] = _plain_parts(work, 8)
     for compute_step in traced.values():
