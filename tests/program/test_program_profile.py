@@ -138,15 +138,8 @@ def test_llama3_70b_plans_in_seconds_on_meta() -> None:
     ids = torch.zeros(8, 4096, dtype=torch.long, device="meta")
     prof = profile_model(model, dict(input_ids=ids, labels=ids))
     assert len(prof) == len(pipepar.units(model)) == 84
-    plan = pipepar.plan(
-        prof,
-        devices=8,
-        capacity="80GiB",
-        chunks=8,
-        optimizer="sgd-momentum",
-        checkpoint="always",
-        schedule="1f1b",
-    )
+    layout = dict(devices=8, capacity="80GiB", chunks=8, checkpoint="always", schedule="1f1b")
+    plan = pipepar.plan(prof, optimizer="sgd-momentum", **layout)
     assert time.perf_counter() - start < 30
     assert len(plan.balance) == 8 and sum(plan.balance) == 84
     assert all(s.fits and s.device_peak_bytes <= 80 * 2**30 for s in plan.stages)
@@ -155,15 +148,7 @@ def test_llama3_70b_plans_in_seconds_on_meta() -> None:
     # Adam's state (bf16 here) brings the weights alone to 66 GiB a device: no split of
     # 4096-token micro-batches fits, and the planner says by how much.
     with pytest.raises(ValueError, match="short by"):
-        pipepar.plan(
-            prof,
-            devices=8,
-            capacity="80GiB",
-            chunks=8,
-            optimizer="adam",
-            checkpoint="always",
-            schedule="1f1b",
-        )
+        pipepar.plan(prof, optimizer="adam", **layout)
 
 
 @pytest.mark.parametrize("name", zoo.NAMES)
