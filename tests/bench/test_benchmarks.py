@@ -482,12 +482,24 @@ def test_walk_quick_times_the_pipe_on_one_thread_and_on_its_workers(tmp_path: Pa
     out = tmp_path / "walk.json"
     assert (
         bench_walk.main(
-            ["--quick", "--write", "--json", str(out), "--results", str(tmp_path / "r.md")]
+            [
+                "--quick",
+                "--chain",
+                "--write",
+                "--json",
+                str(out),
+                "--results",
+                str(tmp_path / "r.md"),
+            ]
         )
         == 0
     )
     rows = json.loads(out.read_text())
-    assert [(r["model"], r["schedule"]) for r in rows] == [("gpt2", "1f1b"), ("llama", "1f1b")]
+    assert [(r["model"], r["layout"], r["schedule"]) for r in rows] == [
+        ("gpt2", "model", "1f1b"),
+        ("gpt2", "chain", "1f1b"),
+        ("llama", "model", "1f1b"),
+    ]
     for r in rows:
         assert min(r["plain_ms"], r["one thread_ms"], r["two workers_ms"]) > 0
         for key in ("one thread_compute_ms", "two workers_compute_ms"):
@@ -496,6 +508,28 @@ def test_walk_quick_times_the_pipe_on_one_thread_and_on_its_workers(tmp_path: Pa
         assert min(plain["forward"], plain["backward"], walk["forward"], walk["backward"]) > 0
         assert walk["outside"] >= 0  # one thread runs the actions one after another in the step
         assert min(r["at_once_parts_ms"].values()) > 0
+        bound = r["bound_ms"]
+        assert min(bound.values()) > 0
+        # Each bound is the critical path of the same schedule: at least the busier worker's
+        # actions, at most every action one after another.
+        alone, together = r["one thread_compute_ms"], r["two workers_compute_ms"]
+        assert max(alone) * 0.999 <= bound["one thread"] <= sum(alone) * 1.001
+        assert max(together) * 0.999 <= bound["at once"] <= sum(together) * 1.001
     written = (tmp_path / "r.md").read_text()
     assert "## Real models in one process: the walk and the workers at once" in written
+    assert "## Real models in one process: what bounds the two workers' step" in written
     assert "## Real models in one process: where the walk's time goes" in written
+
+
+def test_walk_schedule_bound_is_the_critical_path_of_the_listed_order() -> None:
+    from benchmarks.bench_walk import schedule_bound
+    from pipepar.core.schedule import make
+
+    one_f_one_b = make("1f1b", 2, 2, n_workers=2)
+    every = {(a.stage, a.kind, a.microbatch): 1.0 for w in one_f_one_b.actions for a in w}
+    # Worker 1 waits for F0 of stage 0; then F0 B0 F1 B1 on stage 1; stage 0's B1 waits for
+    # stage 1's B1: 1 + 4 + 1 = 6 steps.
+    assert schedule_bound(one_f_one_b, every) == pytest.approx(6.0)
+    # An action absent from the trace (a B that computes nothing) takes no time.
+    fewer = {k: t for k, t in every.items() if k != (0, "B", 1)}
+    assert schedule_bound(one_f_one_b, fewer) == pytest.approx(5.0)
