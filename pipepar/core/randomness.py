@@ -53,6 +53,9 @@ def _lock(device: torch.device) -> threading.Lock:
         return _LOCKS.setdefault(key, threading.Lock())
 
 
+_CPU_LOCK = _lock(torch.device("cpu"))  # taken twice per quiet block: found once
+
+
 def _generator(device: torch.device) -> torch.Generator:
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
@@ -249,7 +252,7 @@ class Streams:
         """The mini-batch's seed (drawn on first use)."""
         with self._guard:
             if self._seed is None:
-                with _lock(torch.device("cpu")):
+                with _CPU_LOCK:
                     self._seed = int(torch.randint(2**62, ()))
                     # a known move of the generator: quiet blocks running now did not draw it
                     _WATCH.rebase(_cpu_state())
@@ -343,7 +346,7 @@ def draw_point() -> DrawPoint:
 
 def _generators_in_use() -> list[torch.Generator]:
     gens = [torch.default_generator]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():
         gens.extend(torch.cuda.default_generators)
     return gens
 
@@ -395,12 +398,12 @@ def _watching(log: DrawLog, stage: int, flags: Hashable) -> Iterator[None]:
     """Run a quiet stage's block with no mode; if a generator moved meanwhile, watch again
     every stage whose quiet block overlapped (one of them drew) and say so once."""
     key = next(_WATCH.keys)
-    with _lock(torch.device("cpu")):  # the start and the end read with any seed draw in order
+    with _CPU_LOCK:  # the start and the end read with any seed draw in order
         _WATCH.enter(key, stage, _fingerprints(locked_cpu=True))
     try:
         yield
     finally:
-        with _lock(torch.device("cpu")):
+        with _CPU_LOCK:
             end = _fingerprints(locked_cpu=True)
             suspects, silenced, start = _WATCH.leave(key)
     if end == start:
@@ -437,9 +440,9 @@ def _fingerprints(*, locked_cpu: bool = False) -> list[bytes]:
     the caller holds the CPU generator's lock already."""
     states = [_cpu_state()] if locked_cpu else []
     if not locked_cpu:
-        with _lock(torch.device("cpu")):
+        with _CPU_LOCK:
             states.append(_cpu_state())
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():  # never without a device (cheaper than is_available)
         for k, gen in enumerate(torch.cuda.default_generators):
             with _lock(torch.device("cuda", k)):
                 states.append(_state_bytes(gen))

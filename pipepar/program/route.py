@@ -192,17 +192,20 @@ def check_graphs(
         stack = [tensor.grad_fn] if tensor.grad_fn is not None else []
         while stack:
             node = stack.pop()
-            if node in seen:
-                if seen[node] != stage:
-                    raise PathChanged(
-                        key, f"stage {stage} computes with stage {seen[node]}'s values"
-                    )
+            found = seen.get(node)
+            if found is not None:
+                if found != stage:
+                    raise PathChanged(key, f"stage {stage} computes with stage {found}'s values")
                 continue
             seen[node] = stage
-            variable = getattr(node, "variable", None)
-            if variable is not None:
-                holder = leaves.get(id(variable), owner.get(id(variable)))
-                if holder != stage:
-                    raise PathChanged(key, f"stage {stage} reaches a leaf of stage {holder}")
+            nexts = node.next_functions
+            if not nexts:  # a leaf's accumulator (only those hold a ``variable``) or a source
+                variable = getattr(node, "variable", None)
+                if variable is not None:
+                    holder = leaves.get(id(variable), owner.get(id(variable)))
+                    if holder != stage:
+                        raise PathChanged(key, f"stage {stage} reaches a leaf of stage {holder}")
                 continue
-            stack.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+            for nxt, _ in nexts:
+                if nxt is not None:
+                    stack.append(nxt)

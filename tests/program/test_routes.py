@@ -210,3 +210,20 @@ def test_a_unit_run_by_two_stages_at_once_keeps_their_weights_apart(schedule: st
         _same_grads(pipe, plain)
         pipe.zero_grad()
         plain.zero_grad()
+
+
+def test_the_graph_check_finds_a_stage_that_computes_with_another_stages_values() -> None:
+    from pipepar.program.route import PathChanged, check_graphs
+
+    w0, w1 = nn.Parameter(torch.randn(3)), nn.Parameter(torch.randn(3))
+    owner = {id(w0): 0, id(w1): 1}
+    a = w0 * torch.randn(3)  # stage 0's output
+    leaf = a.detach().requires_grad_()  # its crossing leaf in stage 1
+    apart = (w1 * leaf).sum()
+    check_graphs([(a, 0), (apart, 1)], {id(leaf): 1}, owner, "key")
+    joined = (w1 * a).sum()  # stage 1 uses stage 0's value itself
+    with pytest.raises(PathChanged, match="stage 1 computes with stage 0's values"):
+        check_graphs([(a, 0), (joined, 1)], {id(leaf): 1}, owner, "key")
+    borrowed = (w1 * w0).sum()  # stage 1 uses stage 0's weight without an alias
+    with pytest.raises(PathChanged, match="stage 1 reaches a leaf of stage 0"):
+        check_graphs([(borrowed, 1), (a, 0)], {id(leaf): 1}, owner, "key")
