@@ -90,7 +90,9 @@ BOUND_NOTE = (
 )
 
 
-def _pipe(work: models.Job, schedule: str, *, one_thread: bool, chain: bool) -> tuple[Any, Any]:
+def _pipe(
+    work: models.Job, schedule: str, *, one_thread: bool, chain: bool
+) -> tuple[Any, common.Step]:
     """``(pipe, step)``: the model as it is (its forward cut while it runs) or, with ``chain``,
     GPT-2's modules laid out by hand as an ``nn.Sequential`` (``bench_models``' chain)."""
     library = "pipepar-chain" if chain else "pipepar"

@@ -39,11 +39,11 @@ from torch.overrides import TorchFunctionMode
 from pipepar.program.aliases import Aliases
 from pipepar.program.driver import Weight
 from pipepar.program.route import (
+    GraphCheck,
     PathChanged,
     Route,
     Routes,
     UnitCall,
-    check_graphs,
     replaced,
     tensors_in,
 )
@@ -209,6 +209,7 @@ class Cut(TorchFunctionMode):
         self._seen = 0
         self._swapped: list[list[tuple[Weight, nn.Parameter]]] = []
         self._open: list[int] = []  # the unit calls entered and not left, by route index
+        self._graphs = GraphCheck(owner, key)  # the check of a followed route's graphs
 
     @property
     def following(self) -> bool:
@@ -303,11 +304,24 @@ class Cut(TorchFunctionMode):
             self._check_graph(roots)
 
     def _check_graph(self, outputs: list[tuple[Tensor, int]]) -> None:
-        """Each stage's graph is its own (:func:`~pipepar.program.route.check_graphs`)."""
+        """Each stage's graph is its own (:func:`~pipepar.program.route.check_graphs`): the
+        outputs, and the crossing values not walked when they crossed."""
         crossings = self.ledger.crossings
         roots = outputs + [(c.original, c.producer) for c in crossings if c.producer != CALLER]
-        entering = self.alias_stages() | {id(c.leaf): c.consumer for c in crossings}
-        check_graphs(roots, entering, self.owner, self.key)
+        entering = self._entering()
+        for tensor, stage in roots:
+            self._graphs.walk(tensor, stage, entering)
+
+    def _entering(self) -> dict[int, int]:
+        """The stage each leaf made so far enters (aliases and crossing leaves), by ``id``."""
+        return self.alias_stages() | {id(c.leaf): c.consumer for c in self.ledger.crossings}
+
+    def _check_crossing(self, t: Tensor, producer: int) -> None:
+        """Walk the graph of ``t``, crossing out of ``producer`` now, if the call follows a
+        route and will run a backward: the producer's part of the check at the micro-batch's
+        end, done here on the consumer's worker (the last stage's worker does the rest)."""
+        if self.route is not None and producer != CALLER and torch.is_grad_enabled():
+            self._graphs.walk(t, producer, self._entering())
 
     def alias_stages(self) -> dict[int, int]:
         """The stage using each alias, by the alias's ``id`` (a leaf of that stage)."""
@@ -366,7 +380,9 @@ class Cut(TorchFunctionMode):
 
     def _enter(self, t: Tensor, producer: int, stage: int) -> Tensor:
         """The leaf standing for ``t`` of stage ``producer`` in ``stage``."""
-        return self.ledger.leaf(t, producer, stage, self.devices[stage], is_param=False)
+        leaf = self.ledger.leaf(t, producer, stage, self.devices[stage], is_param=False)
+        self._check_crossing(t, producer)
+        return leaf
 
     def _placed(self, t: Tensor, stage: int) -> Tensor:
         """``t`` on ``stage``'s device (a value that crosses no stage: the caller's)."""

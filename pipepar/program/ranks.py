@@ -246,6 +246,9 @@ class RankCut(Cut):
         ``meta`` (the cut's mode does it otherwise)."""
         return ToMeta(self._meta_of) if self.following else contextlib.nullcontext()
 
+    def _check_crossing(self, t: Tensor, producer: int) -> None:
+        """Nothing at a crossing: the rank walks its own stages' graphs at the end."""
+
     def _check_graph(self, outputs: list[tuple[Tensor, int]]) -> None:
         """The own stages' graphs are their own: from what each returns and hands on to its
         parameters and the leaves it received."""

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
+    "GraphCheck",
     "PathChanged",
     "Route",
     "Routes",
@@ -176,6 +177,52 @@ def _replace(value: Any, subs: dict[int, Tensor], count: list[int]) -> Any:
     return value
 
 
+class GraphCheck:
+    """The walk of :func:`check_graphs`, one root at a time: a micro-batch may walk each value
+    that crosses into a later stage when the crossing is made (its producer's graph is whole
+    by then, and the walk runs on the consumer's worker), and its outputs at its end. A node
+    met again is not walked again, so any order of the same roots finds the same failures.
+
+    Args:
+        owner: the stage holding each parameter, by ``id``.
+        key: the call's route key (named by :class:`PathChanged`).
+    """
+
+    def __init__(self, owner: dict[int, int], key: Hashable) -> None:
+        self.owner, self.key = owner, key
+        self._seen: dict[Any, int] = {}
+
+    def walk(self, tensor: Tensor, stage: int, leaves: dict[int, int]) -> None:
+        """Walk back from ``tensor``, a value of ``stage``: every leaf reached must be that
+        stage's (``leaves``: the crossing leaves made so far, by ``id``, to the stage they
+        enter; else :attr:`owner`) and no node may be one another stage reached."""
+        seen, owner = self._seen, self.owner
+        stack = [tensor.grad_fn] if tensor.grad_fn is not None else []
+        while stack:
+            node = stack.pop()
+            found = seen.get(node)
+            if found is not None:
+                if found != stage:
+                    raise PathChanged(
+                        self.key, f"stage {stage} computes with stage {found}'s values"
+                    )
+                continue
+            seen[node] = stage
+            nexts = node.next_functions
+            if not nexts:  # a leaf's accumulator (only those hold a ``variable``) or a source
+                variable = getattr(node, "variable", None)
+                if variable is not None:
+                    holder = leaves.get(id(variable), owner.get(id(variable)))
+                    if holder != stage:
+                        raise PathChanged(
+                            self.key, f"stage {stage} reaches a leaf of stage {holder}"
+                        )
+                continue
+            for nxt, _ in nexts:
+                if nxt is not None:
+                    stack.append(nxt)
+
+
 def check_graphs(
     roots: Sequence[tuple[Tensor, int]],
     leaves: dict[int, int],
@@ -187,25 +234,6 @@ def check_graphs(
     stage's (``leaves``: crossing leaves, by ``id``, to the stage they enter; ``owner``: the
     stage holding each parameter) and no node is reached from two stages. Else the call's
     gradients would not reach every stage: :class:`PathChanged`."""
-    seen: dict[Any, int] = {}
+    check = GraphCheck(owner, key)
     for tensor, stage in roots:
-        stack = [tensor.grad_fn] if tensor.grad_fn is not None else []
-        while stack:
-            node = stack.pop()
-            found = seen.get(node)
-            if found is not None:
-                if found != stage:
-                    raise PathChanged(key, f"stage {stage} computes with stage {found}'s values")
-                continue
-            seen[node] = stage
-            nexts = node.next_functions
-            if not nexts:  # a leaf's accumulator (only those hold a ``variable``) or a source
-                variable = getattr(node, "variable", None)
-                if variable is not None:
-                    holder = leaves.get(id(variable), owner.get(id(variable)))
-                    if holder != stage:
-                        raise PathChanged(key, f"stage {stage} reaches a leaf of stage {holder}")
-                continue
-            for nxt, _ in nexts:
-                if nxt is not None:
-                    stack.append(nxt)
+        check.walk(tensor, stage, leaves)

@@ -103,6 +103,18 @@ def _signed(sign: float) -> Tensor:
     return x
 
 
+def _steps_leaving_and_rejoining_the_route(pipe: nn.Module, plain: nn.Module) -> None:
+    """Steps whose inputs take the model's other path in the middle: each equals the plain
+    model's (loss and gradients)."""
+    for sign in (-1.0, -1.0, 1.0, 1.0, -1.0):
+        x = _signed(sign)
+        loss = pipe.step(x, loss_fn=lambda out, t: out.square().mean(), target=x)
+        expected = plain(x).square().mean()
+        expected.backward()
+        _close(loss, expected.detach(), "loss")
+        _same_grads(pipe, plain)
+
+
 @pytest.mark.parametrize("model_class", [Branching, Shortcut])
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_a_call_that_leaves_the_route_is_still_right(
@@ -113,13 +125,7 @@ def test_a_call_that_leaves_the_route_is_still_right(
     pipe = pipepar.wrap(
         copy.deepcopy(plain), split=["blocks.2"], devices=["cpu"] * 2, chunks=2, schedule=schedule
     ).eval()
-    for sign in (-1.0, -1.0, 1.0, 1.0, -1.0):
-        x = _signed(sign)
-        loss = pipe.step(x, loss_fn=lambda out, t: out.square().mean(), target=x)
-        expected = plain(x).square().mean()
-        expected.backward()
-        _close(loss, expected.detach(), "loss")
-        _same_grads(pipe, plain)
+    _steps_leaving_and_rejoining_the_route(pipe, plain)
 
 
 def test_a_step_run_again_draws_the_same_random_numbers() -> None:
@@ -227,3 +233,31 @@ def test_the_graph_check_finds_a_stage_that_computes_with_another_stages_values(
     borrowed = (w1 * w0).sum()  # stage 1 uses stage 0's weight without an alias
     with pytest.raises(PathChanged, match="stage 1 reaches a leaf of stage 0"):
         check_graphs([(borrowed, 1), (a, 0)], {id(leaf): 1}, owner, "key")
+
+
+class MiddleShortcut(nn.Module):
+    """The middle stage adds block 0's output in its own code when the first input value is
+    positive: found when the middle stage's output crosses into the last stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        first = torch.tanh(self.blocks[0](x))
+        h = torch.tanh(self.blocks[1](first))
+        if bool(x[0, 0] > 0):
+            h = h + first
+        h = torch.tanh(self.blocks[2](h))
+        return torch.tanh(self.blocks[3](h))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_a_middle_stage_that_leaves_the_route_is_still_right(schedule: str) -> None:
+    torch.manual_seed(0)
+    plain = MiddleShortcut()
+    pipe = pipepar.wrap(
+        copy.deepcopy(plain), split=["blocks.1", "blocks.3"], devices=["cpu"] * 3, chunks=2,
+        schedule=schedule,
+    )  # fmt: skip
+    _steps_leaving_and_rejoining_the_route(pipe, plain)
