@@ -302,6 +302,7 @@ class Cut(TorchFunctionMode):
             roots.append((leaves[k], s))
         if torch.is_grad_enabled():
             self._check_graph(roots)
+            self._graphs.forget()
 
     def _check_graph(self, outputs: list[tuple[Tensor, int]]) -> None:
         """Each stage's graph is its own (:func:`~pipepar.program.route.check_graphs`): the

@@ -12,8 +12,9 @@ the hooks make the same crossings at the same places.
 
 Such a call is checked as it runs: the same units in the same order, the same number of tensor
 arguments, and no output of an earlier stage's unit reaching a later stage where the route has
-no crossing; when it will run a backward, its autograd graph is walked once at its end
-(:func:`check_graphs`), so a value that reached another stage outside any unit's arguments (in
+no crossing; when it will run a backward, its autograd graph is walked once as it runs (each
+value's graph when the value crosses into another stage, the rest at the call's end:
+:class:`GraphCheck`), so a value that reached another stage outside any unit's arguments (in
 the model's own code between units) is found too. A call that goes another way raises
 :class:`PathChanged`; the pipe forgets the route and runs the mini-batch again under the mode
 (from the same random state), so results stay the plain model's. A route whose crossings
@@ -221,6 +222,10 @@ class GraphCheck:
             for nxt, _ in nexts:
                 if nxt is not None:
                     stack.append(nxt)
+
+    def forget(self) -> None:
+        """Let go of the nodes walked (the micro-batch's graph lives on without them)."""
+        self._seen.clear()
 
 
 def check_graphs(
