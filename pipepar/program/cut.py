@@ -321,6 +321,8 @@ class Cut(TorchFunctionMode):
         """Walk the graph of ``t``, crossing out of ``producer`` now, if the call follows a
         route and will run a backward: the producer's part of the check at the micro-batch's
         end, done here on the consumer's worker (the last stage's worker does the rest)."""
+        if t.grad_fn is None:  # nothing to walk (a mask, a rotary table): no leaf map either
+            return
         if self.route is not None and producer != CALLER and torch.is_grad_enabled():
             self._graphs.walk(t, producer, self._entering())
 
