@@ -52,10 +52,13 @@ from torch.autograd.graph import GradientEdge, Node
 __all__ = [
     "Adder",
     "Direct",
+    "Known",
+    "Params",
     "Plan",
     "WeightWork",
     "backward_input",
     "backward_whole",
+    "by_id",
     "plan_backward",
     "run_input",
 ]
@@ -170,6 +173,18 @@ class Direct:
 Adder = Callable[[Direct, Tensor | None], None]
 """``add(term, grad)``: sum ``term``'s gradient made from ``grad`` (``None``: none arrived)."""
 
+Params = Sequence[Tensor] | dict[int, Tensor]
+"""The parameters of a backward: as they are, or :func:`by_id`."""
+
+Known = dict[Node, list[Node | None]]
+"""Nodes of a graph with their next nodes, as an earlier walk of the same graph read them
+(``[n for n, _ in node.next_functions]``; a node's next edges never change once it exists)."""
+
+
+def by_id(params: Sequence[Tensor]) -> dict[int, Tensor]:
+    """``params`` that take a gradient, by ``id`` (how the walk recognises their leaves)."""
+    return {id(p): p for p in params if p.requires_grad}
+
 
 @dataclass
 class WeightWork:
@@ -253,12 +268,16 @@ def plan_backward(
     outputs: Sequence[Tensor],
     grads: Sequence[Tensor],
     inputs: Sequence[Tensor],
-    params: Sequence[Tensor],
+    params: Params,
     *,
     reach: bool = False,
+    known: Known | None = None,
 ) -> Plan:
     """Walk the graph from ``outputs`` (with incoming ``grads``): junctions, direct terms,
-    roots (see the module docstring). Runs nothing.
+    roots (see the module docstring). Runs nothing. ``params``: the parameters whose
+    gradients are wanted, or :func:`by_id` of them (a caller planning every micro-batch's
+    backward builds that once). ``known``: nodes whose next nodes were read already (the walk
+    reads the others' itself).
 
     With ``reach``, B also propagates to every direct junction, not only to the inputs: for a
     whole backward (:func:`backward_whole`). A split keeps B on the input path, so the generic
@@ -266,7 +285,7 @@ def plan_backward(
     would cut its one generic route, the whole backward, into several that may share a
     parameter below them, and the stage could not split).
     """
-    graph = _Graph(outputs, inputs, params)
+    graph = _Graph(outputs, inputs, params, known)
     hooked = {id(p) for p in graph.params.values() if p._backward_hooks}
     # A split looks for products on the input path; a whole backward (reach) at every one,
     # so it walks the path once, with them.
@@ -307,7 +326,11 @@ class _Graph:
     (asking a leaf for its accumulator costs a view per tensor)."""
 
     def __init__(
-        self, outputs: Sequence[Tensor], inputs: Sequence[Tensor], params: Sequence[Tensor]
+        self,
+        outputs: Sequence[Tensor],
+        inputs: Sequence[Tensor],
+        params: Params,
+        known: Known | None = None,
     ) -> None:
         self.inputs: set[Node] = {t.grad_fn for t in inputs if t.grad_fn is not None}
         self.params: dict[Node, Tensor] = {}
@@ -315,52 +338,62 @@ class _Graph:
         self.nexts: dict[Node, list[Node | None]] = {}
         self.order: list[Node] = []
         self.products: list[tuple[Node, str]] = []
-        self._walk([t.grad_fn for t in outputs if t.grad_fn is not None], params, inputs)
+        starts = [t.grad_fn for t in outputs if t.grad_fn is not None]
+        self._walk(starts, params, inputs, known if known is not None else {})
 
-    def _walk(self, starts: list[Node], params: Sequence[Tensor], inputs: Sequence[Tensor]) -> None:
+    def _walk(
+        self, starts: list[Node], params: Params, inputs: Sequence[Tensor], known: Known
+    ) -> None:
         """Visit every node reachable from ``starts`` once, depth first and each node's next
         nodes last to first (the order of a stack they are all pushed onto), appending each
-        to :attr:`order` after every node below it. The stack holds (node, its next nodes,
-        how many of them are left to enter)."""
-        param_ids = {id(p): p for p in params if p.requires_grad}
+        to :attr:`order` after every node below it. The stack holds (node, its next nodes
+        left to enter, last first)."""
+        param_ids = params if isinstance(params, dict) else by_id(params)
         input_ids = {id(t) for t in inputs if t.requires_grad and t.grad_fn is None}
         nexts, order = self.nexts, self.order
+        visit = self._visitor(param_ids, input_ids, known)
         for start in reversed(starts):
             if start in nexts:
                 continue
-            children = self._visit(start, param_ids, input_ids)
-            stack = [(start, children, len(children))]
+            stack = [(start, reversed(visit(start)))]
             while stack:
-                node, children, k = stack[-1]
-                k -= 1
-                while k >= 0 and (children[k] is None or children[k] in nexts):
-                    k -= 1
-                if k < 0:
+                node, below = stack[-1]
+                for child in below:
+                    if child is not None and child not in nexts:
+                        stack.append((child, reversed(visit(child))))
+                        break
+                else:
                     stack.pop()
                     order.append(node)
-                    continue
-                stack[-1] = (node, children, k)
-                child = children[k]
-                below = self._visit(child, param_ids, input_ids)  # type: ignore[arg-type]
-                stack.append((child, below, len(below)))  # type: ignore[arg-type]
 
-    def _visit(
-        self, node: Node, param_ids: dict[int, Tensor], input_ids: set[int]
-    ) -> list[Node | None]:
-        """Read ``node``'s next nodes and name (once); note a parameter's or an input's
-        accumulator and a matrix product."""
-        nexts = [c for c, _ in node.next_functions]
-        name = _name(node)
-        self.nexts[node], self.names[node] = nexts, name
-        if not nexts and name == _ACCUMULATE:
-            key = id(node.variable)  # type: ignore[attr-defined]
-            if key in param_ids:
-                self.params[node] = param_ids[key]
-            elif key in input_ids:
-                self.inputs.add(node)
-        elif name in _TERMS:
-            self.products.append((node, name))
-        return nexts
+    def _visitor(
+        self, param_ids: dict[int, Tensor], input_ids: set[int], known: Known
+    ) -> Callable[[Node], list[Node | None]]:
+        """``visit(node)``: read ``node``'s next nodes (unless ``known``) and name (once);
+        note a parameter's or an input's accumulator and a matrix product. (A closure over
+        what it fills: the walk calls it for every node.)"""
+        nexts, names, params, products = self.nexts, self.names, self.params, self.products
+        inputs, kinds = self.inputs, _NAMES
+
+        def visit(node: Node) -> list[Node | None]:
+            below = known.get(node)
+            if below is None:
+                below = [c for c, _ in node.next_functions]
+            name = kinds.get(type(node)) or _name(node)
+            nexts[node] = below
+            names[node] = name
+            if below:
+                if name in _TERMS:
+                    products.append((node, name))
+            elif name == _ACCUMULATE:
+                key = id(node.variable)  # type: ignore[attr-defined]
+                if key in param_ids:
+                    params[node] = param_ids[key]
+                elif key in input_ids:
+                    inputs.add(node)
+            return below
+
+        return visit
 
     def input_path(self, direct: set[Node]) -> tuple[set[Node], set[Node]]:
         """The nodes from which an input or a ``direct`` junction is reachable (on the path),
@@ -401,6 +434,10 @@ _Candidate = tuple[dict[int, tuple[Tensor, bool]], "Tensor | NormSaved | ScaleSa
 product's saved input, a norm's :class:`NormSaved`) and the index of a product's bias edge."""
 
 
+_NO_EDGES: tuple[dict[int, tuple[Tensor, bool]], None, None] = ({}, None, None)
+"""What a node without direct edges has of a :data:`_Candidate` (never written to)."""
+
+
 def _junctions(
     work: WeightWork,
     graph: _Graph,
@@ -413,11 +450,12 @@ def _junctions(
     routes; return the direct edges as (junction, edge, parameter, transposed, saved)."""
     index: dict[Node, int] = {}
     pending: list[tuple[int, int, Tensor, bool, Tensor | NormSaved | ScaleSaved | None]] = []
+    nexts, none = graph.nexts, _NO_EDGES
     for node in graph.order:
         if node not in on_path:
             continue
-        edges, saved, bias = candidates.get(node, ({}, None, None))
-        for n, child in enumerate(graph.nexts[node]):
+        edges, saved, bias = candidates.get(node) or none
+        for n, child in enumerate(nexts[node]):
             if child is None or child in on_path:
                 continue
             if n in edges:

@@ -35,8 +35,11 @@ from pipepar.core.recompute import recomputing, should_checkpoint
 from pipepar.core.split_backward import (
     Adder,
     Direct,
+    Known,
+    Plan,
     WeightWork,
     backward_whole,
+    by_id,
     plan_backward,
     run_input,
 )
@@ -89,6 +92,7 @@ class _Later:
 
     outputs: list[Tensor]
     grads: list[Tensor]
+    known: Known | None = None  # the graph as a walk in the forward read it (W plans with it)
 
 
 class StageStep:
@@ -148,6 +152,7 @@ class StageStep:
         self._owned = [False] * len(self.params)
         self._records: dict[int, _Record] = {}
         self._weights: dict[int, WeightWork | _Later] = {}
+        self._params_by_id: dict[int, Tensor] | None = None
         # An unsplit backward takes the direct route of split_backward (weight products summed
         # in place, no pass to add them) only where that saves more than the ~30 us of Python
         # per layer it costs to find them: with 2**17 weights in a matrix, it does.
@@ -206,17 +211,38 @@ class StageStep:
     ) -> Sequence[Tensor | None]:
         outs, gouts = [t for t, _ in pairs], [g for _, g in pairs]
         readable = self._saved_readable(i)
+        known = self._walked(i)  # taken in any case: kept no longer than this backward needs
         with self._device():
             if readable and self.split(i) and all(t.grad_fn is not None for t in outs):
                 if not inputs:  # B has nothing to compute: W runs the whole backward
-                    self._weights[i] = _Later(outs, gouts)
+                    self._weights[i] = _Later(outs, gouts, known)
                     return []
-                plan = plan_backward(outs, gouts, inputs, self.params)
+                plan = self._plan(outs, gouts, inputs, known=known)
                 grads_in, work = run_input(plan, outs, gouts, inputs)
                 if work is not None:
                     self._weights[i] = work
                     return grads_in
-            return self._whole(outs, gouts, inputs, last=self._closing(), readable=readable)
+            last = self._closing()
+            return self._whole(outs, gouts, inputs, last=last, readable=readable, known=known)
+
+    def _plan(
+        self,
+        outs: list[Tensor],
+        gouts: list[Tensor],
+        inputs: list[Tensor],
+        *,
+        reach: bool = False,
+        known: Known | None = None,
+    ) -> Plan:
+        """:func:`plan_backward` over the stage's parameters (found by ``id`` once a step)."""
+        if self._params_by_id is None:
+            self._params_by_id = by_id(self.params)
+        return plan_backward(outs, gouts, inputs, self._params_by_id, reach=reach, known=known)
+
+    def _walked(self, i: int) -> Known | None:
+        """Micro-batch ``i``'s graph on this stage as an earlier walk read it, if one did
+        (handed over once): its planning need not read it again."""
+        return None
 
     def _saved_readable(self, i: int) -> bool:
         """Whether micro-batch ``i``'s graph holds what its operations saved, so that the
@@ -234,12 +260,14 @@ class StageStep:
         last: bool,
         retain: bool = False,
         readable: bool = True,
+        known: Known | None = None,
     ) -> list[Tensor | None]:
         """The whole backward in one engine pass, parameter gradients summed as they come;
         a large stage's weight products are direct terms (:func:`backward_whole`) where what
-        they read is ``readable`` (see :meth:`_saved_readable`)."""
+        they read is ``readable`` (see :meth:`_saved_readable`); their plan reads the graph
+        past what is ``known`` (:meth:`_walked`)."""
         large = self._large and readable
-        plan = plan_backward(outs, gouts, inputs, self.params, reach=True) if large else None
+        plan = self._plan(outs, gouts, inputs, reach=True, known=known) if large else None
         direct = {id(p) for p in plan.direct_params()} if plan is not None else set()
         generic = [p for p in self.params if id(p) not in direct]
         with self._summing(gouts, last=last, params=generic) as fresh:
@@ -276,7 +304,7 @@ class StageStep:
         last = self._closing()
         with self._device():
             if isinstance(work, _Later):  # keeps the graph to its end, as the planner counts
-                self._whole(work.outputs, work.grads, [], last=last, retain=True)
+                self._whole(work.outputs, work.grads, [], last=last, retain=True, known=work.known)
             else:
                 self._weigh(work, last=last)
         self._tell(i, "weight", start)

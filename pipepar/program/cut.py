@@ -36,6 +36,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from pipepar.core.split_backward import Known
 from pipepar.program.aliases import Aliases
 from pipepar.program.driver import Weight
 from pipepar.program.route import (
@@ -78,6 +79,14 @@ class Ledger:
     # by their crossing, so ids stay valid).
     grads: dict[int, Tensor] = field(default_factory=dict)
     outputs: list[tuple[int, Tensor]] = field(default_factory=list)
+    walked: dict[int, Known] = field(default_factory=dict)
+    """Per stage, its graph's nodes as the route's check walked them (with their next nodes),
+    for the stage's backward planning to take (:meth:`take_walked`) instead of reading again."""
+
+    def take_walked(self, stage: int) -> Known | None:
+        """Stage ``stage``'s walked nodes, handed over once (they are let go of with the plan
+        that reads them, not kept to the mini-batch's end)."""
+        return self.walked.pop(stage, None)
 
     def leaf(
         self, t: Tensor, producer: int, consumer: int, device: torch.device, is_param: bool
@@ -157,6 +166,7 @@ class Ledger:
         self._leaves.clear()
         self.grads.clear()
         self.outputs.clear()
+        self.walked.clear()
 
 
 def _detached(t: Tensor, device: torch.device) -> Tensor:
@@ -302,6 +312,7 @@ class Cut(TorchFunctionMode):
             roots.append((leaves[k], s))
         if torch.is_grad_enabled():
             self._check_graph(roots)
+            self.ledger.walked = self._graphs.walked()
             self._graphs.forget()
 
     def _check_graph(self, outputs: list[tuple[Tensor, int]]) -> None:

@@ -15,7 +15,9 @@ arguments, and no output of an earlier stage's unit reaching a later stage where
 no crossing; when it will run a backward, its autograd graph is walked once as it runs (each
 value's graph when the value crosses into another stage, the rest at the call's end:
 :class:`GraphCheck`), so a value that reached another stage outside any unit's arguments (in
-the model's own code between units) is found too. A call that goes another way raises
+the model's own code between units) is found too. What the walk read of each stage's graph (its
+nodes and their next nodes) is handed to that stage's backward, whose planning would read the
+same graph again (:func:`~pipepar.core.split_backward.plan_backward`). A call that goes another way raises
 :class:`PathChanged`; the pipe forgets the route and runs the mini-batch again under the mode
 (from the same random state), so results stay the plain model's. A route whose crossings
 differ between micro-batches of the same signature is never followed.
@@ -30,6 +32,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from pipepar.core.split_backward import Known
 
 __all__ = [
     "GraphCheck",
@@ -192,12 +196,14 @@ class GraphCheck:
     def __init__(self, owner: dict[int, int], key: Hashable) -> None:
         self.owner, self.key = owner, key
         self._seen: dict[Any, int] = {}
+        self._below: dict[int, Known] = {}
 
     def walk(self, tensor: Tensor, stage: int, leaves: dict[int, int]) -> None:
         """Walk back from ``tensor``, a value of ``stage``: every leaf reached must be that
         stage's (``leaves``: the crossing leaves made so far, by ``id``, to the stage they
         enter; else :attr:`owner`) and no node may be one another stage reached."""
         seen, owner = self._seen, self.owner
+        below = self._below.setdefault(stage, {})
         stack = [tensor.grad_fn] if tensor.grad_fn is not None else []
         while stack:
             node = stack.pop()
@@ -209,7 +215,8 @@ class GraphCheck:
                     )
                 continue
             seen[node] = stage
-            nexts = node.next_functions
+            nexts = [c for c, _ in node.next_functions]
+            below[node] = nexts
             if not nexts:  # a leaf's accumulator (only those hold a ``variable``) or a source
                 variable = getattr(node, "variable", None)
                 if variable is not None:
@@ -219,13 +226,19 @@ class GraphCheck:
                             self.key, f"stage {stage} reaches a leaf of stage {holder}"
                         )
                 continue
-            for nxt, _ in nexts:
+            for nxt in nexts:
                 if nxt is not None:
                     stack.append(nxt)
+
+    def walked(self) -> dict[int, Known]:
+        """Per stage, the nodes walked with their next nodes: what the stage's backward
+        planning would read again (``plan_backward(known=...)``)."""
+        return self._below
 
     def forget(self) -> None:
         """Let go of the nodes walked (the micro-batch's graph lives on without them)."""
         self._seen.clear()
+        self._below = {}
 
 
 def check_graphs(

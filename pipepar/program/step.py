@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from pipepar.core.recompute import should_checkpoint
+from pipepar.core.split_backward import Known
 from pipepar.core.step import Grads, StageStep
 from pipepar.program.cut import Crossing, Cut, Ledger
 from pipepar.program.driver import Driver
@@ -158,6 +159,9 @@ class SegmentStep(StageStep):
     def _saved_readable(self, i: int) -> bool:
         return not self._recomputes(i)
 
+    def _walked(self, i: int) -> Known | None:
+        return self.batch.ledgers[i].take_walked(self.stage.index)
+
     # -- F ------------------------------------------------------------------------------------
     def forward(self, i: int, x: Any) -> tuple[()]:
         start = time.perf_counter()
@@ -175,8 +179,10 @@ class SegmentStep(StageStep):
             leaves = [c.leaf for c in entering]
             grads_in = self._backward(i, pairs, leaves)
             self._deliver(ledger, entering, grads_in)
-        elif self.grad:
-            self._closing()
+        else:
+            ledger.take_walked(self.stage.index)  # nothing to plan: let go of it now
+            if self.grad:
+                self._closing()
         self._tell(i, "backward", start)
         return ()
 

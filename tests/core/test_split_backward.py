@@ -344,3 +344,29 @@ def test_the_walk_orders_every_node_once_after_the_nodes_below_it() -> None:
     products = {n for n in graph.order if n.name() in ("AddmmBackward0", "MmBackward0")}
     assert {n for n, _ in graph.products} == products and len(products) == 3
     assert set(graph.params.values()) == set(lin.parameters())
+
+
+def test_a_walk_given_the_next_nodes_already_read_plans_the_same() -> None:
+    """``plan_backward(known=...)``: the next nodes an earlier walk read (part of the graph,
+    as a forward's walk knows all but what was made after it) give the very plan of reading
+    the graph again, split and whole; the walk takes them as given."""
+    from pipepar.core.split_backward import _Graph, by_id
+
+    torch.manual_seed(0)
+    layers = nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    params = list(layers.parameters())
+    x = torch.randn(4, 8, requires_grad=True)
+    y = layers(x)
+    g = torch.randn_like(y)
+    read = _Graph([y], [x], params)
+    known = {n: read.nexts[n] for n in read.order[: len(read.order) - 2]}  # the top unknown
+    for reach in (False, True):
+        want = plan_backward([y], [g], [x], params, reach=reach)
+        got = plan_backward([y], [g], [x], by_id(params), reach=reach, known=known)
+        assert [n for n, _ in got.work.junctions] == [n for n, _ in want.work.junctions]
+        assert [(t.param, t.junction, t.edge) for t in got.work.direct] == [
+            (t.param, t.junction, t.edge) for t in want.work.direct
+        ]
+        assert (got.captured, got.conflict) == (want.captured, want.conflict)
+    top = y.grad_fn
+    assert _Graph([y], [x], params, {top: []}).order == [top]  # given, not read again

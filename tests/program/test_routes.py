@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import itertools
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -261,3 +262,46 @@ def test_a_middle_stage_that_leaves_the_route_is_still_right(schedule: str) -> N
         schedule=schedule,
     )  # fmt: skip
     _steps_leaving_and_rejoining_the_route(pipe, plain)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_each_stage_plans_its_backward_on_the_graph_the_route_check_walked(
+    schedule: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Following a route, the graph check's walk of a micro-batch hands each stage the nodes
+    it read: planning the stage's split backward reads none of them again (only what the
+    loss head adds after the check, one view of the model's loss), every stage of every
+    micro-batch takes its part once, and the step still equals the plain model."""
+    from pipepar.core import split_backward
+    from pipepar.program.cut import Ledger
+
+    plans: list[tuple[int, int]] = []  # (nodes walked, nodes found known) per plan
+    taken: list[bool] = []  # per hand-over: whether there was a walked graph to take
+    walk, take = split_backward._Graph.__init__, Ledger.take_walked
+
+    def spy_walk(self: Any, outputs: Any, inputs: Any, params: Any, known: Any = None) -> None:
+        walk(self, outputs, inputs, params, known)
+        plans.append((len(self.order), sum(n in (known or {}) for n in self.order)))
+
+    def spy_take(self: Ledger, stage: int) -> Any:
+        found = take(self, stage)
+        taken.append(found is not None)
+        return found
+
+    monkeypatch.setattr(split_backward._Graph, "__init__", spy_walk)
+    monkeypatch.setattr(Ledger, "take_walked", spy_take)
+    torch.manual_seed(0)
+    plain = zoo.gpt2()
+    split = SPLITS["gpt2"] if schedule == "zb-v" else SPLITS["gpt2"][1:2]
+    pipe = pipepar.wrap(
+        copy.deepcopy(plain), split=split, devices=["cpu"] * 2, chunks=2, schedule=schedule
+    )
+    for step in range(2):
+        plans.clear()
+        taken.clear()
+        batch, y = _batch("gpt2", seed=0)
+        _close(_pipe_step(pipe, batch, y), _plain_step(plain, batch, y), f"loss of step {step}")
+        _same_grads(pipe, plain)
+    stages = len(split) + 1
+    assert len(taken) == 2 * stages and all(taken), "every stage of each micro-batch takes one"
+    assert plans and all(nodes - known <= 1 for nodes, known in plans), plans
