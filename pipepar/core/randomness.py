@@ -358,18 +358,18 @@ class _Watch:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.open: dict[int, tuple[int, set[int], list[torch.Tensor]]] = {}  # stage, seen, start
+        self.open: dict[int, tuple[int, set[int], list[bytes]]] = {}  # stage, seen, start
         self.silenced: set[int] = set()  # open blocks whose move another block reported
         self.keys = itertools.count()
 
-    def enter(self, key: int, stage: int, start: list[torch.Tensor]) -> None:
+    def enter(self, key: int, stage: int, start: list[bytes]) -> None:
         with self.lock:
             seen = {stage} | {s for s, _, _ in self.open.values()}
             for _, others, _ in self.open.values():
                 others.add(stage)
             self.open[key] = (stage, seen, start)
 
-    def leave(self, key: int) -> tuple[set[int], bool, list[torch.Tensor]]:
+    def leave(self, key: int) -> tuple[set[int], bool, list[bytes]]:
         """The stages block ``key`` overlapped, whether its move is reported already, and the
         state it started from."""
         with self.lock:
@@ -378,7 +378,7 @@ class _Watch:
             _, seen, start = self.open.pop(key)
             return seen, silenced, start
 
-    def rebase(self, cpu: torch.Tensor) -> None:
+    def rebase(self, cpu: bytes) -> None:
         """pipepar moved the CPU generator itself: compare open blocks with the new state."""
         with self.lock:
             for _, _, start in self.open.values():
@@ -406,7 +406,7 @@ def _watching(log: DrawLog, stage: int, flags: Hashable) -> Iterator[None]:
         with _CPU_LOCK:
             end = _fingerprints(locked_cpu=True)
             suspects, silenced, start = _WATCH.leave(key)
-    if _same(start, end):
+    if end == start:
         return
     for s in suspects:
         log.saw(s, flags, drew=True)
@@ -423,18 +423,18 @@ def _watching(log: DrawLog, stage: int, flags: Hashable) -> Iterator[None]:
         )
 
 
-def _state(generator: torch.Generator) -> torch.Tensor:
-    """A copy of ``generator``'s state, read past any torch function mode: a model's stage may
+def _state_bytes(generator: torch.Generator) -> bytes:
+    """``generator``'s state as bytes, read past any torch function mode: a model's stage may
     run under one that moves every tensor it sees (onto the stage's GPU, say), the state too."""
     with torch._C.DisableTorchFunction():
-        return generator.get_state()
+        return generator.get_state().numpy().tobytes()
 
 
-def _cpu_state() -> torch.Tensor:
-    return _state(torch.default_generator)
+def _cpu_state() -> bytes:
+    return _state_bytes(torch.default_generator)
 
 
-def _fingerprints(*, locked_cpu: bool = False) -> list[torch.Tensor]:
+def _fingerprints(*, locked_cpu: bool = False) -> list[bytes]:
     """The states of the CPU generator and of every initialized CUDA generator, each read
     under its lock (a stream swaps its own state in only while holding it); ``locked_cpu``:
     the caller holds the CPU generator's lock already."""
@@ -445,18 +445,8 @@ def _fingerprints(*, locked_cpu: bool = False) -> list[torch.Tensor]:
     if torch.cuda.is_initialized():  # never without a device (cheaper than is_available)
         for k, gen in enumerate(torch.cuda.default_generators):
             with _lock(torch.device("cuda", k)):
-                states.append(_state(gen))
+                states.append(_state_bytes(gen))
     return states
-
-
-def _same(start: list[torch.Tensor], end: list[torch.Tensor]) -> bool:
-    """Whether two :func:`_fingerprints` are of the same states (a generator's state is a
-    byte tensor on the CPU; comparing two is one operator, where turning each into bytes
-    took three calls)."""
-    if len(start) != len(end):  # a CUDA generator came up meanwhile: it was used
-        return False
-    with torch._C.DisableTorchFunction():
-        return all(torch.equal(a, b) for a, b in zip(start, end))
 
 
 class _StreamMode(_DrawMode):
