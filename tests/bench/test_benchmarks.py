@@ -533,3 +533,16 @@ def test_walk_schedule_bound_is_the_critical_path_of_the_listed_order() -> None:
     # An action absent from the trace (a B that computes nothing) takes no time.
     fewer = {k: t for k, t in every.items() if k != (0, "B", 1)}
     assert schedule_bound(one_f_one_b, fewer) == pytest.approx(5.0)
+
+
+def test_backward_plan_quick_times_both_ways_of_planning(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each model's split and whole plans get a row: reading the graph, and given the walk."""
+    from benchmarks import bench_backward_plan
+
+    assert bench_backward_plan.main(["--quick", "--models", "gpt2"]) == 0
+    out = capsys.readouterr().out
+    for kind in ("split", "whole"):
+        cells = r"\| \d+ \| \d+ \(\d+-\d+\) \| \d+ \(\d+-\d+\) \| [\d.]+ \|"
+        assert re.search(rf"\| gpt2 \| {kind} {cells}", out), out
