@@ -15,12 +15,12 @@ arguments, and no output of an earlier stage's unit reaching a later stage where
 no crossing; when it will run a backward, its autograd graph is walked once as it runs (each
 value's graph when the value crosses into another stage, the rest at the call's end:
 :class:`GraphCheck`), so a value that reached another stage outside any unit's arguments (in
-the model's own code between units) is found too. What the walk read of each stage's graph (its
-nodes and their next nodes) is handed to that stage's backward, whose planning would read the
-same graph again (:func:`~pipepar.core.split_backward.plan_backward`). A call that goes another way raises
-:class:`PathChanged`; the pipe forgets the route and runs the mini-batch again under the mode
-(from the same random state), so results stay the plain model's. A route whose crossings
-differ between micro-batches of the same signature is never followed.
+the model's own code between units) is found too. What the walk read of each stage's graph
+(its nodes and their next nodes) is handed to that stage's backward, whose planning would read
+the same graph again (:func:`~pipepar.core.split_backward.plan_backward`). A call that goes
+another way raises :class:`PathChanged`; the pipe forgets the route and runs the mini-batch
+again under the mode (from the same random state), so results stay the plain model's. A route
+whose crossings differ between micro-batches of the same signature is never followed.
 """
 
 from __future__ import annotations
