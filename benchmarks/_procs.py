@@ -23,7 +23,7 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -50,6 +50,24 @@ def spawn_pair(rank: Callable[..., None], *args: Any) -> dict[str, Any]:
     out = mp.Manager().dict()
     mp.spawn(rank, args=(free_port(), *args, out), nprocs=2)
     return dict(out)
+
+
+def library_groups(
+    libraries: Iterable[str], start: Callable[[], ProcessGroup], *, shared: bool = False
+) -> dict[str, ProcessGroup]:
+    """A :class:`ProcessGroup` per library, each started by ``start()``; with ``shared`` (the
+    ``--quick`` smoke runs) one group serves every library, whose factory builds them all, so
+    that a smoke run starts one group's processes instead of one group's per library."""
+    libraries = list(libraries)
+    if shared and libraries:
+        return dict.fromkeys(libraries, start())
+    return {library: start() for library in libraries}
+
+
+def close_groups(groups: dict[str, ProcessGroup]) -> None:
+    """Close each group of :func:`library_groups` once."""
+    for group in {id(g): g for g in groups.values()}.values():
+        group.close()
 
 
 class ProcessGroup:

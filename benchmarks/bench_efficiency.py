@@ -36,6 +36,7 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 import argparse
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _common as common
 from benchmarks import _contenders as contenders
-from benchmarks._procs import ProcessGroup
+from benchmarks._procs import ProcessGroup, close_groups, library_groups
 from benchmarks._results import markdown_table, record
 
 TITLE = "Pipeline efficiency: all contenders, one run"
@@ -248,18 +249,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         work = common.workload(name, quick=args.quick)
         for k in ks:
             spec = {"workload": name, "quick": args.quick, "balance": common.balance(work, k)}
-            groups = {
-                lib: ProcessGroup(k, "benchmarks._contenders:stage_builder", spec)
-                for lib, names in PROCS.items()
-                if set(names) & set(args.contenders)
-            }
+            groups = library_groups(
+                (lib for lib, names in PROCS.items() if set(names) & set(args.contenders)),
+                partial(ProcessGroup, k, "benchmarks._contenders:stage_builder", spec),
+                shared=args.quick,
+            )
             try:
                 for m in ms:
                     rows += measure(work, k, m, groups, args.contenders, args)
                     print(table(rows[-len(args.contenders) - 1 :]), flush=True)
             finally:
-                for group in groups.values():
-                    group.close()
+                close_groups(groups)
     return rows
 
 

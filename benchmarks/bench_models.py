@@ -77,6 +77,7 @@ import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pipepar
 from benchmarks import _common as common
-from benchmarks._procs import ProcessGroup
+from benchmarks._procs import ProcessGroup, close_groups, library_groups
 from benchmarks._results import record
 from pipepar.local import cpu_malloc
 
@@ -442,20 +443,23 @@ def measure(work: Job, args: argparse.Namespace) -> dict[str, list[float] | str]
     """Per contender of one model: the seconds of every timed step, or why it has none."""
     spec = {"model": work.name, "quick": args.quick}
     wanted = {"limit"} | {k.partition(":")[0] for k in args.contenders}
-    groups = {
-        lib: ProcessGroup(
-            2, "benchmarks.bench_models:rank_builder", spec, bind_cores=args.bind_cores
-        )
-        for lib in REMOTE
-        if lib in wanted
-    }
+    groups = library_groups(
+        (lib for lib in REMOTE if lib in wanted),
+        partial(
+            ProcessGroup,
+            2,
+            "benchmarks.bench_models:rank_builder",
+            spec,
+            bind_cores=args.bind_cores,
+        ),
+        shared=args.quick,
+    )
     pipes: list[Any] = []
     try:
         timers, skipped, pipes = _blocks(work, groups, args)
         return common.run_blocks(timers, skipped, args.rounds, (UNIT, LIMIT, *args.contenders))
     finally:
-        for group in groups.values():
-            group.close()
+        close_groups(groups)
         for pipe in pipes:
             getattr(pipe, "close", lambda: None)()
 

@@ -38,6 +38,7 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 import argparse
 import math
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _common as common
 from benchmarks import _contenders as contenders
-from benchmarks._procs import ProcessGroup
+from benchmarks._procs import ProcessGroup, close_groups, library_groups
 from benchmarks._results import record
 from pipepar.local import cpu_malloc
 
@@ -114,17 +115,16 @@ def measure(work: common.Workload, args: argparse.Namespace) -> dict[str, list[f
     """Per contender: the seconds of every timed step, or why it has none."""
     spec = {"workload": "mlp", "quick": args.quick}
     wanted = {LIMIT.rstrip(":")} | {k.partition(":")[0] for k in args.contenders}
-    groups = {
-        lib: ProcessGroup(2, "benchmarks._contenders:schedule_builder", spec)
-        for lib in REMOTE
-        if lib in wanted
-    }
+    groups = library_groups(
+        (lib for lib in REMOTE if lib in wanted),
+        partial(ProcessGroup, 2, "benchmarks._contenders:schedule_builder", spec),
+        shared=args.quick,
+    )
     try:
         timers, skipped, pipes = _blocks(work, groups, args)
         times = common.run_blocks(timers, skipped, args.rounds, (UNIT, LIMIT, *args.contenders))
     finally:
-        for group in groups.values():
-            group.close()
+        close_groups(groups)
     for pipe in pipes:
         getattr(pipe, "close", lambda: None)()
     return times

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import traceback
@@ -12,12 +13,22 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["context", "spawn"]
+__all__ = ["context", "settle", "spawn"]
 
-PRELOAD = ["torch", "torch.distributed", "pipepar", "pipepar.distributed", "transformers"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "pipepar",
+    "pipepar.distributed",
+    "transformers",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.bert.modeling_bert",
+    "timm",
+]
 """What the fork server imports once, so that every rank forks with it imported (each fresh
-interpreter spent 4-7 s of CPU importing torch and transformers; missing modules are
-skipped)."""
+interpreter spent 4-7 s of CPU importing torch and transformers, and 2 s more on the models'
+modules; missing modules are skipped)."""
 
 
 def context() -> Any:
@@ -27,6 +38,17 @@ def context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
+
+
+def settle(env: dict[str, str]) -> None:
+    """What a rank started by :func:`context` does first: take ``env`` (the parent's
+    environment; the fork server's is the one it started with) and leave the objects it was
+    forked with to the collector's permanent generation. A full collection (a pipe's close
+    runs one) then walks only what the rank made itself: 0.07 s instead of 0.4 s with
+    transformers imported."""
+    os.environ.clear()
+    os.environ.update(env)
+    gc.freeze()
 
 
 def spawn(world: int, body: Callable[[int], Any], *, timeout: float = 300.0) -> dict[int, Any]:
@@ -65,8 +87,7 @@ class _Failed:
 def _rank(
     rank: int, world: int, port: int, body: Callable[[int], Any], results: Any, env: dict[str, str]
 ) -> None:
-    os.environ.clear()
-    os.environ.update(env)
+    settle(env)
     torch.set_num_threads(1)
     address = f"tcp://127.0.0.1:{port}"
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import gc
 import random
 import signal
 from collections.abc import Iterator
 
 import pytest
 import torch
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Leave what collection imported (torch, transformers, every test module) to the cycle
+    collector's permanent generation: its full passes then walk only what the tests make."""
+    gc.freeze()
 
 
 @pytest.fixture(autouse=True)

@@ -28,6 +28,28 @@ STEPS = 3
 LR = 0.1
 
 
+def installed() -> list[str]:
+    """The cases this environment can run (``lora`` needs peft)."""
+    try:
+        import peft  # noqa: F401
+    except ImportError:
+        return [c for c in CASES if c != "lora"]
+    return list(CASES)
+
+
+def settle() -> None:
+    """Import what the cases build (transformers' GPT-2, peft where installed) and leave it to
+    the collector's permanent generation: a full collection (each pipe's close runs one) then
+    walks only what the cases made, not every module."""
+    import gc
+
+    from transformers import GPT2LMHeadModel  # noqa: F401
+
+    with contextlib.suppress(ImportError):
+        import peft  # noqa: F401
+    gc.freeze()
+
+
 def build(case: str) -> nn.Module:
     """The case's model, the same on every process (seeded)."""
     torch.manual_seed(0)
@@ -160,15 +182,19 @@ def plain(case: str) -> dict[str, Any]:
 
 
 def on_ranks(case: str, dp: int, schedule: str) -> dict[str, Any]:
-    """This rank's run of ``case`` in a pp=2 x ``dp`` grid (under torchrun)."""
+    """This rank's run of ``case`` in a pp=2 x ``dp`` grid (under torchrun), and its place in
+    the grid (``wrap`` starts the process group from torchrun's environment if none is)."""
     import pipepar.distributed as ppd
 
     model = build(case)
     pipe = ppd.wrap(model, split=[split_path(case)], chunks=CHUNKS, schedule=schedule, dp=dp)
+    where = pipe.mesh.where
     try:
-        return run(case, Piped(pipe), replica=pipe.mesh.where.replica, dp=dp)
+        out = run(case, Piped(pipe), replica=where.replica, dp=dp)
     finally:
         pipe.close()
+    out["place"] = {"stage": where.stage, "replica": where.replica}
+    return out
 
 
 Runner = Callable[[str], dict[str, Any]]

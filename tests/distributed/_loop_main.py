@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(_loop.CASES))
     args = parser.parse_args()
     torch.set_num_threads(1)
+    _loop.settle()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     results = {}

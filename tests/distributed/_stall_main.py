@@ -1,9 +1,10 @@
 """torchrun entry for the stall test: of two ranks, rank 1 skips a step (it sleeps outside
 pipe.step, as behind a data loader that ran dry, then steps late).
 
-    torchrun --nproc-per-node 2 tests/distributed/_stall_main.py OUT_DIR TIMEOUT
+    torchrun --nproc-per-node 2 tests/distributed/_stall_main.py OUT_DIR TIMEOUT NAP
 
-``ppd.wrap`` starts the process group from torchrun's environment. Each rank writes
+Rank 1 is away ``NAP`` seconds, past the pipe's ``TIMEOUT``. ``ppd.wrap`` starts the process
+group from torchrun's environment. Each rank writes
 ``OUT_DIR/rank<r>.json``: what its second step raised, and how long that step took.
 """
 
@@ -24,7 +25,7 @@ import pipepar.distributed as ppd
 
 
 def main() -> None:
-    out, timeout = Path(sys.argv[1]), float(sys.argv[2])
+    out, timeout, nap = Path(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(6, 6), nn.Tanh())])
@@ -33,7 +34,7 @@ def main() -> None:
     pipe.step(x, y, nn.functional.mse_loss)
     rank = dist.get_rank()
     if rank == 1:
-        time.sleep(3 * timeout)
+        time.sleep(nap)
     result = {"raised": "nothing", "message": ""}
     start = time.monotonic()
     try:

@@ -4,7 +4,6 @@ binds a child process (binding the test process would bind the rest of the suite
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import threading
 from typing import Any
@@ -13,6 +12,7 @@ import pytest
 
 import pipepar.distributed as ppd
 from pipepar.ranks.cores import share
+from tests._ranks import context, settle
 
 pytestmark = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity"), reason="binding threads to cores is Linux only"
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 def _bound(args: tuple[int | None, int | None], env: dict[str, str], out: Any) -> None:
     import torch
 
-    os.environ.update(env)
+    settle(env)
     torch.set_num_threads(64)
     started = threading.Event()
     stop = threading.Event()
@@ -55,9 +55,9 @@ def _bound(args: tuple[int | None, int | None], env: dict[str, str], out: Any) -
 
 
 def _run(args: tuple[int | None, int | None], env: dict[str, str] | None = None) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
+    ctx = context()
     out = ctx.SimpleQueue()
-    p = ctx.Process(target=_bound, args=(args, env or {}, out), daemon=True)
+    p = ctx.Process(target=_bound, args=(args, {**os.environ, **(env or {})}, out), daemon=True)
     p.start()
     p.join(60)
     if p.is_alive():  # never leave a child behind (pytest would wait for it at exit)

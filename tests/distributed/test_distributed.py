@@ -30,6 +30,7 @@ from pipepar.ranks.arguments import check_schedule
 from pipepar.ranks.mesh import check_grid
 from pipepar.ranks.replicas import BUCKET_BYTES
 from pipepar.ranks.transport import TensorMeta, decode_meta, encode_meta
+from tests._ranks import context, settle
 
 WORLD = 4
 TOL = 1e-5
@@ -56,7 +57,8 @@ BALANCE = {1: [8], 2: [3, 5], 4: [2, 2, 2, 2]}
 
 
 # -- the pool -----------------------------------------------------------------------------------
-def _serve(rank: int, port: int, tasks: Any, results: Any) -> None:
+def _serve(rank: int, port: int, tasks: Any, results: Any, env: dict[str, str]) -> None:
+    settle(env)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD
@@ -74,14 +76,17 @@ class Pool:
     """WORLD long-lived gloo ranks that run one case at a time."""
 
     def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = context()
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.tasks = [ctx.SimpleQueue() for _ in range(WORLD)]
         self.results = ctx.Queue()
+        env = dict(os.environ)
         self.procs = [
-            ctx.Process(target=_serve, args=(r, port, self.tasks[r], self.results), daemon=True)
+            ctx.Process(
+                target=_serve, args=(r, port, self.tasks[r], self.results, env), daemon=True
+            )
             for r in range(WORLD)
         ]
         for p in self.procs:

@@ -24,7 +24,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from test_distributed import (
     BALANCE,
     CHUNKS,
@@ -43,6 +42,7 @@ import pipepar
 import pipepar.distributed as ppd
 from pipepar.distributed import snapshot
 from pipepar.distributed.snapshot import load_named_optimizer_state, named_optimizer_state
+from tests._ranks import context, settle
 
 GRID = {"balance": BALANCE[2], "dp": 2}  # 2 stages x 2 replicas on the 4 ranks
 
@@ -487,7 +487,7 @@ def test_checkpoint_resume_is_bit_identical_and_loads_anywhere(pool: Pool, tmp_p
 
 # -- tests: stalls (two pipelines of two ranks on the pool: ranks 0-1 and 2-3) ------------------
 STALL_TIMEOUT = 2.0
-NAP = 3 * STALL_TIMEOUT  # how long the stalling rank is away
+NAP = STALL_TIMEOUT + 1.5  # how long the stalling rank is away
 
 
 def case_stalls(rank: int) -> dict:
@@ -651,7 +651,7 @@ def test_a_rank_that_skips_a_step_under_torchrun_is_named(tmp_path: Path) -> Non
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
         "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
-        str(root / "tests/distributed/_stall_main.py"), str(tmp_path), str(STALL_TIMEOUT),
+        str(root / "tests/distributed/_stall_main.py"), str(tmp_path), str(STALL_TIMEOUT), str(NAP),
     ]  # fmt: skip
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -672,9 +672,10 @@ def test_a_rank_that_skips_a_step_under_torchrun_is_named(tmp_path: Path) -> Non
 KILL_WORLD = 6
 
 
-def _doomed(rank: int, port: int, out: Any, done: Any, timeout: float) -> None:
+def _doomed(rank: int, port: int, out: Any, done: Any, timeout: float, env: dict) -> None:
     """Ranks 0-3: a 2 x 2 grid whose rank 3 is SIGKILLed in the backward of micro-batch 1.
     Ranks 4-5: a 2-stage pipeline whose rank 5 gets SIGTERM in the forward of micro-batch 2."""
+    settle(env)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=KILL_WORLD
@@ -701,13 +702,14 @@ def _doomed(rank: int, port: int, out: Any, done: Any, timeout: float) -> None:
 @pytest.mark.slow
 def test_a_killed_rank_ends_every_other_rank_within_the_timeout() -> None:
     timeout = 10.0
-    ctx = mp.get_context("spawn")
+    ctx = context()
     out, done = ctx.Queue(), ctx.Event()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    env = dict(os.environ)
     procs = [
-        ctx.Process(target=_doomed, args=(r, port, out, done, timeout), daemon=True)
+        ctx.Process(target=_doomed, args=(r, port, out, done, timeout, env), daemon=True)
         for r in range(KILL_WORLD)
     ]
     for p in procs:

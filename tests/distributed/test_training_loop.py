@@ -1,7 +1,8 @@
 """One training loop, both runtimes: the same cases (accumulation over calls, clipping by the
 whole model's norm, evaluation between steps, frozen tied weights, LoRA adapters, a sequence
-length that changes per step, a batch smaller than chunks) through a one-process pipe, two
-torchrun ranks (pp=2) and four (pp=2 x dp=2), each against the plain model."""
+length that changes per step, a batch smaller than chunks) through a one-process pipe and two
+torchrun ranks (pp=2), each against the plain model. Four ranks (pp=2 x dp=2, zb-h1) run them
+as two nodes in test_multinode."""
 
 from __future__ import annotations
 
@@ -23,20 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 RTOL = 1e-5
 
 
-def _has(module: str) -> bool:
-    try:
-        __import__(module)
-    except ImportError:
-        return False
-    return True
-
-
-CASES = [c for c in _loop.CASES if c != "lora" or _has("peft")]
-
-
-@pytest.fixture(scope="module")
-def plain() -> dict[str, dict[str, Any]]:
-    return {case: _loop.plain(case) for case in CASES}
+CASES = _loop.installed()
 
 
 def _same(got: dict[str, Any], want: dict[str, Any], where: str, rtol: float = RTOL) -> None:
@@ -54,11 +42,27 @@ def _same(got: dict[str, Any], want: dict[str, Any], where: str, rtol: float = R
         assert err < rtol, f"{where}: weight {name} off by {err:.2e}"
 
 
+def check_ranks(ranks: list[dict[str, Any]], plain: dict[str, dict[str, Any]], label: str) -> None:
+    """Every case on every rank equals the plain model's run, and the ranks together hold
+    every weight."""
+    for case in CASES:
+        seen: set[str] = set()
+        for r, results in enumerate(ranks):
+            got = results[case]
+            assert not isinstance(got, str), f"rank {r}, {case}:\n{got}"
+            where = f"rank {r} of {len(ranks)} ({label}), {case}"
+            _same(got, plain[case], where, _loop.TOLERANCE.get(case, RTOL))
+            seen |= set(got["weights"])
+        trained = {n for n, p in plain[case]["weights"].items()}
+        assert seen == trained, f"{case}: no rank holds {trained - seen}"
+        assert any(r[case]["dtype"] is not None for r in ranks), case  # the last stage's ranks
+
+
 @pytest.mark.parametrize("case", CASES)
-def test_one_process_loop_equals_plain(case: str, plain: dict[str, dict[str, Any]]) -> None:
+def test_one_process_loop_equals_plain(case: str, loop_plain: dict[str, dict[str, Any]]) -> None:
     got = _loop.one_process(case)
-    assert got["dtype"] == plain[case]["dtype"]
-    _same(got, plain[case], "one process", _loop.TOLERANCE.get(case, RTOL))
+    assert got["dtype"] == loop_plain[case]["dtype"]
+    _same(got, loop_plain[case], "one process", _loop.TOLERANCE.get(case, RTOL))
 
 
 def _torchrun(tmp: Path, nproc: int, dp: int, schedule: str) -> list[dict[str, Any]]:
@@ -78,19 +82,5 @@ def _torchrun(tmp: Path, nproc: int, dp: int, schedule: str) -> list[dict[str, A
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("nproc", "dp", "schedule"), [(2, 1, "1f1b"), (4, 2, "zb-h1")])
-def test_ranks_loop_equals_plain(
-    tmp_path: Path, plain: dict[str, dict[str, Any]], nproc: int, dp: int, schedule: str
-) -> None:
-    ranks = _torchrun(tmp_path, nproc, dp, schedule)
-    for case in CASES:
-        seen: set[str] = set()
-        for r, results in enumerate(ranks):
-            got = results[case]
-            assert not isinstance(got, str), f"rank {r}, {case}:\n{got}"
-            where = f"rank {r} of {nproc}, {case}"
-            _same(got, plain[case], where, _loop.TOLERANCE.get(case, RTOL))
-            seen |= set(got["weights"])
-        trained = {n for n, p in plain[case]["weights"].items()}
-        assert seen == trained, f"{case}: no rank holds {trained - seen}"
-        assert any(r[case]["dtype"] is not None for r in ranks), case  # the last stage's ranks
+def test_ranks_loop_equals_plain(tmp_path: Path, loop_plain: dict[str, dict[str, Any]]) -> None:
+    check_ranks(_torchrun(tmp_path, 2, 1, "1f1b"), loop_plain, "pp=2, 1f1b")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import re
@@ -87,18 +88,37 @@ def _every_layout(model: nn.Module, devices: int, batch: int, capacity: int):  #
         for shard in (False, True) if dp > 1 else (False,):
             try:
                 p = pipepar.plan(
-                    prof, devices=pp, capacity=capacity, chunks=m, schedule=name,
-                    checkpoint=checkpoint, shard=dp if shard else 1,
+                    prof,
+                    devices=pp,
+                    capacity=capacity,
+                    chunks=m,
+                    schedule=name,
+                    checkpoint=checkpoint,
+                    shard=dp if shard else 1,
                 )
             except ValueError:
                 continue
             assert p.peak_bytes <= capacity
             pred = predict_step(
-                prof, p.balance, cluster=SLOW, schedule=name, chunks=m, checkpoint=checkpoint,
-                dp=dp, flops=flops, dp_shard=shard,
+                prof,
+                p.balance,
+                cluster=SLOW,
+                schedule=name,
+                chunks=m,
+                checkpoint=checkpoint,
+                dp=dp,
+                flops=flops,
+                dp_shard=shard,
             )
             found.append((pred.step_ms, pp, name, m, checkpoint, shard))
     return sorted(found)
+
+
+@functools.cache
+def _brute_force(capacity: int):  # type: ignore[no-untyped-def]
+    """:func:`_every_layout` of the MLP on 4 devices, batch 64: found once per capacity for
+    the tests that share it (profiles hold shapes, bytes and FLOPs, not the weights' values)."""
+    return _every_layout(_mlp(), 4, 64, capacity)
 
 
 def _key(x: Layout) -> tuple[object, ...]:
@@ -111,10 +131,9 @@ def test_search_finds_what_brute_force_finds(capacity: int) -> None:
     """Every option tried by hand, replicated and sharded: the search returns the same layouts
     with the same predicted steps, all of them (top=None) and the fastest three (its pruning
     loses none of those)."""
-    model = _mlp()
-    brute = _every_layout(model, 4, 64, capacity)
+    brute = _brute_force(capacity)
     assert brute, "the case must have layouts that fit"
-    prof, flops = _profile(model, 8)  # scaled to each replica's rows by the search
+    prof, flops = _profile(_mlp(), 8)  # scaled to each replica's rows by the search
     options = dict(devices=4, batch=64, cluster=SLOW, capacity=capacity, flops=flops)
     replicated = pipepar.search_layouts(prof, **options, top=None, shards=(False,))  # type: ignore[arg-type]
     assert {_key(x): x.step_ms for x in replicated} == pytest.approx(
@@ -135,7 +154,7 @@ def test_search_finds_what_brute_force_finds(capacity: int) -> None:
 def test_the_brute_force_optimum_is_sharded_at_some_capacities() -> None:
     """Sharding is a real candidate: at 45 kB the fastest layouts shard their replicas' state,
     and the search picks the one brute force does."""
-    brute = _every_layout(_mlp(), 4, 64, 45_000)
+    brute = _brute_force(45_000)
     assert brute[0][-1] is True and any(not shard for *_, shard in brute)
     prof, flops = _profile(_mlp(), 8)
     best = pipepar.search_layouts(
@@ -147,8 +166,8 @@ def test_the_brute_force_optimum_is_sharded_at_some_capacities() -> None:
 
 def test_brute_force_tight_capacities_leave_some_out() -> None:
     """The capacities above rule some layouts out, and recompute and chunks matter to which."""
-    loose = _every_layout(_mlp(), 4, 64, 2**30)
-    tight = _every_layout(_mlp(), 4, 64, 45_000)
+    loose = _brute_force(2**30)
+    tight = _brute_force(45_000)
     assert len(tight) < len(loose) / 2
     assert {c for *_, c, _ in tight} == set(CHECKPOINTS)
     assert {m for *_, m, _, _ in tight} != set(CHUNKS)
@@ -159,14 +178,23 @@ def test_balance_is_the_fastest_of_every_split(cluster: Cluster) -> None:
     """With every balance of equal layers tried too, none beats the search's best."""
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(4)])
     best = float("inf")
+    profiles = {}
     for pp, dp, rows, name, m, checkpoint in _options(_profile(model, 1)[0], 4, 16):
-        prof, flops = _timed(model, rows, cluster)
+        if rows not in profiles:
+            profiles[rows] = _timed(model, rows, cluster)
+        prof, flops = profiles[rows]
         stages = pp * (2 if name in VIRTUAL else 1)
         for cuts in itertools.combinations(range(1, len(prof)), stages - 1):
             balance = [b - a for a, b in zip((0, *cuts), (*cuts, len(prof)))]
             pred = predict_step(
-                prof, balance, cluster=cluster, schedule=name, chunks=m, checkpoint=checkpoint,
-                dp=dp, flops=flops,
+                prof,
+                balance,
+                cluster=cluster,
+                schedule=name,
+                chunks=m,
+                checkpoint=checkpoint,
+                dp=dp,
+                flops=flops,
             )
             best = min(best, pred.step_ms)
     prof, flops = _profile(model, 4)
@@ -188,8 +216,10 @@ def test_no_layout_over_capacity() -> None:
         order = schedule_for(x.schedule, x.pp, x.chunks)
         memory = MemoryModel(x.plan.profile, order, checkpoint=x.checkpoint, foreach=[True] * x.pp)
         for w in range(x.pp):
-            ranges = [(x.plan.stages[s].layers.start, x.plan.stages[s].layers.stop - 1)
-                      for s in order.stages_of(w)]
+            ranges = [
+                (x.plan.stages[s].layers.start, x.plan.stages[s].layers.stop - 1)
+                for s in order.stages_of(w)
+            ]
             assert sum(m.peak_bytes for m in memory.device(w, ranges)) == x.peak_bytes[w]
 
 
@@ -197,9 +227,7 @@ def test_too_small_a_capacity_names_the_least_needed() -> None:
     """Nothing fits: the message names about the capacity that does, and it does."""
     prof, flops = _profile(_mlp(), 8)
     with pytest.raises(ValueError, match="no layout fits 4 devices of") as err:
-        pipepar.search_layouts(
-            prof, devices=4, batch=64, cluster=SLOW, capacity=5_000, flops=flops
-        )
+        pipepar.search_layouts(prof, devices=4, batch=64, cluster=SLOW, capacity=5_000, flops=flops)
     found = re.search(r"the least any needs is about ([\d.]+) (\w+) per device", str(err.value))
     assert found, err.value
     need = parse_bytes(found.group(1) + found.group(2))
@@ -319,8 +347,18 @@ GPT2 = ["plan", "models.transformers_zoo:gpt2", "--tokens", "4,16", "--devices",
 def test_cli_searches_the_whole_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     js = tmp_path / "layouts.json"
     code, out, err = _run(
-        capsys, *GPT2, "--capacity", "1GiB", "--cluster", "h100x8", "--batch", "16", "--top", "3",
-        "--json", str(js),
+        capsys,
+        *GPT2,
+        "--capacity",
+        "1GiB",
+        "--cluster",
+        "h100x8",
+        "--batch",
+        "16",
+        "--top",
+        "3",
+        "--json",
+        str(js),
     )
     assert code == 0, err
     assert "Layouts, fastest first (4 devices of 1.0 GiB, 16 rows per step, h100x8)" in out
