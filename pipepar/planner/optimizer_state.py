@@ -3,7 +3,9 @@
 No guess factors: the optimizer is built over ``meta`` copies of the parameters (same shapes and
 dtypes, no memory), stepped twice, and its state tensors are counted; the second step runs under
 a :class:`~pipepar.memory_tracker.MemoryTracker` to measure the step's temporaries. Optimizers
-that cannot step on ``meta`` are stepped on small CPU copies instead.
+that cannot step on ``meta`` are stepped on small CPU copies instead. Figures are kept by
+optimizer and parameter shapes, so a model's repeated layers (a transformer's blocks) and later
+profiles of the same model step each kind of layer once.
 
     >>> spec = resolve_optimizer("adam")
     >>> cost = optimizer_cost(spec, [torch.empty(1024, device="meta")], foreach=False)
@@ -112,6 +114,11 @@ def _required_defaults(cls: type[torch.optim.Optimizer]) -> dict[str, Any]:
     return {"lr": 1e-3} if lr is not None and lr.default is inspect.Parameter.empty else {}
 
 
+# Costs measured so far, by optimizer, its arguments, foreach and parameter shapes and dtypes.
+_KNOWN: dict[tuple[object, ...], OptimizerCost] = {}
+_KNOWN_LIMIT = 4096
+
+
 def optimizer_cost(
     spec: OptimizerSpec, params: Sequence[torch.Tensor], *, foreach: bool | None = None
 ) -> OptimizerCost:
@@ -135,18 +142,42 @@ def optimizer_cost(
     kwargs = dict(spec.kwargs)
     if foreach is not None and "foreach" in _init_parameters(spec.cls):
         kwargs["foreach"] = foreach
+    key = _key(spec.cls, kwargs, params)
+    cost = _KNOWN.get(key)
+    if cost is None:
+        cost = _measure(spec.name, spec.cls, kwargs, params)
+        if len(_KNOWN) >= _KNOWN_LIMIT:
+            _KNOWN.clear()
+        _KNOWN[key] = cost
+    return cost
+
+
+def _key(
+    cls: type[torch.optim.Optimizer], kwargs: dict[str, Any], params: Sequence[torch.Tensor]
+) -> tuple[object, ...]:
+    # repr keeps unhashable arguments (lists, tensors) usable as a key; equal reprs step alike.
+    args = tuple(sorted((name, repr(value)) for name, value in kwargs.items()))
+    return (cls, args, tuple((tuple(p.shape), p.dtype) for p in params))
+
+
+def _measure(
+    name: str,
+    cls: type[torch.optim.Optimizer],
+    kwargs: dict[str, Any],
+    params: Sequence[torch.Tensor],
+) -> OptimizerCost:
     try:
-        return _step_and_count(spec.cls, kwargs, params, torch.device("meta"))
+        return _step_and_count(cls, kwargs, params, torch.device("meta"))
     except (NotImplementedError, RuntimeError) as err:
-        logger.debug("%s cannot step on meta (%s); stepping CPU copies", spec.name, err)
+        logger.debug("%s cannot step on meta (%s); stepping CPU copies", name, err)
     too_big = [tuple(p.shape) for p in params if p.numel() > _CPU_FALLBACK_LIMIT]
     if too_big:
         raise ValueError(
-            f"optimizer {spec.name} cannot run on the meta device and parameters of shape "
+            f"optimizer {name} cannot run on the meta device and parameters of shape "
             f"{too_big[0]} are too big to copy to CPU to count its state; "
             "use optimizer='adam' (or another built-in) for planning, or optimizer=None"
         )
-    return _step_and_count(spec.cls, kwargs, params, torch.device("cpu"))
+    return _step_and_count(cls, kwargs, params, torch.device("cpu"))
 
 
 def _init_parameters(cls: type) -> set[str]:

@@ -7,12 +7,14 @@ what the parent asserts on. Cases that need fewer ranks use sub-groups of the wo
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import queue
 import socket
 import time
 import traceback
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +29,7 @@ from pipepar.core.schedule import NAMES, VIRTUAL, parse
 from pipepar.distributed.stage import build_stage, load_local_state
 from pipepar.ranks import replicas
 from pipepar.ranks.arguments import check_schedule
-from pipepar.ranks.mesh import check_grid
+from pipepar.ranks.mesh import build_mesh, check_grid
 from pipepar.ranks.replicas import BUCKET_BYTES
 from pipepar.ranks.transport import TensorMeta, decode_meta, encode_meta
 from tests._ranks import context, settle
@@ -380,6 +382,37 @@ def case_memory(rank: int, m: int) -> dict:
     return {"stage": rank, "peaks": peaks}
 
 
+def _full_collections_during(fn: Callable[[], None]) -> int:
+    """How many full collections ``fn`` runs (the automatic collector held off meanwhile)."""
+    count = [0]
+
+    def seen(phase: str, info: dict) -> None:
+        count[0] += phase == "start" and info["generation"] == 2
+
+    gc.disable()
+    gc.callbacks.append(seen)
+    try:
+        fn()
+    finally:
+        gc.callbacks.remove(seen)
+        gc.enable()
+    return count[0]
+
+
+def case_mesh_close(rank: int) -> dict:
+    """A mesh's close frees its groups; it collects garbage only when a cycle still holds one."""
+    out = {}
+    for label in ("plain", "cycle"):
+        mesh = build_mesh(WORLD, 1, group=None, timeout=None)
+        ref = weakref.ref(mesh.fwd)
+        if label == "cycle":
+            loop: list[object] = [mesh.fwd]
+            loop.append(loop)
+            del loop
+        out[label] = (_full_collections_during(mesh.close), ref() is None)
+    return out
+
+
 def case_bad_arguments(rank: int) -> dict:
     """Mismatched grids raise on every rank without creating any group or sending anything."""
     before = dist.distributed_c10d._world.group_count
@@ -703,6 +736,11 @@ def test_1f1b_holds_fewer_activations_than_gpipe_and_zb_h1_no_more_than_1f1b(poo
         assert per_microbatch > 0
         assert ofob_peak == pytest.approx((4 - j) * per_microbatch), (j, r["peaks"])
         assert 0 < zb_peak <= ofob_peak, (j, r["peaks"])
+
+
+def test_closing_a_mesh_frees_its_groups_collecting_only_for_a_cycle(pool: Pool) -> None:
+    for r in pool.run(case_mesh_close):
+        assert r == {"plain": (0, True), "cycle": (1, True)}, r
 
 
 @pytest.mark.slow

@@ -221,6 +221,29 @@ def test_any_optimizer_class_or_instance() -> None:
     )
 
 
+class _CountingSGD(torch.optim.SGD):
+    steps = 0
+
+    def step(self, closure=None):  # type: ignore[no-untyped-def]
+        type(self).steps += 1
+        return super().step(closure)
+
+
+def test_each_kind_of_layer_is_stepped_once_and_arguments_tell_kinds_apart() -> None:
+    model = nn.Sequential(*[nn.Linear(24, 24) for _ in range(4)], nn.Linear(24, 8))
+    _CountingSGD.steps = 0
+    prof = profile(model, torch.randn(2, 24), optimizer=_CountingSGD)  # plain SGD: no state
+    # two shapes x loop/multi-tensor x (state step + steady step) = 8, not 5 layers' 20
+    assert _CountingSGD.steps == 8
+    assert [layer.optimizer_bytes for layer in prof.layers] == [0] * 5
+    prof = profile(model, torch.randn(4, 24), optimizer=_CountingSGD)
+    assert _CountingSGD.steps == 8  # a later profile of the same model: measured already
+    momentum = _CountingSGD(model.parameters(), lr=0.1, momentum=0.9)
+    prof = profile(model, torch.randn(2, 24), optimizer=momentum)
+    assert _CountingSGD.steps == 16
+    assert [layer.optimizer_bytes for layer in prof.layers] == [600 * 4] * 4 + [200 * 4]
+
+
 def test_huge_models_profile_on_meta_without_memory() -> None:
     model = nn.Sequential(*[nn.Linear(16384, 16384, device="meta") for _ in range(4)])
     prof = profile(model, torch.empty(8, 16384, device="meta"), optimizer="adam")
