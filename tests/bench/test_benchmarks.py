@@ -546,3 +546,18 @@ def test_backward_plan_quick_times_both_ways_of_planning(
     for kind in ("split", "whole"):
         cells = r"\| \d+ \| \d+ \(\d+-\d+\) \| \d+ \(\d+-\d+\) \| [\d.]+ \|"
         assert re.search(rf"\| gpt2 \| {kind} {cells}", out), out
+
+
+def test_rank_floor_quick_times_the_hand_written_pipeline_and_pipepar(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every contender gets each rank's CPU and the step's wall time (the hand-written
+    pipeline's loss was checked against the model's on rank 1, or the run failed)."""
+    from benchmarks import bench_rank_floor
+
+    assert bench_rank_floor.main(["--quick", "--pieces"]) == 0
+    out = capsys.readouterr().out
+    cells = r"\| [\d.]+ \| [\d.]+ \| [\d.]+x \| [\d.]+ \| [\d.]+-[\d.]+ \|"
+    for name in ("hand-written", "pipepar.distributed", "route check off", "direct terms off"):
+        assert re.search(rf"\| {name} {cells}", out), out
+    assert re.search(r"\| hand-written \| [\d.]+ \| [\d.]+ \| 1.00x", out), out
