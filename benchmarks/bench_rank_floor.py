@@ -3,11 +3,14 @@
 Two ranks (gloo, one core and one math thread each) run transformers' GPT-2 of
 ``bench_models.py`` split at its middle block, M=8, GPipe order, in the same two processes:
 
+- **limit**: each rank runs the whole model's micro-batches one after another (the same run's
+  limit of ``bench_models.py``);
+
 - **hand-written**: the blocks called directly, the activation sent with ``dist.send`` and its
   gradient sent back, plain ``backward()``; no checks, no hooks, no threads. It computes what
   the model computes (its loss is checked against the model's own before timing);
 - **pipepar.distributed**: ``ppd.wrap(model, split=[middle block], schedule=...)``, the model as
-  transformers builds it;
+  transformers builds it (four equal stages, two per rank, for the virtual-stage schedules);
 - with ``--pieces``, pipepar with one of its pieces switched off (analysis only; the results
   are then not checked): the route check's walk of each micro-batch's graph, and the direct
   weight-gradient terms (every weight gradient left to autograd).
@@ -44,6 +47,7 @@ from benchmarks._common import load
 from benchmarks._procs import spawn_pair
 from benchmarks._results import markdown_table, record
 
+LIMIT = "limit: one-core job x 2 processes"
 HAND = "hand-written"
 PIPE = "pipepar.distributed"
 PIECES = {"route check off": "check", "direct terms off": "direct"}
@@ -135,14 +139,15 @@ def _rank(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
         cpu_malloc.tune()
         ppd.bind_cores(local_rank=rank, local_world_size=2)
         work = bm.job("gpt2", quick=args.quick)
-        steps = {HAND: hand_written(work, args.chunks, rank)}
+        steps = {LIMIT: bm.one_core(work, args.chunks), HAND: hand_written(work, args.chunks, rank)}
+        paths = bm.split(work, bm.stages(args.schedule))
         pipe = ppd.wrap(
-            copy.deepcopy(work.model), split=bm.split(work, 2), chunks=args.chunks,
-            schedule=args.schedule, checkpoint="never",
+            copy.deepcopy(work.model), split=paths, chunks=args.chunks, schedule=args.schedule,
+            checkpoint="never",
         )  # fmt: skip
         steps[PIPE] = bm._stepped(pipe, work.ids)
         switch = _switches()
-        names = [HAND, PIPE, *(PIECES if args.pieces else [])]
+        names = [LIMIT, HAND, PIPE, *(PIECES if args.pieces else [])]
         cpu: dict[str, list[float]] = {n: [] for n in names}
         wall: dict[str, list[float]] = {n: [] for n in names}
         for _ in range(args.rounds):
@@ -166,21 +171,27 @@ def _rank(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
 
 def table(result: dict[int, Any]) -> str:
     """Per contender: each rank's median CPU ms per step, their sum against the hand-written
-    one's, and the wall time per step (median, p10-p90)."""
+    one's (the limit's halved: each of its ranks runs the whole model), the wall time per step
+    (median, p10-p90) and the median rate against the limit's (a pipeline's step takes one
+    batch, the limit's two)."""
     rows = []
     names = list(result[0]["cpu"])
     base = sum(statistics.median(result[r]["cpu"][HAND]) for r in (0, 1))
+    limit = statistics.median(result[0]["wall"][LIMIT])
     for name in names:
         cpus = [statistics.median(result[r]["cpu"][name]) for r in (0, 1)]
+        share = sum(cpus) / base / (2 if name == LIMIT else 1)
         walls = sorted(result[0]["wall"][name])
         p10, p90 = walls[len(walls) // 10], walls[(len(walls) * 9) // 10]
+        median = statistics.median(walls)
+        rate = 1.0 if name == LIMIT else limit / (2 * median)
         rows.append(
-            [name, f"{cpus[0] * 1e3:.1f}", f"{cpus[1] * 1e3:.1f}", f"{sum(cpus) / base:.2f}x",
-             f"{statistics.median(walls) * 1e3:.1f}", f"{p10 * 1e3:.1f}-{p90 * 1e3:.1f}"]
+            [name, f"{cpus[0] * 1e3:.1f}", f"{cpus[1] * 1e3:.1f}", f"{share:.2f}x",
+             f"{median * 1e3:.1f}", f"{p10 * 1e3:.1f}-{p90 * 1e3:.1f}", f"{rate:.2f}"]
         )  # fmt: skip
     return markdown_table(
         ["contender", "rank 0 CPU ms/step", "rank 1 CPU ms/step", "CPU vs hand-written",
-         "wall ms/step median", "wall p10-p90"],
+         "wall ms/step median", "wall p10-p90", "of limit (median)"],
         rows,
     )  # fmt: skip
 
