@@ -5,7 +5,6 @@ Two ranks (gloo, one core and one math thread each) run transformers' GPT-2 of
 
 - **limit**: each rank runs the whole model's micro-batches one after another (the same run's
   limit of ``bench_models.py``);
-
 - **hand-written**: the blocks called directly, the activation sent with ``dist.send`` and its
   gradient sent back, plain ``backward()``; no checks, no hooks, no threads. It computes what
   the model computes (its loss is checked against the model's own before timing);
