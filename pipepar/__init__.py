@@ -17,7 +17,8 @@ from pipepar.planner.layout import Layout
 from pipepar.planner.layout_search import search_layouts
 from pipepar.planner.partition import partition
 from pipepar.planner.plan import Plan, StagePlan, plan
-from pipepar.planner.profile import LayerProfile, Profile, profile
+from pipepar.planner.profile import LayerProfile, Profile
+from pipepar.program.profile import profile
 from pipepar.program.units import Unit, units
 from pipepar.tracing.tracer import Timeline, tracing
 from pipepar.wrapping import wrap

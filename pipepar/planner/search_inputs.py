@@ -20,9 +20,9 @@ from pipepar.planner.call_times import profile_two_sizes
 from pipepar.planner.cluster import Cluster
 from pipepar.planner.flop_count import count_flops
 from pipepar.planner.plan_inputs import check_profile
-from pipepar.planner.profile import Profile, profile
+from pipepar.planner.profile import Profile
 from pipepar.planner.step_time import Flops
-from pipepar.program.profile import profile_model
+from pipepar.program.profile import profile
 
 __all__ = [
     "check_choices",
@@ -60,7 +60,7 @@ def search_profile(
                 "or a Profile from pipepar.profile"
             )
         prof = profile_two_sizes(
-            functools.partial(_measure, model_or_profile, device=device, optimizer=optimizer),
+            functools.partial(profile, model_or_profile, device=device, optimizer=optimizer),
             sample,
             chunks,
         )
@@ -81,14 +81,6 @@ def search_profile(
             "measured on a device"
         )
     return prof, None
-
-
-def _measure(model: nn.Module, sample: Any, *, device: str, optimizer: object) -> Profile:
-    """``model``'s profile on ``sample``: an ``nn.Sequential`` by its layers, any other
-    module by its units."""
-    if isinstance(model, nn.Sequential):
-        return profile(model, sample, device=device, optimizer=optimizer)
-    return profile_model(model, sample, device=device, optimizer=optimizer)
 
 
 def _check_flops(flops: Any, n: int) -> list[tuple[float, float]]:

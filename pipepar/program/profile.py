@@ -42,17 +42,52 @@ from pipepar.planner.profile import (
     training_step,
     usable,
 )
+from pipepar.planner.profile import profile as profile_layers
 from pipepar.program import units as units_
 from pipepar.program.calls import as_call, batch_size, split_call
 from pipepar.program.meta_values import SHADOW_LIMIT, meta_modes
 from pipepar.program.unit_timing import time_units
 from pipepar.program.unit_trace import UnitCall, deferred_units, trace_units
 
-__all__ = ["profile_model"]
+__all__ = ["profile", "profile_model"]
 
 logger = logging.getLogger(__name__)
 
 _META = torch.device("meta")
+
+
+def profile(
+    model: nn.Module,
+    sample: Any,
+    *,
+    device: str | torch.device = "meta",
+    optimizer: object = "adam",
+) -> Profile:
+    """Measure each layer's memory (and time, on real devices) for one training step: an
+    ``nn.Sequential`` by its layers (:func:`pipepar.planner.profile.profile`), any other model
+    (transformers, timm, torchvision as they are) by its units (:func:`profile_model`).
+
+    Args:
+        model: the model, not modified.
+        sample: an input batch, dim 0 the batch: a tensor or a tuple of tensors; for a model
+            other than an ``nn.Sequential`` also a dict of keyword arguments (e.g.
+            ``dict(input_ids=ids, labels=ids)``).
+        device: ``"meta"`` (no memory used, no times), ``"cpu"`` or a CUDA device.
+        optimizer: whose state to count: ``"adam"``, ``"adamw"``, ``"sgd"``,
+            ``"sgd-momentum"``, ``"rmsprop"``, None, or a ``torch.optim.Optimizer`` subclass.
+
+    Returns:
+        The :class:`~pipepar.planner.profile.Profile` of the whole sample batch, ready for
+        :func:`pipepar.plan` and :mod:`pipepar.report`.
+
+    Example:
+        >>> prof = pipepar.profile(zoo.gpt2(layers=2), zoo.sample("gpt2", batch=4))
+        >>> [layer.name for layer in prof.layers][:3]
+        ['transformer.wte', 'transformer.wpe', 'transformer.drop']
+    """
+    if isinstance(model, nn.Sequential):
+        return profile_layers(model, sample, device=device, optimizer=optimizer)
+    return profile_model(model, sample, device=device, optimizer=optimizer)
 
 
 def profile_model(

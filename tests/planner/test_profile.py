@@ -34,8 +34,10 @@ def _torchvision(name: str) -> nn.Sequential:
 
 
 def test_exported_names() -> None:
+    from pipepar.program.profile import profile as profile_any_model
+
     assert (pipepar.profile, pipepar.Profile, pipepar.LayerProfile) == (
-        profile,
+        profile_any_model,
         Profile,
         LayerProfile,
     )
@@ -242,6 +244,23 @@ def test_each_kind_of_layer_is_stepped_once_and_arguments_tell_kinds_apart() -> 
     prof = profile(model, torch.randn(2, 24), optimizer=momentum)
     assert _CountingSGD.steps == 16
     assert [layer.optimizer_bytes for layer in prof.layers] == [600 * 4] * 4 + [200 * 4]
+
+
+def test_any_model_profiles_by_its_units_and_plans() -> None:
+    from models import transformers_zoo as zoo
+    from pipepar.program.profile import profile_model
+
+    model, sample = zoo.gpt2(layers=2), zoo.sample("gpt2", batch=4)
+    prof = pipepar.profile(model, sample)  # meta and adam, as for an nn.Sequential
+    assert prof == profile_model(model, sample, device="meta", optimizer="adam")
+    assert [layer.name for layer in prof.layers] == [u.path for u in pipepar.units(model)]
+    assert prof.layers[0].optimizer_bytes == 2 * prof.layers[0].params_bytes  # Adam
+    plan = pipepar.plan(prof, devices=2, chunks=2)
+    assert sum(plan.balance) == len(prof.layers) and len(plan.balance) == 2
+    layers = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+    assert pipepar.profile(layers, torch.randn(2, 8)) == profile(layers, torch.randn(2, 8))
+    with pytest.raises(TypeError, match=r"model must be an nn\.Module, but got str"):
+        pipepar.profile("a model", torch.randn(2, 8))  # type: ignore[arg-type]
 
 
 def test_huge_models_profile_on_meta_without_memory() -> None:
