@@ -88,7 +88,8 @@ class _Record:
 @dataclass
 class _Later:
     """A backward whose B had nothing to compute (no stage input needs a gradient): W runs it
-    whole, in one engine pass with the direct terms, as an unsplit backward would."""
+    whole, in one engine pass with the direct terms, as an unsplit backward would (freeing
+    what the forward saved as it goes)."""
 
     outputs: list[Tensor]
     grads: list[Tensor]
@@ -303,11 +304,18 @@ class StageStep:
         start = time.perf_counter()
         last = self._closing()
         with self._device():
-            if isinstance(work, _Later):  # keeps the graph to its end, as the planner counts
-                self._whole(work.outputs, work.grads, [], last=last, retain=True, known=work.known)
+            if isinstance(work, _Later):
+                self._whole(work.outputs, work.grads, [], last=last, known=work.known)
             else:
                 self._weigh(work, last=last)
+        self._finished(i)
         self._tell(i, "weight", start)
+
+    def _finished(self, i: int) -> None:
+        """Micro-batch ``i``'s last backward action on this stage has run (B, or W where B
+        left work): let go of what the step still references of its graph, so that what the
+        graph saved is freed now rather than at the mini-batch's end. The chain's records are
+        popped by B already; a model's stage lets go of its crossings."""
 
     def _weigh(self, work: WeightWork, *, last: bool) -> None:
         """W of a split backward: autograd again from the junctions for generic parameters,

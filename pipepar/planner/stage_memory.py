@@ -15,11 +15,12 @@ shared by two layers counts once; one that crosses a stage boundary counts on bo
   when no parameter needs autograd again in W (only matrix products, computed *directly* from
   their saved inputs), B does not keep the graph and the micro-batch holds only those saved
   inputs and the recorded gradients; on stage 0, whose input needs no gradient, B does nothing
-  and W keeps the graph and the incoming gradient;
+  and the micro-batch waits whole, with the incoming gradient;
 - transients: a forward's work space; a whole backward's peak with the parameter gradients it
   makes (``G``, unscaled); the end of a whole backward (its input gradient, the incoming
   gradient and the new ``G`` alive, its activations freed); B of a split backward (the gradients
-  it records and the input gradient); W (the ``G`` it makes); the optimizer step (per tensor on
+  it records and the input gradient); W (the ``G`` it makes; on stage 0 the whole backward,
+  freeing as it goes); the optimizer step (per tensor on
   CPU, all at once with the ``foreach`` kernels torch picks on CUDA). Once the stage's gradient
   sums exist, a direct product adds into its sum in place (``addmm_``): ``summed`` are the same
   transients without those gradients (W always; an unsplit backward only on a stage with a
@@ -135,13 +136,11 @@ def _input_grad_peak(layer: LayerProfile, r: float) -> int:
     return round(r * max(other for other, _ in layer.retained_points))
 
 
-def _backward_peak(
-    layer: LayerProfile, r: float, *, retained: bool = False, new: int | None = None
-) -> int:
+def _backward_peak(layer: LayerProfile, r: float, *, new: int | None = None) -> int:
     """A layer's backward peak, its gradients included, at ``r`` times the profiled batch;
-    ``retained``: when the backward keeps the graph (frees nothing the forward saved); ``new``:
-    at most that many gradient bytes are new tensors (the rest added into sums in place)."""
-    points = layer.retained_points if retained else layer.backward_points
+    ``new``: at most that many gradient bytes are new tensors (the rest added into sums in
+    place)."""
+    points = layer.backward_points
     cap = layer.grads_bytes if new is None else new
     if not points:  # a profile from before the points, or built by hand
         return round(r * layer.backward_peak_bytes) + cap
@@ -237,13 +236,6 @@ class MemoryModel:
         keep = [round(r * (x.deferred_grad_bytes + s)) for x, s in zip(layers, self._saved_at)]
         own = [_freeing_peak(x, r) for x in layers]
         self._freeing = _Sweep.of(own, cut, _prefix(keep), freed)
-        self._retained = [_backward_peak(x, r, retained=True) for x in layers]
-        self._retained_tail = _RangeMax([self._retained[i] - self._g[i + 1] for i in range(n)])
-        self._retained_new = [
-            _backward_peak(x, r, retained=True, new=g) for x, g in zip(layers, new)
-        ]
-        left = _prefix(new)
-        self._retained_new_tail = _RangeMax([self._retained_new[i] - left[i + 1] for i in range(n)])
         # B of a split backward: layer i's gradients other than parameter ones (graph kept),
         # with what layers i+1..b recorded for W still alive.
         self._input_only = [_input_grad_peak(x, r) for x in layers]
@@ -321,7 +313,8 @@ class MemoryModel:
             "backward": self._sweep(self._new, a, b),
             "backward_end": in_grad + incoming + grads,
             "input_grad": split_b,
-            "weight": grads if a > 0 else self._kept_graph_backward(b, incoming),
+            # Stage 0's W is its whole backward; the incoming gradient is held in ``waits``.
+            "weight": grads if a > 0 else self._sweep(self._new, a, b) - incoming,
         }
         summed = dict(transient, weight=grads - (self._direct[b + 1] - self._direct[a]))
         if self._large[b + 1] > self._large[a]:  # an unsplit backward is direct too
@@ -329,7 +322,7 @@ class MemoryModel:
             summed["backward"] = self._sweep(self._summed, a, b)
             summed["backward_end"] = in_grad + incoming + new
             if a == 0:
-                summed["weight"] = self._kept_graph_backward(b, incoming, summed=True)
+                summed["weight"] = summed["backward"] - incoming
         elif a == 0:
             summed["weight"] = transient["weight"]
         return Figures(
@@ -389,22 +382,6 @@ class MemoryModel:
             tail = self._input_only_tail(a, b - 1) + round(self.scale * self._kept[b + 1])
             best = max(best, tail + unkept)
         return best
-
-    def _kept_graph_backward(self, b: int, incoming: int, *, summed: bool = False) -> int:
-        """The first stage's W: its whole backward, keeping the graph (``retain_graph``), so
-        nothing saved is freed; the stage's incoming gradient is already held for W. When
-        layer i < b runs, layers i+1..b have made their gradients; ``summed``: only those not
-        added into their sums in place (the direct route, once the sums exist)."""
-        own, tail = (
-            (self._retained_new, self._retained_new_tail)
-            if summed
-            else (self._retained, self._retained_tail)
-        )
-        last = own[b] - incoming
-        if b == 0:
-            return last
-        made = self._g[b + 1] - (self._whole_direct[b + 1] if summed else 0)
-        return max(last, tail(0, b - 1) + made)
 
     def static_bytes(self, a: int, b: int) -> int:
         """Parameters + gradients + optimizer state of layers a..b (a lower bound of the peak)."""

@@ -27,7 +27,7 @@ the hooks alone making the same crossings (:meth:`Cut.following`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -160,6 +160,34 @@ class Ledger:
         """The stage that made ``t`` in this micro-batch, or None."""
         tag = getattr(t, _TAG, None)
         return tag[1] if tag is not None and tag[0] is self.token else None
+
+    def release(self, producer: int, *, received: Collection[int] = ()) -> None:
+        """Let go of the values stage ``producer`` made (they hold its graph) once its
+        backward is done: each stage they fed has run its B, so neither their gradients nor
+        the leaves standing for them are asked for again; and of the values it received from
+        the stages ``received`` (on other ranks: its B sent their gradients). Weights stay (a
+        stage may hold one that an earlier stage uses)."""
+
+        def made(c: Crossing) -> bool:
+            return c.producer == producer and not c.is_param
+
+        def taken(c: Crossing) -> bool:
+            return c.consumer == producer and c.producer in received and not c.is_param
+
+        gone = {id(c.original) for c in self.crossings if made(c)}
+        gone.update(id(t) for p, t in self.outputs if p == producer)
+        for c in self.crossings:
+            if taken(c):
+                self._leaves.pop((id(c.original), c.consumer), None)
+        self.crossings = [c for c in self.crossings if not (made(c) or taken(c))]
+        self.outputs = [(p, t) for p, t in self.outputs if p != producer]
+        # A value sent to another rank's stage is noted under its own tag (:meth:`first_use`).
+        for pair in [
+            k for k, v in self._leaves.items() if k[0] in gone or self.stage_of(v) == producer
+        ]:
+            del self._leaves[pair]
+        for key in gone:
+            self.grads.pop(key, None)
 
     def forget(self) -> None:
         self.crossings.clear()

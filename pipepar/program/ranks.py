@@ -166,6 +166,14 @@ class RankCut(Cut):
         for p, ts in going.items():
             self._send_first(ts, p, stage)
 
+    def release(self, stage: int) -> None:
+        """Let go of own stage ``stage``'s values sent to other ranks once its backward is
+        done (their gradients came back in its B): they hold its graph."""
+        self.exports = [c for c in self.exports if c.producer != stage]
+        made = self.ledger.stage_of
+        self._metas = {k: v for k, v in self._metas.items() if made(v[0]) != stage}
+        self._stand_ins = {k: v for k, v in self._stand_ins.items() if made(v[0]) != stage}
+
     def _export(self, t: Tensor, producer: int | None, stage: int) -> None:
         """Send ``t`` to the rank of ``stage`` (not this one's) on that stage's first use of
         it, if an own stage made it."""
@@ -368,7 +376,15 @@ class RankStep(SegmentStep):
             if crossing.producer not in self.mine:
                 sent = g if g is not None else torch.zeros_like(crossing.leaf)
                 self.link.send(sent, GRADIENT, crossing.producer, self.stage.index)
+        if i not in self._weights:
+            self._finished(i)
         return ()
+
+    def _finished(self, i: int) -> None:
+        s = self.stage.index
+        others = set(range(len(self.link.ranks))) - self.mine
+        self.batch.ledgers[i].release(s, received=others)
+        self.cuts[i].release(s)
 
     def defers_weights(self, i: int) -> bool:
         """Whether B of micro-batch ``i`` will compute no weight gradient: nothing enters the

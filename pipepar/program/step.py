@@ -78,7 +78,7 @@ class Batch:
                 cut.ledger.add_grad(
                     loss, torch.tensor(weight, dtype=loss.dtype, device=loss.device)
                 )
-            return loss
+            return loss.detach()  # the ledger holds the graph's root, and lets go of it
 
         return run
 
@@ -183,8 +183,15 @@ class SegmentStep(StageStep):
             ledger.take_walked(self.stage.index)  # nothing to plan: let go of it now
             if self.grad:
                 self._closing()
+        if i not in self._weights:
+            self._finished(i)
         self._tell(i, "backward", start)
         return ()
+
+    def _finished(self, i: int) -> None:
+        # What the stage made (its outputs, the loss) holds the stage's graph; the model's
+        # forward has returned, and every stage it fed has run its B.
+        self.batch.ledgers[i].release(self.stage.index)
 
     def _deliver(
         self, ledger: Ledger, entering: list[Crossing], grads: Sequence[Tensor | None]
