@@ -72,6 +72,8 @@ _SCALE = "MulBackward0"
 _TERMS = frozenset((*_MATMUL, _NORM, _SCALE))
 """The nodes that may have direct terms."""
 _ACCUMULATE = "torch::autograd::AccumulateGrad"
+_CAST = "ToCopyBackward0"
+"""A ``Tensor.to`` of a parameter (autocast's copy of a weight in the lower precision)."""
 _NAMES: dict[type, str] = {}
 """Node names by the node's Python type, for the types named after their node (asking a node
 builds a new string each time)."""
@@ -150,18 +152,26 @@ class Direct:
     is None): what the node saved, and how its gradient is made of it."""
     edge: int = 0
     """The node's next edge of the parameter."""
+    cast: bool = False
+    """The parameter entered as a copy in another dtype (autocast's, of a float32 weight): the
+    product is made in the copy's dtype and cast to the parameter's, as autograd does."""
 
     def add(self, grad: Tensor, total: Tensor | None, owned: bool) -> Tensor:
         """``total + this gradient``: in place into ``total`` if ``owned``, else a new tensor."""
         if self.saved is None:
             part = grad.sum(0) if self.kernel is None else self.kernel.grad(grad, self.edge)
-            if total is None:
-                return part
-            return total.add_(part) if owned else total + part
-        a, b = (grad.t(), self.saved) if self.transposed else (self.saved.t(), grad)
+        else:
+            a, b = (grad.t(), self.saved) if self.transposed else (self.saved.t(), grad)
+            if not self.cast:  # the product adds into the sum itself
+                if total is None:
+                    return torch.mm(a, b)
+                return total.addmm_(a, b) if owned else torch.addmm(total, a, b)
+            part = torch.mm(a, b)
+        if self.cast:
+            part = part.to(self.param.dtype)
         if total is None:
-            return torch.mm(a, b)
-        return total.addmm_(a, b) if owned else torch.addmm(total, a, b)
+            return part
+        return total.add_(part) if owned else total + part
 
     def kept(self) -> list[Tensor]:
         """What the term reads of the forward (kept until W runs)."""
@@ -429,12 +439,16 @@ class _Graph:
         return found
 
 
-_Candidate = tuple[dict[int, tuple[Tensor, bool]], "Tensor | NormSaved | ScaleSaved", int | None]
-"""A node's direct edges ``{edge: (param, transposed)}``, what its terms read (a matrix
+_Edge = tuple[Tensor, bool, bool]
+"""A direct edge's parameter, whether it enters transposed, and whether through a cast of its
+dtype (autocast's copy of a float32 weight): see :class:`Direct`."""
+
+_Candidate = tuple[dict[int, _Edge], "Tensor | NormSaved | ScaleSaved", int | None]
+"""A node's direct edges ``{edge: (param, transposed, cast)}``, what its terms read (a matrix
 product's saved input, a norm's :class:`NormSaved`) and the index of a product's bias edge."""
 
 
-_NO_EDGES: tuple[dict[int, tuple[Tensor, bool]], None, None] = ({}, None, None)
+_NO_EDGES: tuple[dict[int, _Edge], None, None] = ({}, None, None)
 """What a node without direct edges has of a :data:`_Candidate` (never written to)."""
 
 
@@ -445,11 +459,11 @@ def _junctions(
     candidates: dict[Node, _Candidate],
     routes: Counter[int],
     generic: set[int],
-) -> list[tuple[int, int, Tensor, bool, Tensor | NormSaved | ScaleSaved | None]]:
+) -> list[tuple[int, int, _Edge, Tensor | NormSaved | ScaleSaved | None]]:
     """Add every junction to ``work`` with its generic parameters; count each parameter's
-    routes; return the direct edges as (junction, edge, parameter, transposed, saved)."""
+    routes; return the direct edges as (junction, edge, its :data:`_Edge`, saved)."""
     index: dict[Node, int] = {}
-    pending: list[tuple[int, int, Tensor, bool, Tensor | NormSaved | ScaleSaved | None]] = []
+    pending: list[tuple[int, int, _Edge, Tensor | NormSaved | ScaleSaved | None]] = []
     nexts, none = graph.nexts, _NO_EDGES
     for node in graph.order:
         if node not in on_path:
@@ -459,9 +473,9 @@ def _junctions(
             if child is None or child in on_path:
                 continue
             if n in edges:
-                param, transposed = edges[n]
+                param = edges[n][0]
                 k = _junction(work, index, node, [])
-                pending.append((k, n, param, transposed, None if n == bias else saved))
+                pending.append((k, n, edges[n], None if n == bias else saved))
                 routes[id(param)] += 1
                 continue
             reached = graph.reachable_params([child])
@@ -475,13 +489,13 @@ def _junctions(
 
 def _settle(
     work: WeightWork,
-    pending: list[tuple[int, int, Tensor, bool, Tensor | NormSaved | ScaleSaved | None]],
+    pending: list[tuple[int, int, _Edge, Tensor | NormSaved | ScaleSaved | None]],
     generic: set[int],
 ) -> None:
     """Make each pending direct edge a :class:`Direct` term, or, if its parameter is reached
     along a generic route too (or is hooked), a generic junction parameter: a parameter is
     either all direct or all generic, so one pass never counts an edge twice."""
-    for k, edge, param, transposed, saved in pending:
+    for k, edge, (param, transposed, cast), saved in pending:
         have = work.junctions[k][1]
         if id(param) in generic:
             if all(p is not param for p in have):
@@ -490,7 +504,7 @@ def _settle(
         if isinstance(saved, (NormSaved, ScaleSaved)):
             work.direct.append(Direct(param, k, None, False, kernel=saved, edge=edge))
         else:
-            work.direct.append(Direct(param, k, saved, transposed))
+            work.direct.append(Direct(param, k, saved, transposed, cast=cast))
 
 
 def _junction(work: WeightWork, index: dict[Node, int], node: Node, params: list[Tensor]) -> int:
@@ -515,19 +529,21 @@ def _direct_edges(graph: _Graph, node: Node, name: str, hooked: set[int]) -> _Ca
         return None
     k, n = (int(d) for d in node._saved_mat2_sym_sizes)  # type: ignore[attr-defined]
     nexts = graph.nexts[node]
-    found: dict[int, tuple[Tensor, bool]] = {}
+    found: dict[int, _Edge] = {}
     child = nexts[weight]
     if child is not None and graph.names[child] == "TBackward0":
         under = graph.nexts[child]
-        param = graph.params.get(under[0]) if len(under) == 1 and under[0] else None
+        param, cast = _param_under(graph, under[0]) if len(under) == 1 else (None, False)
         if param is not None and param.shape == (n, k):
-            found[weight] = (param, True)
-    elif child in graph.params and graph.params[child].shape == (k, n):
-        found[weight] = (graph.params[child], False)
-    if bias is not None and nexts[bias] in graph.params:
-        param = graph.params[nexts[bias]]  # type: ignore[index]
-        if param.shape == (n,):
-            found[bias] = (param, False)
+            found[weight] = (param, True, cast)
+    else:
+        param, cast = _param_under(graph, child)
+        if param is not None and param.shape == (k, n):
+            found[weight] = (param, False, cast)
+    if bias is not None:
+        param, cast = _param_under(graph, nexts[bias])
+        if param is not None and param.shape == (n,):
+            found[bias] = (param, False, cast)
     found = _usable(found, x, hooked)
     return (found, x, bias) if found else None
 
@@ -555,7 +571,7 @@ def _scale_edges(graph: _Graph, node: Node, hooked: set[int]) -> _Candidate | No
         return None
     if not isinstance(other, Tensor) or other.layout != torch.strided or other.is_complex():
         return None
-    found = _usable({edge: (param, False)}, other, hooked)
+    found = _usable({edge: (param, False, False)}, other, hooked)
     return (found, ScaleSaved(other, param.shape), None) if found else None
 
 
@@ -575,7 +591,7 @@ def _norm_edges(graph: _Graph, node: Node, hooked: set[int]) -> _Candidate | Non
         return None
     nexts = graph.nexts[node]
     edges = {
-        e: (graph.params[nexts[e]], False)  # type: ignore[index]
+        e: (graph.params[nexts[e]], False, False)  # type: ignore[index]
         for e in (1, 2)
         if len(nexts) > e and nexts[e] in graph.params
     }
@@ -583,15 +599,24 @@ def _norm_edges(graph: _Graph, node: Node, hooked: set[int]) -> _Candidate | Non
     return (found, saved, None) if found else None
 
 
-def _usable(
-    edges: dict[int, tuple[Tensor, bool]], x: Tensor, hooked: set[int]
-) -> dict[int, tuple[Tensor, bool]]:
-    """The direct edges whose parameter carries no tensor hook and has the dtype and device of
-    what the term computes with (``x``)."""
+def _param_under(graph: _Graph, node: Node | None) -> tuple[Tensor | None, bool]:
+    """The parameter whose accumulator ``node`` is, or is the only next node of: a copy of
+    the parameter in another dtype (autocast casts a float32 weight once and computes with
+    the copy); and whether it is such a copy."""
+    param = graph.params.get(node) if node is not None else None
+    if param is not None or node is None or graph.names[node] != _CAST:
+        return param, False
+    under = graph.nexts[node]
+    return (graph.params.get(under[0]) if len(under) == 1 and under[0] else None), True
+
+
+def _usable(edges: dict[int, _Edge], x: Tensor, hooked: set[int]) -> dict[int, _Edge]:
+    """The direct edges whose parameter carries no tensor hook and has the device of what the
+    term computes with (``x``), and its dtype unless it enters through a cast."""
     return {
-        e: (p, t)
-        for e, (p, t) in edges.items()
-        if id(p) not in hooked and p.dtype == x.dtype and p.device == x.device
+        e: (p, t, cast)
+        for e, (p, t, cast) in edges.items()
+        if id(p) not in hooked and (cast or p.dtype == x.dtype) and p.device == x.device
     }
 
 

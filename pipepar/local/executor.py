@@ -134,14 +134,18 @@ class Run:
 
     def _job(self, worker: int, work: list[Action], drain: bool) -> Callable[[], None]:
         def job() -> None:
-            for action in work:
-                self.slots.check()
-                if action.kind != "W":
-                    self.act(action)
-                elif self.weights.claim(action.stage, action.microbatch):
-                    self._weight(action)
-            if drain:
-                self._drain(worker)
+            # The caller's autocast held for the whole job, as a plain loop under one autocast
+            # holds it: the worker casts each weight once, and every micro-batch's graph saves
+            # that one copy (an autocast entered per action would cast, and keep, one each).
+            with self.steps[0].autocast():
+                for action in work:
+                    self.slots.check()
+                    if action.kind != "W":
+                        self.act(action)
+                    elif self.weights.claim(action.stage, action.microbatch):
+                        self._weight(action)
+                if drain:
+                    self._drain(worker)
 
         return job
 

@@ -213,6 +213,29 @@ def test_linear_junctions_become_direct_terms() -> None:
     assert not plan.work.generic() and not plan.conflict
 
 
+def test_autocast_copies_of_weights_become_direct_terms_with_the_plain_bits() -> None:
+    """Under autocast a Linear computes with a bfloat16 copy of its float32 weight and bias;
+    W makes their gradients from the saved input in bfloat16 and casts them, as autograd does
+    through the copy: nothing generic is left for W (B keeps no graph), and the bits are
+    autograd's."""
+    torch.manual_seed(0)
+    layers = nn.Sequential(*_mlp(8))
+    params = list(layers.parameters())
+    x = torch.randn(4, 8, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layers(x)
+    assert y.dtype == torch.bfloat16
+    g = torch.randn_like(y)
+    plan = plan_backward([y], [g], [x], params)
+    assert {id(p) for p in plan.direct_params()} == {id(p) for p in params}
+    assert all(t.cast for t in plan.work.direct) and not plan.work.generic()
+    _split_has_the_plain_bits(y, g, x, params)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # a whole backward too
+        y = layers(x)
+    whole = plan_backward([y], [g], [x], params, reach=True)
+    assert {id(p) for p in whole.direct_params()} == {id(p) for p in params}
+
+
 def _split_has_the_plain_bits(y: Tensor, g: Tensor, x: Tensor, params: list[Tensor]) -> None:
     """B and W of ``y`` (a split that keeps no graph for W) give autograd's bits exactly."""
     want = torch.autograd.grad([y], [x, *params], [g], retain_graph=True)

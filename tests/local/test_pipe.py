@@ -152,6 +152,45 @@ def test_autocast_passes_through_stages() -> None:
         torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
 
 
+class _CastProbe(nn.Linear):
+    """A Linear that notes where the bf16 copy of its weight, saved for backward, lives."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__(width, width)
+        self.copies: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        saved = y.grad_fn._saved_mat2  # type: ignore[union-attr]
+        if saved is not None:  # saved where the layer's input needs a gradient
+            assert saved.dtype == torch.bfloat16
+            self.copies.append(saved.untyped_storage().data_ptr())
+        return y
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_autocast_casts_each_weight_once_per_step_as_the_plain_loop(schedule: str) -> None:
+    """Under one autocast a plain loop casts each weight once and every micro-batch saves that
+    copy; a pipe's stage does the same, instead of keeping a copy per micro-batch in flight."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_CastProbe(8), nn.ReLU(), _CastProbe(8), nn.ReLU(), _CastProbe(8))
+    plain = copy.deepcopy(model)
+    pipe = pipepar.wrap(
+        model, [2, 3], devices=["cpu", "cpu"], chunks=4, schedule=schedule, checkpoint="never"
+    )
+    x, y = torch.randn(16, 8), torch.randn(16, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = pipe.step(x, y, lambda out, t: ((out.float() - t) ** 2).mean())
+        for a, b in zip(x.split(4), y.split(4)):
+            (((plain(a).float() - b) ** 2).mean() / 4).backward()
+    for layer in (2, 4):
+        assert len(model[layer].copies) == 4
+        assert len(set(model[layer].copies)) == 1, f"layer {layer}: a weight copy per micro-batch"
+    assert loss.item() > 0
+    for a, b in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-2, rtol=1e-2)
+
+
 def test_matches_torchgpipe() -> None:
     torchgpipe = pytest.importorskip("torchgpipe")
     model = random_stack(random.Random(6), 6)
