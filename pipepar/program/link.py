@@ -158,6 +158,18 @@ class Link:
         work = self._post(self.mesh.isend, buffer, what, kind, peer, self._tag(producer, consumer))
         self._sends.append((work, what))
         self._buffers.append(buffer)
+        self._forget_sent()
+
+    def _forget_sent(self) -> None:
+        """Let go of the sends that have left, oldest first, and of their buffers: a buffer
+        kept to the step's end holds a value the stage has long let go of (a 1F1B stage would
+        hold every micro-batch's output). Waiting on a finished send returns at once, or
+        raises if it failed."""
+        sends, buffers = self._sends, self._buffers
+        while sends and (sends[0][0] is None or sends[0][0].is_completed()):
+            self.progress.wait(*sends[0])
+            sends.pop(0)
+            buffers.pop(0)
 
     def _recv(self, buffer: Tensor, value: str, kind: int, producer: int, consumer: int) -> None:
         self.progress.wait(*self._posted_recv(buffer, value, kind, producer, consumer))
