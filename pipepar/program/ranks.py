@@ -316,6 +316,17 @@ class RankCut(Cut):
     def _receive(self, t: Tensor) -> Tensor:
         """The real value of shadow value ``t`` from the rank of the stage that made it."""
         made = self.ledger.stage_of(t)
+        if made is None and isinstance(t, nn.Parameter) and t.is_meta:
+            raise RuntimeError(
+                f"stage {self.stage} uses a weight of shape {tuple(t.shape)} that a stage on "
+                f"another rank holds, inside stage {self.stage}'s stretch of the forward "
+                "(typically a unit of an earlier stage called again after this stage began: "
+                "modules declared in another order than the forward calls them). Across ranks "
+                "a stage's weights live on its own rank only, so each stage's units must run in "
+                "one stretch, in the order pipepar.units(model) lists them: declare the modules "
+                "in the order the forward calls them, move the split, or use pipepar.wrap in "
+                "one process (which allows it)"
+            )
         if made is None:
             raise RuntimeError(
                 f"stage {self.stage} uses a value of shape {tuple(t.shape)} that no stage made "
