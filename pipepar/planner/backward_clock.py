@@ -8,7 +8,8 @@ partly freed). :class:`BackwardClock` keeps the whole trade-off as a few points
 ``(other bytes, gradient bytes)``; at ``r`` the peak is ``max(r * other + gradients)``.
 
 It also keeps the points of the same backward as if nothing alive before it were freed: a
-backward that keeps its graph (``retain_graph``), as W of zero-bubble schedules does.
+backward that keeps its graph (``retain_graph``), as B of a zero-bubble split does when W must
+run autograd again.
 
 A gradient is allocated before its hook says it is one: in between it is counted as a
 gradient, not as other bytes (else a matrix product's weight gradient, which the runtime may
