@@ -68,12 +68,16 @@ class Autocast:
             tuple((k, torch.get_autocast_dtype(k)) for k in kinds if torch.is_autocast_enabled(k))
         )
 
-    def __call__(self) -> contextlib.AbstractContextManager[Any]:
+    def __call__(self, *, enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
+        """The caller's autocast; with ``enabled=False``, autocast off for the same devices.
+        A backward runs with it off, as a plain backward outside the autocast does (inside
+        it, autograd would compute a float32 graph's backward in the lower precision). A
+        context off inside one on keeps the outer one's cast cache."""
         if not self.states:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         for kind, dtype in self.states:
-            stack.enter_context(torch.autocast(kind, dtype=dtype))
+            stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
         return stack
 
 
@@ -213,7 +217,7 @@ class StageStep:
         outs, gouts = [t for t, _ in pairs], [g for _, g in pairs]
         readable = self._saved_readable(i)
         known = self._walked(i)  # taken in any case: kept no longer than this backward needs
-        with self._device():
+        with self._device(), self.autocast(enabled=False):
             if readable and self.split(i) and all(t.grad_fn is not None for t in outs):
                 if not inputs:  # B has nothing to compute: W runs the whole backward
                     self._weights[i] = _Later(outs, gouts, known)
@@ -303,7 +307,7 @@ class StageStep:
             return
         start = time.perf_counter()
         last = self._closing()
-        with self._device():
+        with self._device(), self.autocast(enabled=False):
             if isinstance(work, _Later):
                 self._whole(work.outputs, work.grads, [], last=last, known=work.known)
             else:

@@ -168,12 +168,22 @@ class _CastProbe(nn.Linear):
         return y
 
 
+class _Full(nn.Linear):
+    """A Linear that computes in float32 under an autocast (its own region, autocast off)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            return super().forward(x.float())
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_autocast_casts_each_weight_once_per_step_as_the_plain_loop(schedule: str) -> None:
     """Under one autocast a plain loop casts each weight once and every micro-batch saves that
-    copy; a pipe's stage does the same, instead of keeping a copy per micro-batch in flight."""
+    copy; a pipe's stage does the same, instead of keeping a copy per micro-batch in flight.
+    Its backward runs outside the autocast, as a plain backward does: a layer that computes in
+    float32 gets its float32 backward (under autocast its products would be bfloat16)."""
     torch.manual_seed(0)
-    model = nn.Sequential(_CastProbe(8), nn.ReLU(), _CastProbe(8), nn.ReLU(), _CastProbe(8))
+    model = nn.Sequential(_CastProbe(8), nn.ReLU(), _CastProbe(8), _Full(8, 8), _CastProbe(8))
     plain = copy.deepcopy(model)
     pipe = pipepar.wrap(
         model, [2, 3], devices=["cpu", "cpu"], chunks=4, schedule=schedule, checkpoint="never"
@@ -181,14 +191,18 @@ def test_autocast_casts_each_weight_once_per_step_as_the_plain_loop(schedule: st
     x, y = torch.randn(16, 8), torch.randn(16, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss = pipe.step(x, y, lambda out, t: ((out.float() - t) ** 2).mean())
-        for a, b in zip(x.split(4), y.split(4)):
-            (((plain(a).float() - b) ** 2).mean() / 4).backward()
+    losses = []
+    for a, b in zip(x.split(4), y.split(4)):  # each micro-batch's gradients summed in float32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses.append(((plain(a).float() - b) ** 2).mean() / 4)
+        losses[-1].backward()  # outside the autocast, as its documentation advises
     for layer in (2, 4):
         assert len(model[layer].copies) == 4
         assert len(set(model[layer].copies)) == 1, f"layer {layer}: a weight copy per micro-batch"
-    assert loss.item() > 0
+    torch.testing.assert_close(loss, sum(losses).detach())
+    # The pipe's backward runs outside the autocast too: float32 arithmetic, not bfloat16.
     for a, b in zip(model.parameters(), plain.parameters()):
-        torch.testing.assert_close(a.grad, b.grad, atol=1e-2, rtol=1e-2)
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5)
 
 
 def test_matches_torchgpipe() -> None:
