@@ -347,6 +347,14 @@ def test_gpu_bench_without_cuda_says_so_and_writes_nothing(tmp_path: Path) -> No
     assert not results.exists()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
+def test_cuda_peaks_bench_without_cuda_says_so() -> None:
+    cmd = [sys.executable, "benchmarks/bench_cuda_peaks.py"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.count("\n") == 1 and "needs a CUDA device" in done.stderr
+
+
 def test_plan_time_best_is_decided_head_to_head_where_both_were_rematched() -> None:
     from benchmarks import bench_plan_time as bench
 
