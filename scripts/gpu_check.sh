@@ -5,6 +5,7 @@
 #
 #     bash scripts/gpu_check.sh            # logs (01-info.log, ...) and tables under $OUT (default out/gpu)
 #     GPU_CHECK_STEPS="tests bench" GPU_CHECK_BENCH_ARGS="--models gpt2" bash scripts/gpu_check.sh
+#     GPU_CHECK_STEPS="peaks" bash scripts/gpu_check.sh   # benchmarks/bench_cuda_peaks.py
 #
 # The tests step needs pytest-xdist and pytest-timeout (the GPU image has both).
 #
@@ -72,6 +73,9 @@ print(\"transformers\", transformers.__version__, \"timm\", timm.__version__, \"
         step bench "${GPU_CHECK_BENCH_LIMIT:-180}" python3 benchmarks/bench_gpu.py \
             --results "$OUT/z-RESULTS.md" --json "$OUT/bench_gpu.json" ${GPU_CHECK_BENCH_ARGS:-}
         ;;
-    *) echo "unknown step $s (info, tests, examples, bench)" ;;
+    peaks)  # not in the default steps: the planner's CUDA memory for every balance
+        step peaks "${GPU_CHECK_PEAKS_LIMIT:-120}" python3 benchmarks/bench_cuda_peaks.py
+        ;;
+    *) echo "unknown step $s (info, tests, examples, bench, peaks)" ;;
     esac
 done
