@@ -68,16 +68,21 @@ class Autocast:
             tuple((k, torch.get_autocast_dtype(k)) for k in kinds if torch.is_autocast_enabled(k))
         )
 
-    def __call__(self, *, enabled: bool = True) -> contextlib.AbstractContextManager[Any]:
+    def __call__(
+        self, *, enabled: bool = True, cache: bool = True
+    ) -> contextlib.AbstractContextManager[Any]:
         """The caller's autocast; with ``enabled=False``, autocast off for the same devices.
         A backward runs with it off, as a plain backward outside the autocast does (inside
         it, autograd would compute a float32 graph's backward in the lower precision). A
-        context off inside one on keeps the outer one's cast cache."""
+        context off inside one on keeps the outer one's cast cache. ``cache=False``: each
+        cast is used once and dropped (where the graphs save shared copies instead)."""
         if not self.states:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         for kind, dtype in self.states:
-            stack.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
+            stack.enter_context(
+                torch.autocast(kind, dtype=dtype, enabled=enabled, cache_enabled=cache)
+            )
         return stack
 
 
@@ -148,6 +153,8 @@ class StageStep:
         self.flags = tuple(layer.training for layer in stage.layers)
         self.training = any(self.flags)
         self.autocast = Autocast.capture()
+        self._cast_cache = True
+        """Whether a forward keeps autocast's cast cache (see :meth:`Autocast.__call__`)."""
         self.split = split or (lambda i: False)
         self.head, self.record, self.on_final = head, record, on_final
         self._closed = 0  # micro-batches whose last backward action ran
@@ -190,7 +197,7 @@ class StageStep:
             stack.enter_context(drawing)
         if self.stage.device.type == "cuda":
             stack.enter_context(torch.cuda.device(self.stage.device))
-        stack.enter_context(self.autocast())
+        stack.enter_context(self.autocast(cache=self._cast_cache))
         return stack
 
     # -- B ------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from pipepar.core.step import Grads, StageStep
 from pipepar.program.cut import Crossing, Cut, Ledger
 from pipepar.program.driver import Driver
 from pipepar.program.recompute import recomputing_units
+from pipepar.program.weight_copies import SharedCopies
 
 __all__ = ["Batch", "SegmentContext", "SegmentStep"]
 
@@ -143,12 +144,17 @@ class SegmentStep(StageStep):
         self._large = any(p.dim() == 2 and p.numel() >= 1 << 17 for p in self.params)
         self._per_call: dict[int, tuple[nn.Parameter, Tensor]] = {}
         """By weight ``id``: the gradient sum of a weight used through a leaf per micro-batch."""
+        self._copies = SharedCopies(self.params)
+        # The graphs save the shared copies: a forward's own casts need not outlive their use.
+        self._cast_cache = not (self.grad and self.autocast.states)
 
     def segment_context(self, stage: int, i: int) -> contextlib.AbstractContextManager[Any]:
         """What the driver enters while it computes this stage of micro-batch ``i``."""
         ckpt = self._recomputes(i)
         stack = self._context(i, replay=ckpt)
         stack.enter_context(torch.set_grad_enabled(self.grad))
+        if self.grad and self.autocast.states:  # one weight copy for all micro-batches
+            stack.enter_context(self._copies.saving())
         stack.enter_context(recomputing_units(ckpt))
         return stack
 
@@ -227,3 +233,4 @@ class SegmentStep(StageStep):
         super().release()
         self._sums = [None] * len(self.params)
         self._per_call = {}
+        self._copies.clear()
