@@ -50,6 +50,8 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
 
 __all__ = [
+    "CAST",
+    "TRANSPOSE",
     "Adder",
     "Direct",
     "Known",
@@ -72,8 +74,10 @@ _SCALE = "MulBackward0"
 _TERMS = frozenset((*_MATMUL, _NORM, _SCALE))
 """The nodes that may have direct terms."""
 _ACCUMULATE = "torch::autograd::AccumulateGrad"
-_CAST = "ToCopyBackward0"
+CAST = "ToCopyBackward0"
 """A ``Tensor.to`` of a parameter (autocast's copy of a weight in the lower precision)."""
+TRANSPOSE = "TBackward0"
+"""A transpose (``nn.Linear`` multiplies by its weight's)."""
 _NAMES: dict[type, str] = {}
 """Node names by the node's Python type, for the types named after their node (asking a node
 builds a new string each time)."""
@@ -531,7 +535,7 @@ def _direct_edges(graph: _Graph, node: Node, name: str, hooked: set[int]) -> _Ca
     nexts = graph.nexts[node]
     found: dict[int, _Edge] = {}
     child = nexts[weight]
-    if child is not None and graph.names[child] == "TBackward0":
+    if child is not None and graph.names[child] == TRANSPOSE:
         under = graph.nexts[child]
         param, cast = _param_under(graph, under[0]) if len(under) == 1 else (None, False)
         if param is not None and param.shape == (n, k):
@@ -604,7 +608,7 @@ def _param_under(graph: _Graph, node: Node | None) -> tuple[Tensor | None, bool]
     the parameter in another dtype (autocast casts a float32 weight once and computes with
     the copy); and whether it is such a copy."""
     param = graph.params.get(node) if node is not None else None
-    if param is not None or node is None or graph.names[node] != _CAST:
+    if param is not None or node is None or graph.names[node] != CAST:
         return param, False
     under = graph.nexts[node]
     return (graph.params.get(under[0]) if len(under) == 1 and under[0] else None), True

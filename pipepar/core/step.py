@@ -215,8 +215,14 @@ class StageStep:
             grads_in = self._backward(i, pairs, inputs)
         it = iter(grads_in)
         aligned = tuple(next(it) if t.requires_grad else None for t in tensors(rec.input))
+        self._backward_ran(i)
         self._tell(i, "backward", start)
         return aligned
+
+    def _backward_ran(self, i: int) -> None:
+        """B of micro-batch ``i`` has run: if it left no W, it was the last backward action."""
+        if i not in self._weights:
+            self._finished(i)
 
     def _backward(
         self, i: int, pairs: list[tuple[Tensor, Tensor]], inputs: list[Tensor]

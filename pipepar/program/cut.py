@@ -176,12 +176,11 @@ class Ledger:
 
         gone = {id(c.original) for c in self.crossings if made(c)}
         gone.update(id(t) for p, t in self.outputs if p == producer)
-        for c in self.crossings:
-            if taken(c):
-                self._leaves.pop((id(c.original), c.consumer), None)
         self.crossings = [c for c in self.crossings if not (made(c) or taken(c))]
         self.outputs = [(p, t) for p, t in self.outputs if p != producer]
-        # A value sent to another rank's stage is noted under its own tag (:meth:`first_use`).
+        # The leaves of the stage's values, and the stage's own leaves (tagged as its: the
+        # received ones among them); a value sent to another rank's stage is noted under its
+        # own tag (:meth:`first_use`).
         for pair in [
             k for k, v in self._leaves.items() if k[0] in gone or self.stage_of(v) == producer
         ]:

@@ -367,6 +367,7 @@ class RankStep(SegmentStep):
         self.cuts, self.link, self.mine = cuts, link, frozenset(mine)
         later = [s for s in self.mine if s > self.stage.index]
         self.until = min(later) - 1 if later else len(link.ranks) - 1
+        self._foreign = frozenset(range(len(link.ranks))) - self.mine
 
     def forward(self, i: int, x: Any) -> tuple[()]:
         self.batch.drivers[i].advance(self.until)
@@ -387,15 +388,12 @@ class RankStep(SegmentStep):
             if crossing.producer not in self.mine:
                 sent = g if g is not None else torch.zeros_like(crossing.leaf)
                 self.link.send(sent, GRADIENT, crossing.producer, self.stage.index)
-        if i not in self._weights:
-            self._finished(i)
+        self._backward_ran(i)
         return ()
 
     def _finished(self, i: int) -> None:
-        s = self.stage.index
-        others = set(range(len(self.link.ranks))) - self.mine
-        self.batch.ledgers[i].release(s, received=others)
-        self.cuts[i].release(s)
+        super()._finished(i)
+        self.cuts[i].release(self.stage.index)
 
     def defers_weights(self, i: int) -> bool:
         """Whether B of micro-batch ``i`` will compute no weight gradient: nothing enters the

@@ -144,16 +144,20 @@ class SegmentStep(StageStep):
         self._large = any(p.dim() == 2 and p.numel() >= 1 << 17 for p in self.params)
         self._per_call: dict[int, tuple[nn.Parameter, Tensor]] = {}
         """By weight ``id``: the gradient sum of a weight used through a leaf per micro-batch."""
+        self._foreign: frozenset[int] = frozenset()
+        """Stages computed by other ranks (whose values this one receives)."""
         self._copies = SharedCopies(self.params)
+        self._shares_copies = bool(self.grad and self.autocast.states)
+        """Whether the forwards' graphs save :attr:`_copies` (under autocast, training)."""
         # The graphs save the shared copies: a forward's own casts need not outlive their use.
-        self._cast_cache = not (self.grad and self.autocast.states)
+        self._cast_cache = not self._shares_copies
 
     def segment_context(self, stage: int, i: int) -> contextlib.AbstractContextManager[Any]:
         """What the driver enters while it computes this stage of micro-batch ``i``."""
         ckpt = self._recomputes(i)
         stack = self._context(i, replay=ckpt)
         stack.enter_context(torch.set_grad_enabled(self.grad))
-        if self.grad and self.autocast.states:  # one weight copy for all micro-batches
+        if self._shares_copies:  # one weight copy for all micro-batches
             stack.enter_context(self._copies.saving())
         stack.enter_context(recomputing_units(ckpt))
         return stack
@@ -189,15 +193,14 @@ class SegmentStep(StageStep):
             ledger.take_walked(self.stage.index)  # nothing to plan: let go of it now
             if self.grad:
                 self._closing()
-        if i not in self._weights:
-            self._finished(i)
+        self._backward_ran(i)
         self._tell(i, "backward", start)
         return ()
 
     def _finished(self, i: int) -> None:
         # What the stage made (its outputs, the loss) holds the stage's graph; the model's
         # forward has returned, and every stage it fed has run its B.
-        self.batch.ledgers[i].release(self.stage.index)
+        self.batch.ledgers[i].release(self.stage.index, received=self._foreign)
 
     def _deliver(
         self, ledger: Ledger, entering: list[Crossing], grads: Sequence[Tensor | None]

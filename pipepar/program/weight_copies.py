@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from pipepar.core.split_backward import CAST, TRANSPOSE
+
 __all__ = ["SharedCopies"]
 
 _LOW = frozenset((torch.bfloat16, torch.float16))
-_TRANSPOSE = "TBackward0"
-_CAST = "ToCopyBackward0"
 
 
 class SharedCopies:
@@ -61,24 +61,28 @@ class SharedCopies:
         if copy is None:
             with torch.no_grad():
                 base = param.detach().to(t.dtype)
-            copy = self._copies[key] = base.t() if transposed else base
-        if copy.shape != t.shape or copy.stride() != t.stride() or copy.device != t.device:
-            return t
-        return copy
+            copy = base.t() if transposed else base
+            if _laid_out_as(copy, t):  # kept only where it stands in for a saved copy
+                self._copies[key] = copy
+        return copy if _laid_out_as(copy, t) else t
 
     def _weight_of(self, node: Any) -> tuple[Tensor, bool] | None:
         """The weight whose cast (or the cast's transpose) ``node`` made, if it is one of the
         stage's, and whether transposed."""
-        transposed = type(node).__name__ == _TRANSPOSE
+        transposed = type(node).__name__ == TRANSPOSE
         if transposed:
             node = node.next_functions[0][0]
             if node is None:
                 return None
-        if type(node).__name__ != _CAST:
+        if type(node).__name__ != CAST:
             return None
         accumulator = node.next_functions[0][0]
         param = self._params.get(id(getattr(accumulator, "variable", None)))
         return (param, transposed) if param is not None else None
+
+
+def _laid_out_as(copy: Tensor, t: Tensor) -> bool:
+    return copy.shape == t.shape and copy.stride() == t.stride() and copy.device == t.device
 
 
 def _unpack(saved: Tensor) -> Tensor:
