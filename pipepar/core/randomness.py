@@ -20,11 +20,12 @@ The dispatch mode costs about 10 us of Python per operator. A :class:`DrawLog` k
 across mini-batches lets a stage that is known to draw nothing skip it: a stage's forwards run
 under the mode for a mini-batch with its layers' current train/eval flags; if none drew, the
 stage is *quiet* under those flags and its forwards in later mini-batches that will not be
-recomputed only check, under the generator lock, that no generator moved. If one did
-(randomness that depends on something other than the train/eval flags), that forward drew from
-the shared generator as the plain model does, a ``RuntimeWarning`` says so once, and the stage
-is watched again. A forward that will be recomputed always runs under the mode, so a recompute
-replays exactly.
+recomputed run without it. The mini-batch checks that no generator moved between its first
+quiet forward and its end (:meth:`Streams.close`; pipepar's own seed draw excepted). If one did
+(randomness that depends on something other than the train/eval flags), some quiet forward drew
+from the shared generator as the plain model does, a ``RuntimeWarning`` says so once, and every
+stage that ran quiet in that mini-batch is watched again. A forward that will be recomputed
+always runs under the mode, so a recompute replays exactly.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import threading
 import warnings
 from collections.abc import Hashable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -53,7 +55,7 @@ def _lock(device: torch.device) -> threading.Lock:
         return _LOCKS.setdefault(key, threading.Lock())
 
 
-_CPU_LOCK = _lock(torch.device("cpu"))  # taken twice per quiet block: found once
+_CPU_LOCK = _lock(torch.device("cpu"))  # found once
 
 
 def _generator(device: torch.device) -> torch.Generator:
@@ -73,6 +75,9 @@ class Randomness(Protocol):
     def drawing(
         self, stage: int, microbatch: int, *, replay: bool = True, flags: Hashable = ()
     ) -> AbstractContextManager[None]: ...
+
+    def close(self) -> None:
+        """The mini-batch's blocks have all run (it may check what they did)."""
 
 
 class DrawLog:
@@ -144,6 +149,9 @@ class Recorded:
             mode = _RecordMode(self._states.setdefault(key, []))
         with mode:
             yield
+
+    def close(self) -> None:
+        """Nothing to check: the blocks drew as the plain model does."""
 
 
 class _DrawMode(TorchDispatchMode):
@@ -229,6 +237,7 @@ class Streams:
     ) -> None:
         self._seed = seed
         self._guard = threading.Lock()
+        self._watch = _QuietWatch()
         self.log = log
         # Decided per mini-batch: a stage found quiet during this one is trusted from the
         # next one on, when every stage that draws takes its seed before any stage runs.
@@ -253,9 +262,10 @@ class Streams:
         with self._guard:
             if self._seed is None:
                 with _CPU_LOCK:
+                    before = _cpu_state()
                     self._seed = int(torch.randint(2**62, ()))
                     # a known move of the generator: quiet blocks running now did not draw it
-                    _WATCH.rebase(_cpu_state())
+                    _WATCH.rebase(before, _cpu_state())
             return self._seed
 
     @contextmanager
@@ -271,14 +281,20 @@ class Streams:
                 yield
             return
         if not replay and (stage, flags) in self._quiet and log.quiet(stage, flags):
-            # quiet before this mini-batch, and not found drawing since
-            with _watching(log, stage, flags):
-                yield
+            # quiet before this mini-batch, and not found drawing since: checked at close()
+            self._watch.add(stage, flags)
+            yield
             return
         mode = _StreamMode(self, 1_000_003 * stage + microbatch)
         with _drawing_from(mode):
             yield
         log.saw(stage, flags, drew=mode.drew)
+
+    def close(self) -> None:
+        """After the mini-batch's blocks: check that no generator moved while its quiet
+        blocks ran (see the module docstring). A block that runs later opens a new check."""
+        if self.log is not None:
+            self._watch.close(self.log)
 
 
 @contextmanager
@@ -351,75 +367,91 @@ def _generators_in_use() -> list[torch.Generator]:
     return gens
 
 
+@dataclass
+class _Window:
+    """One mini-batch's quiet blocks so far: the generators' states they started from, and
+    each quiet stage's train/eval flags."""
+
+    start: list[bytes]
+    stages: dict[int, Hashable] = field(default_factory=dict)
+    moved: bool = False  # a generator moved before pipepar drew a seed (see _Watch.rebase)
+
+
 class _Watch:
-    """The quiet blocks running now: the CPU generator's state each started from (moved on
-    when pipepar itself draws a seed meanwhile) and the stages each overlapped. A generator
-    that moved during a block was moved by one of them; only one of them gives the warning."""
+    """The windows open now, in every pipe of the process."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.open: dict[int, tuple[int, set[int], list[bytes]]] = {}  # stage, seen, start
-        self.silenced: set[int] = set()  # open blocks whose move another block reported
+        self.open: dict[int, _Window] = {}
         self.keys = itertools.count()
 
-    def enter(self, key: int, stage: int, start: list[bytes]) -> None:
+    def opened(self, window: _Window) -> int:
         with self.lock:
-            seen = {stage} | {s for s, _, _ in self.open.values()}
-            for _, others, _ in self.open.values():
-                others.add(stage)
-            self.open[key] = (stage, seen, start)
+            key = next(self.keys)
+            self.open[key] = window
+            return key
 
-    def leave(self, key: int) -> tuple[set[int], bool, list[bytes]]:
-        """The stages block ``key`` overlapped, whether its move is reported already, and the
-        state it started from."""
+    def closed(self, key: int) -> _Window:
         with self.lock:
-            silenced = key in self.silenced
-            self.silenced.discard(key)
-            _, seen, start = self.open.pop(key)
-            return seen, silenced, start
+            return self.open.pop(key)
 
-    def rebase(self, cpu: bytes) -> None:
-        """pipepar moved the CPU generator itself: compare open blocks with the new state."""
+    def rebase(self, before: bytes, after: bytes) -> None:
+        """pipepar moved the CPU generator itself, from ``before`` to ``after``: a window
+        that started elsewhere saw a draw before this one; every window compares with
+        ``after`` from now on."""
         with self.lock:
-            for _, _, start in self.open.values():
-                start[0] = cpu
-
-    def reported(self, suspects: set[int]) -> None:
-        """A move was reported: the open blocks of ``suspects`` saw it, and stay quiet."""
-        with self.lock:
-            self.silenced |= {k for k, (s, _, _) in self.open.items() if s in suspects}
+            for window in self.open.values():
+                window.moved = window.moved or window.start[0] != before
+                window.start[0] = after
 
 
 _WATCH = _Watch()
 
 
-@contextmanager
-def _watching(log: DrawLog, stage: int, flags: Hashable) -> Iterator[None]:
-    """Run a quiet stage's block with no mode; if a generator moved meanwhile, watch again
-    every stage whose quiet block overlapped (one of them drew) and say so once."""
-    key = next(_WATCH.keys)
-    with _CPU_LOCK:  # the start and the end read with any seed draw in order
-        _WATCH.enter(key, stage, _fingerprints(locked_cpu=True))
-    try:
-        yield
-    finally:
+class _QuietWatch:
+    """The watch of one mini-batch's quiet blocks (see :class:`Streams`): the generators'
+    states are read when its first quiet block starts and when the mini-batch ends
+    (:meth:`close`), not around every block; each read takes a copy of every generator's
+    state, and in a pipe two per block held the interpreter lock longer than the rest of a
+    quiet block's bookkeeping."""
+
+    def __init__(self) -> None:
+        self._key: int | None = None
+        self._guard = threading.Lock()
+
+    def add(self, stage: int, flags: Hashable) -> None:
+        """A quiet block of ``stage`` (under ``flags``) starts."""
+        with self._guard:
+            if self._key is None:
+                with _CPU_LOCK:  # read in order with any seed draw
+                    start = _fingerprints(locked_cpu=True)
+                self._key = _WATCH.opened(_Window(start))
+            window = _WATCH.open[self._key]
+            window.stages.setdefault(stage, flags)
+
+    def close(self, log: DrawLog) -> None:
+        """After the mini-batch's blocks: if a generator moved since the first quiet block
+        (other than by pipepar's own seed), one of the quiet stages drew; ``log`` watches them
+        all again, and a warning says so."""
+        with self._guard:
+            key, self._key = self._key, None
+        if key is None:
+            return
         with _CPU_LOCK:
             end = _fingerprints(locked_cpu=True)
-            suspects, silenced, start = _WATCH.leave(key)
-    if end == start:
-        return
-    for s in suspects:
-        log.saw(s, flags, drew=True)
-    if not silenced:
-        _WATCH.reported(suspects)
-        named = " or ".join(str(s) for s in sorted(suspects))
+            window = _WATCH.closed(key)
+        if end == window.start and not window.moved:
+            return
+        for stage, flags in window.stages.items():
+            log.saw(stage, flags, drew=True)
+        named = " or ".join(str(s) for s in sorted(window.stages))
         warnings.warn(
             f"pipepar: stage {named} drew random numbers in a forward although its earlier "
             "forwards with the same train/eval flags drew none; that forward drew from the "
             "shared generator (not repeatable from run to run), later ones use the stage's "
             "own random streams",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=3,
         )
 
 

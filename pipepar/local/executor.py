@@ -123,7 +123,16 @@ class Run:
     # -- running ------------------------------------------------------------------------------
     def execute(self, pool: WorkerPool | None, phase: Phase) -> None:
         """Run the schedule's actions that ``phase`` selects: on the workers of ``pool``, or
-        with ``pool=None`` on the calling thread, in an order that never waits."""
+        with ``pool=None`` on the calling thread, in an order that never waits; then let the
+        random streams check the blocks that ran (:meth:`Randomness.close`)."""
+        try:
+            self._execute(pool, phase)
+        finally:
+            streams = self.steps[0].streams if self.steps else None
+            if streams is not None:
+                streams.close()
+
+    def _execute(self, pool: WorkerPool | None, phase: Phase) -> None:
         if pool is None:
             order = [a for row in simulate(self.schedule) for a in row if a is not None]
             run_inline([self._bound(a) for a in order if phase(a)])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import warnings
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import pipepar
+from pipepar.core import randomness
 from pipepar.core.randomness import DrawLog, Recorded, Streams
 
 WIDTH = 16
@@ -230,6 +232,72 @@ def test_a_quiet_stage_under_a_mode_that_moves_tensors_reads_the_generators_on_t
     log = DrawLog()
     with Streams(seed=1, log=log).drawing(0, 0, replay=False, flags=(True,)):
         pass  # learns that stage 0 draws nothing: its next mini-batch's blocks are only watched
-    with _OntoMeta(), Streams(seed=1, log=log).drawing(0, 1, replay=False, flags=(True,)):
-        torch.zeros(2)
+    streams = Streams(seed=1, log=log)
+    with _OntoMeta():
+        with streams.drawing(0, 1, replay=False, flags=(True,)):
+            torch.zeros(2)
+        streams.close()
     assert log.quiet(0, (True,))
+
+
+def _quiet_log(*stages: int) -> DrawLog:
+    log = DrawLog()
+    for stage in stages:
+        log.saw(stage, (True,), drew=False)
+    return log
+
+
+def test_a_quiet_block_that_draws_is_found_when_the_mini_batch_closes() -> None:
+    log = _quiet_log(0, 1)
+    streams = Streams(log=log)
+    with streams.drawing(0, 0, replay=False, flags=(True,)):
+        pass
+    with streams.drawing(1, 0, replay=False, flags=(True,)):
+        torch.rand(2)  # a quiet stage draws from the shared generator
+    assert log.quiet(1, (True,))  # nothing is known before the mini-batch ends
+    with pytest.warns(RuntimeWarning, match="stage 0 or 1 drew random numbers"):
+        streams.close()
+    assert not log.quiet(0, (True,)) and not log.quiet(1, (True,))
+    streams.close()  # closed already: nothing more to say
+
+
+def test_a_draw_before_pipepars_own_seed_is_not_taken_for_the_seed() -> None:
+    log = _quiet_log(1)  # stage 0 has not run yet: it runs under the mode and draws the seed
+    streams = Streams(log=log, flags={0: (True,), 1: (True,)})
+    with streams.drawing(1, 0, replay=False, flags=(True,)):
+        torch.rand(2)  # the quiet stage draws, then stage 0 takes the mini-batch's seed
+    with streams.drawing(0, 0, replay=False, flags=(True,)):
+        torch.rand(2)
+    with pytest.warns(RuntimeWarning, match="stage 1 drew"):
+        streams.close()
+    assert not log.quiet(1, (True,)) and log.quiet(0, (True,)) is False
+
+
+def test_pipepars_own_seed_during_quiet_blocks_is_no_draw_of_theirs() -> None:
+    log = _quiet_log(1)
+    streams = Streams(log=log, flags={0: (True,), 1: (True,)})
+    with (
+        streams.drawing(1, 0, replay=False, flags=(True,)),
+        streams.drawing(0, 0, replay=False, flags=(True,)),
+    ):
+        torch.rand(2)  # stage 0 (not known quiet) draws on its stream: the seed is taken
+    before = torch.get_rng_state()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        streams.close()
+    assert log.quiet(1, (True,)) and torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_mini_batch_reads_the_generators_twice_however_many_quiet_blocks_it_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reads = []
+    original = randomness._fingerprints
+    monkeypatch.setattr(randomness, "_fingerprints", lambda **kw: reads.append(1) or original(**kw))
+    model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(4)))
+    pipe = pipepar.wrap(model, [2, 2], devices=["cpu", "cpu"], chunks=4)
+    x = torch.randn(8, WIDTH)
+    for _ in range(3):
+        pipe.step(x, torch.zeros(8, WIDTH), F.mse_loss)
+    # the first step learns that both stages are quiet; each later step watches 8 blocks
+    assert len(reads) == 4
