@@ -53,6 +53,7 @@ from benchmarks._results import record
 from pipepar.local import cpu_malloc
 
 TITLE = "Schedules: pipepar vs torch.distributed.pipelining vs torchgpipe (MLP, 2 cores, M=8)"
+"""The section's title at the default M; another ``--chunks`` writes a section of its own."""
 UNIT, LIMIT = "one core:", "limit:"
 PIPEPAR = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
 LIBRARIES = {  # library: (label, processes, notes)
@@ -198,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     text, note = table(result), " ".join(filter(None, [lead(result), notes(work, args, before)]))
     print(text, note, sep="\n\n")
     if args.write:
-        record(TITLE, text, notes=note, path=common.results_path(args, "schedules"))
+        title = TITLE.replace("M=8", f"M={args.chunks}")
+        record(title, text, notes=note, path=common.results_path(args, "schedules"))
     common.write_json(args.json, [{k: v for k, v in r.items() if k != "rates"} for r in result])
     return 0
 
