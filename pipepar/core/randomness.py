@@ -447,7 +447,7 @@ class _QuietWatch:
         named = " or ".join(str(s) for s in sorted(window.stages))
         warnings.warn(
             f"pipepar: stage {named} drew random numbers in a forward although its earlier "
-            "forwards with the same train/eval flags drew none; that forward drew from the "
+            "forwards with the same train/eval flags drew none; such a forward drew from the "
             "shared generator (not repeatable from run to run), later ones use the stage's "
             "own random streams",
             RuntimeWarning,
