@@ -27,6 +27,7 @@ the hooks alone making the same crossings (:meth:`Cut.following`).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Collection, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -82,6 +83,9 @@ class Ledger:
     walked: dict[int, Known] = field(default_factory=dict)
     """Per stage, its graph's nodes as the route's check walked them (with their next nodes),
     for the stage's backward planning to take (:meth:`take_walked`) instead of reading again."""
+    _releasing: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    """Two stages of the micro-batch may end their backward at once, on two workers (an idle
+    worker runs another stage's W): their releases take turns."""
 
     def take_walked(self, stage: int) -> Known | None:
         """Stage ``stage``'s walked nodes, handed over once (they are let go of with the plan
@@ -174,19 +178,20 @@ class Ledger:
         def taken(c: Crossing) -> bool:
             return c.consumer == producer and c.producer in received and not c.is_param
 
-        gone = {id(c.original) for c in self.crossings if made(c)}
-        gone.update(id(t) for p, t in self.outputs if p == producer)
-        self.crossings = [c for c in self.crossings if not (made(c) or taken(c))]
-        self.outputs = [(p, t) for p, t in self.outputs if p != producer]
-        # The leaves of the stage's values, and the stage's own leaves (tagged as its: the
-        # received ones among them); a value sent to another rank's stage is noted under its
-        # own tag (:meth:`first_use`).
-        for pair in [
-            k for k, v in self._leaves.items() if k[0] in gone or self.stage_of(v) == producer
-        ]:
-            del self._leaves[pair]
-        for key in gone:
-            self.grads.pop(key, None)
+        with self._releasing:
+            gone = {id(c.original) for c in self.crossings if made(c)}
+            gone.update(id(t) for p, t in self.outputs if p == producer)
+            self.crossings = [c for c in self.crossings if not (made(c) or taken(c))]
+            self.outputs = [(p, t) for p, t in self.outputs if p != producer]
+            # The leaves of the stage's values, and the stage's own leaves (tagged as its: the
+            # received ones among them); a value sent to another rank's stage is noted under
+            # its own tag (:meth:`first_use`).
+            for pair in [
+                k for k, v in self._leaves.items() if k[0] in gone or self.stage_of(v) == producer
+            ]:
+                del self._leaves[pair]
+            for key in gone:
+                self.grads.pop(key, None)
 
     def forget(self) -> None:
         self.crossings.clear()

@@ -22,6 +22,7 @@ from pipepar.core.randomness import DrawLog, Randomness, Streams
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.local.executor import Phase, Run
+from pipepar.local.weights import shared_stages
 from pipepar.local.worker import Slots, WorkerPool
 from pipepar.program.step import Batch, SegmentContext, SegmentStep
 from pipepar.tracing.tracer import Tracer
@@ -49,8 +50,11 @@ class ProgramRun(Run):
             ``"except_last"``, ``"never"``; :mod:`pipepar.program.recompute`).
         aliases: per stage, its ``(weight, alias)`` pairs (:mod:`pipepar.program.aliases`).
 
-    Each W runs where the schedule lists it (no early W on an idle worker, unlike
-    :class:`~pipepar.local.executor.Run`): a stage's forward state lives on its drivers.
+    An idle worker runs a runnable W early, its own or, on a shared CPU, the other worker's,
+    as :class:`~pipepar.local.executor.Run` does (:mod:`pipepar.local.weights`): a W reads
+    only its micro-batch's graph and its stage's sums, nothing of the drivers. Two stages of
+    one micro-batch may then finish their backward at once, on two workers; the ledger's
+    releases take turns.
     """
 
     def __init__(
@@ -96,7 +100,7 @@ class ProgramRun(Run):
             )
             for stage in self.stages
         ]
-        self._queue_weights(set())
+        self._queue_weights(shared_stages(schedule))
         self.slots = Slots()
         for i in range(self.m):
             self.slots.put(("F", 0, i), ())

@@ -16,6 +16,7 @@ import pipepar
 from pipepar.core.schedule import Action, Schedule, make
 from pipepar.local import executor
 from pipepar.local.weights import WeightQueue, shared_stages
+from pipepar.program import run as program_run
 
 CPU = torch.device("cpu")
 
@@ -128,6 +129,61 @@ def test_an_idle_worker_runs_a_neighbours_w_and_the_gradients_stay_bit_identical
     assert (1, 0, 0) in ran  # the timeline says who ran it
     assert sorted((stage, i) for stage, i, _ in ran) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     events.clear()
+    plain = copy.deepcopy(model)
+    F.mse_loss(plain(x), y).backward()
+    listed = grads(shared=False)
+    for a, b, p in zip(early, listed, plain.parameters()):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, p.grad)
+
+
+class _Net(nn.Module):
+    """The same layers as a model of its own (not an ``nn.Sequential``): a model pipe."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.slow, self.c = (
+            nn.Linear(8, 8),
+            nn.Linear(8, 8),
+            _Slow(),
+            nn.Linear(8, 8),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.slow(self.b(self.a(x))))
+
+
+def test_a_model_pipes_idle_worker_runs_a_neighbours_w_and_the_gradients_stay_bit_identical(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    model = _Net()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    stolen: list[tuple[int, int]] = []
+    claim_any = WeightQueue.claim_any
+
+    def spy(self: WeightQueue, worker: int) -> tuple[int, int] | None:
+        got = claim_any(self, worker)
+        if got is not None and worker == 0:
+            stolen.append(got)
+        return got
+
+    def grads(shared: bool) -> list[torch.Tensor]:
+        copy_ = copy.deepcopy(model)
+        if not shared:
+            monkeypatch.setattr(program_run, "shared_stages", lambda schedule: set())
+        pipe = pipepar.wrap(
+            copy_, [1, 3], devices=["cpu", "cpu"], chunks=2, schedule=_late_weights()
+        )
+        for _ in range(2):  # the first step learns the route; the second follows it
+            copy_.zero_grad(set_to_none=True)
+            pipe.step(x, loss_fn=F.mse_loss, target=y)
+        monkeypatch.undo()
+        return [p.grad for p in copy_.parameters()]
+
+    monkeypatch.setattr(WeightQueue, "claim_any", spy)
+    early = grads(shared=True)
+    assert (1, 0) in stolen  # worker 0 ran W0 of stage 1 while stage 1's B1 slept
     plain = copy.deepcopy(model)
     F.mse_loss(plain(x), y).backward()
     listed = grads(shared=False)
