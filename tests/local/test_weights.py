@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -94,13 +95,8 @@ def _late_weights() -> Schedule:
     return Schedule("late-w", 2, 2, (first, last))
 
 
-def test_an_idle_worker_runs_a_neighbours_w_and_the_gradients_stay_bit_identical(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), _Slow(), nn.Linear(8, 8))
-    x, y = torch.randn(4, 8), torch.randn(4, 8)
-    stolen: list[tuple[int, int]] = []
+def _spy(stolen: list[tuple[int, int]]) -> Callable[[WeightQueue, int], tuple[int, int] | None]:
+    """``WeightQueue.claim_any`` noting in ``stolen`` each W that worker 0 takes early."""
     claim_any = WeightQueue.claim_any
 
     def spy(self: WeightQueue, worker: int) -> tuple[int, int] | None:
@@ -108,6 +104,17 @@ def test_an_idle_worker_runs_a_neighbours_w_and_the_gradients_stay_bit_identical
         if got is not None and worker == 0:
             stolen.append(got)
         return got
+
+    return spy
+
+
+def test_an_idle_worker_runs_a_neighbours_w_and_the_gradients_stay_bit_identical(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), _Slow(), nn.Linear(8, 8))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    stolen: list[tuple[int, int]] = []
 
     def grads(shared: bool) -> list[torch.Tensor]:
         copy_ = copy.deepcopy(model)
@@ -122,7 +129,7 @@ def test_an_idle_worker_runs_a_neighbours_w_and_the_gradients_stay_bit_identical
         return [p.grad for p in copy_.parameters()]
 
     events: list = []
-    monkeypatch.setattr(WeightQueue, "claim_any", spy)
+    monkeypatch.setattr(WeightQueue, "claim_any", _spy(stolen))
     early = grads(shared=True)
     assert (1, 0) in stolen  # worker 0 ran W0 of stage 1 while stage 1's B1 slept
     ran = [(e.stage, e.microbatch, e.worker) for e in events if e.kind == "weight"]
@@ -160,13 +167,6 @@ def test_a_model_pipes_idle_worker_runs_a_neighbours_w_and_the_gradients_stay_bi
     model = _Net()
     x, y = torch.randn(4, 8), torch.randn(4, 8)
     stolen: list[tuple[int, int]] = []
-    claim_any = WeightQueue.claim_any
-
-    def spy(self: WeightQueue, worker: int) -> tuple[int, int] | None:
-        got = claim_any(self, worker)
-        if got is not None and worker == 0:
-            stolen.append(got)
-        return got
 
     def grads(shared: bool) -> list[torch.Tensor]:
         copy_ = copy.deepcopy(model)
@@ -181,7 +181,7 @@ def test_a_model_pipes_idle_worker_runs_a_neighbours_w_and_the_gradients_stay_bi
         monkeypatch.undo()
         return [p.grad for p in copy_.parameters()]
 
-    monkeypatch.setattr(WeightQueue, "claim_any", spy)
+    monkeypatch.setattr(WeightQueue, "claim_any", _spy(stolen))
     early = grads(shared=True)
     assert (1, 0) in stolen  # worker 0 ran W0 of stage 1 while stage 1's B1 slept
     plain = copy.deepcopy(model)
