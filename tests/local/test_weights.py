@@ -108,40 +108,65 @@ def _spy(stolen: list[tuple[int, int]]) -> Callable[[WeightQueue, int], tuple[in
     return spy
 
 
+_XY = (
+    torch.randn(4, 8, generator=torch.Generator().manual_seed(0)),
+    torch.randn(4, 8, generator=torch.Generator().manual_seed(1)),
+)
+"""The input and target of the early-W tests."""
+
+
+def _early_w_is_bit_identical(
+    monkeypatch: pytest.MonkeyPatch,
+    model: nn.Module,
+    engine: Any,
+    steps: Callable[[nn.Module], Any],
+) -> Any:
+    """``steps(copy)`` wraps a copy of ``model`` (stage 1's B sleeping) and steps it on
+    ``x, y`` of :data:`_XY`, once with the early W and once with each W where listed
+    (``engine.shared_stages`` off): worker 0 ran stage 1's W0 early, and the gradients equal
+    the listed order's bit for bit and the plain model's. Returns the early run's pipe."""
+    stolen: list[tuple[int, int]] = []
+
+    def grads(shared: bool) -> tuple[list[torch.Tensor], Any]:
+        copy_ = copy.deepcopy(model)
+        if shared:
+            monkeypatch.setattr(WeightQueue, "claim_any", _spy(stolen))
+        else:
+            monkeypatch.setattr(engine, "shared_stages", lambda schedule: set())
+        pipe = steps(copy_)
+        monkeypatch.undo()
+        return [p.grad for p in copy_.parameters()], pipe
+
+    early, pipe = grads(shared=True)
+    assert (1, 0) in stolen  # worker 0 ran W0 of stage 1 while stage 1's B1 slept
+    x, y = _XY
+    plain = copy.deepcopy(model)
+    F.mse_loss(plain(x), y).backward()
+    listed, _ = grads(shared=False)
+    for a, b, p in zip(early, listed, plain.parameters()):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, p.grad)
+    return pipe
+
+
 def test_an_idle_worker_runs_a_neighbours_w_and_the_gradients_stay_bit_identical(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), _Slow(), nn.Linear(8, 8))
-    x, y = torch.randn(4, 8), torch.randn(4, 8)
-    stolen: list[tuple[int, int]] = []
 
-    def grads(shared: bool) -> list[torch.Tensor]:
-        copy_ = copy.deepcopy(model)
-        if not shared:
-            monkeypatch.setattr(executor, "shared_stages", lambda schedule: set())
+    def steps(copy_: nn.Module) -> Any:
         pipe = pipepar.wrap(
             copy_, [1, 3], devices=["cpu", "cpu"], chunks=2, schedule=_late_weights(), trace=True
         )
-        pipe.step(x, y, F.mse_loss)
-        monkeypatch.undo()
-        events.extend(pipe.tracer.events if pipe.tracer else [])
-        return [p.grad for p in copy_.parameters()]
+        pipe.step(*_XY, F.mse_loss)
+        return pipe
 
-    events: list = []
-    monkeypatch.setattr(WeightQueue, "claim_any", _spy(stolen))
-    early = grads(shared=True)
-    assert (1, 0) in stolen  # worker 0 ran W0 of stage 1 while stage 1's B1 slept
+    pipe = _early_w_is_bit_identical(monkeypatch, model, executor, steps)
+    events = pipe.tracer.events if pipe.tracer else []
     ran = [(e.stage, e.microbatch, e.worker) for e in events if e.kind == "weight"]
     assert (1, 0, 0) in ran  # the timeline says who ran it
     assert sorted((stage, i) for stage, i, _ in ran) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    events.clear()
-    plain = copy.deepcopy(model)
-    F.mse_loss(plain(x), y).backward()
-    listed = grads(shared=False)
-    for a, b, p in zip(early, listed, plain.parameters()):
-        assert torch.equal(a, b)
-        torch.testing.assert_close(a, p.grad)
 
 
 class _Net(nn.Module):
@@ -164,32 +189,18 @@ def test_a_model_pipes_idle_worker_runs_a_neighbours_w_and_the_gradients_stay_bi
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     torch.manual_seed(0)
-    model = _Net()
-    x, y = torch.randn(4, 8), torch.randn(4, 8)
-    stolen: list[tuple[int, int]] = []
+    x, y = _XY
 
-    def grads(shared: bool) -> list[torch.Tensor]:
-        copy_ = copy.deepcopy(model)
-        if not shared:
-            monkeypatch.setattr(program_run, "shared_stages", lambda schedule: set())
+    def steps(copy_: nn.Module) -> Any:
         pipe = pipepar.wrap(
             copy_, [1, 3], devices=["cpu", "cpu"], chunks=2, schedule=_late_weights()
         )
         for _ in range(2):  # the first step learns the route; the second follows it
             copy_.zero_grad(set_to_none=True)
             pipe.step(x, loss_fn=F.mse_loss, target=y)
-        monkeypatch.undo()
-        return [p.grad for p in copy_.parameters()]
+        return pipe
 
-    monkeypatch.setattr(WeightQueue, "claim_any", _spy(stolen))
-    early = grads(shared=True)
-    assert (1, 0) in stolen  # worker 0 ran W0 of stage 1 while stage 1's B1 slept
-    plain = copy.deepcopy(model)
-    F.mse_loss(plain(x), y).backward()
-    listed = grads(shared=False)
-    for a, b, p in zip(early, listed, plain.parameters()):
-        assert torch.equal(a, b)
-        torch.testing.assert_close(a, p.grad)
+    _early_w_is_bit_identical(monkeypatch, _Net(), program_run, steps)
 
 
 class _ScaleFailing(torch.autograd.Function):
