@@ -31,6 +31,10 @@ labels=ids)``, the pipe joining the micro-batches' losses into the whole batch's
 - ``pipepar.distributed:<schedule>``: ``pipepar.distributed.wrap(model, split=[...], chunks=8,
   schedule=...)`` on two spawned gloo ranks (the model built whole on each), same splits.
 
+- ``hand-threads`` (asked for by ``--contenders``; GPT-2 only): the same GPT-2 cut by hand at
+  its middle block and run as a two-stage pipeline on two threads of this process, no pipepar
+  (the halves called directly, activations and gradients over queues, plain ``backward()``,
+  GPipe order): what the simplest pipeline of the same split reaches in one process.
 - ``pipepar-chain:<schedule>`` (asked for by ``--contenders``; GPT-2 only): the same GPT-2
   laid out by hand as an ``nn.Sequential`` of its modules (embeddings, blocks, final norm, an
   untied head) through ``pipepar.wrap(layers, balance, ...)``: the same arithmetic run by the
@@ -72,6 +76,7 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 import argparse
 import copy
 import math
+import queue
 import statistics
 import sys
 import threading
@@ -106,6 +111,11 @@ LIBRARIES = {  # library: (label, processes, notes)
         1,
         "what one interpreter lock leaves of the 2 cores: a ceiling of pipepar.wrap",
     ),
+    "hand-threads": (
+        "hand-written pipeline, 2 threads of one process",
+        1,
+        "GPT-2 only: the halves called directly, queues, plain backward; GPipe order",
+    ),
     "pipepar-1stage": ("pipepar.wrap, 1 stage", 1, "balance=[all units], one worker"),
     "pipepar": ("pipepar.wrap, pipe.step", 1, "one thread per core"),
     "pipepar-chain": (
@@ -131,8 +141,8 @@ BOUND = (
 )
 UNBOUND = "The two-process contenders' threads may run on either core (--no-bind-cores)."
 CHOSEN_BY_USER = (
-    "limit-threads", "pipepar-1stage", "pipepar", "pipepar-chain", "pipepar.distributed",
-    "pipepar.distributed-chain",
+    "limit-threads", "hand-threads", "pipepar-1stage", "pipepar", "pipepar-chain",
+    "pipepar.distributed", "pipepar.distributed-chain",
 )  # fmt: skip
 CONTENDERS = (
     THREADS,
@@ -236,15 +246,14 @@ def one_core(work: Job, m: int) -> common.Step:
 
 
 class TwoThreads:
-    """The one-core job on each of two threads of this process at once: :meth:`step` starts
-    both and returns when both are done (a failure on either is raised there)."""
+    """Two jobs on two threads of this process at once (one math thread each): :meth:`step`
+    starts both and returns when both are done (a failure on either is raised there)."""
 
-    def __init__(self, work: Job, m: int) -> None:
+    def __init__(self, jobs: tuple[common.Step, common.Step]) -> None:
         self._start, self._end = threading.Barrier(3), threading.Barrier(3)
         self._errors: list[BaseException] = []
         self._threads = [
-            threading.Thread(target=self._serve, args=(one_core(work, m),), daemon=True)
-            for _ in range(2)
+            threading.Thread(target=self._serve, args=(job,), daemon=True) for job in jobs
         ]
         for thread in self._threads:
             thread.start()
@@ -275,6 +284,92 @@ class TwoThreads:
             thread.join()
 
 
+@dataclass
+class Halves:
+    """GPT-2 of a job cut by hand at its middle block (a copy of the model): ``front(ids)``
+    runs the embeddings and the first half of the blocks; ``back(h, ids)`` the other half, the
+    final norm, the tied head and the model's causal loss."""
+
+    model: nn.Module
+    front: Callable[[Tensor], Tensor]
+    back: Callable[[Tensor, Tensor], Tensor]
+
+
+def gpt2_halves(work: Job) -> Halves:
+    """:class:`Halves` of the job's GPT-2, checked to compute the model's own loss."""
+    if work.name != "gpt2":
+        raise ValueError(f"the hand-written halves are GPT-2's only, not {work.name!r}")
+    model = copy.deepcopy(work.model)
+    body, half = model.transformer, work.layers // 2
+
+    def blocks(h: Tensor, which: Any) -> Tensor:
+        for block in which:
+            out = block(h)
+            h = out[0] if isinstance(out, tuple) else out
+        return h
+
+    def front(ids: Tensor) -> Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device)
+        return blocks(body.drop(body.wte(ids) + body.wpe(positions)), body.h[:half])
+
+    def back(h: Tensor, ids: Tensor) -> Tensor:
+        logits = model.lm_head(body.ln_f(blocks(h, body.h[half:])))
+        flat = logits[:, :-1].reshape(-1, logits.shape[-1])
+        return nn.functional.cross_entropy(flat, ids[:, 1:].reshape(-1))
+
+    sample = work.ids[:2]
+    with torch.no_grad():
+        torch.testing.assert_close(
+            back(front(sample), sample), model(input_ids=sample, labels=sample).loss
+        )
+    return Halves(model, front, back)
+
+
+class HandThreads:
+    """The job's GPT-2 as a hand-written two-stage pipeline on two threads of this process (no
+    pipepar): the first thread runs every micro-batch's front half, handing each activation
+    over a queue, then their backwards as the gradients come back; the second runs each
+    micro-batch's back half, loss and backward as it arrives. GPipe's bubble on two stages
+    (M / (M + 1) of the ideal at best), no checks, no hooks. :meth:`run` leaves the gradients
+    in :attr:`model`; :meth:`step` sets them to None after."""
+
+    WAIT = 120.0  # seconds: a failing half ends the other's wait instead of hanging it
+
+    def __init__(self, work: Job, m: int) -> None:
+        halves = gpt2_halves(work)
+        self.model = halves.model
+        self._halves, self._parts = halves, work.ids.tensor_split(m)
+        self._acts: queue.SimpleQueue[Tensor] = queue.SimpleQueue()
+        self._grads: queue.SimpleQueue[Tensor] = queue.SimpleQueue()
+        self._threads = TwoThreads((self._first, self._last))
+
+    def _first(self) -> None:
+        kept = []
+        for ids in self._parts:
+            h = self._halves.front(ids)
+            self._acts.put(h.detach())
+            kept.append(h)
+        for h in kept:
+            h.backward(self._grads.get(timeout=self.WAIT))
+
+    def _last(self) -> None:
+        for ids in self._parts:
+            x = self._acts.get(timeout=self.WAIT).requires_grad_(True)
+            (self._halves.back(x, ids) / len(self._parts)).backward()
+            assert x.grad is not None
+            self._grads.put(x.grad)
+
+    def run(self) -> None:
+        self._threads.step()
+
+    def step(self) -> None:
+        self.run()
+        self.model.zero_grad(set_to_none=True)
+
+    def close(self) -> None:
+        self._threads.close()
+
+
 def _stepped(pipe: Any, ids: Tensor) -> common.Step:
     def step() -> None:
         pipe.step(input_ids=ids, labels=ids)
@@ -285,10 +380,14 @@ def _stepped(pipe: Any, ids: Tensor) -> common.Step:
 
 def one_process(library: str, schedule: str, work: Job, m: int) -> tuple[common.Step, Any]:
     """``(step, pipe)`` of ``"pipepar-1stage"``, ``"pipepar"`` (two CPU workers),
-    ``"pipepar-chain"`` or ``"limit-threads"`` (:class:`TwoThreads`, in place of a pipe)."""
+    ``"pipepar-chain"``, or of ``"limit-threads"`` (:class:`TwoThreads`) and ``"hand-threads"``
+    (:class:`HandThreads`) in place of a pipe."""
     if library == "limit-threads":
-        threads = TwoThreads(work, m)
+        threads = TwoThreads((one_core(work, m), one_core(work, m)))
         return threads.step, threads
+    if library == "hand-threads":
+        hand = HandThreads(work, m)
+        return hand.step, hand
     model = copy.deepcopy(work.model)
     if library == "pipepar-1stage":
         balance = [len(pipepar.units(model))]
@@ -315,7 +414,8 @@ def one_process(library: str, schedule: str, work: Job, m: int) -> tuple[common.
         return step, pipe
     else:
         raise ValueError(
-            f"library {library!r} is not limit-threads, pipepar-1stage, pipepar or pipepar-chain"
+            f"library {library!r} is not limit-threads, hand-threads, pipepar-1stage, pipepar "
+            "or pipepar-chain"
         )
     return _stepped(pipe, work.ids), pipe
 

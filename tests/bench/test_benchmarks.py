@@ -6,6 +6,7 @@ results file and its rows to JSON, which the tests check for shape and internal 
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import subprocess
@@ -385,6 +386,29 @@ def test_models_chain_contender_is_the_same_gpt2() -> None:
     torch.testing.assert_close(loss_fn(layers(ids), ids), expected)
     with pytest.raises(ValueError, match="GPT-2 only"):
         bench_models.gpt2_chain(bench_models.job("llama", quick=True))
+
+
+def test_models_hand_written_threads_compute_the_models_gradients() -> None:
+    """bench_models' hand-written two-thread pipeline of GPT-2 leaves the gradients of the
+    model's own loss over the micro-batches (the tied embedding's two terms included), step
+    after step; its halves are refused for Llama."""
+    from benchmarks import bench_models
+
+    work = bench_models.job("gpt2", quick=True)
+    plain = copy.deepcopy(work.model)
+    for part in work.ids.tensor_split(2):
+        (plain(input_ids=part, labels=part).loss / 2).backward()
+    hand = bench_models.HandThreads(work, 2)
+    try:
+        for _ in range(2):
+            hand.model.zero_grad(set_to_none=True)
+            hand.run()
+            for (name, mine), theirs in zip(hand.model.named_parameters(), plain.parameters()):
+                torch.testing.assert_close(mine.grad, theirs.grad, msg=name)
+    finally:
+        hand.close()
+    with pytest.raises(ValueError, match="GPT-2's only"):
+        bench_models.gpt2_halves(bench_models.job("llama", quick=True))
 
 
 def test_split_ceiling_times_every_stage_and_plays_every_schedule(
