@@ -31,7 +31,7 @@ labels=ids)``, the pipe joining the micro-batches' losses into the whole batch's
 - ``pipepar.distributed:<schedule>``: ``pipepar.distributed.wrap(model, split=[...], chunks=8,
   schedule=...)`` on two spawned gloo ranks (the model built whole on each), same splits.
 
-- ``hand-threads`` (asked for by ``--contenders``; GPT-2 only): the same GPT-2 cut by hand at
+- ``hand-threads`` (on by default; GPT-2 only, n/a for Llama): the same GPT-2 cut by hand at
   its middle block and run as a two-stage pipeline on two threads of this process, no pipepar
   (the halves called directly, activations and gradients over queues, plain ``backward()``,
   GPipe order): what the simplest pipeline of the same split reaches in one process.
@@ -56,7 +56,7 @@ model in one process >= 0.90 of the limit, across ranks >= 0.85, one stage <= +5
 met, missed, or within the uncertainty of the interval.
 
 Default: 3 rounds x 8 timed steps per contender (24 steps, each block after one untimed step),
-both models, 14 contenders each: about 10 minutes on a quiet 2-core CPU, about 18 under a load
+both models, 15 contenders each: about 10 minutes on a quiet 2-core CPU, about 18 under a load
 average of 5 (a round of every contender's step takes ~8 s quiet, ~17 s loaded, plus ~30-45 s
 per model to spawn the ranks and build).
 
@@ -146,6 +146,7 @@ CHOSEN_BY_USER = (
 )  # fmt: skip
 CONTENDERS = (
     THREADS,
+    "hand-threads:gpipe",
     ONE_STAGE,
     *(f"pipepar:{s}" for s in SCHEDULES),
     *(f"pipepar.distributed:{s}" for s in SCHEDULES),

@@ -7,6 +7,14 @@ two stages on two cores do not fight over both. ``torch.set_num_threads`` also r
 as the count every thread started later begins with; a worker puts that default back, so the
 caller's setting and that of its later threads stay what they were.
 
+Where the CPU workers each compute with one math thread and there are as many of them as
+cores the process may use, each worker is bound to a core of its own (Linux;
+:func:`worker_cores`). A model's micro-batch drivers follow the worker that hands them their turn
+onto its core (:mod:`pipepar.program.core_follow`); with the workers left to the operating
+system, two of them woken on the same core would bring their drivers there too, and those,
+bound, share that core while the other idles. ``PIPEPAR_PIN_WORKERS=0`` leaves the workers
+unbound.
+
 If an action raises, the pipeline is aborted: every worker waiting on a slot wakes up and stops,
 all workers are joined, and the caller receives the first exception, annotated with the stage
 and micro-batch it came from. No thread is left waiting for data that will never come.
@@ -14,6 +22,7 @@ and micro-batch it came from. No thread is left waiting for data that will never
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -23,7 +32,7 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 import torch
 
-__all__ = ["IDLE", "Aborted", "Slots", "WorkerPool", "run_inline"]
+__all__ = ["IDLE", "Aborted", "Slots", "WorkerPool", "run_inline", "worker_cores"]
 
 _log = logging.getLogger(__name__)
 _DEBUG = os.environ.get("PIPEPAR_DEBUG") == "1"
@@ -102,13 +111,38 @@ class Slots:
 _DEFAULT_LOCK = threading.Lock()
 
 
-def _init_thread(threads: int, device: torch.device) -> None:
+def _init_thread(threads: int, device: torch.device, core: int | None = None) -> None:
     with _DEFAULT_LOCK:
         default = torch.get_num_threads()  # a new thread starts at the process default
         torch.set_num_threads(threads)
         _set_default_threads(default)
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    if core is not None:  # an OSError: the core was taken from the process meanwhile
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, (core,))
+
+
+def worker_cores(devices: Sequence[torch.device], threads: Sequence[int]) -> list[int | None]:
+    """The core each worker is bound to (``None``: unbound), in the order of ``devices``.
+
+    The CPU workers are bound, one to each core the calling thread may use in ascending order,
+    when there are at least two of them, each computes with one math thread (``threads``) and
+    they are exactly as many as those cores: the pipe then has the cores to itself, as a
+    two-stage pipe with ``threads=1`` on two cores has. Otherwise (more math threads, whose
+    OpenMP helpers inherit their creator's cores; spare cores the operating system may move a
+    worker to; no ``os.sched_setaffinity``; ``PIPEPAR_PIN_WORKERS=0``) no worker is bound.
+    """
+    unbound: list[int | None] = [None] * len(devices)
+    if not hasattr(os, "sched_getaffinity") or os.environ.get("PIPEPAR_PIN_WORKERS") == "0":
+        return unbound
+    cpu = [j for j, d in enumerate(devices) if d.type == "cpu"]
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(cpu) < 2 or len(cpu) != len(allowed) or any(threads[j] != 1 for j in cpu):
+        return unbound
+    for j, core in zip(cpu, allowed):
+        unbound[j] = core
+    return unbound
 
 
 def _set_default_threads(n: int) -> None:
@@ -127,9 +161,10 @@ class WorkerPool:
     """One long-lived thread per stage; ``run(jobs, slots)`` runs ``jobs[j]`` on worker ``j``."""
 
     def __init__(self, devices: Sequence[torch.device], *, threads: Sequence[int]) -> None:
+        self.cores = worker_cores(devices, threads)
         self._executors = [
-            ThreadPoolExecutor(1, f"pipepar-stage{j}", _init_thread, (n, d))
-            for j, (d, n) in enumerate(zip(devices, threads))
+            ThreadPoolExecutor(1, f"pipepar-stage{j}", _init_thread, (n, d, c))
+            for j, (d, n, c) in enumerate(zip(devices, threads, self.cores))
         ]
         self._finalizer = weakref.finalize(self, _shutdown, list(self._executors))
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
+import pytest
 import torch
 from torch import nn
 
 import pipepar
+from pipepar.local import worker
 
 
 def _in_new_thread() -> int:
@@ -89,3 +92,67 @@ def test_workers_use_their_count() -> None:
     in_workers = [s for s in seen if s[0].startswith("pipepar-stage")]
     assert len(in_workers) >= 4  # forward and backward of 2 micro-batches per stage, at least
     assert all(torch_n == threads and omp_n == threads for _, torch_n, omp_n in in_workers)
+
+
+_CPU, _CUDA = torch.device("cpu"), torch.device("cuda", 0)
+_LINUX = pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity"), reason="binding threads to cores is Linux's"
+)
+
+
+@_LINUX
+@pytest.mark.parametrize(
+    ("devices", "threads", "allowed", "want"),
+    [
+        ([_CPU, _CPU], [1, 1], {0, 1}, [0, 1]),  # two stages, threads=1, two cores: bound
+        ([_CUDA, _CPU, _CPU], [1, 1, 1], {7, 4}, [None, 4, 7]),  # CUDA workers stay unbound
+        ([_CPU, _CPU], [1, 1], {0, 1, 2}, [None, None]),  # a spare core: left to the system
+        ([_CPU, _CPU], [2, 1], {0, 1, 2}, [None, None]),  # several math threads
+        ([_CPU], [1], {0}, [None]),  # one worker
+    ],
+)
+def test_workers_bound_to_a_core_each_only_when_they_fill_the_cores(
+    monkeypatch: pytest.MonkeyPatch,
+    devices: list[torch.device],
+    threads: list[int],
+    allowed: set[int],
+    want: list[int | None],
+) -> None:
+    monkeypatch.setattr(worker.os, "sched_getaffinity", lambda pid: set(allowed))
+    monkeypatch.delenv("PIPEPAR_PIN_WORKERS", raising=False)
+    assert worker.worker_cores(devices, threads) == want
+    monkeypatch.setenv("PIPEPAR_PIN_WORKERS", "0")
+    assert worker.worker_cores(devices, threads) == [None] * len(devices)
+
+
+class _Where(nn.Module):
+    """Records the cores the thread that runs its forward may use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.cores: list[set[int]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.cores.append(os.sched_getaffinity(0))
+        return self.linear(x)
+
+
+@_LINUX
+def test_each_worker_runs_on_the_core_it_is_given() -> None:
+    """The stage workers run where :func:`worker_cores` says (bound to one core each where the
+    two workers fill the process's cores, as on a 2-core machine; unbound elsewhere), and the
+    caller's thread keeps its cores."""
+    allowed = os.sched_getaffinity(0)
+    layers = [_Where(), _Where()]
+    pipe = pipepar.wrap(nn.Sequential(*layers), [1, 1], devices=["cpu", "cpu"], chunks=2, threads=1)
+    try:
+        pipe(torch.randn(4, 8)).sum().backward()
+    finally:
+        pipe.close()
+    cores = worker.worker_cores([_CPU, _CPU], [1, 1])
+    for layer, core in zip(layers, cores):
+        assert layer.cores and all(
+            c == ({core} if core is not None else allowed) for c in layer.cores
+        )
+    assert os.sched_getaffinity(0) == allowed
