@@ -302,28 +302,18 @@ def gpt2_halves(work: Job) -> Halves:
         raise ValueError(f"the hand-written halves are GPT-2's only, not {work.name!r}")
     model = copy.deepcopy(work.model)
     body, half = model.transformer, work.layers // 2
-
-    def blocks(h: Tensor, which: Any) -> Tensor:
-        for block in which:
-            out = block(h)
-            h = out[0] if isinstance(out, tuple) else out
-        return h
-
-    def front(ids: Tensor) -> Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device)
-        return blocks(body.drop(body.wte(ids) + body.wpe(positions)), body.h[:half])
+    first = nn.Sequential(_Embed(body.wte, body.wpe), body.drop, *map(_Block, body.h[:half]))
+    last = nn.Sequential(*map(_Block, body.h[half:]), body.ln_f, model.lm_head)
 
     def back(h: Tensor, ids: Tensor) -> Tensor:
-        logits = model.lm_head(body.ln_f(blocks(h, body.h[half:])))
-        flat = logits[:, :-1].reshape(-1, logits.shape[-1])
-        return nn.functional.cross_entropy(flat, ids[:, 1:].reshape(-1))
+        return causal_loss(last(h), ids)
 
     sample = work.ids[:2]
     with torch.no_grad():
         torch.testing.assert_close(
-            back(front(sample), sample), model(input_ids=sample, labels=sample).loss
+            back(first(sample), sample), model(input_ids=sample, labels=sample).loss
         )
-    return Halves(model, front, back)
+    return Halves(model, first, back)
 
 
 class HandThreads:
@@ -444,6 +434,12 @@ class _Block(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
+def causal_loss(logits: Tensor, ids: Tensor) -> Tensor:
+    """GPT-2's own loss: each position's logits against the next token."""
+    shifted = logits[:, :-1].reshape(-1, logits.shape[-1])
+    return nn.functional.cross_entropy(shifted, ids[:, 1:].reshape(-1))
+
+
 def chain_balance(layers: int, n_stages: int) -> list[int]:
     """Layers per stage of the hand-made chain, cut where ``split`` cuts the model: equal runs
     of blocks, the embeddings with the first, the final norm and head with the last."""
@@ -469,11 +465,7 @@ def gpt2_chain(work: Job) -> tuple[nn.Sequential, Callable[[Tensor, Tensor], Ten
     embeddings = _Embed(transformer.wte, transformer.wpe)
     layers = nn.Sequential(embeddings, *blocks, transformer.ln_f, head)
 
-    def loss_fn(logits: Tensor, ids: Tensor) -> Tensor:
-        shifted = logits[:, :-1].reshape(-1, logits.shape[-1])
-        return nn.functional.cross_entropy(shifted, ids[:, 1:].reshape(-1))
-
-    return layers, loss_fn
+    return layers, causal_loss
 
 
 def rank_builder(spec: dict[str, Any], rank: int, world: int) -> Callable[[str, int], common.Step]:

@@ -161,10 +161,10 @@ class WorkerPool:
     """One long-lived thread per stage; ``run(jobs, slots)`` runs ``jobs[j]`` on worker ``j``."""
 
     def __init__(self, devices: Sequence[torch.device], *, threads: Sequence[int]) -> None:
-        self.cores = worker_cores(devices, threads)
+        cores = worker_cores(devices, threads)
         self._executors = [
             ThreadPoolExecutor(1, f"pipepar-stage{j}", _init_thread, (n, d, c))
-            for j, (d, n, c) in enumerate(zip(devices, threads, self.cores))
+            for j, (d, n, c) in enumerate(zip(devices, threads, cores))
         ]
         self._finalizer = weakref.finalize(self, _shutdown, list(self._executors))
 
