@@ -4,40 +4,40 @@ A pipe computes ``loss_fn(output_i, target_i)`` on each micro-batch ``i`` and st
 micro-batch's backward from it, scaled by its *share*; the batch's loss is the sum of the
 shares times the micro-batch losses. The shares must make that sum equal the loss the plain
 model computes on the whole batch, and every gradient with it, so they depend on what the loss
-divides by:
+divides by, which is learned from the loss's own operations (:mod:`pipepar.core.reductions`)
+while micro-batch 0's loss is computed:
 
-* **rows** (``F.mse_loss``, ``F.cross_entropy`` on class probabilities, any loss that averages
-  over the batch): micro-batch ``i`` with ``r_i`` of the ``R`` rows has share ``r_i / R``.
-* **items** (``F.cross_entropy`` / ``F.nll_loss`` with ignored targets, ``ignore_index``, class
-  ``weight=``; a custom loss with ``items=``): the loss averages over items the target says
-  are real, a different number in each micro-batch. torch's losses are computed with
-  ``reduction="sum"`` and divided by the whole batch's count, so a micro-batch without a real
-  item adds exactly nothing (no ``0 / 0``). A custom loss that averages over the items that
-  ``items(target_i)`` counts gets share ``c_i / C``, and a micro-batch with ``c_i = 0`` is left
-  out (its backward still runs, with a zero gradient).
-* **sum** (``reduction="sum"``): every share is 1.
+* a **sum** over the batch (``reduction="sum"``, ``.sum()``, a division by a number the caller
+  passes): every share is 1;
+* a **mean** over a count of the batch (rows, elements, the real targets of ``F.cross_entropy``
+  with ``ignore_index`` and class weights, a mask's sum, ``x.size(0)``): micro-batch ``i``'s
+  share is its count ``c_i`` over the batch's ``C``; its count is recomputed from its own
+  target by replaying the operations that made it, so every share is known as soon as micro-
+  batch 0's loss is (a micro-batch with ``c_i = 0`` adds exactly nothing, not ``0 / 0``);
+* anything else (a product of two means, a ``log`` of one, means over different counts added)
+  cannot be joined by shares: :class:`LossNotJoinable`, at micro-batch 0, before any backward.
 
-The counts come from the targets before any forward runs, so every schedule can start a
-micro-batch's backward as soon as its loss exists.
+A custom loss that averages over something only the caller knows says so with
+``items=lambda target: count``: shares ``c_i / C`` from it, nothing learned.
 """
 
 from __future__ import annotations
 
-import copy
-import functools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 import torch.utils._pytree as pytree
-from torch import Tensor, nn
+from torch import Tensor
+
+from pipepar.core.reductions import Averaged, Const, Form, Probe, Summed, Unknown
 
 __all__ = [
     "Items",
     "LossFn",
+    "LossNotJoinable",
     "LossShares",
+    "batch_tensors",
     "loss_shares",
     "joined_loss",
     "nothing",
@@ -52,40 +52,137 @@ LossFn = Callable[[Any, Any], Tensor]
 Items = Callable[[Any], "int | Tensor"]
 """``items(target) -> how many items a micro-batch's loss averages over``."""
 
-_CLASS_LOSSES = {F.cross_entropy: nn.CrossEntropyLoss, F.nll_loss: nn.NLLLoss}
+Globalize = Callable[[float], float]
+"""A replica's count made the count of every replica together (an all-reduce)."""
 
 
-@dataclass
-class LossShares:
-    """Each micro-batch's loss function and share of the batch's loss.
+class LossNotJoinable(ValueError):
+    """A loss whose micro-batch values cannot be joined into the whole batch's by shares."""
 
-    Attributes:
-        fns: the function applied to micro-batch ``i``'s output and target (the user's, or a
-            copy of a torch loss with ``reduction="sum"``); ``None`` where the micro-batch
-            holds no item (its loss is :func:`nothing`).
-        weights: micro-batch ``i``'s share: the gradient its backward starts from.
+
+class LossShares(Sequence[float]):
+    """Each micro-batch's share of the batch's loss: a sequence of floats, each known once
+    micro-batch 0's loss has been computed (learned then, see the module docstring).
+
+    Args:
+        rows: each micro-batch's rows.
+        sources: each micro-batch's tensors that hold its rows (what counts are replayed on).
+        counts: each micro-batch's count, when known beforehand (``items=``).
+        what: what computes the loss, for messages.
     """
 
-    fns: list[LossFn | None]
-    weights: list[float]
-    total: float | None = None
-    """What the shares divide by (rows or items of the batch); None for a summed loss."""
+    def __init__(
+        self,
+        rows: Sequence[int],
+        sources: Sequence[Sequence[Tensor]],
+        *,
+        counts: Sequence[float] | None = None,
+        what: str = "loss_fn",
+    ) -> None:
+        self.rows, self.sources, self.what = list(rows), [list(s) for s in sources], what
+        self.counts: list[float] | None = list(counts) if counts is not None else None
+        self.summed = False
+        self.known = counts is not None
+        self.total: float | None = float(sum(self.counts)) if self.counts is not None else None
+        self._replicas = 1
+        self._globalize: Globalize | None = None
 
-    def spread(self, total: float | None, replicas: int) -> LossShares:
-        """The shares of this batch as one of ``replicas`` data-parallel batches holding
-        ``total`` rows or items in all, whose gradients are averaged over the replicas: the
-        loss of the whole global batch, each replica's loss weighted by its part."""
-        scale = float(replicas)
-        if self.total is not None and total:
-            scale *= self.total / total
-        return LossShares(self.fns, [w * scale for w in self.weights], total)
+    # -- learning ---------------------------------------------------------------------------
+    def learn(self, form: Form) -> None:
+        """Take the loss's form, as micro-batch 0's operations showed it."""
+        if self.known:
+            return
+        if isinstance(form, Unknown):
+            raise LossNotJoinable(_not_joinable(self.what, form))
+        if isinstance(form, Summed):
+            self.summed = True
+        elif isinstance(form, Averaged):
+            self.counts = [self._count_of(form, i) for i in range(len(self.rows))]
+        elif isinstance(form, Const):
+            self.counts = [float(r) for r in self.rows]  # the same value: counted once
+        else:
+            raise TypeError(
+                f"{self.what} returned a value per row, not one value for the micro-batch; reduce "
+                "it (e.g. .mean() or reduction='mean') as the plain model's loss would be"
+            )
+        self.known = True
+        self.total = float(sum(self.counts)) if self.counts is not None else None
+        self._spread()
 
-    def head(self, targets: Sequence[Any]) -> Callable[[Any, int], Tensor]:
-        """The loss of micro-batch ``i``'s output, a scalar tensor (checked)."""
+    def _count_of(self, form: Averaged, i: int) -> float:
+        count = form.count
+        if not count.any_rows and self.rows[i] != self.rows[0]:
+            raise LossNotJoinable(
+                f"{self.what} divides by {count.what}, a size of a value the model computes that "
+                f"is known for micro-batches of {self.rows[0]} rows only, but micro-batch {i} has "
+                f"{self.rows[i]}; give a batch that chunks divides evenly, or say what the loss "
+                "averages over with items=lambda target: count"
+            )
+        return count(self.sources[i], self.rows[i])
+
+    def learning(self) -> bool:
+        """Whether micro-batch 0's loss has yet to show its form."""
+        return not self.known
+
+    # -- spread over replicas -------------------------------------------------------------
+    def spread(self, globalize: Globalize | None, replicas: int) -> LossShares:
+        """These shares as one of ``replicas`` data-parallel batches whose gradients are
+        averaged: ``globalize`` makes this batch's count the count of them all (applied once
+        the count is known); a summed loss is summed over the replicas."""
+        self._replicas, self._globalize = replicas, globalize
+        if self.known:
+            self._spread()
+        return self
+
+    def _spread(self) -> None:
+        if self._globalize is not None and self.total is not None:
+            self.total = self._globalize(self.total)
+            self._globalize = None
+
+    # -- the shares -------------------------------------------------------------------------
+    @property
+    def weights(self) -> LossShares:
+        """The shares: this sequence itself."""
+        return self
+
+    def weight(self, i: int) -> float:
+        if not self.known:
+            raise RuntimeError(
+                f"the share of micro-batch {i} was read before {self.what}'s form was learned"
+            )
+        if self.summed or self.counts is None:
+            return float(self._replicas)
+        return self.counts[i] / self.total * self._replicas if self.total else 0.0
+
+    def __getitem__(self, i: int) -> float:  # type: ignore[override]
+        return self.weight(i)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __iter__(self) -> Iterator[float]:
+        return (self.weight(i) for i in range(len(self.rows)))
+
+    def probe(self, i: int, constants: Sequence[Tensor] = ()) -> Probe | None:
+        """The probe micro-batch ``i``'s loss runs under while the form is being learned."""
+        if i != 0 or self.known:
+            return None
+        return Probe(self.sources[0], constants, rows=self.rows[0], where=self.what)
+
+    def head_of(self, loss_fn: LossFn, targets: Sequence[Any]) -> Callable[[Any, int], Tensor]:
+        """Micro-batch ``i``'s loss ``loss_fn(output, targets[i])``, a scalar tensor (checked);
+        the first one learns the shares."""
 
         def head(output: Any, i: int) -> Tensor:
-            fn = self.fns[i]
-            return nothing(output) if fn is None else scalar_loss(fn(output, targets[i]))
+            probe = self.probe(i)
+            if probe is None:
+                loss = scalar_loss(loss_fn(output, targets[i]), self.what)
+            else:
+                with probe:
+                    value = loss_fn(output, targets[i])
+                loss = scalar_loss(value, self.what)
+                self.learn(probe.form_of(value))
+            return nothing(output) if self.weight(i) == 0 else loss
 
         return head
 
@@ -94,37 +191,63 @@ def loss_shares(
     loss_fn: LossFn, targets: Sequence[Any], rows: Sequence[int], items: Items | None = None
 ) -> LossShares:
     """The shares of the micro-batch losses ``loss_fn(output_i, targets[i])`` (see the module
-    docstring for the rules).
+    docstring): learned from micro-batch 0's loss, or from ``items``.
 
     Args:
-        loss_fn: the loss of one micro-batch; torch's losses are recognised (functions,
-            ``functools.partial`` of them and ``nn`` loss modules, by their ``reduction``,
-            ``ignore_index`` and ``weight``).
+        loss_fn: the loss of one micro-batch.
         targets: each micro-batch's target.
         rows: each micro-batch's rows.
-        items: for a custom loss that averages over a count other than rows:
+        items: for a custom loss that averages over a count only the caller knows:
             ``items(target_i)`` gives micro-batch ``i``'s count.
 
     Example:
         >>> y = torch.tensor([1, -100, -100, -100])
-        >>> s = loss_shares(F.cross_entropy, list(y.split(2)), [2, 2])
-        >>> s.weights  # one real target in all: the sum over the batch divided by 1
-        [1.0, 1.0]
+        >>> targets = split_target(y, [2, 2])
+        >>> shares = loss_shares(torch.nn.functional.cross_entropy, targets, [2, 2])
+        >>> head = shares.head_of(torch.nn.functional.cross_entropy, targets)
+        >>> _ = head(torch.randn(2, 3), 0)  # micro-batch 0's loss shows what it divides by
+        >>> list(shares)  # one real target in all, in micro-batch 0
+        [1.0, 0.0]
     """
-    m = len(rows)
-    if items is not None:
-        return _custom_items(loss_fn, targets, items)
-    reduction = _reduction(loss_fn)
-    if reduction == "sum":
-        return LossShares([loss_fn] * m, [1.0] * m)
-    counted = _class_loss(loss_fn, targets)
-    if counted is not None and reduction == "mean":
-        summed, counts = counted
-        total = sum(counts)
-        # No real target anywhere: every sum is 0, and so is the loss (not 0 / 0).
-        return LossShares([summed] * m, [1.0 / max(total, 1e-30)] * m, total)
-    total_rows = sum(rows)
-    return LossShares([loss_fn] * m, [r / total_rows for r in rows], float(total_rows))
+    sources = batch_tensors(targets)
+    if items is None:
+        return LossShares(rows, sources)
+    if not callable(items):
+        raise TypeError(
+            f"items must be callable (items(target) -> count), but got {type(items).__name__}; "
+            "e.g. items=lambda y: (y != -100).sum()"
+        )
+    return LossShares(rows, sources, counts=[float(items(t)) for t in targets])
+
+
+def batch_tensors(values: Sequence[Any]) -> list[list[Tensor]]:
+    """Each micro-batch's tensors that hold its rows: the leaves of ``values[i]`` that are not
+    the same object in every micro-batch (what is passed whole to each is not of the batch)."""
+    flat = [pytree.tree_leaves(v) for v in values]
+    if not flat:
+        return []
+    whole = {
+        k
+        for k, leaf in enumerate(flat[0])
+        if len(flat) > 1 and all(len(f) > k and f[k] is leaf for f in flat)
+    }
+    return [
+        [
+            t
+            for k, t in enumerate(leaves)
+            if isinstance(t, Tensor) and t.dim() > 0 and k not in whole
+        ]
+        for leaves in flat
+    ]
+
+
+def _not_joinable(what: str, form: Unknown) -> str:
+    return (
+        f"{what}'s value cannot be joined over micro-batches: {form.op} in {form.where} makes it, "
+        f"and {form.why}. pipepar joins a loss that is a sum over the batch or a mean over a "
+        "count of it; compute such a loss, or say what it averages over with "
+        "items=lambda target: count, or use chunks=1"
+    )
 
 
 def weighted_sum(values: Sequence[Tensor], shares: Sequence[float]) -> Tensor:
@@ -163,77 +286,6 @@ def nothing(output: Any) -> Tensor:
     if not floats:
         return torch.zeros(())
     return sum((t.sum() * 0.0 for t in floats[1:]), floats[0].sum() * 0.0)
-
-
-# -- what a loss divides by -------------------------------------------------------------------
-def _reduction(loss_fn: LossFn) -> str:
-    """``"sum"``, ``"mean"`` or ``"unknown"`` (a custom function: treated as a mean over rows)."""
-    if isinstance(loss_fn, nn.modules.loss._Loss):
-        return str(loss_fn.reduction)
-    fn, kwargs = _unpartial(loss_fn)
-    if fn in _CLASS_LOSSES or getattr(fn, "__module__", "") == "torch.nn.functional":
-        return str(kwargs.get("reduction", "mean"))
-    return "unknown"
-
-
-def _class_loss(loss_fn: LossFn, targets: Sequence[Any]) -> tuple[LossFn, list[float]] | None:
-    """For cross-entropy and NLL losses on class indices: a ``reduction="sum"`` copy and each
-    micro-batch's count (targets not ignored, weighted by their class weight), else None."""
-    module = _as_class_module(loss_fn)
-    if module is None or not all(_class_indices(t) for t in targets):
-        return None
-    summed = _with_sum(module)
-    return summed, [_count(module, t) for t in targets]
-
-
-def _as_class_module(loss_fn: LossFn) -> nn.Module | None:
-    if isinstance(loss_fn, (nn.CrossEntropyLoss, nn.NLLLoss)):
-        return loss_fn
-    fn, kwargs = _unpartial(loss_fn)
-    cls = _CLASS_LOSSES.get(fn)  # type: ignore[call-overload]
-    if cls is None or not set(kwargs) <= {"weight", "ignore_index", "reduction", "label_smoothing"}:
-        return None
-    if "label_smoothing" in kwargs and cls is not nn.CrossEntropyLoss:
-        return None
-    return cls(**kwargs)
-
-
-def _with_sum(module: nn.Module) -> LossFn:
-    summed = copy.copy(module)
-    summed.reduction = "sum"  # type: ignore[assignment]
-    return summed
-
-
-def _count(module: nn.Module, target: Tensor) -> float:
-    real = target.ne(cast(int, module.ignore_index))
-    weight = cast("Tensor | None", module.weight)
-    if weight is None:
-        return float(real.sum())
-    return float(weight.to(target.device)[target[real]].sum())
-
-
-def _class_indices(target: Any) -> bool:
-    return isinstance(target, Tensor) and not target.is_floating_point()
-
-
-def _unpartial(loss_fn: Any) -> tuple[Any, dict[str, Any]]:
-    kwargs: dict[str, Any] = {}
-    while isinstance(loss_fn, functools.partial) and not loss_fn.args:
-        kwargs = {**loss_fn.keywords, **kwargs}
-        loss_fn = loss_fn.func
-    return loss_fn, kwargs
-
-
-def _custom_items(loss_fn: LossFn, targets: Sequence[Any], items: Items) -> LossShares:
-    if not callable(items):
-        raise TypeError(
-            f"items must be callable (items(target) -> count), but got {type(items).__name__}; "
-            "e.g. items=lambda y: (y != -100).sum()"
-        )
-    counts = [float(items(t)) for t in targets]
-    total = sum(counts)
-    fns: list[LossFn | None] = [loss_fn if c > 0 else None for c in counts]
-    return LossShares(fns, [c / total if total > 0 else 0.0 for c in counts], total)
 
 
 def _split_leaf(

@@ -218,7 +218,16 @@ def _step(pipe: PipeView, call: ChainCall) -> Tensor:
     targets = split_target(call.target, rows, pipe.devices[-1])
     shares = loss_shares(call.loss_fn, targets, rows, call.items)
     grad = torch.is_grad_enabled()
-    run = _run(pipe, microbatches, grad=grad, input=input, head=shares.head(targets))
+    loss_of = shares.head_of(call.loss_fn, targets)
+    seeded: list[Run] = []
+
+    def head(output: Any, i: int) -> Tensor:
+        loss = loss_of(output, i)  # micro-batch 0's shows every micro-batch's share
+        if seeded:
+            seeded[0].seed_loss(i, shares.weights[i])
+        return loss
+
+    run = _run(pipe, microbatches, grad=grad, input=input, head=head)
     if not grad:  # evaluation: the schedule's forward actions only, no graph kept
         run.execute(pipe._workers(), FORWARD)
         if run.training:
@@ -227,13 +236,13 @@ def _step(pipe: PipeView, call: ChainCall) -> Tensor:
     params = [p for s in pipe._stages for p in s.trainable()]
     _tune_heap(pipe)
     xs = tensors(input)
+    seeded.append(run)
     loss = StepFunction.apply(lambda: _step_all(pipe, run, shares.weights), run, *xs, *params)
     loss.backward()
     return loss.detach()
 
 
-def _step_all(pipe: PipeView, run: Run, weights: list[float]) -> Tensor:
-    run.seed_losses(weights)
+def _step_all(pipe: PipeView, run: Run, weights: Sequence[float]) -> Tensor:
     run.execute(pipe._workers(), EVERY)
     if run.training:
         commit_all(list(iter_layers(pipe._stages)))

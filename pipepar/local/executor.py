@@ -252,11 +252,10 @@ class Run:
         for i in range(self.m):
             self.slots.put(("B", len(self.stages) - 1, i), tuple(p[i] for p in parts))
 
-    def seed_losses(self, weights: Sequence[float]) -> None:
-        """Start the backward of micro-batch ``i`` from ``weights[i]`` (a loss head's scale)."""
+    def seed_loss(self, i: int, weight: float) -> None:
+        """Start the backward of micro-batch ``i`` from ``weight`` (its loss's share)."""
         last = self.stages[-1].device
-        for i, w in enumerate(weights):
-            self.slots.put(("B", len(self.stages) - 1, i), (torch.tensor(w, device=last),))
+        self.slots.put(("B", len(self.stages) - 1, i), (torch.tensor(weight, device=last),))
 
     def input_grads(self) -> list[Tensor | None]:
         """Gradients of the pipeline's input tensors (after all backward actions ran)."""

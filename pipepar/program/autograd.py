@@ -18,7 +18,7 @@ from pipepar.local.autograd import unalias as _unalias
 from pipepar.local.executor import BACKWARD, FORWARD
 from pipepar.program import caches
 from pipepar.program.calls import join
-from pipepar.program.losses import own_loss
+from pipepar.program.losses import ModelLoss
 from pipepar.program.run import ProgramRun
 
 if TYPE_CHECKING:
@@ -37,20 +37,20 @@ class ProgramFunction(torch.autograd.Function):
         pipe: PipeView,
         run: ProgramRun,
         holder: dict[str, Any],
-        shares: Sequence[float] | None,
+        shares: ModelLoss | None,
         n: int,
         *args: Tensor,
     ) -> Any:
         run.execute(pipe._workers(), FORWARD)
         results = run.results()
-        at = _loss_at(results[0]) if shares is not None else None
-        leaves, spec = pytree.tree_flatten(join(results, run.rows, shares, at))
+        by_leaf = _leaf_shares(results, shares)
+        leaves, spec = pytree.tree_flatten(join(results, run.rows, by_leaf))
         holder["spec"], holder["leaves"] = spec, leaves
         caches.detach_caches(leaves)  # no gradient flows through a returned key-value cache
         tensors = [t for t in leaves if isinstance(t, Tensor)]
         ctx.pipe, ctx.run, ctx.n = pipe, run, n
         ctx.results = [pytree.tree_leaves(r) for r in results]
-        ctx.weights = _tensor_weights(ctx.results[0], run.rows, shares, at)
+        ctx.weights = _tensor_weights(ctx.results[0], run.rows, by_leaf)
         outs = tuple(_unalias(t.detach(), args) for t in tensors)
         ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
         holder["n"] = len(leaves)
@@ -71,35 +71,30 @@ class ProgramFunction(torch.autograd.Function):
         return (None, None, None, None, None, *run.input_grads(), *run.take_param_grads())
 
 
-def joined(results: list[Any], rows: list[int], shares: Sequence[float] | None) -> Any:
-    """The micro-batches' outputs joined; the model's loss by ``shares`` when given."""
-    at = _loss_at(results[0]) if shares is not None and results else None
-    return join(results, rows, shares, at)
+def joined(results: list[Any], rows: list[int], shares: ModelLoss | None) -> Any:
+    """The micro-batches' outputs joined; each value reduced over the batch by its shares."""
+    return join(results, rows, _leaf_shares(results, shares))
 
 
-def _loss_at(output: Any) -> int | None:
-    """The index of the model's loss among an output's leaves (None without one)."""
-    try:
-        loss = own_loss(output)
-    except TypeError:
-        return None
-    return next((k for k, t in enumerate(pytree.tree_leaves(output)) if t is loss), None)
+def _leaf_shares(results: list[Any], shares: ModelLoss | None) -> dict[int, Sequence[float]]:
+    if shares is None or not results:
+        return {}
+    shares.learn_output(results[0])
+    return dict(shares.leaf_shares())
 
 
 def _tensor_weights(
-    leaves: list[Any], rows: list[int], shares: Sequence[float] | None, at: int | None
+    leaves: list[Any], rows: list[int], by_leaf: dict[int, Sequence[float]]
 ) -> list[list[float]]:
     """Per tensor leaf of the output, each micro-batch's share of a one-value leaf's gradient:
-    by rows, or the loss's shares for the model's loss (leaf ``at``)."""
+    by rows, or a reduced value's shares."""
     total = sum(rows)
     by_rows = [r / total for r in rows]
     return [
-        list(shares) if k == at and shares is not None else by_rows
+        list(by_leaf[k]) if k in by_leaf else by_rows
         for k, t in enumerate(leaves)
         if isinstance(t, Tensor)
     ]
-
-
 def _seed(
     run: ProgramRun,
     results: list[list[Any]],

@@ -38,10 +38,17 @@ class Call:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     rows: int
+    batched: frozenset[int] = frozenset()
+    """Which leaves of ``(args, kwargs)`` are this micro-batch's rows of a batch tensor."""
 
     def tensors(self) -> list[Tensor]:
         leaves = pytree.tree_leaves((self.args, self.kwargs))
         return [t for t in leaves if isinstance(t, Tensor)]
+
+    def batch_tensors(self) -> list[Tensor]:
+        """The tensors holding this micro-batch's rows (the others go whole to each)."""
+        leaves = pytree.tree_leaves((self.args, self.kwargs))
+        return [t for k, t in enumerate(leaves) if k in self.batched and isinstance(t, Tensor)]
 
 
 @dataclass(frozen=True)
@@ -90,11 +97,20 @@ def split_call(args: tuple[Any, ...], kwargs: dict[str, Any], chunks: int) -> li
     leaves, spec = pytree.tree_flatten((args, kwargs), is_leaf=caches.is_cache)
     columns = [_split_leaf(leaf, n, m) for leaf in leaves]
     rows = [len(r) for r in torch.arange(n).tensor_split(m)]
+    batched = _batched_leaves(leaves, n, spec)
     calls = []
     for i in range(m):
         a, k = pytree.tree_unflatten([col[i] for col in columns], spec)
-        calls.append(Call(tuple(a), dict(k), rows[i]))
+        calls.append(Call(tuple(a), dict(k), rows[i], batched))
     return calls
+
+
+def _batched_leaves(leaves: list[Any], n: int, spec: pytree.TreeSpec) -> frozenset[int]:
+    """Positions, among the plain leaves of a micro-batch's call, of the split batch tensors."""
+    marks = pytree.tree_leaves(
+        pytree.tree_unflatten([_batched(leaf, n) for leaf in leaves], spec)
+    )
+    return frozenset(k for k, mark in enumerate(marks) if mark is True)
 
 
 def _split_leaf(leaf: Any, n: int, m: int) -> Sequence[Any]:
@@ -110,20 +126,19 @@ def _batched(leaf: Any, n: int) -> bool:
 def join(
     outputs: Sequence[Any],
     rows: Sequence[int],
-    shares: Sequence[float] | None = None,
-    loss_at: int | None = None,
+    shares: dict[int, Sequence[float]] | None = None,
 ) -> Any:
     """Join the micro-batch outputs into the output of the whole batch.
 
     Args:
         outputs: what each micro-batch's call returned.
         rows: each micro-batch's rows.
-        shares: the micro-batches' shares of the loss (see :mod:`pipepar.core.losses`), for
-            the leaf at ``loss_at`` (its index among the output's leaves); a share of 0 leaves
-            that micro-batch's loss out (a mean over no label). Other one-element leaves are
+        shares: for the leaves reduced over the batch (by index among the output's leaves),
+            the micro-batches' shares (see :mod:`pipepar.core.losses`); a share of 0 leaves
+            that micro-batch's value out (a mean over nothing). Other one-element leaves are
             averaged by rows.
-        loss_at: which leaf is the loss.
     """
+    shares = shares or {}
     if len(outputs) == 1:
         return outputs[0]
     flat = [pytree.tree_flatten(out) for out in outputs]
@@ -138,7 +153,7 @@ def join(
     total = sum(rows)
     by_rows = [r / total for r in rows]
     joined = [
-        _join_leaf(col, rows, by_rows if k != loss_at or shares is None else list(shares), path)
+        _join_leaf(col, rows, list(shares[k]) if k in shares else by_rows, path)
         for k, (path, col) in enumerate(zip(_paths(spec, len(columns)), columns))
     ]
     return pytree.tree_unflatten(joined, spec)

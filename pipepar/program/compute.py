@@ -35,7 +35,7 @@ from pipepar.program.autograd import ProgramFunction, as_tuple, joined
 from pipepar.program.calls import Call, StepCall, split_call
 from pipepar.program.cut import Cut, Ledger
 from pipepar.program.driver import driver_pool, watch_units
-from pipepar.program.losses import ModelLoss, Shares, callers, loss_head, step_shares
+from pipepar.program.losses import Forms, ModelLoss, Shares, callers, loss_head, step_shares
 from pipepar.program.recompute import checkpoint_units
 from pipepar.program.rerun import Rerun
 from pipepar.program.route import PathChanged, Routes, signature
@@ -87,6 +87,7 @@ class ProgramCompute:
         self._owner = units_.owners(self._units, self._stage_of_unit)
         self._params: list[list[nn.Parameter]] = []
         self._routes = Routes()  # where values cross, by kind of call
+        self._forms = Forms(model)  # what the outputs are (losses...), by kind of call
         self._drivers: ThreadPoolExecutor | None = None
 
     def place(self, devices: Sequence[torch.device], checkpoint: str) -> list[Stage]:
@@ -107,7 +108,7 @@ class ProgramCompute:
         """Run the model on the batch, micro-batch by micro-batch through the stages; what the
         model returns, joined over the micro-batches."""
         calls = split_call(args, kwargs, pipe.chunks)
-        shares = ModelLoss(self.model, calls) if "labels" in kwargs else None
+        shares = ModelLoss(self.model, calls, self._forms, loss=False)
         if runs_directly(pipe, len(calls)):
             return self._retrying(lambda: self._forward_direct(pipe, calls, shares))
         return self._retrying(lambda: self._forward(pipe, calls, shares))
@@ -141,17 +142,22 @@ class ProgramCompute:
         (see :meth:`pipepar.local.pipe.Pipe.step`)."""
         calls = split_call(call.args, call.kwargs, pipe.chunks)
         targets = split_target(call.target, [c.rows for c in calls])
-        shares = step_shares(call.loss_fn, self.model, calls, targets, call.items)
+        shares = step_shares(call.loss_fn, self.model, calls, targets, call.items, self._forms)
         attempt = self._step_direct if runs_directly(pipe, len(calls)) else self._step
-        return self._retrying(lambda: attempt(pipe, calls, targets, shares))
+        return self._retrying(lambda: attempt(pipe, calls, targets, shares, call.loss_fn))
 
     def _step_direct(
-        self, pipe: PipeView, calls: list[Call], targets: Sequence[Any], shares: Shares
+        self,
+        pipe: PipeView,
+        calls: list[Call],
+        targets: Sequence[Any],
+        shares: Shares,
+        loss_fn: Any,
     ) -> Tensor:
         """One stage, nothing to recompute: each micro-batch's forward, then its loss's
         backward seeded with its share, on plain autograd (draws and statistics in the order
         of the one-stage schedule's forwards)."""
-        head = loss_head(shares, targets)
+        head = loss_head(shares, targets, loss_fn)
         grad = torch.is_grad_enabled()
         losses = []
         for i, call in enumerate(callers(self.model, _on(calls, pipe.devices[0]), shares)):
@@ -163,10 +169,16 @@ class ProgramCompute:
         return joined_loss(losses, shares.weights)
 
     def _step(
-        self, pipe: PipeView, calls: list[Call], targets: Sequence[Any], shares: Shares
+        self,
+        pipe: PipeView,
+        calls: list[Call],
+        targets: Sequence[Any],
+        shares: Shares,
+        loss_fn: Any,
     ) -> Tensor:
         grad = torch.is_grad_enabled()
-        run = self._run(pipe, calls, grad=grad, head=loss_head(shares, targets), shares=shares)
+        head = loss_head(shares, targets, loss_fn)
+        run = self._run(pipe, calls, grad=grad, head=head, shares=shares)
         if not grad:  # evaluation: the schedule's forward actions only, no graph kept
             run.execute(pipe._workers(), FORWARD)
             return joined_loss(run.results(), shares.weights)
@@ -220,6 +232,8 @@ class ProgramCompute:
             )
             for c, xs in zip(calls, inputs)
         ]
+        if isinstance(shares, ModelLoss) and cuts:
+            shares.resolve = cuts[0].original_of
         batch = functools.partial(
             Batch,
             callers(self.model, calls, shares),

@@ -252,6 +252,7 @@ class Cut(TorchFunctionMode):
         self._swapped: list[list[tuple[Weight, nn.Parameter]]] = []
         self._open: list[int] = []  # the unit calls entered and not left, by route index
         self._graphs = GraphCheck(owner, key)  # the check of a followed route's graphs
+        self._moved: dict[int, tuple[Tensor, Tensor]] = {}  # caller's values copied to a stage
 
     @property
     def following(self) -> bool:
@@ -369,6 +370,14 @@ class Cut(TorchFunctionMode):
         if self.route is not None and producer != CALLER and torch.is_grad_enabled():
             self._graphs.walk(t, producer, self._entering())
 
+    def original_of(self, t: Tensor) -> Tensor | None:
+        """The value a stage's leaf (or a copy on its device) stands for, if ``t`` is one."""
+        for c in self.ledger.crossings:
+            if c.leaf is t:
+                return c.original
+        moved = self._moved.get(id(t))
+        return moved[1] if moved is not None and moved[0] is t else None
+
     def alias_stages(self) -> dict[int, int]:
         """The stage using each alias, by the alias's ``id`` (a leaf of that stage)."""
         return {id(leaf): s for (_, s), leaf in self.aliases.items()}
@@ -433,7 +442,17 @@ class Cut(TorchFunctionMode):
     def _placed(self, t: Tensor, stage: int) -> Tensor:
         """``t`` on ``stage``'s device (a value that crosses no stage: the caller's)."""
         device = self.devices[stage]
-        return t if t.device == device or _cpu_scalar(t) else t.to(device)
+        if t.device == device or _cpu_scalar(t):
+            return t
+        if self.route is not None:
+            return t.to(device)
+        return self._move(t, device)
+
+    def _move(self, t: Tensor, device: torch.device) -> Tensor:
+        """``t`` copied to ``device``, the copy remembered as standing for it (first calls)."""
+        moved = t.to(device)
+        self._moved[id(moved)] = (moved, t)
+        return moved
 
     def _changed(self, why: str) -> None:
         raise PathChanged(self.key, why)
@@ -475,7 +494,7 @@ class Cut(TorchFunctionMode):
                 return self.ledger.leaf(t, CALLER, s, device, is_param=False)
             if t.grad_fn is not None and torch.is_grad_enabled():
                 raise _untracked(t, s)
-            return t if t.device == device or _cpu_scalar(t) else t.to(device)
+            return t if t.device == device or _cpu_scalar(t) else self._move(t, device)
         if made == s:
             return t
         return self.ledger.leaf(t, made, s, device, is_param=False)

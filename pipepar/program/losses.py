@@ -1,42 +1,68 @@
 """The loss of a model pipe's step: ``loss_fn(output, target)`` or the model's own.
 
 With ``loss_fn``, micro-batch losses join by :mod:`pipepar.core.losses`. The model's own loss
-(``labels=``) is joined by :class:`ModelLoss`: a transformers model averages its token loss over
-the labels that are not ``-100``, a different number in each micro-batch, unless it is given
-``num_items_in_batch``, the count of the whole batch, by which it then divides a summed loss.
-The pipe passes that count to every micro-batch call (the caller's own, as HF Trainer passes
-it, or the batch's real labels counted as transformers' Trainer counts them), so each
-micro-batch returns its part of the batch's loss and the parts add up. A model that takes the
-keyword but computes its loss without it (some models build a ``CrossEntropyLoss`` of their
-own) is seen not to use it, and its micro-batch means are weighted by their label counts.
-A model whose loss pipepar cannot count is joined by rows.
+(a nanoGPT ``forward(idx, targets)`` returning ``(logits, loss)``, a transformers model given
+``labels=``, a dict with a loss in it) is found and joined by :class:`ModelLoss`: micro-batch
+0's forward runs under a :class:`~pipepar.core.reductions.Probe` the first time a kind of call
+is seen, which tells which leaves of the output are reduced over the batch and what each
+divides by; later calls of that kind reuse what was learned (:class:`Forms`), with each
+micro-batch's count recomputed from its own inputs. Whatever the model is given whole (a
+``num_items_in_batch`` the caller passes, as HF Trainer does) is a constant of the batch.
 """
 
 from __future__ import annotations
 
-import inspect
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-import torch
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from pipepar.core.losses import LossFn, LossShares, loss_shares, nothing, scalar_loss
+from pipepar.core.losses import LossFn, LossNotJoinable, LossShares, nothing, scalar_loss
+from pipepar.core.reductions import Form, Probe, is_reduced
 from pipepar.program.calls import Call
+from pipepar.program.route import signature
 
-__all__ = ["LossFn", "ModelLoss", "Shares", "callers", "loss_head", "own_loss", "step_shares"]
+__all__ = [
+    "Forms",
+    "LossFn",
+    "ModelLoss",
+    "Shares",
+    "callers",
+    "loss_head",
+    "own_loss",
+    "step_shares",
+]
 
-_IGNORE = -100  # transformers' label for "no target here"
+
+class Forms:
+    """What a model's outputs are, by kind of call: the :data:`~pipepar.core.reductions.Form`
+    of each output leaf, learned once from micro-batch 0's forward."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.names = {id(m): path for path, m in model.named_modules()}
+        self.constants = [*model.parameters(), *model.buffers()]
+        self._learned: dict[Hashable, list[Form]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, key: Hashable) -> list[Form] | None:
+        with self._lock:
+            return self._learned.get(key)
+
+    def keep(self, key: Hashable, forms: list[Form]) -> None:
+        with self._lock:
+            self._learned[key] = forms
 
 
 def loss_head(
-    shares: Shares, targets: Sequence[Any]
+    shares: Shares, targets: Sequence[Any], loss_fn: LossFn | None = None
 ) -> Callable[[Any, int], Tensor]:
-    """Micro-batch ``i``'s loss: ``shares``' function (``loss_fn``) or the model's own."""
-    if isinstance(shares, LossShares):
-        return shares.head(targets)
-    return shares.head
+    """Micro-batch ``i``'s loss: ``loss_fn``'s (its shares learned from it) or the model's own."""
+    if isinstance(shares, ModelLoss):
+        return shares.head
+    assert loss_fn is not None
+    return shares.head_of(loss_fn, targets)
 
 
 def step_shares(
@@ -45,100 +71,133 @@ def step_shares(
     calls: Sequence[Call],
     targets: Sequence[Any],
     items: Any = None,
+    forms: Forms | None = None,
 ) -> Shares:
-    """How ``step`` joins its micro-batch losses: by ``loss_fn``'s rule, or the model's."""
-    rows = [c.rows for c in calls]
+    """How ``step`` joins its micro-batch losses: by ``loss_fn``'s form, or the model's."""
+    from pipepar.core.losses import loss_shares
+
     if loss_fn is not None:
-        return loss_shares(loss_fn, targets, rows, items)
-    return ModelLoss(model, calls)
+        return loss_shares(loss_fn, targets, [c.rows for c in calls], items)
+    return ModelLoss(model, calls, forms if forms is not None else Forms(model), loss=True)
 
 
-class ModelLoss(Sequence[float]):
-    """The model's own loss over micro-batches: what each call adds and each loss's share.
-
-    A sequence of the micro-batches' shares (read once a micro-batch's forward has run: whether
-    the model used ``num_items_in_batch`` is known only then).
+class ModelLoss(LossShares):
+    """The model's own outputs over micro-batches: the forms of micro-batch 0's output leaves
+    (learned by a probe of its forward, or known from an earlier call of the kind), the leaf
+    that is the loss, and, as a sequence, that loss's shares.
 
     Args:
-        model: the model (its ``forward`` signature and ``loss_type`` tell how it counts).
+        model: the model.
         calls: the micro-batch calls.
+        forms: what earlier calls learned, by kind.
+        loss: whether the output must hold a loss (``step``), or may (``pipe(...)``).
     """
 
-    def __init__(self, model: nn.Module, calls: Sequence[Call]) -> None:
-        self.rows = [c.rows for c in calls]
-        self.counts = _label_counts(model, calls) if _takes_count(model) else None
-        given = calls[0].kwargs.get("num_items_in_batch") if calls else None
-        self.given = given is not None
-        # What the shares divide by: real labels (or rows) of this batch, or of every replica's.
-        self.total: float | None = float(sum(self.counts) if self.counts else sum(self.rows))
-        self._passed = float(given) if given is not None else self.total
-        self._replicas = 1
-        self._used = [threading.Event() for _ in calls]
+    def __init__(
+        self, model: nn.Module, calls: Sequence[Call], forms: Forms, *, loss: bool
+    ) -> None:
+        sources = [c.batch_tensors() for c in calls]
+        batch = {id(t) for t in sources[0]} if sources else set()
+        self._whole = [t for t in calls[0].tensors() if id(t) not in batch] if calls else []
+        super().__init__([c.rows for c in calls], sources, what="the model's loss")
+        self._forms, self._needs_loss = forms, loss
+        self.key = signature(calls[0].args, calls[0].kwargs, model.training) if calls else None
+        self.leaf_forms: list[Form] | None = forms.get(self.key)
+        self.loss_at: int | None = None
+        self.resolve: Callable[[Tensor], Tensor | None] | None = None
+        self._probe: Probe | None = None
+        if self.leaf_forms is not None:
+            self._take(self.leaf_forms)
 
-    def spread(self, total: float | None, replicas: int) -> ModelLoss:
-        """This batch as one of ``replicas`` whose gradients are averaged, holding ``total``
-        labels (or rows) in all: the loss becomes the whole global batch's."""
-        self._replicas = replicas
-        if total:
-            self.total = total
-            if not self.given and self.counts is not None:
-                self._passed = total
-        return self
+    # -- learning -----------------------------------------------------------------------------
+    def watch(self, i: int, call: Callable[[], Any]) -> Callable[[], Any]:
+        """Micro-batch ``i``'s call, under a probe if it is the one to learn from."""
+        if i != 0 or self.leaf_forms is not None:
+            return call
 
-    # -- what each micro-batch's call gets -----------------------------------------------
-    def call_kwargs(self, i: int) -> dict[str, Any]:
-        """The keyword arguments to add to micro-batch ``i``'s call."""
-        if self.counts is None and not self.given:
-            return {}
-        n = torch.tensor(self._passed if self._passed else 1.0)
-        return {"num_items_in_batch": _Watched.of(n, self._used[i])}
+        def watched() -> Any:
+            self._probe = Probe(
+                self.sources[0],
+                [*self._forms.constants, *self._whole],
+                rows=self.rows[0],
+                names=self._forms.names,
+                resolve=self.resolve,
+            )
+            with self._probe:
+                output = call()
+            self.learn_output(output)
+            return output
 
-    # -- the shares -----------------------------------------------------------------------------
-    @property
-    def weights(self) -> ModelLoss:
-        """The shares, as :attr:`LossShares.weights <pipepar.core.losses.LossShares>`: this
-        sequence itself (each read once its micro-batch's forward has run)."""
-        return self
+        return watched
 
-    def weight(self, i: int) -> float:
-        if self._used[i].is_set():
-            return float(self._replicas)  # the model divided its sum by the whole count
-        part = self.counts[i] if self.counts is not None else self.rows[i]
-        return part / self.total * self._replicas if self.total else 0.0
+    def learn_output(self, output: Any) -> None:
+        """Take the forms of micro-batch 0's output leaves from its probe."""
+        if self.leaf_forms is not None or self._probe is None:
+            return
+        forms = [self._probe.form_of(leaf) for leaf in pytree.tree_leaves(output)]
+        self._probe = None
+        self._take(forms)
+        self._forms.keep(self.key, forms)
 
-    def empty(self, i: int) -> bool:
-        """Micro-batch ``i`` holds no label and its loss is a mean over none (``nan``)."""
-        return not self._used[i].is_set() and self.counts is not None and self.counts[i] == 0
+    def _take(self, forms: list[Form]) -> None:
+        self.leaf_forms = forms
+        self.loss_at = _loss_leaf(forms, self._needs_loss)
+        if self.loss_at is not None:
+            self.learn(forms[self.loss_at])
 
+    def leaf_shares(self) -> dict[int, LossShares]:
+        """For each output leaf reduced over the batch, its micro-batches' shares."""
+        shares: dict[int, LossShares] = {}
+        for k, form in enumerate(self.leaf_forms or []):
+            if k == self.loss_at:
+                shares[k] = self
+            elif is_reduced(form):
+                leaf = LossShares(self.rows, self.sources, what=f"output leaf {k}")
+                leaf.learn(form)
+                shares[k] = leaf
+        return shares
+
+    # -- the loss ----------------------------------------------------------------------------
     def head(self, output: Any, i: int) -> Tensor:
-        loss = own_loss(output)
-        if self.empty(i):
+        if self.loss_at is None:
+            raise TypeError(
+                f"the model returned {type(output).__name__} with no loss (no value reduced over "
+                "the batch); pass what the model computes its loss from (e.g. labels= or "
+                "targets=), or step(..., loss_fn=fn, target=y)"
+            )
+        loss = pytree.tree_leaves(output)[self.loss_at]
+        if self.weight(i) == 0:
             return nothing(output)
         return scalar_loss(loss, "the model")
 
-    def __getitem__(self, i: int) -> float:  # type: ignore[override]
-        return self.weight(i)
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __iter__(self) -> Iterator[float]:
-        return (self.weight(i) for i in range(len(self.rows)))
+Shares = LossShares
+"""How a step's micro-batch losses are joined: by a ``loss_fn``'s form, or the model's own."""
 
 
-Shares = LossShares | ModelLoss
-"""How a step's micro-batch losses are joined: by a ``loss_fn``'s rule, or the model's own."""
+def _loss_leaf(forms: list[Form], needed: bool) -> int | None:
+    """The output leaf that is the loss: the one leaf reduced over the batch."""
+    reduced = [k for k, f in enumerate(forms) if is_reduced(f)]
+    if len(reduced) == 1 or (reduced and not needed):
+        return reduced[0]
+    if len(reduced) > 1:
+        raise LossNotJoinable(
+            f"the model returned {len(reduced)} values reduced over the batch (output leaves "
+            f"{reduced}) and pipe.step needs one loss; return one, or return the outputs and "
+            "pass step(..., loss_fn=fn, target=y)"
+        )
+    return None
 
 
 def callers(
     model: nn.Module, calls: Sequence[Call], shares: Shares | None
 ) -> list[Callable[[], Any]]:
-    """Each micro-batch's call of the model, with what the model's own loss needs added
-    (``num_items_in_batch``: see :class:`ModelLoss`)."""
+    """Each micro-batch's call of the model; micro-batch 0's under a probe when the model's
+    outputs are still to be learned (see :class:`ModelLoss`)."""
 
     def caller(i: int, c: Call) -> Callable[[], Any]:
-        extra = shares.call_kwargs(i) if isinstance(shares, ModelLoss) else {}
-        return lambda: model(*c.args, **{**c.kwargs, **extra})
+        call = lambda: model(*c.args, **c.kwargs)  # noqa: E731
+        return shares.watch(i, call) if isinstance(shares, ModelLoss) else call
 
     return [caller(i, c) for i, c in enumerate(calls)]
 
@@ -159,72 +218,3 @@ def own_loss(output: Any) -> Any:
             "model takes (e.g. labels=input_ids) or step(..., loss_fn=fn, target=y)"
         )
     return loss
-
-
-# -- counting labels as transformers does ---------------------------------------------------
-def _takes_count(model: nn.Module) -> bool:
-    """Whether the model's forward takes ``num_items_in_batch`` (by name or ``**kwargs``)."""
-    if getattr(model, "accepts_loss_kwargs", True) is False:
-        return False
-    try:
-        params = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.kind is p.VAR_KEYWORD or p.name == "num_items_in_batch" for p in params)
-
-
-def _label_counts(model: nn.Module, calls: Sequence[Call]) -> list[float] | None:
-    """Each micro-batch's count of real labels (``!= -100``), shifted by one for causal language
-    models (their first label predicts nothing); None without integer ``labels``."""
-    shifts = _shifts_labels(model)
-    counts = []
-    for c in calls:
-        labels = c.kwargs.get("shift_labels")
-        if labels is None:
-            labels = c.kwargs.get("labels")
-            if isinstance(labels, Tensor) and shifts:
-                labels = labels[..., 1:]
-        if not isinstance(labels, Tensor) or labels.is_floating_point():
-            return None
-        counts.append(float((labels != _IGNORE).sum()))
-    return counts
-
-
-def _shifts_labels(model: nn.Module) -> bool:
-    try:
-        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-    except ImportError:  # not a transformers model
-        return False
-    unwrap = getattr(model, "get_base_model", None)  # an adapter wrapper (PEFT): its model's
-    model = unwrap() if callable(unwrap) else model
-    config = getattr(model, "config", None)
-    if getattr(config, "is_encoder_decoder", False):
-        return False  # the decoder's labels are aligned with its right-shifted inputs
-    # The loss the model computes: its loss_type's, or transformers' default for none.
-    loss_type = getattr(model, "loss_type", None)
-    fn = LOSS_MAPPING.get(loss_type) if loss_type is not None else None
-    if fn is None and "_loss_function" not in vars(model):
-        fn = ForCausalLMLoss if hasattr(type(model), "loss_function") else None
-    return fn is ForCausalLMLoss
-
-
-class _Watched(Tensor):
-    """``num_items_in_batch`` as handed to the model: notes when a torch operation uses it."""
-
-    _pipepar_used: threading.Event
-
-    @staticmethod
-    def of(value: Tensor, used: threading.Event) -> _Watched:
-        watched = value.as_subclass(_Watched)
-        watched._pipepar_used = used
-        return watched
-
-    @classmethod
-    def __torch_function__(
-        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
-    ) -> Any:
-        for value in (*args, *(kwargs or {}).values()):
-            if isinstance(value, _Watched):
-                value._pipepar_used.set()
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))

@@ -36,7 +36,7 @@ from pipepar.program.calls import Call, StepCall, split_call
 from pipepar.program.cut import Ledger
 from pipepar.program.driver import driver_pool, watch_units
 from pipepar.program.link import Link
-from pipepar.program.losses import ModelLoss, Shares, callers, loss_head, step_shares
+from pipepar.program.losses import Forms, ModelLoss, Shares, callers, loss_head, step_shares
 from pipepar.program.meta_shapes import MetaShapes
 from pipepar.program.meta_values import MetaScalars
 from pipepar.program.rank_weights import holders, keep_only, tied_groups
@@ -109,6 +109,7 @@ class RankProgram:
             checkpoint_units([u.module for u, s in own if s in mine and u.has_parameters])
         # Where values cross, by kind of call (None: every call under the cut's mode).
         self._routes = Routes() if routes else None
+        self._forms = Forms(model)  # what the outputs are (losses...), by kind of call
         ranks = [mesh.pipeline_ranks[w] for w in schedule.placement]
         self._tied = tied_groups(lay, self.stage_of_unit, ranks)
         self._stages = [_stage(lay, self.stage_of_unit, s, ctx.device) for s in mine]
@@ -205,7 +206,7 @@ class RankProgram:
         ctx = self._ctx
         calls = split_call(args, kwargs, ctx.chunks)
         schedule = fewer_microbatches(ctx.schedule, len(calls))
-        shares = ModelLoss(self.model, calls) if "labels" in kwargs else None
+        shares = ModelLoss(self.model, calls, self._forms, loss=False)
         batch, _ = ctx.guard(lambda: self._gathered_walk(calls, schedule, shares))
         try:
             if ctx.schedule.n_stages - 1 not in self._mine:
@@ -235,14 +236,12 @@ class RankProgram:
             )
         schedule = fewer_microbatches(ctx.schedule, len(calls))
         targets = split_target(call.target, [c.rows for c in calls])
-        shares = spread_over_replicas(
-            step_shares(call.loss_fn, self.model, calls, targets, call.items),
-            mesh=ctx.mesh,
-            device=ctx.device,
-        )
+        shares = step_shares(call.loss_fn, self.model, calls, targets, call.items, self._forms)
+        if ctx.schedule.n_stages - 1 in self._mine:  # where the shares seed the backward
+            shares = spread_over_replicas(shares, mesh=ctx.mesh, device=ctx.device)
         grad = torch.is_grad_enabled()
         with self._gathered():  # sharded: gathered once for every action of the step
-            head = loss_head(shares, targets)
+            head = loss_head(shares, targets, call.loss_fn)
             batch, steps = self._walk(calls, schedule, shares, head, grad=grad)
             if grad:
                 self._write_grads(steps)
@@ -294,6 +293,8 @@ class RankProgram:
             own = steps.get(stage)
             return own.segment_context(stage, i) if own is not None else shadow(stage, i)
 
+        if isinstance(shares, ModelLoss) and cuts:
+            shares.resolve = cuts[0].original_of
         batch = Batch(callers(self.model, calls, shares), cuts, context, head=head, weights=weights)
         steps = {
             stage.index: RankStep(

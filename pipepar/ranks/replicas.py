@@ -43,7 +43,9 @@ _Shares = TypeVar("_Shares", bound="_Spreadable")
 class _Spreadable(Protocol):
     total: float | None
 
-    def spread(self: _Shares, total: float | None, replicas: int) -> _Shares: ...
+    def spread(
+        self: _Shares, globalize: Callable[[float], float] | None, replicas: int
+    ) -> _Shares: ...
 
 
 BUCKET_BYTES = 4 << 20
@@ -107,14 +109,19 @@ def spread_over_replicas(shares: _Shares, *, mesh: Mesh, device: torch.device) -
     """
     if mesh.dp_group is None:
         return shares
-    if shares.total is None:  # a summed loss: the sum over replicas, not their mean
-        return shares.spread(None, mesh.dp)
-    total = torch.tensor([float(shares.total)], dtype=torch.float64, device=device)
-    what = f"summing the loss's items over ranks {mesh.replica_ranks}"
-    with comm(what):
-        work = dist.all_reduce(total, group=mesh.dp_group, async_op=True)
-    mesh.progress.wait(work, what)
-    return shares.spread(float(total.item()), mesh.dp)
+    group = mesh.dp_group
+
+    def globalize(count: float) -> float:
+        # Once the count is known: at micro-batch 0's loss, when it is learned from the loss's
+        # operations; the last stage's ranks of every replica reach it at the same action.
+        total = torch.tensor([count], dtype=torch.float64, device=device)
+        what = f"summing the loss's items over ranks {mesh.replica_ranks}"
+        with comm(what):
+            work = dist.all_reduce(total, group=group, async_op=True)
+        mesh.progress.wait(work, what)
+        return float(total.item())
+
+    return shares.spread(globalize, mesh.dp)
 
 
 def broadcast_from_first(tensors: Iterable[Tensor], mesh: Mesh) -> None:

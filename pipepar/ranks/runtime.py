@@ -159,7 +159,7 @@ class Runtime:
         if m != self.m:  # a batch with fewer rows than chunks runs fewer micro-batches
             self._use(fewer_microbatches(self._full, m))
         known = self._shapes.get(signature)
-        self._shares: list[float] = []
+        self._shares: Sequence[float] = []
         batch = _Batch(known, _Shapes(), self._steps(target, loss_fn, items, spread, grad))
         if 0 in self.stages:
             batch.chunks = _split(x, self.m, "x")
@@ -207,7 +207,7 @@ class Runtime:
             targets: list[Any] = _split(target, self.m, "target")
             shares = loss_shares(loss_fn, targets, [len(t) for t in targets], items)
             shares = spread(shares) if spread is not None else shares
-            self._shares, head = shares.weights, shares.head(targets)
+            self._shares, head = shares.weights, shares.head_of(loss_fn, targets)
         randomness = Recorded()  # one thread runs this rank's stages, in schedule order
 
         def loss(output: Any, i: int) -> Tensor:

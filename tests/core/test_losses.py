@@ -18,8 +18,9 @@ def _joined(loss_fn, output, target, rows, items=None):
     """The pipe's rule by hand: each micro-batch's loss times its share, summed."""
     outs, targets = list(output.split(rows)), split_target(target, rows)
     shares = loss_shares(loss_fn, targets, rows, items)
-    head = shares.head(targets)
-    return sum(w * head(o, i) for i, (o, w) in enumerate(zip(outs, shares.weights)))
+    head = shares.head_of(loss_fn, targets)
+    losses = [head(o, i) for i, o in enumerate(outs)]  # micro-batch 0's shows the shares
+    return sum(w * loss for loss, w in zip(losses, shares.weights))
 
 
 @pytest.mark.parametrize(
@@ -75,8 +76,10 @@ def test_custom_loss_with_items_joins_exactly_and_skips_empty_micro_batches() ->
 def test_losses_over_rows_are_weighted_by_rows() -> None:
     out, y = torch.randn(8, 3), torch.randn(8, 3)
     torch.testing.assert_close(_joined(F.mse_loss, out, y, ROWS), F.mse_loss(out, y))
-    shares = loss_shares(F.mse_loss, split_target(y, ROWS), ROWS)
-    assert shares.weights == [3 / 8, 3 / 8, 2 / 8] and shares.total == 8
+    targets = split_target(y, ROWS)
+    shares = loss_shares(F.mse_loss, targets, ROWS)
+    shares.head_of(F.mse_loss, targets)(out[:3], 0)
+    assert list(shares.weights) == [9 / 24, 9 / 24, 6 / 24] and shares.total == 24  # elements
 
 
 def test_spread_over_replicas_gives_the_global_mean() -> None:
@@ -87,10 +90,10 @@ def test_spread_over_replicas_gives_the_global_mean() -> None:
     parts = []
     for o, t in halves:
         targets = split_target(t, [2, 2])
-        shares = loss_shares(F.cross_entropy, targets, [2, 2]).spread(4.0, replicas=2)
-        head = shares.head(targets)
-        pieces = zip(o.split(2), shares.weights)
-        parts.append(sum(w * head(p, i) for i, (p, w) in enumerate(pieces)))
+        shares = loss_shares(F.cross_entropy, targets, [2, 2]).spread(lambda c: 4.0, replicas=2)
+        head = shares.head_of(F.cross_entropy, targets)
+        losses = [head(p, i) for i, p in enumerate(o.split(2))]
+        parts.append(sum(w * loss for loss, w in zip(losses, shares.weights)))
     mean_of_replicas = (parts[0] + parts[1]) / 2
     torch.testing.assert_close(mean_of_replicas, F.cross_entropy(out, y))
 
