@@ -121,13 +121,16 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Any]:
 
 @pytest.mark.parametrize("name", list(MODELS))
 def test_every_gather_is_the_trained_state(ranks: dict[int, Any], name: str) -> None:
+    """Every entry equal to the plain model's (the stage-0 batch norm's statistics were rank 1's
+    stale copy), then the same keys in the same order (the model's own buffer was missing)."""
     plain = _plain(name)
     assert any(k.endswith("running_mean") for k in plain)
     for rank, got in ranks.items():
         for what, state in got.items():
             if not what.startswith(name):
                 continue
-            assert list(state) == list(plain), (rank, what)
             for k, v in plain.items():
-                where = f"rank {rank}, {what}: {k}"
-                torch.testing.assert_close(torch.from_numpy(state[k]), v, msg=where)
+                if k in state:
+                    where = f"rank {rank}, {what}: {k}"
+                    torch.testing.assert_close(torch.from_numpy(state[k]), v, msg=where)
+            assert list(state) == list(plain), (rank, what)
