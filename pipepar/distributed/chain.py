@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -38,6 +38,8 @@ from pipepar.ranks.sharding import ShardedSync, shard_like
 from pipepar.ranks.transport import Transport
 
 __all__ = ["RankChain"]
+
+T = TypeVar("T")
 
 
 class RankChain:
@@ -173,6 +175,11 @@ class RankChain:
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         """The rank's layers' entries under the model's keys."""
         return nn.Module.state_dict(self._ctx.module, *args, **kwargs)
+
+    def own_state(self, state: Mapping[str, T]) -> dict[str, T]:
+        """The entries every gather of the whole model takes from this rank: all of them (the
+        rank builds only its own stages' layers, each layer once)."""
+        return dict(state)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool, assign: bool) -> Any:
         """Load the entries of a whole-model (or local) state_dict for the rank's layers (with

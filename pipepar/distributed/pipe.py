@@ -316,20 +316,23 @@ class DistributedPipe(nn.Module):
     def full_state_dict(self) -> dict[str, Tensor]:
         """The whole model's state_dict (original keys, CPU tensors, the plain model's order),
         gathered on every rank (with ``dp_shard``, each tensor gathered whole from its shards
-        first). Call it on every rank.
+        first). Each entry comes from the stage that computes it: a weight from the stage
+        holding it, a buffer (batch-norm statistics) from the stage whose units update it
+        (:func:`pipepar.program.units.state_owners`). Call it on every rank.
 
         Example:
             >>> torch.save(pipe.full_state_dict(), "model.pt")  # doctest: +SKIP
         """
         parts: list[Any] = [None] * self.pp
         self._guarded(lambda: self._gather(parts))
-        merged = {k: v for part in parts for k, v in part.items()}
+        merged = {k: v for part in parts for k, v in part.items()}  # parts do not overlap
         return self._compute.in_model_order(merged)
 
     def _gather(self, parts: list[Any]) -> None:
         what = f"gathering the state_dict over ranks {self.mesh.grid_ranks}"
         with comm(what):
-            local = {k: v.detach().cpu() for k, v in full_tensors(self.state_dict()).items()}
+            own = full_tensors(self._compute.own_state(self.state_dict()))
+            local = {k: v.detach().cpu() for k, v in own.items()}
             if self.mesh.ctl is None:
                 parts[:] = [local]
             else:

@@ -59,7 +59,6 @@ from pipepar.persist.named_state import (
     per_parameter,
 )
 from pipepar.persist.outcome import NotSaved
-from pipepar.program import units
 from pipepar.program.rank_compute import RankProgram
 from pipepar.ranks.failure import comm
 from pipepar.ranks.mesh import Mesh
@@ -275,37 +274,16 @@ def _entries(module: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
 
 def _share(module: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
     """The entries this rank writes: none on replicas but the first (they hold the same
-    values), but for their shards (``dp_shard``); of a pipe of any model but a chain, those
-    its stages compute (see :func:`_stage_share`)."""
+    values), but for their shards (``dp_shard``); of those, the ones its stages compute
+    (``own_state`` of the pipe's compute, the rule ``full_state_dict`` follows too)."""
     entries, aliases = _entries(module)
     if isinstance(module, DistributedPipe) and module.mesh.where.replica != 0:
         if not _sharded(module):
             return {}, {}
         entries, aliases = {k: t for k, t in entries.items() if isinstance(t, DTensor)}, {}
-    if isinstance(module, DistributedPipe) and isinstance(module.compute, RankProgram):
-        entries = _stage_share(module, module.compute, entries)
+    if isinstance(module, DistributedPipe):  # each entry from the one stage computing it
+        entries = module.compute.own_state(entries)
     return entries, aliases
-
-
-def _stage_share(
-    pipe: DistributedPipe, compute: RankProgram, entries: dict[str, Tensor]
-) -> dict[str, Tensor]:
-    """Of the entries a rank holds, those its stages are the source of: their parameters, a
-    tied one only on the rank of the first stage using it (``units.owners``, as the pipe
-    placed them), and the buffers of their units (every rank keeps every buffer, but only the
-    rank running a unit updates its buffers; a buffer outside every unit goes with stage 0)."""
-    lay = units.layout(pipe)  # the pipe's children are the model's
-    mine = set(pipe.stages)
-    owner = units.owners(lay, compute.stage_of_unit)
-    held = {id(p) for p in pipe.parameters()}
-    spans = [(u.path, s) for u, s in zip(lay.units, compute.stage_of_unit)]
-
-    def source(name: str, t: Tensor) -> int:
-        if id(t) in held:  # a weight, or with dp_shard its shard
-            return owner.get(id(compute.weight(t)), pipe.stages[0])
-        return next((s for path, s in spans if not path or name.startswith(path + ".")), 0)
-
-    return {k: t for k, t in entries.items() if source(k, t) in mine}
 
 
 def _optimizer_share(

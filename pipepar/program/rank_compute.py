@@ -19,7 +19,7 @@ import contextlib
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -52,6 +52,8 @@ from pipepar.ranks.runtime import fewer_microbatches
 from pipepar.ranks.sharding import ShardedSync, shard_like
 
 __all__ = ["RankProgram"]
+
+T = TypeVar("T")
 
 
 class RankProgram:
@@ -122,7 +124,6 @@ class RankProgram:
             self._sync = ShardedSync.of_parameters(self._named_held(), mesh, ctx.device)
             self._shards = list(self._sync.shards)
         self._shard_of = {id(p): s for p, s in zip(self._held, self._shards)}
-        self._held_of = {id(s): p for p, s in zip(self._held, self._shards)}
 
     def _named_held(self) -> list[tuple[str, nn.Parameter]]:
         """The held weights with their first names in the model."""
@@ -147,12 +148,14 @@ class RankProgram:
         return ((n, mine[id(p)]) for n, p in named if id(p) in mine)
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
-        """This rank's entries under the model's keys (with ``dp_shard``, the shards)."""
-        pipe = self._ctx.module
-        full = nn.Module.state_dict(pipe, *args, **kwargs)
+        """This rank's entries under the model's keys (with ``dp_shard``, the shards): the
+        weights it holds and every buffer, the model's own included (the other stages'
+        buffers as this rank last saw them: :meth:`own_state` drops those)."""
+        model = self.model  # the pipe's children and weights, and the model's own buffers
+        full = nn.Module.state_dict(model, *args, **kwargs)
         if self._sync is not None:
             prefix, keep = kwargs.get("prefix", ""), kwargs.get("keep_vars", False)
-            for name, p in nn.Module.named_parameters(pipe, remove_duplicate=False):
+            for name, p in nn.Module.named_parameters(model, remove_duplicate=False):
                 shard = self._shard_of.get(id(p))
                 if shard is not None and prefix + name in full:
                     full[prefix + name] = shard if keep else shard.detach()
@@ -162,19 +165,19 @@ class RankProgram:
         """Load the whole model's state_dict (its entries for other stages are ignored, as
         ``nn.Module`` loads into weights on ``meta``); with ``dp_shard``, each replica keeps
         its shard of the weights it holds (``assign`` does not apply to them)."""
-        pipe = self._ctx.module
+        model = self.model
         if self._sync is None:
-            return nn.Module.load_state_dict(pipe, state_dict, strict=strict, assign=assign)
+            return nn.Module.load_state_dict(model, state_dict, strict=strict, assign=assign)
         shards = {
             name: self._shard_of[id(p)]
-            for name, p in nn.Module.named_parameters(pipe, remove_duplicate=False)
+            for name, p in nn.Module.named_parameters(model, remove_duplicate=False)
             if id(p) in self._shard_of
         }
         for name, value in state_dict.items():
             if name in shards:
                 shards[name].detach().copy_(shard_like(value, shards[name]))
         rest = {k: v for k, v in state_dict.items() if k not in shards}
-        result = nn.Module.load_state_dict(pipe, rest, strict=False, assign=assign)
+        result = nn.Module.load_state_dict(model, rest, strict=False, assign=assign)
         result.missing_keys[:] = [k for k in result.missing_keys if k not in shards]
         if strict and (result.missing_keys or result.unexpected_keys):
             raise RuntimeError(
@@ -183,9 +186,13 @@ class RankProgram:
             )
         return result
 
-    def weight(self, t: Tensor) -> Tensor:
-        """The model parameter whose shard is ``t`` (``t`` itself for anything else)."""
-        return self._held_of.get(id(t), t)
+    def own_state(self, state: Mapping[str, T]) -> dict[str, T]:
+        """Of this rank's entries (``state_dict()``'s keys), those its stages are the source of
+        (:func:`pipepar.program.units.state_owners`): what every gather of the whole model
+        takes from this rank, each entry from one stage only, buffers from the stage that
+        updates them and a tied weight from the first stage using it."""
+        owner = units_.state_owners(self.model, self.stage_of_unit)
+        return {k: v for k, v in state.items() if owner.get(k, self._mine[0]) in self._mine}
 
     def in_model_order(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         """A whole model's entries in the plain model's order."""

@@ -220,6 +220,32 @@ def owners(lay: Layout, stage_of_unit: Sequence[int]) -> dict[int, int]:
     return owner
 
 
+def state_owners(model: nn.Module, stage_of_unit: Sequence[int]) -> dict[str, int]:
+    """The stage each entry of ``model.state_dict()`` is taken from, under every name: the
+    stage that holds a parameter (:func:`owners`), the stage of the unit a buffer is in (only
+    the stage running a unit updates its buffers: batch-norm statistics, counters), and for a
+    buffer outside every unit the stage its holder module's loose parameters would go to (the
+    first unit with parameters under it; stage 0 for the model's own buffers).
+
+    Example:
+        >>> m = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+        >>> state_owners(m, [0, 1])["1.running_mean"]
+        1
+    """
+    lay = layout(model)
+    owner = owners(lay, stage_of_unit)
+    for unit, s in zip(lay.units, stage_of_unit):
+        for b in unit.module.buffers():
+            owner.setdefault(id(b), s)
+    found: dict[str, int] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        known = owner.get(id(t))
+        if known is None:
+            known = _first_stage_under(lay, stage_of_unit, name.rpartition(".")[0])
+        found[name] = known
+    return found
+
+
 def _first_stage_under(lay: Layout, stage_of_unit: Sequence[int], holder: str) -> int:
     for unit, s in zip(lay.units, stage_of_unit):
         if unit.has_parameters and (not holder or unit.path.startswith(holder + ".")):
