@@ -10,6 +10,8 @@ plan the split from a memory profile.
 """
 
 from pipepar import io, report, timeline
+from pipepar.core.losses import LossNotJoinable
+from pipepar.core.reductions import BatchCoupled
 from pipepar.core.sequential import sequentialize
 from pipepar.local.gpipe import GPipe, from_torchgpipe_state_dict
 from pipepar.local.pipe import Pipe
@@ -30,9 +32,11 @@ under the name it had when models other than ``nn.Sequential`` had a class of th
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchCoupled",
     "GPipe",
     "LayerProfile",
     "Layout",
+    "LossNotJoinable",
     "ModelPipe",
     "Pipe",
     "Plan",

@@ -29,6 +29,7 @@ def wrap(
     chunks: int | None = None,
     checkpoint: str | None = None,
     deferred_batch_norm: bool = False,
+    batch_coupling: str = "error",
     sample: Any = None,
     split: Sequence[str] | None = None,
     capacity: Any = None,
@@ -66,6 +67,11 @@ def wrap(
             the same random numbers). ``None``: chosen by the search, or that default when
             ``balance`` or ``split`` is given.
         deferred_batch_norm: track batch-norm statistics over the whole mini-batch.
+        batch_coupling: what to do with an operation of the model that mixes rows of the
+            batch (contrastive logits, a batch mean, batch norm in training, router statistics
+            over all tokens), found at the first call of a kind: ``"error"`` (the default)
+            stops there with :class:`~pipepar.BatchCoupled`; ``"per-micro-batch"`` lets each
+            micro-batch compute it on its own rows (its values join weighted by rows).
         sample: an input batch to profile when ``balance`` is None: a tensor, a tuple of
             positional arguments, or a dict of keyword arguments (``dict(input_ids=...)``).
             It stands for one step's batch: the search chooses ``chunks`` up to its rows.
@@ -120,6 +126,7 @@ def wrap(
         sample=sample,
         checkpoint=checkpoint,
         deferred_batch_norm=deferred_batch_norm,
+        batch_coupling=batch_coupling,
         schedule="gpipe" if schedule is None else schedule,
         threads=threads,
         trace=trace,

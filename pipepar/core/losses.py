@@ -30,7 +30,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from pipepar.core.reductions import Averaged, Const, Form, Probe, Summed, Unknown
+from pipepar.core.forms import Averaged, Const, Form, Summed, Unknown
+from pipepar.core.reductions import Probe
 
 __all__ = [
     "Items",
@@ -86,14 +87,18 @@ class LossShares(Sequence[float]):
         self.total: float | None = float(sum(self.counts)) if self.counts is not None else None
         self._replicas = 1
         self._globalize: Globalize | None = None
+        self.per_micro_batch = False
+        """Join what cannot be joined exactly by rows (micro-batch semantics asked for)."""
 
     # -- learning ---------------------------------------------------------------------------
     def learn(self, form: Form) -> None:
         """Take the loss's form, as micro-batch 0's operations showed it."""
         if self.known:
             return
-        if isinstance(form, Unknown):
+        if isinstance(form, Unknown) and not self.per_micro_batch:
             raise LossNotJoinable(_not_joinable(self.what, form))
+        if isinstance(form, Unknown):
+            form = Const()  # each micro-batch's value, weighted by its rows
         if isinstance(form, Summed):
             self.summed = True
         elif isinstance(form, Averaged):

@@ -1,259 +1,71 @@
-"""How a value computed from a batch joins over micro-batches, learned from its operations.
+"""What a call's values are, learned from its operations: :class:`Probe`.
 
-A pipe runs a call once per micro-batch and must join what the micro-batches return into what
-the plain model returns on the whole batch. For a tensor of per-row values that is a
-concatenation; for a value *reduced over the batch* (a loss) it depends on what the code
-divides by, which no name tells reliably: ``F.cross_entropy(..., ignore_index=-1)`` divides a
-sum by its real targets, ``reduction="sum"`` by nothing, ``(l * mask).sum() / mask.sum()`` by a
-count of the batch, ``l.sum() / x.size(0)`` by the micro-batch's rows, ``l.sum() / n`` by a
-number the caller passes.
-
-:class:`Probe` is a torch-function mode that watches one micro-batch's call and gives every
-value a :data:`Form`:
-
-* :class:`Const`: does not depend on the batch (weights, numbers, a count the caller passes);
-* :class:`Rows`: per-row values of the batch (inputs, activations, targets, masks);
-* :class:`Summed`: a sum over the batch: the micro-batches' values add up;
-* :class:`Averaged`: a sum over the batch divided by a :class:`Count` of it: the micro-batches'
-  values join weighted by their counts;
-* :class:`Unknown`: reduced over the batch in a way no weighting of the micro-batch values can
-  join (a product of two sums, a ``log`` of a mean, a max...): the operation and the module are
-  kept for the error.
-
-A count that depends only on the call's inputs (real targets, a mask) is kept as a
-:class:`Count` that recomputes it from any micro-batch's inputs (the operations that made it,
-replayed), so the counts of every micro-batch are known as soon as one micro-batch has been
-watched, before the others' forwards run. A count that is a size of something the model
-computes is known per row (its first dimension is the micro-batch's rows) or for micro-batches
-of the watched one's shape only.
+A torch-function mode watches one micro-batch's call and gives every value a
+:data:`~pipepar.core.forms.Form`: per-row values, constants, or values reduced over the batch
+and what they divide by (``F.cross_entropy(..., ignore_index=-1)`` by its real targets,
+``reduction="sum"`` by nothing, ``(l * mask).sum() / mask.sum()`` by a count of the batch,
+``l.sum() / x.size(0)`` by the micro-batch's rows, ``l.sum() / n`` by a number the caller
+passes). A count that depends only on the call's inputs is kept as the operations that made
+it, replayed on any micro-batch's inputs, so the counts of every micro-batch are known as soon
+as one micro-batch has been watched, before the others' forwards run. A count that is a size
+of something the model computes is known per row (its first dimension a multiple of the
+micro-batch's rows) or for micro-batches of the watched one's shape only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
-import operator
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import _disable_current_modes
 
-__all__ = [
-    "Averaged",
-    "Const",
-    "Count",
-    "Form",
-    "Probe",
-    "Rows",
-    "Summed",
-    "Unknown",
-    "is_reduced",
-]
+from pipepar.core.batch_dims import Coupling, batch_dim_after
+from pipepar.core.forms import (
+    ADDITIVE,
+    SCALING,
+    Averaged,
+    Const,
+    Count,
+    Form,
+    Number,
+    Ref,
+    Replay,
+    Rows,
+    Source,
+    Summed,
+    Unknown,
+    arithmetic,
+    form_of_number,
+    is_reduced,
+    number,
+    op_name,
+    replayed,
+)
 
-Sources = Sequence[Tensor]
-"""One micro-batch's inputs, in the order the probe was given them."""
-
-
-@dataclass(frozen=True)
-class Count:
-    """A count of one micro-batch (what a mean divides by).
-
-    Attributes:
-        of: the count of a micro-batch from its inputs (:data:`Sources`) and rows.
-        what: a description for messages.
-        any_rows: False when the count is known only for micro-batches of the watched one's
-            shape (a size of something the model computes, not of its rows).
-    """
-
-    of: Callable[[Sources, int], float]
-    what: str
-    any_rows: bool = True
-
-    def __call__(self, sources: Sources, rows: int) -> float:
-        """The count of a micro-batch, computed on its inputs as they are, outside whatever
-        mode the caller runs under (a shadow stage's meta values)."""
-        with torch._C.DisableTorchFunction(), _disable_current_modes():
-            return float(self.of(sources, rows))
-
-    def times(self, factor: float) -> Count:
-        of = self.of
-        return Count(lambda s, r: factor * of(s, r), self.what, self.any_rows)
-
-    def plus(self, other: Count) -> Count:
-        a, b = self.of, other.of
-        return Count(
-            lambda s, r: a(s, r) + b(s, r),
-            f"{self.what} + {other.what}",
-            self.any_rows and other.any_rows,
-        )
+__all__ = ["BatchCoupled", "Probe"]
 
 
-@dataclass(frozen=True)
-class Const:
-    """Does not depend on the batch; ``value`` when it is one number."""
-
-    value: float | None = None
+class BatchCoupled(ValueError):
+    """An operation that mixes rows of the batch, which micro-batches would compute on their
+    own rows only: refused at the first call, before any gradient."""
 
 
-@dataclass(frozen=True)
-class Rows:
-    """Per-row values of the batch; ``replay`` recomputes them from the inputs (None when they
-    depend on what the model computes)."""
-
-    replay: _Replay | None = None
-
-
-@dataclass(frozen=True)
-class Summed:
-    """A sum over the batch: micro-batch values add up. ``count`` gives its value for any
-    micro-batch when it depends on the inputs alone (a count of real targets, a mask's sum, a
-    size of the batch): then a mean may divide by it."""
-
-    count: Count | None = None
-
-
-@dataclass(frozen=True)
-class Averaged:
-    """A sum over the batch divided by ``count``."""
-
-    count: Count
-
-
-@dataclass(frozen=True)
-class Unknown:
-    """Reduced over the batch by ``op`` in ``where``, in a way that does not join."""
-
-    op: str
-    where: str
-    why: str
-
-
-Form = Const | Rows | Summed | Averaged | Unknown
-
-
-def is_reduced(form: Form) -> bool:
-    """Whether ``form`` is a value reduced over the batch (a loss, a statistic)."""
-    return isinstance(form, (Summed, Averaged, Unknown))
-
-
-# -- replaying the operations that made a value from the inputs -------------------------------
-class _Replay:
-    """``func`` applied to arguments whose input-made tensors are replayed first."""
-
-    def __init__(self, func: Callable[..., Any], args: Any, kwargs: dict[str, Any]) -> None:
-        self.func, self.args, self.kwargs = func, args, kwargs
-
-    def __call__(self, sources: Sources, memo: dict[int, Any]) -> Any:
-        if id(self) not in memo:
-            args = _rebuild(self.args, sources, memo)
-            kwargs = _rebuild(self.kwargs, sources, memo)
-            with torch._C.DisableTorchFunction():
-                memo[id(self)] = self.func(*args, **kwargs)
-        return memo[id(self)]
-
-
-class _Source(_Replay):
-    """The call's ``index``-th batch tensor."""
-
-    def __init__(self, index: int) -> None:
-        super().__init__(operator.getitem, (), {})
-        self.index = index
-
-    def __call__(self, sources: Sources, memo: dict[int, Any]) -> Any:
-        return sources[self.index]
-
-
-@dataclass(frozen=True)
-class _Ref:
-    replay: _Replay
-
-
-def _rebuild(value: Any, sources: Sources, memo: dict[int, Any]) -> Any:
-    if isinstance(value, _Ref):
-        return value.replay(sources, memo)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_rebuild(v, sources, memo) for v in value)
-    if isinstance(value, dict):
-        return {k: _rebuild(v, sources, memo) for k, v in value.items()}
-    return value
-
-
-def _replayed(replay: _Replay, measure: Callable[[Any], Any], what: str) -> Count:
-    """The count ``measure`` takes of a value recomputed from a micro-batch's inputs."""
-    return Count(lambda sources, rows: float(measure(replay(sources, {}))), what)
-
-
-# -- numbers the call reads off its tensors (sizes, .item()) ---------------------------------
-class _Number:
-    """A Python number read off a value of the batch, its :data:`Form` riding along through
-    Python arithmetic (``B * T``)."""
-
-    form: Form
-
-    def _combine(self, other: Any, name: str, swapped: bool) -> Any:
-        op, plain = _PY_OPS[name], _plain(self)
-        value = op(other, plain) if swapped else op(plain, other)
-        a, b = _form_of_number(self), _form_of_number(other)
-        forms = [b, a] if swapped else [a, b]
-        return _number(value, _arithmetic(name, forms, "Python arithmetic"))
-
-
-def _plain(value: _Number) -> int | float:
-    return int(value) if isinstance(value, int) else float(value)  # type: ignore[arg-type]
-
-
-def _form_of_number(value: Any) -> Form:
-    if isinstance(value, _Number):
-        return value.form
-    return Const(float(value)) if isinstance(value, (int, float)) else Const()
-
-
-def _arith(name: str, swapped: bool = False) -> Callable[[Any, Any], Any]:
-    def method(self: _Number, other: Any) -> Any:
-        if not isinstance(other, (int, float)):
-            return NotImplemented
-        return self._combine(other, name, swapped)
-
-    return method
-
-
-_PY_OPS: dict[str, Callable[[Any, Any], Any]] = {
-    "add": operator.add,
-    "sub": operator.sub,
-    "mul": operator.mul,
-    "div": operator.truediv,
-    "floordiv": operator.floordiv,
-}
-
-
-class _Int(_Number, int):
-    __add__, __radd__ = _arith("add"), _arith("add", True)
-    __sub__, __rsub__ = _arith("sub"), _arith("sub", True)
-    __mul__, __rmul__ = _arith("mul"), _arith("mul", True)
-    __truediv__, __rtruediv__ = _arith("div"), _arith("div", True)
-    __floordiv__, __rfloordiv__ = _arith("floordiv"), _arith("floordiv", True)
-
-
-class _Float(_Number, float):
-    __add__, __radd__ = _arith("add"), _arith("add", True)
-    __sub__, __rsub__ = _arith("sub"), _arith("sub", True)
-    __mul__, __rmul__ = _arith("mul"), _arith("mul", True)
-    __truediv__, __rtruediv__ = _arith("div"), _arith("div", True)
-
-
-def _number(value: Any, form: Form) -> Any:
-    if isinstance(form, Const) or isinstance(value, bool) or not isinstance(value, (int, float)):
-        return value
-    made: _Int | _Float = _Int(value) if isinstance(value, int) else _Float(value)
-    made.form = form
-    return made
-
+def _coupled(coupling: Coupling, where: str) -> str:
+    return (
+        f"{coupling.op}() in {where} mixes rows of the batch: {coupling.why}. Split into "
+        "micro-batches, each would compute it on its own rows only, and the result would not "
+        "be the plain model's. Ways out: chunks=1 (no micro-batches); deferred_batch_norm=True "
+        "for batch norm (statistics per micro-batch, running statistics over the batch); or "
+        "batch_coupling='per-micro-batch' to accept that each micro-batch computes it on its "
+        "own rows (what Megatron does for mixture-of-experts auxiliary losses)"
+    )
 
 # -- the module a value is computed in, for messages ------------------------------------------
 _local = threading.local()
@@ -312,6 +124,8 @@ class Probe(TorchFunctionMode):
         where: what the call is, for messages about operations outside any module.
         resolve: for a tensor the probe did not see made (a stage's leaf standing for another
             stage's value), the value it stands for.
+        accepts: whether an operation that mixes rows of the batch is accepted (computed per
+            micro-batch on purpose); any other raises :class:`BatchCoupled`.
 
     Example:
         >>> x, y = torch.randn(4, 3), torch.tensor([0, 1, -1, 2])
@@ -330,8 +144,10 @@ class Probe(TorchFunctionMode):
         names: dict[int, str] | None = None,
         where: str = "the model's forward",
         resolve: Callable[[Tensor], Tensor | None] | None = None,
+        accepts: Callable[[Coupling], bool] = lambda coupling: False,
     ) -> None:
         super().__init__()
+        self._accepts = accepts
         self.rows = rows
         self._forms: dict[int, tuple[Any, Form]] = {}
         self._constants = {id(t) for t in constants}
@@ -340,7 +156,7 @@ class Probe(TorchFunctionMode):
         self._resolve = resolve
         self._modules = contextlib.ExitStack()
         for k, t in enumerate(sources):
-            self._set(t, Rows(_Source(k)))
+            self._set(t, Rows(Source(k), 0))
 
     def __enter__(self) -> Probe:
         self._modules.enter_context(_tracking_modules(self._names))
@@ -353,10 +169,10 @@ class Probe(TorchFunctionMode):
 
     def form_of(self, value: Any) -> Form:
         """The form of a value the call made or was given."""
-        if isinstance(value, _Number):
+        if isinstance(value, Number):
             return value.form
         if not isinstance(value, Tensor):
-            return _form_of_number(value)
+            return form_of_number(value)
         found = self._forms.get(id(value))
         if found is not None and found[0] is value:
             return found[1]
@@ -390,9 +206,9 @@ class Probe(TorchFunctionMode):
     def _learn(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
     ) -> Any:
-        name = _name(func)
+        name = op_name(func)
         operands = [v for v in _operands(args, kwargs) if _is_operand(v)]
-        if name not in _ADDITIVE | _SCALING:  # a size given as a shape, a split, a dim...
+        if name not in ADDITIVE | SCALING:  # a size given as a shape, a split, a dim...
             operands = [v for v in operands if isinstance(v, Tensor)]
         forms = [self.form_of(v) for v in operands]
         if all(isinstance(f, Const) for f in forms):
@@ -402,16 +218,46 @@ class Probe(TorchFunctionMode):
         if name in _SIZES or func is _SHAPE:
             return self._size(name, operands[0], forms[0], out, args)
         if any(is_reduced(f) for f in forms):
-            form = _arithmetic(name, forms, _where(self._default_where))
+            form = arithmetic(name, forms, _where(self._default_where))
             self._set(out, form)
-            return _number(out, form)
+            return number(out, form)
         if not isinstance(out, (Tensor, tuple, list)):
             return out  # a number read off per-row values
         reduced = self._reduction(func, name, args, kwargs, operands, forms, out)
-        self._set(
-            out, reduced if reduced is not None else Rows(self._replay(func, args, kwargs, forms))
-        )
+        if reduced is not None:
+            self._set(out, reduced)
+            return out
+        replay = self._replay(func, args, kwargs, forms)
+        dim = self._batch_dim(name, func, args, kwargs, out, operands, forms)
+        self._set(out, Rows(replay, dim))
         return out
+
+    def _batch_dim(
+        self,
+        name: str,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        operands: list[Any],
+        forms: list[Form],
+    ) -> int | None:
+        """Where the rows are in ``out``; an operation mixing them is refused here, at the
+        first call, unless accepted."""
+        batched = [
+            (v, f.dim)
+            for v, f in zip(operands, forms)
+            if isinstance(f, Rows) and f.dim is not None and isinstance(v, Tensor)
+        ]
+        first = out[0] if isinstance(out, (tuple, list)) and out else out
+        if not batched or not isinstance(first, Tensor) or self.rows < 2:
+            return None
+        outcome = batch_dim_after(name, func, args, kwargs, first, batched)
+        if not isinstance(outcome, Coupling):
+            return outcome
+        if not any(t.is_floating_point() for t, _ in batched) or self._accepts(outcome):
+            return None  # an index or a count of the batch (routing), or accepted
+        raise BatchCoupled(_coupled(outcome, _where(self._default_where)))
 
     def _replay(
         self,
@@ -419,7 +265,7 @@ class Probe(TorchFunctionMode):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         forms: list[Form],
-    ) -> _Replay | None:
+    ) -> Replay | None:
         """How to recompute an operation's result from the inputs, when every batch value it
         takes can be recomputed so."""
         if not all(isinstance(f, Const) or (isinstance(f, Rows) and f.replay) for f in forms):
@@ -428,14 +274,14 @@ class Probe(TorchFunctionMode):
         def template(value: Any) -> Any:
             if isinstance(value, Tensor):
                 form = self.form_of(value)
-                return _Ref(form.replay) if isinstance(form, Rows) and form.replay else value
+                return Ref(form.replay) if isinstance(form, Rows) and form.replay else value
             if isinstance(value, (list, tuple)):
                 return type(value)(template(v) for v in value)
             return value
 
-        if _name(func) in _MOVES:  # counts are taken where the inputs are (meta on a shadow)
+        if op_name(func) in _MOVES:  # counts are taken where the inputs are (meta on a shadow)
             func = _cast_only
-        return _Replay(func, template(args), {k: template(v) for k, v in kwargs.items()})
+        return Replay(func, template(args), {k: template(v) for k, v in kwargs.items()})
 
     # -- sizes --------------------------------------------------------------------------------
     def _size(self, name: str, tensor: Any, form: Form, out: Any, args: tuple[Any, ...]) -> Any:
@@ -446,31 +292,37 @@ class Probe(TorchFunctionMode):
         if isinstance(out, torch.Size):
             return torch.Size([self._dim_size(tensor, form, d) for d in range(len(out))])
         if name == "numel":
-            return _number(out, Summed(self._count(tensor, form, lambda t: t.numel(), "elements")))
+            return number(out, Summed(self._count(tensor, form, lambda t: t.numel(), "elements")))
         dim = args[1] if len(args) > 1 else 0
         if isinstance(out, int) and isinstance(dim, int):
             return self._dim_size(tensor, form, dim % tensor.dim())
         return out
 
     def _dim_size(self, tensor: Tensor, form: Form, d: int) -> Any:
+        """Size ``d`` of a value of the batch: a count of it where the rows are (the first
+        dimension, a multiple of the rows, when not known), else a constant."""
         n = tensor.shape[d]
-        if d != 0 or self.rows == 0 or n % self.rows:
+        rows_dim = form.dim if isinstance(form, Rows) and form.dim is not None else 0
+        if d != rows_dim or self.rows == 0 or n % self.rows:
             return n
-        return _number(n, Summed(self._count(tensor, form, lambda t: t.shape[0], "rows")))
+        return number(n, Summed(self._count(tensor, form, lambda t: t.shape[d], "rows")))
 
     def _count(
         self, tensor: Tensor, form: Form, measure: Callable[[Tensor], int], what: str
     ) -> Count:
-        """``measure`` of a value of the batch, for any micro-batch: recomputed from the inputs,
-        or scaled by rows when the value's first dimension is a multiple of them."""
+        """``measure`` (a number of elements or rows: a fixed number per row where the rows are
+        known) of a value of the batch, for any micro-batch: recomputed from the inputs, or
+        scaled by rows when the value's rows dimension is a multiple of them."""
+        dim = form.dim if isinstance(form, Rows) and form.dim is not None else None
         if isinstance(form, Rows) and form.replay is not None:
-            return _replayed(form.replay, measure, f"the {what} of an input")
+            count = replayed(form.replay, measure, f"the {what} of an input")
+            return dataclasses.replace(count, per_row=dim is not None)
         value = float(measure(tensor))
         label = f"the {what} of a {tuple(tensor.shape)} value"
-        if self.rows and tensor.shape[0] % self.rows == 0:
+        if self.rows and tensor.dim() and tensor.shape[dim or 0] % self.rows == 0:
             per_row = value / self.rows
-            return Count(lambda sources, rows: per_row * rows, label)
-        return Count(lambda sources, rows: value, label, any_rows=False)
+            return Count(lambda sources, rows: per_row * rows, label, per_row=True)
+        return Count(lambda sources, rows: value, label, any_rows=False, fixed=value)
 
     # -- reductions over the batch ------------------------------------------------------------
     def _reduction(
@@ -492,7 +344,7 @@ class Probe(TorchFunctionMode):
         where = _where(self._default_where)
         replay = self._replay(func, args, kwargs, forms)
         if name in ("sum", "nansum", "count_nonzero"):
-            return Summed(_replayed(replay, lambda t: t, "a sum of the inputs") if replay else None)
+            return Summed(replayed(replay, lambda t: t, "a sum of the inputs") if replay else None)
         if name in ("mean", "nanmean") and _all_dims(args, kwargs):
             return Averaged(self._count(first, forms[0], lambda t: t.numel(), "elements"))
         if _LOSSES.get(name) is func:
@@ -535,71 +387,16 @@ class Probe(TorchFunctionMode):
                     f"the real targets of F.{name}()",
                 )
             )
+        if isinstance(form, Const):  # made from sizes alone (torch.arange(len(logits)))
+            value = float(_real_targets(target, bound))
+            label = f"the targets of F.{name}()"
+            return Averaged(Count(lambda s, r: value, label, any_rows=False, fixed=value))
         return Unknown(
             f"F.{name}()",
             where,
             "its targets are computed by the model, so the count of real targets it divides by "
             "is not known before each micro-batch's forward",
         )
-
-
-# -- arithmetic on values reduced over the batch -----------------------------------------------
-def _arithmetic(name: str, forms: list[Form], where: str) -> Form:
-    """The form of an operation on values at least one of which is reduced over the batch."""
-    unknown = next((f for f in forms if isinstance(f, Unknown)), None)
-    if unknown is not None:
-        return unknown
-    reduced = next(f for f in forms if is_reduced(f))
-    if name in _LINEAR or name in _ITEMS:
-        return reduced
-    if any(isinstance(f, Rows) for f in forms):
-        return Unknown(
-            name, where, "it combines a value reduced over the batch with per-row values"
-        )
-    if len(forms) == 2 and name in _ADDITIVE:
-        return _added(*(forms[::-1] if name == "rsub" else forms), name=name, where=where)
-    if len(forms) == 2 and name in _SCALING:
-        return _scaled(
-            *(forms[::-1] if name in ("rdiv", "rmul") else forms), name=name, where=where
-        )
-    if name in ("sum", "mean") and len(forms) == 1:
-        return reduced
-    return Unknown(name, where, "it is not a sum or a mean of the batch")
-
-
-def _added(a: Form, b: Form, *, name: str, where: str) -> Form:
-    if isinstance(a, Const):
-        a, b = b, a
-    if isinstance(b, Const):
-        if isinstance(a, Averaged):
-            return a  # the shares add up to one: the constant is counted once
-        return Unknown(name, where, "it adds a constant to a sum over the batch")
-    if isinstance(a, Summed) and isinstance(b, Summed):
-        both = a.count.plus(b.count) if a.count and b.count and name in ("add", "radd") else None
-        return Summed(both)
-    if isinstance(a, Averaged) and isinstance(b, Averaged) and a.count == b.count:
-        return a
-    return Unknown(name, where, "it adds values of the batch averaged over different counts")
-
-
-def _scaled(a: Form, b: Form, *, name: str, where: str) -> Form:
-    if name in ("mul", "rmul"):
-        if isinstance(a, Const):
-            a, b = b, a
-        if not isinstance(b, Const):
-            return Unknown("mul", where, "it multiplies two values of the batch")
-        if isinstance(a, Summed) and a.count is not None and b.value is not None:
-            return Summed(a.count.times(b.value))
-        return Summed() if isinstance(a, Summed) else a
-    if isinstance(b, Const):  # a / c, a // c
-        if isinstance(a, Summed) and a.count is not None and b.value:
-            return Summed(a.count.times(1.0 / b.value))
-        return Summed() if isinstance(a, Summed) else a
-    if isinstance(a, Summed) and isinstance(b, Summed) and b.count is not None:
-        return Averaged(b.count)
-    if isinstance(a, Const):
-        return Unknown(name, where, "it divides by a value of the batch")
-    return Unknown(name, where, "it divides by a value the model computes from the batch")
 
 
 _MOVES = {"to", "cuda", "cpu"}
@@ -656,58 +453,8 @@ def _operands(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
             yield value
 
 
-def _name(func: Callable[..., Any]) -> str:
-    """A torch operation's name without its in-place, reflected or dunder spelling."""
-    name: str = getattr(func, "__name__", "")
-    if name.startswith("__") and name.endswith("__"):
-        name = name[2:-2]
-        if name.startswith("i") and name[1:] in _ADDITIVE | _SCALING | {"truediv"}:
-            name = name[1:]
-    elif name.endswith("_") and not name.startswith("_"):
-        name = name[:-1]
-    return _SPELLINGS.get(name, name)
-
-
-_SPELLINGS = {
-    "truediv": "div",
-    "true_divide": "div",
-    "divide": "div",
-    "rtruediv": "rdiv",
-    "subtract": "sub",
-    "multiply": "mul",
-    "floor_divide": "div",
-    "floordiv": "div",
-}
 _SHAPE = torch.Tensor.shape.__get__  # type: ignore[attr-defined]
 _SIZES = {"size", "numel", "len"}
-_ITEMS = {"item", "float", "int", "tolist"}  # a reduced value as a number, or cast
-_LINEAR = {
-    "clone",
-    "detach",
-    "to",
-    "double",
-    "half",
-    "bfloat16",
-    "type",
-    "type_as",
-    "contiguous",
-    "reshape",
-    "view",
-    "view_as",
-    "squeeze",
-    "unsqueeze",
-    "flatten",
-    "neg",
-    "getitem",
-    "expand",
-    "expand_as",
-    "cpu",
-    "cuda",
-    "positive",
-    "requires_grad",
-}
-_ADDITIVE = {"add", "sub", "radd", "rsub"}
-_SCALING = {"mul", "rmul", "div", "rdiv"}
 _LOSSES: dict[str, Callable[..., Any]] = {
     f.__name__: f
     for f in (

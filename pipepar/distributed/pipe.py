@@ -85,6 +85,7 @@ class DistributedPipe(nn.Module):
         timeout: float | None = 300.0,
         routes: bool = True,
         deferred_batch_norm: bool = False,
+        batch_coupling: str = "error",
         dp_shard: bool = False,
         gc_every: int | None = None,
     ) -> None:
@@ -92,7 +93,7 @@ class DistributedPipe(nn.Module):
         try:
             compute = self._configure(
                 model, balance, split, chunks, schedule, dp, checkpoint, timeout, group,
-                deferred_batch_norm,
+                deferred_batch_norm, batch_coupling,
             )  # fmt: skip
             self.dp_shard = check_dp_shard(dp_shard, self.dp)
             self._collector = StepCollector(gc_every)
@@ -141,6 +142,7 @@ class DistributedPipe(nn.Module):
         timeout: float | None,
         group: dist.ProcessGroup | None,
         deferred_batch_norm: bool,
+        batch_coupling: str,
     ) -> RankChain | RankProgram:
         """Check this rank's arguments on their own (no communication) and keep them; the
         compute of the model."""
@@ -156,7 +158,13 @@ class DistributedPipe(nn.Module):
         compute: RankChain | RankProgram = (
             RankChain(model, balance, deferred_batch_norm=deferred_batch_norm)
             if is_chain(model, split)
-            else RankProgram(model, balance, split=split, deferred_batch_norm=deferred_batch_norm)
+            else RankProgram(
+                model,
+                balance,
+                split=split,
+                deferred_batch_norm=deferred_batch_norm,
+                batch_coupling=batch_coupling,
+            )
         )
         self._compute = compute
         # Not a child: its children (this rank's stages' modules) become the pipe's.

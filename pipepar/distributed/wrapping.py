@@ -44,6 +44,7 @@ def wrap(
     dp_shard: bool | None = None,
     checkpoint: str | None = None,
     deferred_batch_norm: bool = False,
+    batch_coupling: str = "error",
     device: torch.device | str | None = None,
     group: dist.ProcessGroup | None = None,
     state_dict: Mapping[str, Tensor] | None = None,
@@ -115,6 +116,8 @@ def wrap(
             ``plan="auto"`` when None.
         deferred_batch_norm: batch norms track their running statistics over each replica's
             whole mini-batch, once per step (:mod:`pipepar.core.batchnorm`).
+        batch_coupling: ``"error"`` (default) or ``"per-micro-batch"``, as in
+            :func:`pipepar.wrap`.
         device: this rank's device; default ``cuda:LOCAL_RANK`` on NCCL, else CPU.
         group: parent process group (default: the world); initialized from torchrun's
             environment if no process group exists yet.
@@ -188,6 +191,7 @@ def wrap(
         timeout=timeout,
         routes=routes,
         deferred_batch_norm=deferred_batch_norm,
+        batch_coupling=batch_coupling,
         dp_shard=dp_shard,
         gc_every=gc_every,
     )

@@ -109,6 +109,7 @@ class Pipe(nn.Module):
         sample: Any = None,
         checkpoint: str | None = None,
         deferred_batch_norm: bool = False,
+        batch_coupling: str = "error",
         schedule: str | Schedule = "gpipe",
         threads: int | None = None,
         trace: bool = False,
@@ -133,6 +134,7 @@ class Pipe(nn.Module):
                 split=split,
                 sample=sample,
                 deferred_batch_norm=deferred_batch_norm,
+                batch_coupling=batch_coupling,
             )
         )
         self.checkpoint = checkpoint or compute.default_checkpoint

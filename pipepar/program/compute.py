@@ -74,6 +74,7 @@ class ProgramCompute:
         split: Sequence[str] | None,
         sample: Any,
         deferred_batch_norm: bool,
+        batch_coupling: str = "error",
     ) -> None:
         if deferred_batch_norm:
             convert_inside(model)
@@ -87,7 +88,7 @@ class ProgramCompute:
         self._owner = units_.owners(self._units, self._stage_of_unit)
         self._params: list[list[nn.Parameter]] = []
         self._routes = Routes()  # where values cross, by kind of call
-        self._forms = Forms(model)  # what the outputs are (losses...), by kind of call
+        self._forms = Forms(model, batch_coupling, deferred_batch_norm)  # outputs, by kind
         self._drivers: ThreadPoolExecutor | None = None
 
     def place(self, devices: Sequence[torch.device], checkpoint: str) -> list[Stage]:

@@ -19,8 +19,10 @@ from typing import Any
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from pipepar.core.batch_dims import accepting
+from pipepar.core.forms import Form, is_reduced
 from pipepar.core.losses import LossFn, LossNotJoinable, LossShares, nothing, scalar_loss
-from pipepar.core.reductions import Form, Probe, is_reduced
+from pipepar.core.reductions import Probe
 from pipepar.program.calls import Call
 from pipepar.program.route import signature
 
@@ -40,11 +42,25 @@ class Forms:
     """What a model's outputs are, by kind of call: the :data:`~pipepar.core.reductions.Form`
     of each output leaf, learned once from micro-batch 0's forward."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.names = {id(m): path for path, m in model.named_modules()}
-        self.constants = [*model.parameters(), *model.buffers()]
+    def __init__(
+        self, model: nn.Module, batch_coupling: str = "error", deferred_batch_norm: bool = False
+    ) -> None:
+        self._model, self._settings = model, (batch_coupling, deferred_batch_norm)
+        self.accepts = accepting(batch_coupling, deferred_batch_norm)
+        self.per_micro_batch = batch_coupling == "per-micro-batch"
         self._learned: dict[Hashable, list[Form]] = {}
         self._lock = threading.Lock()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Forms, (self._model, *self._settings))  # relearned after a copy
+
+    def names(self) -> dict[int, str]:
+        """Module paths by ``id`` (for messages)."""
+        return {id(m): path for path, m in self._model.named_modules()}
+
+    def constants(self) -> list[Tensor]:
+        """The model's weights and buffers as they are now (placed, or kept on meta)."""
+        return [*self._model.parameters(), *self._model.buffers()]
 
     def get(self, key: Hashable) -> list[Form] | None:
         with self._lock:
@@ -101,6 +117,7 @@ class ModelLoss(LossShares):
         self._whole = [t for t in calls[0].tensors() if id(t) not in batch] if calls else []
         super().__init__([c.rows for c in calls], sources, what="the model's loss")
         self._forms, self._needs_loss = forms, loss
+        self.per_micro_batch = forms.per_micro_batch
         self.key = signature(calls[0].args, calls[0].kwargs, model.training) if calls else None
         self.leaf_forms: list[Form] | None = forms.get(self.key)
         self.loss_at: int | None = None
@@ -118,10 +135,11 @@ class ModelLoss(LossShares):
         def watched() -> Any:
             self._probe = Probe(
                 self.sources[0],
-                [*self._forms.constants, *self._whole],
+                [*self._forms.constants(), *self._whole],
                 rows=self.rows[0],
-                names=self._forms.names,
+                names=self._forms.names(),
                 resolve=self.resolve,
+                accepts=self._forms.accepts if len(self.rows) > 1 else lambda c: True,
             )
             with self._probe:
                 output = call()
@@ -153,6 +171,7 @@ class ModelLoss(LossShares):
                 shares[k] = self
             elif is_reduced(form):
                 leaf = LossShares(self.rows, self.sources, what=f"output leaf {k}")
+                leaf.per_micro_batch = self.per_micro_batch
                 leaf.learn(form)
                 shares[k] = leaf
         return shares

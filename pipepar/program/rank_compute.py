@@ -69,9 +69,11 @@ class RankProgram:
         *,
         split: Sequence[str] | None,
         deferred_batch_norm: bool,
+        batch_coupling: str = "error",
     ) -> None:
         if deferred_batch_norm:
             convert_inside(model)
+        self._forms = Forms(model, batch_coupling, deferred_batch_norm)  # outputs, by kind
         self.model = model
         self.sizes = units_.sizes_of(units_.layout(model), balance, split)
         self.stage_of_unit = units_.stage_of_units(self.sizes)
@@ -111,7 +113,6 @@ class RankProgram:
             checkpoint_units([u.module for u, s in own if s in mine and u.has_parameters])
         # Where values cross, by kind of call (None: every call under the cut's mode).
         self._routes = Routes() if routes else None
-        self._forms = Forms(model)  # what the outputs are (losses...), by kind of call
         ranks = [mesh.pipeline_ranks[w] for w in schedule.placement]
         self._tied = tied_groups(lay, self.stage_of_unit, ranks)
         self._stages = [_stage(lay, self.stage_of_unit, s, ctx.device) for s in mine]

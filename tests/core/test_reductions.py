@@ -9,8 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipepar
+from pipepar.core.forms import Averaged, Summed, Unknown
 from pipepar.core.losses import LossNotJoinable
-from pipepar.core.reductions import Averaged, Probe, Summed, Unknown
+from pipepar.core.reductions import Probe
 
 
 def _form(fn, x, y):

@@ -1,0 +1,120 @@
+"""Operations that mix rows of the batch, found from what the code does (pipepar.core.batch_dims
+through the probe), and what a pipe does with them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import pipepar
+from pipepar.core.reductions import BatchCoupled, Probe
+
+W = torch.randn(8, 8)
+
+COUPLED = {
+    "contrastive-logits": lambda x: F.normalize(x @ W, dim=-1) @ F.normalize(x, dim=-1).t(),
+    "batch-mean": lambda x: x - x.mean(0),
+    "batch-norm-training": lambda x: F.batch_norm(x, None, None, training=True),
+    "softmax-over-rows": lambda x: x.softmax(0),
+    "pairwise-distances": lambda x: (x[:, None] - x[None]).pow(2).sum(-1),
+    "a-row-by-position": lambda x: x[0] * 2,
+    "gram-matrix": lambda x: x.t() @ x,
+    "einsum-pairs": lambda x: torch.einsum("bi,ci->bc", x, x),
+    "router-statistics": lambda x: F.one_hot(x.argmax(-1), 8).float().view(-1, 8).mean(0),
+}
+ROW_WISE = {
+    "mlp": lambda x: torch.tanh(x @ W).sum(-1),
+    "attention": lambda x: F.scaled_dot_product_attention(
+        *(x.view(4, 2, 1, 4).expand(4, 2, 3, 4),) * 3
+    ),
+    "views": lambda x: x.view(4, 2, 4).transpose(1, 2).reshape(4, 8).softmax(-1),
+    "layer-norm": lambda x: F.layer_norm(x, (8,)),
+    "bmm": lambda x: torch.bmm(x.view(4, 2, 4), x.view(4, 4, 2)),
+    "einsum": lambda x: torch.einsum("bi,ij->bj", x, W),
+    "routing-counts": lambda x: (x > 0).long().sum(0),  # an integer count of the batch: dispatch
+    "cat-on-rows": lambda x: torch.cat([x, x]).relu(),
+}
+
+
+def _run(fn) -> None:
+    x = torch.randn(4, 8)
+    with Probe([x], rows=4):
+        fn(x)
+
+
+@pytest.mark.parametrize("name", list(COUPLED))
+def test_operations_mixing_rows_are_found(name: str) -> None:
+    with pytest.raises(BatchCoupled, match="mixes rows of the batch"):
+        _run(COUPLED[name])
+
+
+@pytest.mark.parametrize("name", list(ROW_WISE))
+def test_row_wise_code_is_not_flagged(name: str) -> None:
+    _run(ROW_WISE[name])
+
+
+# -- in a pipe --------------------------------------------------------------------------------
+class _Contrastive(nn.Module):
+    """CLIP-like: two towers, logits between every image and every text of the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.text = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, images, texts):
+        for layer in self.image:
+            images = torch.tanh(layer(images))
+        for layer in self.text:
+            texts = torch.tanh(layer(texts))
+        logits = F.normalize(images, dim=-1) @ F.normalize(texts, dim=-1).t()
+        labels = torch.arange(len(logits))
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+
+
+def test_contrastive_logits_stop_before_any_gradient_unless_accepted() -> None:
+    torch.manual_seed(0)
+    model = _Contrastive()
+    images, texts = torch.randn(8, 8), torch.randn(8, 8)
+    pipe = pipepar.wrap(model, split=["text.0"], devices=["cpu", "cpu"], chunks=2)
+    with pytest.raises(BatchCoupled, match="matmul"):
+        pipe.step(images, texts)
+    assert all(p.grad is None for p in model.parameters())
+    accepting = pipepar.wrap(
+        model, split=["text.0"], devices=["cpu", "cpu"], chunks=2, batch_coupling="per-micro-batch"
+    )
+    accepting.step(images, texts)  # each micro-batch's own contrastive loss, as asked
+    one = pipepar.wrap(model, split=["text.0"], devices=["cpu", "cpu"], chunks=1)
+    model.zero_grad()
+    torch.testing.assert_close(one.step(images, texts), model(images, texts).detach())
+
+
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.BatchNorm2d(3), nn.ReLU())
+            for _ in range(2)
+        )
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.mean((1, 2, 3))
+
+
+def test_batch_norm_in_training_needs_deferral_or_acceptance() -> None:
+    x = torch.randn(4, 3, 6, 6)
+    pipe = pipepar.wrap(_ConvNet(), split=["blocks.1"], devices=["cpu", "cpu"], chunks=2)
+    with pytest.raises(BatchCoupled, match="batch_norm"):
+        pipe(x)
+    deferred = pipepar.wrap(
+        _ConvNet(), split=["blocks.1"], devices=["cpu", "cpu"], chunks=2, deferred_batch_norm=True
+    )
+    deferred(x)
+    evaluating = pipepar.wrap(
+        _ConvNet().eval(), split=["blocks.1"], devices=["cpu", "cpu"], chunks=2
+    )
+    evaluating(x)  # running statistics: each row on its own
