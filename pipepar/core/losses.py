@@ -106,9 +106,12 @@ class LossShares(Sequence[float]):
         elif isinstance(form, Const):
             self.counts = [float(r) for r in self.rows]  # the same value: counted once
         else:
-            raise TypeError(
-                f"{self.what} returned a value per row, not one value for the micro-batch; reduce "
-                "it (e.g. .mean() or reduction='mean') as the plain model's loss would be"
+            raise LossNotJoinable(
+                f"{self.what} returned one value that no operation it ran reduced over the "
+                "batch: a per-row value of a one-row micro-batch, or a value the model reduced "
+                "before it, whose divisor pipepar cannot see; reduce per-row values in "
+                f"{self.what} (e.g. .mean()), or say what the value averages over with "
+                "items=lambda target: count"
             )
         self.known = True
         self.total = float(sum(self.counts)) if self.counts is not None else None
@@ -186,7 +189,9 @@ class LossShares(Sequence[float]):
                 with probe:
                     value = loss_fn(output, targets[i])
                 loss = scalar_loss(value, self.what)
-                self.learn(probe.form_of(value))
+                form = probe.form_of(value)
+                probe.release()
+                self.learn(form)
             return nothing(output) if self.weight(i) == 0 else loss
 
         return head

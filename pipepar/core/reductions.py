@@ -67,6 +67,7 @@ def _coupled(coupling: Coupling, where: str) -> str:
         "own rows (what Megatron does for mixture-of-experts auxiliary losses)"
     )
 
+
 # -- the module a value is computed in, for messages ------------------------------------------
 _local = threading.local()
 
@@ -166,6 +167,10 @@ class Probe(TorchFunctionMode):
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
         self._modules.close()
+
+    def release(self) -> None:
+        """Let go of the call's values (the forms learned stay with whoever asked for them)."""
+        self._forms.clear()
 
     def form_of(self, value: Any) -> Form:
         """The form of a value the call made or was given."""
@@ -349,7 +354,9 @@ class Probe(TorchFunctionMode):
             return Averaged(self._count(first, forms[0], lambda t: t.numel(), "elements"))
         if _LOSSES.get(name) is func:
             return self._loss(func, args, kwargs, where)
-        return Unknown(f"{name}()", where, "it reduces the batch to one value")
+        if name in _OTHER_REDUCTIONS:
+            return Unknown(f"{name}()", where, "it reduces the batch to one value")
+        return None  # one element picked or computed from per-row values: still per-row
 
     def _loss(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], where: str
@@ -365,7 +372,7 @@ class Probe(TorchFunctionMode):
             return Averaged(self._count(bound["input"], Rows(), lambda t: t.shape[0], "rows"))
         if name == "ctc_loss":
             return Unknown(f"F.{name}()", where, "its mean divides each sequence by its length")
-        elementwise = func(**{**bound, "reduction": "none"})
+        elementwise = func(**{**_shapes_only(bound), "reduction": "none"})
         target = bound.get("target")
         if isinstance(target, Tensor) and elementwise.shape == target.shape:
             return Averaged(
@@ -423,6 +430,15 @@ def _real_targets(target: Tensor, bound: dict[str, Any]) -> Tensor:
     return torch.tensor(real.numel()) if weight is None else weight.to(real.device)[real].sum()
 
 
+def _shapes_only(bound: dict[str, Any]) -> dict[str, Any]:
+    """``bound``'s tensors as meta tensors of their shapes: what a loss's elements look like,
+    computed on no device (a shadow stage's meta output and the caller's target are on two)."""
+    return {
+        k: torch.empty_like(v, device="meta") if isinstance(v, Tensor) else v
+        for k, v in bound.items()
+    }
+
+
 def _bind(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> dict[str, Any]:
@@ -455,6 +471,36 @@ def _operands(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
 
 _SHAPE = torch.Tensor.shape.__get__  # type: ignore[attr-defined]
 _SIZES = {"size", "numel", "len"}
+_OTHER_REDUCTIONS = {
+    "amax",
+    "amin",
+    "max",
+    "min",
+    "logsumexp",
+    "norm",
+    "std",
+    "var",
+    "prod",
+    "median",
+    "nanmedian",
+    "quantile",
+    "nanquantile",
+    "dist",
+    "cdist",
+    "var_mean",
+    "std_mean",
+    "aminmax",
+    "linalg_norm",
+    "vector_norm",
+    "matrix_norm",
+    "frobenius_norm",
+    "trace",
+    "dot",
+    "vdot",
+    "inner",
+    "kthvalue",
+    "mode",
+}
 _LOSSES: dict[str, Callable[..., Any]] = {
     f.__name__: f
     for f in (

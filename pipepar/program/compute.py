@@ -22,7 +22,8 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from pipepar.core.batchnorm import committing, convert_inside, reset_all
-from pipepar.core.losses import joined_loss, split_target
+from pipepar.core.losses import LossNotJoinable, joined_loss, split_target
+from pipepar.core.reductions import BatchCoupled
 from pipepar.core.stage import Stage
 from pipepar.local import cpu_malloc
 from pipepar.local.autograd import StepFunction
@@ -198,7 +199,9 @@ class ProgramCompute:
     def _retrying(self, attempt: Callable[[], T]) -> T:
         """``attempt()``; if a micro-batch left the route it followed, again from the same
         random state and batch-norm statistics with that route forgotten (the call then runs
-        under the cut's mode). Nothing was written to ``.grad`` before the forward ended."""
+        under the cut's mode). Nothing was written to ``.grad`` before the forward ended. A
+        first call refused (an operation mixing rows, a loss that cannot be joined) leaves the
+        random state and statistics as they were too."""
         start = self._rerun.start()
         with committing([self.model]):  # deferred batch norms: the mini-batch's statistics
             try:
@@ -208,6 +211,10 @@ class ProgramCompute:
                 reset_all([self.model])
                 start.restore()
                 return attempt()
+            except (BatchCoupled, LossNotJoinable):
+                reset_all([self.model])
+                start.restore()
+                raise
 
     def _run(
         self,

@@ -153,6 +153,7 @@ class ModelLoss(LossShares):
         if self.leaf_forms is not None or self._probe is None:
             return
         forms = [self._probe.form_of(leaf) for leaf in pytree.tree_leaves(output)]
+        self._probe.release()  # the micro-batch's values: its graph's to keep, not the probe's
         self._probe = None
         self._take(forms)
         self._forms.keep(self.key, forms)

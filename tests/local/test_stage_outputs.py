@@ -151,8 +151,11 @@ def test_a_loss_inside_the_model_still_runs_under_step() -> None:
     plain = copy.deepcopy(model)
     pipe = pipepar.wrap(model, [2, 2], devices=2, chunks=3)
     x = torch.randn(9, W)
-    # Each micro-batch's loss is its sum, weighted by its share of the rows (1/3 each).
-    loss = pipe.step(x, None, lambda output, _: output)
+    # A value the model reduced before the loss saw it: its divisor is not seen, so say it.
+    with pytest.raises(pipepar.LossNotJoinable, match="items="):
+        pipe.step(x, None, lambda output, _: output)
+    # Each micro-batch's loss is its sum, weighted by the count items= gives (1/3 each).
+    loss = pipe.step(x, None, lambda output, _: output, items=lambda _: 1)
     expected = plain(x) / 3
     expected.backward()
     torch.testing.assert_close(loss, expected.detach())

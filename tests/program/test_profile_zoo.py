@@ -257,7 +257,15 @@ def test_training_batch_norm_per_micro_batch_and_statistics_kept() -> None:
     plain = copy.deepcopy(model)
     x = torch.randn(4, 3, 64, 64)
     before = {name: b.clone() for name, b in model.named_buffers()}
-    pipe = pipepar.wrap(model, devices=["cpu", "cpu"], sample=x, chunks=2)
+    refusing = pipepar.wrap(model, devices=["cpu", "cpu"], sample=x, chunks=2)
+    with pytest.raises(pipepar.BatchCoupled, match="batch_norm"):
+        refusing(x)  # micro-batch statistics are not the plain model's: asked for below
+    refusing.close()
+    for name, b in model.named_buffers():
+        assert torch.equal(b, before[name]), f"the refused call changed {name}"
+    pipe = pipepar.wrap(
+        model, devices=["cpu", "cpu"], sample=x, chunks=2, batch_coupling="per-micro-batch"
+    )
     try:
         for name, b in model.named_buffers():
             assert torch.equal(b, before[name]), f"planning changed {name}"
