@@ -9,47 +9,15 @@ import copy
 from typing import Any
 
 import pytest
-import torch
-from torch import nn
 
 pytest.importorskip("transformers")
 
 from tests._ranks import spawn
+from tests.program._data_models import NAMES, batch, build
 from tests.program._real import ranks_equal_plain
 
 pytestmark = pytest.mark.slow
-NAMES = ("mistral", "gemma2")
 SPLIT = "model.layers.1"
-
-
-def build(name: str) -> nn.Module:
-    """A tiny ``name`` with random weights, as users build it (its key-value cache on)."""
-    import transformers as tf
-
-    torch.manual_seed(0)
-    sizes: dict[str, Any] = {
-        "vocab_size": 64,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 64,
-    }
-    if name == "mistral":
-        return tf.MistralForCausalLM(tf.MistralConfig(sliding_window=4, **sizes))
-    if name == "gemma2":
-        return tf.Gemma2ForCausalLM(tf.Gemma2Config(sliding_window=4, head_dim=8, **sizes))
-    raise ValueError(f"unknown model {name!r}; choose one of {NAMES}")
-
-
-def batch() -> dict[str, torch.Tensor]:
-    """Four rows of 16 tokens, longer than the window of 4; rows 0 and 2 padded on the left."""
-    ids = torch.randint(64, (4, 16), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[0, :3] = 0
-    mask[2, :5] = 0
-    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
 def _one_model(name: str) -> tuple[float, dict[str, Any]]:
@@ -65,8 +33,25 @@ def _one_model(name: str) -> tuple[float, dict[str, Any]]:
     return loss, grads
 
 
+def _eager_experts() -> str:
+    """Mixtral's eager experts loop over the experts ``nonzero`` picks from the router's
+    choice, which no rank following the other's stage knows: the error each rank ends with."""
+    import pipepar.distributed as ppd
+
+    pipe = ppd.wrap(build("mixtral", experts="eager"), split=[SPLIT], chunks=2)
+    try:
+        pipe.step(**batch())
+    except Exception as err:
+        return str(err)
+    finally:
+        pipe.close()
+    return "no error"
+
+
 def _two_ranks(rank: int) -> dict[str, Any]:
-    return {name: _one_model(name) for name in NAMES}
+    out: dict[str, Any] = {name: _one_model(name) for name in NAMES}
+    out["eager"] = _eager_experts()
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +61,19 @@ def ranks() -> dict[int, Any]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_two_ranks_equal_the_plain_model(ranks: dict[int, Any], name: str) -> None:
-    """The first stage makes the key-value cache's constants (a sliding-window layer's window
-    as a tensor); the second stage's rank follows it on meta and receives them, as the first
-    stage's rank sends them."""
+    """Sliding windows: the first stage makes the key-value cache's constants (a sliding-window
+    layer's window as a tensor); the second stage's rank follows it on meta and receives them,
+    as the first stage's rank sends them. Experts: the ranks follow each other's
+    ``grouped_mm`` on meta, which refuses float32 there."""
     plain = build(name)
     loss = plain(**batch()).loss
     loss.backward()
     ranks_equal_plain([ranks[r][name] for r in (0, 1)], loss, plain)
+
+
+def test_a_shape_decided_by_another_ranks_activations_ends_naming_the_operation_and_module(
+    ranks: dict[int, Any],
+) -> None:
+    for r in (0, 1):
+        text = ranks[r]["eager"]
+        assert "aten.nonzero" in text and "experts (MixtralExperts)" in text, (r, text)
