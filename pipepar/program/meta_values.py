@@ -124,20 +124,24 @@ class MetaScalars(TorchDispatchMode):
         or computed (and their shapes kept)."""
         shapes = self._shapes
         if shapes is None or (key := shapes.key(func, args, kwargs)) is None:
-            return self._computed(func, args, kwargs)
+            return self._computed(func, args, kwargs)[0]
         out = shapes.made(key)
         if out is None:
-            out = self._computed(func, args, kwargs)
-            shapes.remember(key, out)
+            out, kernel = self._computed(func, args, kwargs)
+            if kernel:  # outputs made from values are not those of every input of the shape
+                shapes.remember(key, out)
         return out
 
-    def _computed(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """``func``'s outputs from its meta kernel, or where that cannot tell, from the
-        inputs' known values or another dtype (:mod:`pipepar.program.meta_fallback`)."""
+    def _computed(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, bool]:
+        """``func``'s outputs, and whether its meta kernel made them; where it cannot, they
+        are made from the inputs' known values or another dtype
+        (:mod:`pipepar.program.meta_fallback`)."""
         try:
-            return func(*args, **kwargs)
+            return func(*args, **kwargs), True
         except Exception as error:
-            return without_meta_kernel(func, args, kwargs, self._all_on_cpu, error)
+            return without_meta_kernel(func, args, kwargs, self._all_on_cpu, error), False
 
     def _all_on_cpu(self, value: Any) -> Any:
         if isinstance(value, dict):

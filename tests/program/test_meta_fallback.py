@@ -14,20 +14,25 @@ import torch
 from torch import nn
 
 from pipepar.program.meta_fallback import MetaUnsupported, module_running
+from pipepar.program.meta_shapes import MetaShapes
 from pipepar.program.meta_values import MetaScalars
 from tests.program._data_models import batch, build
 
 
-def test_a_data_dependent_operation_on_known_values_takes_their_shape() -> None:
-    mask = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1]])
-    with MetaScalars() as values:
-        meta = torch.empty_like(mask, device="meta")
-        values.know(meta, mask)
-        where = torch.nonzero(meta)
-        kept = torch.arange(4, device="meta").expand(2, 4)[meta.bool()]
-        assert where.is_meta and kept.is_meta
-        assert tuple(where.shape) == (6, 2) and tuple(kept.shape) == (6,)
-        assert int(where[-1, 1]) == 3  # its value is known too
+@pytest.mark.parametrize("shapes", [None, MetaShapes()], ids=["kernels", "remembered"])
+def test_a_data_dependent_operation_on_known_values_takes_their_shape(
+    shapes: MetaShapes | None,
+) -> None:
+    """Each time from the values: two masks of one shape give two shapes (none remembered)."""
+    for mask, n in ((torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1]]), 6), (torch.ones(2, 4), 8)):
+        with MetaScalars(shapes) as values:
+            meta = torch.empty_like(mask, device="meta")
+            values.know(meta, mask)
+            where = torch.nonzero(meta)
+            kept = torch.arange(4, device="meta").expand(2, 4)[meta.bool()]
+            assert where.is_meta and kept.is_meta
+            assert tuple(where.shape) == (n, 2) and tuple(kept.shape) == (n,)
+            assert int(where[-1, 1]) == 3  # its value is known too
     with pytest.raises(NotImplementedError):  # torch alone cannot say
         torch.nonzero(torch.empty(2, 4, device="meta"))
 
