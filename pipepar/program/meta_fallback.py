@@ -17,6 +17,14 @@ them:
 What neither answers (a data-dependent operation on activations: a router's choice of experts
 read on another rank's stage) raises :class:`MetaUnsupported`, naming the operation and the
 innermost module running it, instead of torch's own message about meta kernels.
+
+Why answers made where the operation runs, rather than values asked of the rank that computes
+them: both answers here depend only on what every rank has (the batch, constants, shapes), so
+every rank following the code makes the same one, with no message and no wait, and a profile
+gets them as a shadow does. A value from another rank would need that rank to know, before it
+computes, which of its operations a follower cannot make: it runs them for real, never on meta,
+so it cannot tell without running its stage twice (and a stage's code has effects: a key-value
+cache grows on each run). That remaining case is the error.
 """
 
 from __future__ import annotations
