@@ -75,19 +75,27 @@ def test_an_operation_on_an_activations_values_names_the_operation_and_the_modul
     assert module_running() is None  # outside any module
 
 
-@pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
-def test_a_mixture_of_experts_is_planned_from_a_sample(experts: str) -> None:
-    """transformers' default experts (``grouped_mm``) profile on meta; the eager ones (a loop
-    over the experts ``nonzero`` picks from the router's choice) have their split backwards
-    measured on the CPU; either way the planned pipe gives the plain model's loss."""
+def test_a_mixture_of_experts_is_planned_from_a_sample() -> None:
+    """transformers' default experts (``grouped_mm``) profile on meta, and the planned pipe
+    gives the plain model's loss."""
     pytest.importorskip("transformers")
     import pipepar
 
-    plain = build("mixtral", experts)
-    expected = plain(**batch()).loss
-    pipe = pipepar.wrap(build("mixtral", experts), sample=batch(), devices=["cpu", "cpu"])
+    expected = build("mixtral")(**batch()).loss
+    pipe = pipepar.wrap(build("mixtral"), sample=batch(), devices=["cpu", "cpu"])
     assert pipe.layout is not None and pipe.layout.pp == 2
     assert abs(pipe.step(**batch()) - expected.item()) <= 1e-5 * expected.item()
-    if experts == "eager":
-        with pytest.raises(MetaUnsupported, match=r"aten\.nonzero.*experts \(MixtralExperts\)"):
-            pipepar.profile(build("mixtral", experts), batch(), device="meta")
+
+
+def test_eager_experts_are_profiled_on_the_device_and_named_on_meta() -> None:
+    """The eager experts loop over the experts ``nonzero`` picks from the router's choice: a
+    profile on the CPU measures their split backwards there; one on meta ends naming the
+    operation and the module."""
+    pytest.importorskip("transformers")
+    import pipepar
+
+    model = build("mixtral", "eager")
+    names = [layer.name for layer in pipepar.profile(model, batch(), device="cpu").layers]
+    assert names == [u.path for u in pipepar.units(model, batch())]
+    with pytest.raises(MetaUnsupported, match=r"aten\.nonzero.*experts \(MixtralExperts\)"):
+        pipepar.profile(model, batch(), device="meta")
