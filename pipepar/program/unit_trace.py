@@ -420,7 +420,7 @@ def _traced_step(tr: _Tracer) -> Step:
 def deferred_units(call: UnitCall) -> list[DeferredGrads]:
     """What each unit's split backward (zero-bubble B) keeps for W, as
     :func:`pipepar.planner.deferred_grads.deferred_grads` measures it per layer; ``call``
-    should be on meta (sizes only)."""
+    should be on meta (sizes only), or on a real device where the model cannot run on meta."""
     found = []
     with meta_modes(call.device, call.values):  # the backwards too: their meta kernels
         graphs, _, output = unit_forward(call, lambda i: None)
