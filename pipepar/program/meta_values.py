@@ -33,6 +33,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipepar.planner.meta_attention import _fusable, _fused
+from pipepar.program.meta_fallback import without_meta_kernel
 from pipepar.program.meta_shapes import MetaShapes
 
 __all__ = ["SHADOW_LIMIT", "FusedGroupedAttention", "MetaScalars", "meta_modes"]
@@ -123,12 +124,29 @@ class MetaScalars(TorchDispatchMode):
         or computed (and their shapes kept)."""
         shapes = self._shapes
         if shapes is None or (key := shapes.key(func, args, kwargs)) is None:
-            return func(*args, **kwargs)
+            return self._computed(func, args, kwargs)[0]
         out = shapes.made(key)
         if out is None:
-            out = func(*args, **kwargs)
-            shapes.remember(key, out)
+            out, kernel = self._computed(func, args, kwargs)
+            if kernel:  # outputs made from values are not those of every input of the shape
+                shapes.remember(key, out)
         return out
+
+    def _computed(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, bool]:
+        """``func``'s outputs, and whether its meta kernel made them; where it cannot, they
+        are made from the inputs' known values or another dtype
+        (:mod:`pipepar.program.meta_fallback`)."""
+        try:
+            return func(*args, **kwargs), True
+        except Exception as error:
+            return without_meta_kernel(func, args, kwargs, self._all_on_cpu, error), False
+
+    def _all_on_cpu(self, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: self._on_cpu(v) for k, v in value.items()}
+        return self._on_cpu(value)
 
     def _follow(self, func: Any, args: Any, kwargs: Any, metas: list[Tensor]) -> None:
         """Run ``func`` on the inputs' values; forget the outputs' values if it cannot (an

@@ -45,6 +45,7 @@ from pipepar.planner.profile import (
 from pipepar.planner.profile import profile as profile_layers
 from pipepar.program import units as units_
 from pipepar.program.calls import as_call, batch_size, split_call
+from pipepar.program.meta_fallback import MetaUnsupported
 from pipepar.program.meta_values import SHADOW_LIMIT, meta_modes
 from pipepar.program.unit_timing import time_units
 from pipepar.program.unit_trace import UnitCall, deferred_units, trace_units
@@ -139,8 +140,7 @@ def profile_model(
         lay = units_.layout(model, _call_order(call))
         call = _with_layout(call, model, lay)
         traces, records = _checked(lambda: trace_units(call), model, call)
-        meta = call if target.type == "meta" else _unit_call_like(call, model, lay, args, kwargs)
-        deferred = deferred_units(meta)
+        deferred = _deferred(call, model, lay, args, kwargs)
         times = time_units(call) if target.type != "meta" else None
     costs, trained = _parameter_costs(model, lay, spec)
     saved = [0] * len(lay.units)
@@ -223,15 +223,23 @@ def _with_layout(call: UnitCall, model: nn.Module, lay: units_.Layout) -> UnitCa
     return call
 
 
-def _unit_call_like(
+def _deferred(
     call: UnitCall,
     model: nn.Module,
     lay: units_.Layout,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
-) -> UnitCall:
-    """The same call on ``meta`` (split backwards are measured there, sizes only)."""
-    return _with_layout(_unit_call(model, args, kwargs, _META), model, lay)
+) -> list[DeferredGrads]:
+    """What each unit's split backward keeps for W, measured on meta (sizes only), or on
+    ``call``'s real device where the model's code cannot run on meta (an operation whose
+    outputs' shapes depend on activations: a router's choice of experts)."""
+    if call.device.type == "meta":
+        return deferred_units(call)
+    try:
+        return deferred_units(_with_layout(_unit_call(model, args, kwargs, _META), model, lay))
+    except MetaUnsupported as err:
+        logger.info("split backwards measured on %s: %s", call.device, err)
+        return deferred_units(call)
 
 
 def _stand_ins(model: nn.Module, device: torch.device) -> dict[str, Tensor]:

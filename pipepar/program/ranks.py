@@ -46,7 +46,7 @@ from pipepar.program.cut import Crossing, Cut, Ledger, tag_stage
 from pipepar.program.link import ACTIVATION, GRADIENT, Link
 from pipepar.program.meta_values import SHADOW_LIMIT, MetaScalars
 from pipepar.program.route import Routes, check_graphs
-from pipepar.program.shadow import ToMeta, from_template, template
+from pipepar.program.shadow import ToMeta, from_template, on_meta, template
 from pipepar.program.step import SegmentContext, SegmentStep
 
 __all__ = ["RankCut", "RankStep", "shadow_context"]
@@ -252,7 +252,18 @@ class RankCut(Cut):
     def shadowing(self) -> contextlib.AbstractContextManager[Any]:
         """What another rank's stage's code runs under when following a route: its tensors on
         ``meta`` (the cut's mode does it otherwise)."""
-        return ToMeta(self._meta_of) if self.following else contextlib.nullcontext()
+        return ToMeta(self._meta_of, self._twin) if self.following else contextlib.nullcontext()
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        out = super().__torch_function__(func, types, args, kwargs)
+        if self.stage in self.mine:
+            return out
+        made = on_meta(out, self._twin)  # a shadow stage holds no real tensor
+        if made is not out:
+            self._tag(made)
+        return made
 
     def _check_crossing(self, t: Tensor, producer: int) -> None:
         """Nothing at a crossing: the rank walks its own stages' graphs at the end."""
@@ -312,6 +323,17 @@ class RankCut(Cut):
                     self.values.know(meta, t.detach().cpu())
             found = self._metas[id(t)] = (t, meta)
         return found[1]
+
+    def _twin(self, t: Tensor) -> Tensor:
+        """The meta twin of a real tensor a shadow stage made from no tensor (a constant),
+        its value known to the shadow's reads."""
+        with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+            meta = t.detach().to("meta")
+            if t.requires_grad:
+                meta.requires_grad_()
+            if t.numel() <= SHADOW_LIMIT:
+                self.values.know(meta, t.detach().cpu())
+        return meta
 
     def _receive(self, t: Tensor) -> Tensor:
         """The real value of shadow value ``t`` from the rank of the stage that made it."""

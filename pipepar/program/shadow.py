@@ -6,6 +6,14 @@ every stage, but computes only its own: a unit of another rank's stage is not ru
 stood in by meta tensors of the shape the route learned (:func:`template`, :func:`from_template`,
 :func:`skip_elsewhere`), and the few operations between such units run under :class:`ToMeta`,
 which gives each real tensor they are handed its meta twin.
+
+A shadow stage holds no real tensor (:func:`on_meta`): the only operations there that still make
+one are those given no tensor at all (``torch.arange``, ``torch.tensor``, ``torch.full``), and
+their outputs become meta twins whose value is known. Were a constant kept real, the rank that
+computes the stage would send it (its stage made it) while the rank that follows it would use its
+own copy, and their messages would part ways (a sliding-window key-value cache's
+``torch.tensor(window)``, made by the first stage and moved by every layer's cache); nor could a
+write into it in place (a mask filled in) reach the real copy.
 """
 
 from __future__ import annotations
@@ -21,26 +29,42 @@ from torch.overrides import TorchFunctionMode
 from pipepar.program.cut import map_arguments
 from pipepar.program.driver import active
 
-__all__ = ["ToMeta", "from_template", "skip_elsewhere", "template"]
+__all__ = ["ToMeta", "from_template", "on_meta", "skip_elsewhere", "template"]
 
 
 class ToMeta(TorchFunctionMode):
     """Another stage's code on a rank that follows a route: every real tensor an operation
     is given becomes its ``meta`` twin (small integer values kept for the model's reads)."""
 
-    def __init__(self, meta_of: Callable[[Tensor], Tensor]) -> None:
+    def __init__(
+        self, meta_of: Callable[[Tensor], Tensor], twin: Callable[[Tensor], Tensor]
+    ) -> None:
         super().__init__()
-        self.meta_of = meta_of
+        self.meta_of, self.twin = meta_of, twin
 
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         args = tuple(map_arguments(a, self._meta) for a in args)
         kwargs = {k: map_arguments(v, self._meta) for k, v in (kwargs or {}).items()}
-        return func(*args, **kwargs)
+        return on_meta(func(*args, **kwargs), self.twin)
 
     def _meta(self, t: Tensor) -> Tensor:
         return t if t.is_meta else self.meta_of(t)
+
+
+def on_meta(out: Any, twin: Callable[[Tensor], Tensor]) -> Any:
+    """What an operation of a shadow stage returned, each real tensor in it (a factory's) made
+    ``twin(t)``, its meta twin; ``out`` itself when it holds none."""
+    if isinstance(out, Tensor):
+        return out if out.is_meta else twin(out)
+    if type(out) in (tuple, list) and any(_real(t) for t in out):
+        return type(out)(twin(t) if _real(t) else t for t in out)
+    return out
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, Tensor) and not value.is_meta
 
 
 def template(output: Any) -> tuple[Any, list[Any]]:

@@ -420,15 +420,15 @@ def _traced_step(tr: _Tracer) -> Step:
 def deferred_units(call: UnitCall) -> list[DeferredGrads]:
     """What each unit's split backward (zero-bubble B) keeps for W, as
     :func:`pipepar.planner.deferred_grads.deferred_grads` measures it per layer; ``call``
-    should be on meta (sizes only)."""
-    with meta_modes(call.device, call.values):
-        graphs, _, output = unit_forward(call, lambda i: None)
-    del output
+    should be on meta (sizes only), or on a real device where the model cannot run on meta."""
     found = []
-    for graph in graphs:
-        ins = tuple(c.leaf for c in graph.into)
-        found.append(_split(tuple(_as_handed(t) for t in graph.outs), ins, graph.weights))
-        graph.outs, graph.into = [], []
+    with meta_modes(call.device, call.values):  # the backwards too: their meta kernels
+        graphs, _, output = unit_forward(call, lambda i: None)
+        del output
+        for graph in graphs:
+            ins = tuple(c.leaf for c in graph.into)
+            found.append(_split(tuple(_as_handed(t) for t in graph.outs), ins, graph.weights))
+            graph.outs, graph.into = [], []
     return found
 
 

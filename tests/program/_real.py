@@ -82,6 +82,23 @@ def _same_grads(pipe: nn.Module, plain: nn.Module, rtol: float = RTOL) -> None:
         _close(p.grad, expected, f"gradient of {name}", rtol)
 
 
+def ranks_equal_plain(
+    got: Iterable[tuple[float, dict[str, Any]]], loss: Tensor, plain: nn.Module
+) -> None:
+    """Each rank's ``(loss, gradients by name as arrays)`` of a step equals the plain model's
+    ``loss`` and gradients, and every weight's gradient is on some rank."""
+    grads = dict(plain.named_parameters())
+    seen: set[str] = set()
+    for r, (got_loss, got_grads) in enumerate(got):
+        assert abs(got_loss - loss.item()) <= RTOL * abs(loss.item()), (r, got_loss, loss.item())
+        for key, g in got_grads.items():
+            ref = grads[key].grad
+            err = ((torch.from_numpy(g) - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
+            assert err < RTOL, f"rank {r}: gradient of {key}, relative error {err:.2e}"
+            seen.add(key)
+    assert seen == set(grads), f"no rank holds {set(grads) - seen}"
+
+
 def sgd_side_by_side(
     pipe: nn.Module, plain: nn.Module, batches: Iterable[dict[str, Tensor]], lr: float = 0.1
 ) -> None:

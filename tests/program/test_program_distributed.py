@@ -15,7 +15,7 @@ pytest.importorskip("timm")
 
 from models import transformers_zoo as zoo
 from tests._ranks import spawn
-from tests.program._real import Skipping, mode_calls
+from tests.program._real import Skipping, mode_calls, ranks_equal_plain
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
@@ -336,17 +336,7 @@ def test_two_ranks_equal_the_plain_model(ranks: dict[int, Any], name: str) -> No
     out = plain(**batch)
     loss = out.float().logsumexp(-1).mean() if name.startswith("vit") else out.loss
     loss.backward()
-    grads = dict(plain.named_parameters())
-    seen: set[str] = set()
-    for r in (0, 1):
-        got_loss, got = ranks[r][name]
-        assert abs(got_loss - loss.item()) <= RTOL * abs(loss.item())
-        for key, g in got.items():
-            ref = grads[key].grad
-            err = ((torch.from_numpy(g) - ref).abs().max() / ref.abs().max().clamp_min(1e-6)).item()
-            assert err < RTOL, f"rank {r}: gradient of {key}, relative error {err:.2e}"
-            seen.add(key)
-    assert seen == set(grads), f"no rank holds {set(grads) - seen}"
+    ranks_equal_plain([ranks[r][name] for r in (0, 1)], loss, plain)
 
 
 def test_tied_copies_stay_equal_over_twenty_steps(ranks: dict[int, Any]) -> None:
