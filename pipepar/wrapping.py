@@ -108,9 +108,12 @@ def wrap(
         pp=2 dp=1 1f1b M=4 recompute=never: ...
     """
     layout = None
-    split = torch_split(module, balance, split, split_spec, sample, call_order=True) or split
+    chain = is_chain(module, split, sample)
+    split = (
+        torch_split(module, balance, split, split_spec, sample, call_order=True, chain=chain)
+        or split
+    )
     if balance is None and split is None:
-        chain = is_chain(module, split, sample)
         layout = local_layout(
             validation.check_model(module) if chain else module,
             _sample_to_plan(sample, chain),

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from pipepar.core.schedule import Schedule
 from pipepar.distributed.pipe import DistributedPipe
+from pipepar.local.chain import is_chain
 from pipepar.planner.auto_layout import (
     Given,
     capacity_bytes,
@@ -173,7 +174,11 @@ def wrap(
     """
     layout = None
     if plan is None:
-        split = torch_split(model, balance, split, split_spec, sample, call_order=False) or split
+        chain = is_chain(model, split, sample)
+        split = (
+            torch_split(model, balance, split, split_spec, sample, call_order=False, chain=chain)
+            or split
+        )
         _check_stages_given(balance, split, sample)
     elif split_spec is not None:
         raise ValueError(

@@ -34,6 +34,7 @@ def torch_split(
     sample: Any,
     *,
     call_order: bool,
+    chain: bool = False,
 ) -> list[str] | None:
     """``split=`` from ``split_spec``, else from the ``pipe_split()`` markers the forward calls
     on ``sample`` when no balance or split is given; None when neither says anything.
@@ -41,6 +42,8 @@ def torch_split(
     Args:
         call_order: whether the pipe orders the units as ``sample`` calls them (a pipe of one
             process given ``sample``); else as the model registers them.
+        chain: ``sample`` is the model's one input, a tuple too (an ``nn.Sequential`` run as
+            a chain of layers); else a call (a tuple is positional arguments).
     """
     if split_spec is not None:
         for label, value in (("balance", balance), ("split", split)):
@@ -52,7 +55,7 @@ def torch_split(
         return spec_split(_paths(model, sample if call_order else None), split_spec)
     if balance is not None or split is not None or sample is None:
         return None
-    found = find_markers(model, one_row_forward(model, sample))
+    found = find_markers(model, one_row_forward(model, (sample,) if chain else sample))
     if found is None:
         return None
     return marker_split(found, units_.layout(model, found.order if call_order else None).paths())

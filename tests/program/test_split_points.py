@@ -17,7 +17,7 @@ from torch.distributed.pipelining import SplitPoint
 import pipepar
 from pipepar.program.markers import find_markers
 from pipepar.program.split_points import spec_split
-from tests.program._marked import Marked, batch, loss_fn
+from tests.program._marked import Block, Marked, batch, loss_fn
 from tests.program._real import _close
 
 
@@ -93,6 +93,20 @@ def test_markers_that_cannot_make_stages_of_units_are_refused(
     ids, _ = batch()
     with pytest.raises(ValueError, match=match):
         pipepar.wrap(Marked(**{"before": (), **options}), sample=ids, devices=["cpu"] * 2)
+
+
+class _Pair(nn.Module):
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return pair[0] + pair[1]
+
+
+def test_a_sequential_is_looked_at_as_its_chain_of_layers() -> None:
+    """An ``nn.Sequential``'s sample is its one input, a tuple too (not its arguments); a
+    layer's marker is inside a unit."""
+    chain = nn.Sequential(_Pair(), nn.Linear(8, 8), Block(8, marker_inside=True), nn.Linear(8, 8))
+    pair = (torch.randn(4, 5, 8), torch.randn(4, 5, 8))
+    with pytest.raises(ValueError, match=r"inside the unit '2'"):
+        pipepar.wrap(chain, sample=pair, devices=["cpu", "cpu"])
 
 
 def test_without_sample_the_error_says_how_to_find_markers() -> None:
