@@ -180,12 +180,12 @@ def wrap(
             or split
         )
         _check_stages_given(balance, split, sample)
-    elif split_spec is not None:
-        raise ValueError(
-            f"plan={plan!r} chooses the stages but split_spec={dict(split_spec)!r} was given "
-            "too; drop split_spec=... to let the search choose, or drop plan=... to use it"
-        )
-    if plan is not None:
+    else:
+        if split_spec is not None:
+            raise ValueError(
+                f"plan={plan!r} chooses the stages but split_spec={dict(split_spec)!r} was "
+                "given too; drop split_spec=... to let the search choose, or drop plan=..."
+            )
         layout = _auto_layout(
             model, plan, balance, split, sample, capacity, chunks, schedule, dp, checkpoint,
             dp_shard, device, group, runtime,

@@ -184,3 +184,15 @@ def test_split_spec_with_balance_or_split_is_refused() -> None:
     for given in ({"balance": [3, 4]}, {"split": ["blocks.2"]}):
         with pytest.raises(ValueError, match=r"pass split_spec or .*, not both"):
             pipepar.wrap(Marked(()), split_spec=spec, devices=["cpu", "cpu"], **given)
+
+
+def test_distributed_wrap_says_what_is_missing_before_any_process_group() -> None:
+    """Across ranks: a sample whose forward calls no marker, or a split_spec with
+    ``plan="auto"``, is a ValueError before any process group is needed."""
+    import pipepar.distributed as ppd
+
+    ids, _ = batch()
+    with pytest.raises(ValueError, match=r"the forward called no pipe_split\(\) on sample"):
+        ppd.wrap(Marked(()), sample=ids)
+    with pytest.raises(ValueError, match=r"plan='auto' chooses the stages but split_spec="):
+        ppd.wrap(Marked(()), plan="auto", sample=ids, split_spec={"blocks.2": SplitPoint.END})
