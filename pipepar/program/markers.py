@@ -30,8 +30,8 @@ from pipepar.program import units as units_
 
 __all__ = ["Markers", "find_markers", "marker_split"]
 
-_TORCH = os.path.dirname(torch.__file__)
-_PIPEPAR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_PIPEPAR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 @dataclass
