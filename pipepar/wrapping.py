@@ -62,9 +62,10 @@ def wrap(
             module's first unit) or ``SplitPoint.END`` (at the unit after it); each path a
             unit or a module holding units. With none of ``balance``, ``split`` and
             ``split_spec``, ``pipe_split()`` calls in the forward split it where they stand,
-            between two unit calls: the forward runs once on ``sample``'s first row to find
-            them (a marker inside a unit is a ValueError), and they take the place of the
-            searched layout (``chunks``, ``schedule`` and ``checkpoint`` as with ``split``).
+            between two unit calls: the forward runs once on ``sample`` as given to find them
+            (buffers and random states put back; a marker inside a unit is a ValueError), and
+            they take the place of the searched layout (``chunks``, ``schedule`` and
+            ``checkpoint`` as with ``split``).
         devices: one device per stage; ``None`` = all CUDA devices, or the CPU for every stage.
             A searched layout runs one pipeline over all of them.
         chunks: micro-batches per mini-batch (M); ``None``: chosen by the search, or 1 when

@@ -50,7 +50,7 @@ from pipepar.program.meta_values import SHADOW_LIMIT, meta_modes
 from pipepar.program.unit_timing import time_units
 from pipepar.program.unit_trace import UnitCall, deferred_units, trace_units
 
-__all__ = ["one_row_forward", "profile", "profile_model"]
+__all__ = ["meta_forward", "profile", "profile_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -263,25 +263,16 @@ def _call_order(call: UnitCall) -> list[str]:
     """Unit paths in the order the model calls them, from a one-row forward without
     gradients, as :func:`pipepar.units` finds them (here with the stand-ins and on meta with
     its answers to data-dependent reads)."""
-    units = units_.layout(call.model).units
-    return units_.call_order(call.model, units, lambda: _one_row(call))
-
-
-def one_row_forward(model: nn.Module, sample: Any) -> Callable[[], None]:
-    """A forward of ``sample``'s first row where ``model``'s parameters are, as the profile
-    runs it: with copies of the buffers (the model's own stay as they are), and on ``meta``
-    with answers to data-dependent reads; call it under ``torch.no_grad()``."""
-    args, kwargs = _check_sample(sample)
-    call = _unit_call(model, args, kwargs, _where(model))
-    return lambda: _one_row(call)
-
-
-def _one_row(call: UnitCall) -> None:
     from torch.func import functional_call
 
-    with meta_modes(call.device, call.values):
-        one = split_call(call.args, call.kwargs, 1 << 30)[0]
-        functional_call(call.model, call.params, one.args, one.kwargs)
+    units = units_.layout(call.model).units
+
+    def run() -> None:
+        with meta_modes(call.device, call.values):
+            one = split_call(call.args, call.kwargs, 1 << 30)[0]
+            functional_call(call.model, call.params, one.args, one.kwargs)
+
+    return units_.call_order(call.model, units, run)
 
 
 def _checked(fn: Any, model: nn.Module, call: UnitCall) -> Any:
@@ -379,3 +370,19 @@ def _input_shape(call: UnitCall) -> tuple[Any, ...]:
 
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def meta_forward(model: nn.Module, sample: Any) -> Callable[[], None]:
+    """The forward of the whole ``sample`` for a model built on ``meta``, as the profile runs
+    it there: the sample moved to meta, with answers to its data-dependent reads (token ids,
+    masks); call it under ``torch.no_grad()``."""
+    from torch.func import functional_call
+
+    args, kwargs = _check_sample(sample)
+    call = _unit_call(model, args, kwargs, _META)
+
+    def run() -> None:
+        with meta_modes(call.device, call.values):
+            functional_call(call.model, call.params, call.args, call.kwargs)
+
+    return run

@@ -8,20 +8,22 @@ both as module paths where a stage begins (``split=``, :func:`pipepar.program.un
   must name a unit or a module holding units: one inside a unit (``layers.4.attn``) is refused,
   since pipepar moves whole units and moving the split to the unit's edge would place the
   stages elsewhere than asked;
-- ``pipe_split()`` calls in the forward (:mod:`pipepar.program.markers`), found on ``sample``
-  when neither ``balance``, ``split`` nor ``split_spec`` is given.
+- ``pipe_split()`` calls in the forward (:mod:`pipepar.program.markers`), found by running the
+  model on ``sample`` as it is when neither ``balance``, ``split`` nor ``split_spec`` is given.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from torch import nn
+import torch.utils._pytree as pytree
+from torch import Tensor, nn
 
 from pipepar.program import units as units_
+from pipepar.program.calls import as_call
 from pipepar.program.markers import find_markers, marker_split
-from pipepar.program.profile import one_row_forward
+from pipepar.program.profile import meta_forward
 
 __all__ = ["spec_split", "torch_split"]
 
@@ -55,10 +57,25 @@ def torch_split(
         return spec_split(_paths(model, sample if call_order else None), split_spec)
     if balance is not None or split is not None or sample is None:
         return None
-    found = find_markers(model, one_row_forward(model, (sample,) if chain else sample))
+    found = find_markers(model, _forward(model, sample, chain))
     if found is None:
         return None
     return marker_split(found, units_.layout(model, found.order if call_order else None).paths())
+
+
+def _forward(model: nn.Module, sample: Any, chain: bool) -> Callable[[], object]:
+    """The plain model's forward of the whole ``sample``, its tensors where the parameters
+    are; for a model built on ``meta``, the same forward on meta (no values to run on)."""
+    call = (sample,) if chain else sample
+    param = next(model.parameters(), None)
+    if param is not None and param.is_meta:
+        return meta_forward(model, call)
+    args, kwargs = as_call(call)
+    if param is not None:
+        args, kwargs = pytree.tree_map(
+            lambda v: v.to(param.device) if isinstance(v, Tensor) else v, (args, kwargs)
+        )
+    return lambda: model(*args, **kwargs)
 
 
 def _paths(model: nn.Module, sample: Any) -> list[str]:

@@ -77,3 +77,27 @@ def batch(rows: int = 4, seq: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+class Normed(nn.Module):
+    """An input layer, ``depth`` blocks (linear, ReLU, batch norm, dropout) and a head on
+    ``(rows, 4)`` inputs; ``pipe_split()`` before block ``at``. In training mode each block's
+    batch norm needs more than one row and its dropout draws random numbers."""
+
+    def __init__(self, at: int = 1, *, depth: int = 3, width: int = 6, p: float = 0.2) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, width)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.BatchNorm1d(width), nn.Dropout(p))
+            for _ in range(depth)
+        )
+        self.head = nn.Linear(width, 3)
+        self.at = at
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for k, block in enumerate(self.blocks):
+            if k == self.at:
+                pipe_split()
+            x = block(x)
+        return self.head(x)

@@ -16,8 +16,8 @@ from torch.distributed.pipelining import SplitPoint
 
 import pipepar
 from pipepar.program.markers import find_markers
-from pipepar.program.split_points import spec_split
-from tests.program._marked import Block, Marked, batch, loss_fn
+from pipepar.program.split_points import spec_split, torch_split
+from tests.program._marked import Block, Marked, Normed, batch, loss_fn
 from tests.program._real import _close
 
 
@@ -75,6 +75,24 @@ def test_markers_are_observed_by_their_operator() -> None:
     assert found is not None and found.starts == [2], found
     unmarked = Marked(())
     assert find_markers(unmarked, lambda: unmarked(ids)) is None
+
+
+@pytest.mark.parametrize("call_order", [True, False])
+def test_markers_are_found_on_the_sample_as_it_is(call_order: bool) -> None:
+    """The forward that finds the markers is the plain model's on the whole sample (a one-row
+    slice fails through a training-mode batch norm), and it leaves every buffer (running
+    statistics, batch counts) and the random state (the dropouts draw) as they were."""
+    model = Normed(1)
+    x = torch.randn(4, 4)
+    rows: list[int] = []
+    model.inp.register_forward_pre_hook(lambda m, args: rows.append(args[0].shape[0]))
+    buffers = {k: b.clone() for k, b in model.named_buffers()}
+    rng = torch.get_rng_state()
+    split = torch_split(model, None, None, None, x, call_order=call_order)
+    assert split == ["blocks.1"] and rows == [4]
+    assert torch.equal(torch.get_rng_state(), rng), "the search drew random numbers"
+    for name, b in model.named_buffers():
+        assert torch.equal(b, buffers[name]), f"{name} changed: {buffers[name]} -> {b}"
 
 
 @pytest.mark.parametrize(

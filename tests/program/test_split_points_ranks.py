@@ -13,7 +13,7 @@ import torch
 from torch.distributed.pipelining import SplitPoint
 
 from tests._ranks import spawn
-from tests.program._marked import Marked, batch, loss_fn
+from tests.program._marked import Marked, Normed, batch, loss_fn
 
 pytestmark = pytest.mark.slow
 RTOL = 1e-5
@@ -51,8 +51,35 @@ def _gpt2() -> dict[str, Any]:
     return _result(pipe, pipe.step(**zoo.sample("gpt2", batch=4)))
 
 
+def _rows() -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(2)
+    return torch.randn(4, 4, generator=gen), torch.randint(0, 3, (4,), generator=gen)
+
+
+def _normed() -> dict[str, Any]:
+    """Training-mode batch norms and dropouts, ``pipe_split()`` before ``blocks.1``: whether
+    wrap left every buffer this rank keeps and the random state as they were; then one step
+    (dropouts off: each rank draws its own) and the buffers it made."""
+    import pipepar.distributed as ppd
+
+    torch.manual_seed(0)
+    model = Normed(1)
+    x, y = _rows()
+    before = {k: b.clone() for k, b in model.named_buffers()}
+    rng = torch.get_rng_state()
+    pipe = ppd.wrap(model, sample=x, chunks=1, deferred_batch_norm=False)
+    kept = [k for k, b in model.named_buffers() if not b.is_meta]
+    changed = [k for k, b in model.named_buffers() if k in kept and not torch.equal(b, before[k])]
+    drew = not torch.equal(torch.get_rng_state(), rng)
+    for block in model.blocks:
+        block[3].p = 0.0
+    loss = pipe.step(x, loss_fn=torch.nn.functional.cross_entropy, target=y)
+    after = {k: b.detach().numpy().copy() for k, b in model.named_buffers() if not b.is_meta}
+    return {**_result(pipe, loss), "changed": changed, "drew": drew, "buffers": after}
+
+
 def _two_ranks(rank: int) -> dict[str, Any]:
-    return {"real": _marked(False), "meta": _marked(True), "gpt2": _gpt2()}
+    return {"real": _marked(False), "meta": _marked(True), "gpt2": _gpt2(), "bn": _normed()}
 
 
 @pytest.fixture(scope="module")
@@ -96,3 +123,24 @@ def test_split_spec_splits_gpt2_across_ranks(ranks: dict[int, Any]) -> None:
     paths = [u.path for u in pipepar.units(plain)]
     assert ranks[0]["gpt2"]["balance"][0] == paths.index("transformer.h.2")
     _same_as_plain(ranks, "gpt2", plain, plain(**zoo.sample("gpt2", batch=4)).loss)
+
+
+def test_markers_leave_training_batch_norm_and_random_state_alone(ranks: dict[int, Any]) -> None:
+    """Found by the plain model's forward of the sample (4 rows through training-mode batch
+    norms: one row would fail), the markers split it; wrap changed no buffer a rank keeps and
+    drew no random number; one step equals the plain model's, running statistics included."""
+    for r in (0, 1):
+        got = ranks[r]["bn"]
+        assert got["balance"] == [2, 3], got["balance"]
+        assert not got["changed"], f"rank {r}: wrap changed {got['changed']}"
+        assert not got["drew"], f"rank {r}: wrap drew random numbers"
+    torch.manual_seed(0)
+    plain = Normed(1, p=0.0)
+    x, y = _rows()
+    _same_as_plain(ranks, "bn", plain, torch.nn.functional.cross_entropy(plain(x), y))
+    stage = {0: ("inp", "blocks.0"), 1: ("blocks.1", "blocks.2", "head")}
+    for r, units in stage.items():
+        for name, b in plain.named_buffers():
+            if name.startswith(tuple(u + "." for u in units)):
+                got = torch.from_numpy(ranks[r]["bn"]["buffers"][name])
+                assert torch.allclose(got, b.to(got.dtype), rtol=RTOL, atol=1e-7), (r, name, got, b)
