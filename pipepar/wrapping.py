@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
@@ -17,6 +17,7 @@ from pipepar.local.chain import is_chain
 from pipepar.local.pipe import Pipe
 from pipepar.planner.auto_layout import keep_layout, local_layout, pipe_arguments
 from pipepar.planner.runtime_fit import RuntimeFit
+from pipepar.program.split_points import torch_split
 
 __all__ = ["wrap"]
 
@@ -32,6 +33,7 @@ def wrap(
     batch_coupling: str = "error",
     sample: Any = None,
     split: Sequence[str] | None = None,
+    split_spec: Mapping[str, Any] | None = None,
     capacity: Any = None,
     schedule: str | Schedule | None = None,
     threads: int | None = None,
@@ -56,6 +58,15 @@ def wrap(
         balance: layers (units, for other models: see :func:`pipepar.units`) per stage, e.g.
             ``[3, 3, 2]``; ``None`` to use ``split`` or to plan it from ``sample``.
         split: module paths where a new stage begins, e.g. ``["transformer.h.6"]``.
+        split_spec: as torch.distributed.pipelining's ``pipeline()`` takes it, instead of
+            ``split``: ``{"transformer.h.6": SplitPoint.BEGINNING}`` (a stage begins at that
+            module's first unit) or ``SplitPoint.END`` (at the unit after it); each path a
+            unit or a module holding units. With none of ``balance``, ``split`` and
+            ``split_spec``, ``pipe_split()`` calls in the forward split it where they stand,
+            between two unit calls: the forward runs once on ``sample`` as given to find them
+            (buffers and random states put back; a marker inside a unit is a ValueError), and
+            they take the place of the searched layout (``chunks``, ``schedule`` and
+            ``checkpoint`` as with ``split``).
         devices: one device per stage; ``None`` = all CUDA devices, or the CPU for every stage.
             A searched layout runs one pipeline over all of them.
         chunks: micro-batches per mini-batch (M); ``None``: chosen by the search, or 1 when
@@ -104,8 +115,12 @@ def wrap(
         pp=2 dp=1 1f1b M=4 recompute=never: ...
     """
     layout = None
+    chain = is_chain(module, split, sample)
+    split = (
+        torch_split(module, balance, split, split_spec, sample, call_order=True, chain=chain)
+        or split
+    )
     if balance is None and split is None:
-        chain = is_chain(module, split, sample)
         layout = local_layout(
             validation.check_model(module) if chain else module,
             _sample_to_plan(sample, chain),
@@ -149,5 +164,5 @@ def _sample_to_plan(sample: Any, chain: bool) -> Any:
         "balance and split are None and no sample was given; pass split=[module paths "
         "where stages begin], balance=[units per stage] (pipepar.units(model) lists the "
         "units), or sample=<an input batch> so pipepar can profile the model and choose "
-        "the layout"
+        "the layout (or, when the forward calls pipe_split(), find where the calls stand)"
     )

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from pipepar.core.schedule import Schedule
 from pipepar.distributed.pipe import DistributedPipe
+from pipepar.local.chain import is_chain
 from pipepar.planner.auto_layout import (
     Given,
     capacity_bytes,
@@ -25,6 +26,7 @@ from pipepar.planner.auto_layout import (
 from pipepar.planner.cluster import cluster_for, device_memory
 from pipepar.planner.layout import Layout
 from pipepar.planner.runtime_fit import RuntimeFit
+from pipepar.program.split_points import torch_split
 from pipepar.ranks.process import ensure_process_group, resolve_device
 
 __all__ = ["wrap"]
@@ -35,6 +37,7 @@ def wrap(
     balance: list[int] | None = None,
     *,
     split: Sequence[str] | None = None,
+    split_spec: Mapping[str, Any] | None = None,
     plan: str | None = None,
     sample: Any = None,
     capacity: Any = None,
@@ -88,10 +91,19 @@ def wrap(
         balance: layers (units, see :func:`pipepar.units`) per stage; its length is the number
             of stages.
         split: for other models, module paths where stages begin (instead of ``balance``).
+        split_spec: as torch.distributed.pipelining's ``pipeline()`` takes it, instead of
+            ``split``: ``{"layers.4": SplitPoint.BEGINNING}`` (a stage begins at that
+            module's first unit) or ``SplitPoint.END`` (at the unit after it). With none of
+            ``balance``, ``split``, ``split_spec`` and ``plan``, ``pipe_split()`` calls in the
+            forward split it where they stand, between two unit calls: every rank runs the
+            forward once on ``sample`` as given (on ``meta`` for a model built there; buffers
+            and random states put back) to find them. ``plan="auto"`` searches the stages and
+            does not look for them.
         plan: ``"auto"`` to choose the layout from ``sample`` (see above); ``None`` (the
             default) to use ``balance`` or ``split``.
         sample: with ``plan="auto"``: one step's global batch (a tensor, a tuple of positional
-            arguments or a dict of keyword arguments), the same on every rank.
+            arguments or a dict of keyword arguments), the same on every rank; without
+            ``plan``, balance or split: an input to find the ``pipe_split()`` markers with.
         capacity: with ``plan="auto"``: bytes per rank's device (int, ``"16GiB"``, or one per
             rank, of which the smallest); default: a CUDA device's memory, or this machine's
             memory shared among the ranks on it (``LOCAL_WORLD_SIZE``).
@@ -165,7 +177,19 @@ def wrap(
         >>> mine = x[pipe.dp_rank * rows : (pipe.dp_rank + 1) * rows]  # doctest: +SKIP
     """
     layout = None
-    if plan is not None:
+    if plan is None:
+        chain = is_chain(model, split, sample)
+        split = (
+            torch_split(model, balance, split, split_spec, sample, call_order=False, chain=chain)
+            or split
+        )
+        _check_stages_given(balance, split, sample)
+    else:
+        if split_spec is not None:
+            raise ValueError(
+                f"plan={plan!r} chooses the stages but split_spec={dict(split_spec)!r} was "
+                "given too; drop split_spec=... to let the search choose, or drop plan=..."
+            )
         layout = _auto_layout(
             model, plan, balance, split, sample, capacity, chunks, schedule, dp, checkpoint,
             dp_shard, device, group, runtime,
@@ -197,6 +221,19 @@ def wrap(
     )
     keep_layout(pipe, layout)
     return pipe
+
+
+def _check_stages_given(balance: list[int] | None, split: object, sample: Any) -> None:
+    """Without ``plan``, the stages come from ``balance``, ``split``, ``split_spec`` or the
+    markers; else the ValueError with the fix."""
+    if balance is None and split is None:
+        found = " and the forward called no pipe_split() on sample" if sample is not None else ""
+        raise ValueError(
+            f"balance, split, split_spec and plan are None{found}; pass balance=[units per "
+            "stage] (pipepar.units(model) lists the units), split=[module paths where stages "
+            "begin], plan='auto' with sample=<one step's batch>, or sample=... with "
+            "pipe_split() calls in the model's forward"
+        )
 
 
 def _auto_layout(

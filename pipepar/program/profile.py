@@ -25,6 +25,7 @@ and attention is counted as the fused kernels keep it.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -50,7 +51,7 @@ from pipepar.program.meta_values import SHADOW_LIMIT, meta_modes
 from pipepar.program.unit_timing import time_units
 from pipepar.program.unit_trace import UnitCall, deferred_units, trace_units
 
-__all__ = ["profile", "profile_model"]
+__all__ = ["meta_forward", "profile", "profile_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -377,3 +378,19 @@ def _input_shape(call: UnitCall) -> tuple[Any, ...]:
 
 def _nbytes(t: Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def meta_forward(model: nn.Module, sample: Any) -> Callable[[], None]:
+    """The forward of the whole ``sample`` for a model built on ``meta``, as the profile runs
+    it there: the sample moved to meta, with answers to its data-dependent reads (token ids,
+    masks); call it under ``torch.no_grad()``."""
+    from torch.func import functional_call
+
+    args, kwargs = _check_sample(sample)
+    call = _unit_call(model, args, kwargs, _META)
+
+    def run() -> None:
+        with meta_modes(call.device, call.values):
+            functional_call(call.model, call.params, call.args, call.kwargs)
+
+    return run

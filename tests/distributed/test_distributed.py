@@ -995,5 +995,5 @@ def test_wrap_without_a_process_group_says_how_to_launch(monkeypatch: pytest.Mon
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ValueError, match="launch with torchrun"):
         ppd.wrap(tiny_model(), [4, 4], chunks=2)
-    with pytest.raises(ValueError, match="balance=None cannot be profiled"):
+    with pytest.raises(ValueError, match="balance, split, split_spec and plan are None"):
         ppd.wrap(tiny_model(), None)  # type: ignore[arg-type]
