@@ -21,7 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from pipepar.core.batchnorm import committing, convert_inside, reset_all
+from pipepar.core.batchnorm import committing, defer_statistics, reset_all
 from pipepar.core.losses import joined_loss, split_target
 from pipepar.core.stage import Stage
 from pipepar.local import cpu_malloc
@@ -75,8 +75,7 @@ class ProgramCompute:
         sample: Any,
         deferred_batch_norm: bool,
     ) -> None:
-        if deferred_batch_norm:
-            convert_inside(model)
+        defer_statistics(model, deferred_batch_norm)
         order = [u.path for u in units_.units(model, sample)] if sample is not None else None
         self._units = units_.layout(model, order)
         self.sizes = units_.sizes_of(self._units, balance, split)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from pipepar.core.batchnorm import committing, convert_inside
+from pipepar.core.batchnorm import committing, defer_statistics
 from pipepar.core.losses import joined_loss, split_target
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
@@ -68,8 +68,7 @@ class RankProgram:
         split: Sequence[str] | None,
         deferred_batch_norm: bool,
     ) -> None:
-        if deferred_batch_norm:
-            convert_inside(model)
+        defer_statistics(model, deferred_batch_norm)
         self.model = model
         self.sizes = units_.sizes_of(units_.layout(model), balance, split)
         self.stage_of_unit = units_.stage_of_units(self.sizes)
