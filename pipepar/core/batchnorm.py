@@ -34,7 +34,14 @@ from torch.utils.hooks import RemovableHandle
 
 from pipepar.core.recompute import is_recomputing
 
-__all__ = ["commit_all", "committing", "defer_statistics", "deferred", "reset_all"]
+__all__ = [
+    "commit_all",
+    "committing",
+    "defer_statistics",
+    "deferred",
+    "reset_all",
+    "watched_as_before",
+]
 
 _ATTRIBUTE = "_pipepar_deferred_statistics"
 
@@ -149,6 +156,18 @@ def committing(modules: Sequence[nn.Module]) -> Iterator[None]:
             stats.open = False
 
 
+@contextmanager
+def watched_as_before(module: nn.Module) -> Iterator[None]:
+    """A recompute that runs ``module``'s forward without calling the module (torch's
+    checkpoint of a unit's forward) sees its running buffers as its first run did; enter it
+    inside :func:`pipepar.core.recompute.recomputing_as_before`."""
+    _before(module, ())
+    try:
+        yield
+    finally:
+        _after(module, (), None)
+
+
 def commit_all(modules: Sequence[nn.Module]) -> None:
     """Fold what every deferred batch norm in ``modules`` gathered into its running statistics."""
     _each(_found(modules), _commit)
@@ -209,7 +228,9 @@ _BUFFERS = ("running_mean", "running_var")
 
 def _before(module: nn.Module, args: Any) -> None:
     stats = deferred(module)
-    if stats is None or not (stats.open and module.training and module.track_running_stats):
+    if stats is None or not (module.training and module.track_running_stats):
+        return
+    if not (stats.open or is_recomputing()):  # a recompute runs as the first forward did
         return
     counter = module.num_batches_tracked
     if stats.counter_before is None and isinstance(counter, Tensor):
@@ -221,13 +242,15 @@ def _before(module: nn.Module, args: Any) -> None:
 
 
 def _after(module: nn.Module, args: Any, output: Any) -> None:
+    stats = deferred(module)
     watched = [name for name in _BUFFERS if isinstance(module._buffers.get(name), _Watched)]
+    if stats is None or not watched:
+        return
     for name in watched:
         module._buffers[name] = module._buffers[name].plain  # type: ignore[union-attr]
-    stats, counter = deferred(module), module.num_batches_tracked
-    first = stats is not None and stats.counter_after is None
-    if watched and first and isinstance(counter, Tensor) and not is_recomputing():
-        stats.counter_after = counter.detach().clone()  # type: ignore[union-attr]
+    counter = module.num_batches_tracked
+    if stats.counter_after is None and isinstance(counter, Tensor) and not is_recomputing():
+        stats.counter_after = counter.detach().clone()
 
 
 class _Watched(Tensor):

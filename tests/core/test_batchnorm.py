@@ -105,7 +105,9 @@ def _norm(kind: str, momentum: float | None) -> nn.Module:
     return _Shifted(6, momentum=momentum)
 
 
-def _wrapped(kind: str, momentum: float | None, sequential: bool) -> tuple[nn.Module, nn.Module]:
+def _wrapped(
+    kind: str, momentum: float | None, sequential: bool, checkpoint: str = "never"
+) -> tuple[nn.Module, nn.Module]:
     torch.manual_seed(0)
     model = _Net(_norm(kind, momentum))
     if sequential:
@@ -115,23 +117,29 @@ def _wrapped(kind: str, momentum: float | None, sequential: bool) -> tuple[nn.Mo
     keys = list(model.state_dict())
     split: dict[str, object] = {"balance": [2, 1]} if sequential else {"split": ["head"]}
     pipe = pipepar.wrap(
-        model, devices=["cpu", "cpu"], chunks=4, deferred_batch_norm=True, **split
-    )  # type: ignore[arg-type]
+        model,
+        devices=["cpu", "cpu"],
+        chunks=4,
+        checkpoint=checkpoint,
+        deferred_batch_norm=True,
+        **split,  # type: ignore[arg-type]
+    )
     assert [type(m) for m in model.modules()] == classes  # no layer replaced
     assert list(pipe.state_dict()) == keys
     return pipe, plain
 
 
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
 @pytest.mark.parametrize("sequential", [True, False], ids=["chain", "program"])
 @pytest.mark.parametrize("momentum", [0.1, None])
 @pytest.mark.parametrize("kind", ["timm", "subclass"])
 def test_a_subclass_keeps_its_forward_and_tracks_the_whole_batch(
-    kind: str, momentum: float | None, sequential: bool
+    kind: str, momentum: float | None, sequential: bool, checkpoint: str
 ) -> None:
     """timm's BatchNormAct2d (its activation after the batch norm) and a user's subclass:
     outputs and gradients are the plain layer's on each micro-batch, the running statistics
     and the evaluation outputs the plain model's on the whole mini-batch."""
-    pipe, plain = _wrapped(kind, momentum, sequential)
+    pipe, plain = _wrapped(kind, momentum, sequential, checkpoint)
     per_micro_batch = copy.deepcopy(plain)
     for _ in range(3):
         x = torch.randn(8, 3, 4, 4) * 3 + 1
