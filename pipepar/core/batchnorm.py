@@ -14,9 +14,10 @@ mean and variance are accumulated instead. When the mini-batch ends
 they are folded in once, with the momentum the layer's forward passed to its first call and the
 batch counter as its first forward left it: what the layer tracks on the whole mini-batch.
 
-What the layer does is read from its forward, not assumed: a forward that uses its running
-buffers in any other way while training (updates them itself, hands them to another kernel)
-cannot be deferred exactly, and raises a ``ValueError`` naming the layer and the ways out.
+What the layer does is read from its forward, not assumed: a forward that may write into its
+running buffers any other way while training (updates them itself in place, hands them to
+another normalization kernel) cannot be deferred exactly, and raises a ``ValueError`` naming the
+layer and the ways out; reading them (their shape, a copy) is left alone.
 Outside a mini-batch (the plain model called directly) the hooks change nothing.
 """
 
@@ -54,8 +55,6 @@ _TORCH_NAMES = (
     "input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps",
     "cudnn_enabled",
 )  # fmt: skip
-# What a forward may do with its running buffers besides the batch-norm call: read their shape.
-_READS = frozenset({"__get__", "size", "dim", "ndimension", "numel", "__len__"})
 
 
 class _Statistics:
@@ -65,14 +64,15 @@ class _Statistics:
         self.path = path
         self.open = False
         self.hooks: list[RemovableHandle] = []
+        self.counter_before: Tensor | None = None  # taken when a mini-batch opens
         self.clear()
 
     def clear(self) -> None:
+        """Forget what the forwards gathered (the counter at the start is kept)."""
         self.count = 0
         self.mean: Tensor | None = None
         self.m2: Tensor | None = None
         self.momentum = 0.0
-        self.counter_before: Tensor | None = None
         self.counter_after: Tensor | None = None
 
     def add(self, input: Tensor, momentum: float) -> None:
@@ -137,23 +137,33 @@ def _deferrable(module: nn.Module) -> bool:
 
 
 @contextmanager
-def committing(modules: Sequence[nn.Module]) -> Iterator[None]:
+def committing(
+    modules: Sequence[nn.Module], *, dropping: Sequence[nn.Module] = ()
+) -> Iterator[None]:
     """One mini-batch of ``modules``: their deferred batch norms gather statistics in the
     block and commit them when it ends; if it fails, what they gathered is dropped and their
-    counters put back (a failed step must not count towards the next)."""
-    found = _found(modules)
-    for _, stats in found:
+    counters put back (a failed step must not count towards the next). Those in
+    ``dropping`` and not in ``modules`` (another rank's stages, run here to follow the model's
+    code) are left as they were either way."""
+    kept = _found(modules)
+    own = {id(m) for m, _ in kept}
+    dropped = [(m, stats) for m, stats in _found(dropping) if id(m) not in own]
+    for module, stats in kept + dropped:
         stats.open = True
+        counter = module.num_batches_tracked
+        if stats.counter_before is None and isinstance(counter, Tensor):
+            stats.counter_before = counter.detach().clone()
     try:
         yield
     except BaseException:
-        _each(found, _reset)
+        _each(kept, _reset)
         raise
     else:
-        _each(found, _commit)
+        _each(kept, _commit)
     finally:
-        for _, stats in found:
-            stats.open = False
+        _each(dropped, _reset)
+        for _, stats in kept + dropped:
+            stats.open, stats.counter_before = False, None
 
 
 @contextmanager
@@ -218,7 +228,7 @@ def _reset(module: nn.Module, stats: _Statistics) -> None:
 
 def _set_counter(module: nn.Module, value: Tensor | None) -> None:
     counter = module.num_batches_tracked
-    if isinstance(counter, Tensor) and value is not None:
+    if isinstance(counter, Tensor) and value is not None and not (counter.is_meta or value.is_meta):
         counter.copy_(value)
 
 
@@ -232,9 +242,6 @@ def _before(module: nn.Module, args: Any) -> None:
         return
     if not (stats.open or is_recomputing()):  # a recompute runs as the first forward did
         return
-    counter = module.num_batches_tracked
-    if stats.counter_before is None and isinstance(counter, Tensor):
-        stats.counter_before = counter.detach().clone()
     for name in _BUFFERS:
         buffer = module._buffers.get(name)
         if buffer is not None and not isinstance(buffer, _Watched):
@@ -256,7 +263,7 @@ def _after(module: nn.Module, args: Any, output: Any) -> None:
 class _Watched(Tensor):
     """A deferred layer's running buffer while the layer runs a training forward in an open
     mini-batch: the batch-norm call it goes to normalizes with the micro-batch's statistics
-    and updates nothing (they are gathered); any other use but reading its shape is refused."""
+    and updates nothing (they are gathered); reads run as usual, any other write is refused."""
 
     plain: Tensor
     module: nn.Module
@@ -276,11 +283,19 @@ class _Watched(Tensor):
         call = _batch_norm_call(func, args, kwargs)
         if call is not None and call["training"] and isinstance(call["running_mean"], _Watched):
             return _deferred_call(call, call["running_mean"].stats)
-        if (call is not None and not call["training"]) or getattr(func, "__name__", "") in _READS:
+        if (call is not None and not call["training"]) or not _may_write(func, kwargs):
             with torch._C.DisableTorchFunctionSubclass():  # reads the running statistics
                 return func(*args, **kwargs)
         owner = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, _Watched))
         raise _cannot_keep(owner.module, owner.stats.path, func)
+
+
+def _may_write(func: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether ``func`` may write into a tensor it is given: an in-place method (``add_``),
+    an ``out=`` argument, or a normalization kernel that updates running statistics."""
+    name = getattr(func, "__name__", "")
+    in_place = name.endswith("_") and not name.endswith("__")
+    return in_place or "out" in kwargs or "norm" in name
 
 
 def _deferred_call(call: dict[str, Any], stats: _Statistics) -> Tensor:
@@ -312,8 +327,8 @@ def _cannot_keep(module: nn.Module, path: str, func: Any) -> ValueError:
     name = getattr(func, "__name__", repr(func))
     return ValueError(
         f"deferred_batch_norm=True cannot defer the running statistics of {path!r} "
-        f"({type(module).__qualname__}): while training its forward passes running_mean or "
-        f"running_var to {name}, not only to its batch-norm call, so they would differ from "
+        f"({type(module).__qualname__}): while training its forward may write into running_mean "
+        f"or running_var through {name}, not only its batch-norm call, so they would differ from "
         "the plain model's; pass deferred_batch_norm=False (statistics per micro-batch) or "
         "chunks=1"
     )

@@ -312,7 +312,8 @@ class RankProgram:
             )
             for stage in self._stages
         }
-        with committing([layer for stage in self._stages for layer in stage.layers]):
+        own = [layer for stage in self._stages for layer in stage.layers]
+        with committing(own, dropping=[self.model]):  # other ranks' as they were
             self._run(batch, steps, schedule, grad)
         return batch, list(steps.values())
 
