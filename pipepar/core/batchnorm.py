@@ -10,9 +10,9 @@ statistics (``nn.modules.batchnorm._BatchNorm`` and its subclasses). While a min
 tensor subclass sharing their memory, swapped in for that forward only), which catches the
 layer's batch-norm call on them: the call still normalizes with the micro-batch's statistics
 (what the layer computes in training) but updates nothing, and the micro-batch's per-channel
-mean and variance are accumulated instead. When the mini-batch ends
-they are folded in once, with the momentum the layer's forward passed to its first call and the
-batch counter as its first forward left it: what the layer tracks on the whole mini-batch.
+mean and variance are accumulated instead. When the mini-batch ends they are folded in once,
+with the momentum the layer's forward passed to its first call and the batch counter as its
+first forward left it: what the layer tracks on the whole mini-batch.
 
 What the layer does is read from its forward, not assumed: a forward that may write into its
 running buffers any other way while training (updates them itself in place, hands them to

@@ -188,3 +188,50 @@ def test_a_subclass_that_updates_its_statistics_itself_is_refused_by_name() -> N
         assert torch.equal(value, before[key]), key  # the failed step counted nothing
     plain = pipepar.wrap(model, split=["head"], devices=["cpu", "cpu"], chunks=2)
     plain(torch.randn(4, 3, 4, 4))  # without deferring it runs as it is
+
+
+def test_a_timm_mobilenet_tracks_each_layers_inputs_over_the_mini_batch() -> None:
+    """timm's MobileNetV3 (BatchNormAct2d throughout), built with random weights: training
+    outputs are the plain model's micro-batch by micro-batch, and each batch norm's running
+    statistics are those of all its inputs over the mini-batch (each micro-batch normalized by
+    itself, as torchgpipe defines deferred batch norm); evaluation outputs match then."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("mobilenetv3_small_050", pretrained=False, num_classes=10)
+    ref = copy.deepcopy(model)
+    norms = {n: m for n, m in ref.named_modules() if isinstance(m, nn.BatchNorm2d)}
+    inputs: dict[str, list[torch.Tensor]] = {n: [] for n in norms}
+    for n, m in norms.items():
+        m.register_forward_pre_hook(lambda _, args, n=n: inputs[n].append(args[0].detach()))
+    paths = [u.path for u in pipepar.units(model)]
+    pipe = pipepar.wrap(
+        model,
+        split=[paths[len(paths) // 2]],
+        devices=["cpu", "cpu"],
+        chunks=2,
+        deferred_batch_norm=True,
+    )
+    assert {type(m).__name__ for m in model.modules() if isinstance(m, nn.BatchNorm2d)} == {
+        "BatchNormAct2d"
+    }
+    for _ in range(2):
+        x = torch.randn(4, 3, 32, 32)
+        out = pipe(x)
+        out.sum().backward()
+        before = {n: (m.running_mean.clone(), m.running_var.clone()) for n, m in norms.items()}
+        for seen in inputs.values():
+            seen.clear()
+        with torch.no_grad():
+            torch.testing.assert_close(out, torch.cat([ref(part) for part in x.chunk(2)]))
+        for n, m in norms.items():  # the mini-batch's statistics, folded in once
+            whole, (mean, var) = torch.cat(inputs[n]), before[n]
+            m.running_mean.copy_(mean.lerp(whole.mean((0, 2, 3)), 0.1))
+            m.running_var.copy_(var.lerp(whole.var((0, 2, 3)), 0.1))
+            m.num_batches_tracked.sub_(1)
+    ours = pipe.state_dict()
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(ours[key], value, atol=1e-5, rtol=1e-5)
+    pipe.eval()
+    ref.eval()
+    x = torch.randn(4, 3, 32, 32)
+    torch.testing.assert_close(pipe(x), ref(x), atol=1e-5, rtol=1e-5)
