@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from pipepar.core.batchnorm import committing, convert_deferred_batch_norm
+from pipepar.core.batchnorm import committing, defer_statistics
 from pipepar.core.microbatch import Value, gather
 from pipepar.core.stage import Stage
 from pipepar.distributed.stage import build_stage, in_model_order
@@ -51,8 +51,7 @@ class RankChain:
         self, model: nn.Module, balance: Sequence[int] | None, *, deferred_batch_norm: bool
     ) -> None:
         chain, self.sizes = check_model(model, balance)
-        if deferred_batch_norm:
-            chain = convert_deferred_batch_norm(chain)  # type: ignore[assignment]
+        defer_statistics(chain, deferred_batch_norm)
         self.model: nn.Sequential = chain
         self.layer_names: list[str] = list(chain._modules)
         """Names of the whole model's layers, in order (the first part of every key)."""

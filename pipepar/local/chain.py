@@ -16,7 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from pipepar.core import validation
-from pipepar.core.batchnorm import commit_all, convert_deferred_batch_norm, reset_all
+from pipepar.core.batchnorm import committing, defer_statistics
 from pipepar.core.losses import Items, LossFn, joined_loss, loss_shares, split_target
 from pipepar.core.microbatch import Value, check_value, gather, scatter, tensors
 from pipepar.core.recompute import should_checkpoint
@@ -69,8 +69,7 @@ class ChainCompute:
         self.sizes = validation.check_balance(balance, len(chain))
         validation.check_unique_layers(chain)
         validation.check_shared_parameters(chain, self.sizes)
-        if deferred_batch_norm:
-            chain = convert_deferred_batch_norm(chain)  # type: ignore[assignment]
+        defer_statistics(chain, deferred_batch_norm)
         self.model: nn.Sequential = chain
         self.paths = [name for name, _ in chain.named_children()]
         """Each unit's (layer's) name in the model."""
@@ -84,12 +83,10 @@ class ChainCompute:
         """Run the batch through the stages (forwards now, backwards when autograd reaches the
         pipe): the output on the last stage's device."""
         input = one_input(args, kwargs)
-        try:
+        # Deferred batch norms commit the mini-batch's statistics once its forwards ran; if
+        # they fail, the micro-batches that got through do not count towards the next.
+        with committing(list(iter_layers(pipe._stages))):
             return self._forward_batch(pipe, input)
-        except BaseException:
-            # The micro-batches that got through must not count towards the next mini-batch.
-            reset_all(list(iter_layers(pipe._stages)))
-            raise
 
     def _forward_batch(self, pipe: PipeView, input: Value) -> Value:
         input = check_value(input, what="input")
@@ -111,11 +108,8 @@ class ChainCompute:
     def step(self, pipe: PipeView, call: ChainCall) -> Tensor:
         """Forward and backward of one mini-batch in the schedule's order; the joined loss
         (see :meth:`pipepar.local.pipe.Pipe.step`)."""
-        try:
+        with committing(list(iter_layers(pipe._stages))):
             return _step(pipe, call)
-        except BaseException:
-            reset_all(list(iter_layers(pipe._stages)))
-            raise
 
     def close(self) -> None:
         """Nothing of its own to stop (the pipe's workers are the pipe's)."""
@@ -193,16 +187,12 @@ def runs_directly(pipe: PipeView, m: int) -> bool:
 def _forward_direct(pipe: PipeView, microbatches: list[Value]) -> Value:
     stage = pipe._stages[0]
     outputs = [check_output(stage, x, stage.run(move(x, stage.device))) for x in microbatches]
-    if pipe.training:
-        commit_all(stage.layers)
     return gather(outputs)
 
 
 def forward_all(pipe: PipeView, run: Run) -> Value:
     """Every micro-batch's forward through the stages: the joined output."""
     run.execute(pipe._workers(), FORWARD)
-    if run.training:
-        commit_all(list(iter_layers(pipe._stages)))
     return gather(run.outputs())
 
 
@@ -230,8 +220,6 @@ def _step(pipe: PipeView, call: ChainCall) -> Tensor:
     run = _run(pipe, microbatches, grad=grad, input=input, head=head)
     if not grad:  # evaluation: the schedule's forward actions only, no graph kept
         run.execute(pipe._workers(), FORWARD)
-        if run.training:
-            commit_all(list(iter_layers(pipe._stages)))
         return joined_loss(run.outputs(), shares.weights)
     params = [p for s in pipe._stages for p in s.trainable()]
     _tune_heap(pipe)
@@ -244,8 +232,6 @@ def _step(pipe: PipeView, call: ChainCall) -> Tensor:
 
 def _step_all(pipe: PipeView, run: Run, weights: Sequence[float]) -> Tensor:
     run.execute(pipe._workers(), EVERY)
-    if run.training:
-        commit_all(list(iter_layers(pipe._stages)))
     return joined_loss(run.outputs(), weights)
 
 

@@ -171,16 +171,16 @@ def choose_layout(
         (1, True)
     """
     runtime = check_runtime(runtime)
-    prof, flops = search_profile(
+    prof, flops, runs = search_profile(
         model,
         sample,
         optimizer=None,
         device=profile_device,
         flops=None,
-        chunks=max(given.chunk_counts()),
+        chunks=given.chunk_counts(),
     )
     _check_given(given, devices, prof)
-    layouts = _search(prof, flops, devices, given, cluster, capacity, runtime)
+    layouts = _search(prof, flops, devices, given, cluster, capacity, runtime, runs)
     if given.dp is None:
         return layouts[0]
     chosen = [x for x in layouts if x.dp == given.dp]
@@ -231,9 +231,11 @@ def _search(
     cluster: Cluster,
     capacity: int,
     runtime: RuntimeFit | None,
+    chunks: list[int],
 ) -> list[Layout]:
     """The layouts that fit, fastest first; every one when ``dp`` is given (to filter), else
-    the fastest. When none fits, the error adds why one pipeline does not fit, by layer."""
+    the fastest; ``chunks``: the counts whose micro-batches the model runs. When none fits,
+    the error adds why one pipeline does not fit, by layer."""
     try:
         return search_layouts(
             prof,
@@ -244,7 +246,7 @@ def _search(
             optimizer=None,
             flops=flops,
             schedules=given.schedules(),
-            chunks=given.chunk_counts(),
+            chunks=chunks,
             checkpoints=given.checkpoints(),
             shards=given.shards(),
             top=None if given.dp is not None else 1,

@@ -23,7 +23,7 @@ between the two (and, less surely, beyond). :func:`at_share` is the time of one 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -33,8 +33,9 @@ from pipepar.program.calls import as_call, split_call
 __all__ = [
     "at_share",
     "check_call_times",
-    "first_micro_batch",
+    "profile_for_chunks",
     "profile_two_sizes",
+    "smallest_micro_batch",
     "with_call_times",
 ]
 
@@ -86,29 +87,80 @@ def with_call_times(profile: Profile, small: Profile) -> Profile:
 
 
 def profile_two_sizes(profile_fn: Callable[[Any], Profile], sample: Any, chunks: int) -> Profile:
-    """``profile_fn(sample)`` with call times fitted against ``profile_fn`` of the first of
+    """``profile_fn(sample)`` with call times fitted against ``profile_fn`` of the smallest of
     ``chunks`` micro-batches of ``sample``, the smallest a pipe with ``chunks`` micro-batches
     runs. A profile without times, or ``chunks`` of 1, is returned as measured.
+
+    Raises:
+        ValueError: the model runs on ``sample`` but fails on that micro-batch (e.g. a
+            training-mode batch norm given one row): ``chunks`` is too many for the batch.
 
     Example:
         >>> prof = profile_two_sizes(lambda s: pipepar.profile(model, s, device="cpu"), x, 16)
     """
-    whole = profile_fn(sample)
-    if chunks <= 1 or not whole.timed or whole.batch_size < 2:
-        return whole
-    return with_call_times(whole, profile_fn(first_micro_batch(sample, chunks)))
+    return profile_for_chunks(profile_fn, sample, [chunks])[0]
 
 
-def first_micro_batch(sample: Any, chunks: int) -> Any:
-    """The first of ``chunks`` micro-batches of ``sample``, in the sample's own form (a
-    tensor, a tuple of positional arguments or a dict of keyword arguments).
+def profile_for_chunks(
+    profile_fn: Callable[[Any], Profile], sample: Any, chunks: Sequence[int]
+) -> tuple[Profile, list[int]]:
+    """``profile_fn(sample)`` with call times fitted against the smallest micro-batch of the
+    largest count in ``chunks`` whose micro-batches the model runs, and the counts of
+    ``chunks`` it runs: the model is only ever given micro-batches a pipe of one of them runs,
+    and a count whose micro-batches it fails on (a training-mode batch norm given one row) is
+    left out of the search. Without times nothing but ``sample`` runs.
+
+    Raises:
+        ValueError: ``chunks`` holds one count (the caller's) and the model fails on its
+            micro-batches, though it runs on ``sample``: the message names both.
 
     Example:
-        >>> first_micro_batch(torch.zeros(10, 3), 4).shape
-        torch.Size([3, 3])
+        >>> prof, runs = profile_for_chunks(profile_fn, torch.randn(4, 3, 32, 32), [1, 2, 4])
+        >>> runs  # a ResNet in training mode fails on one row
+        [1, 2]
+    """
+    whole = profile_fn(sample)
+    rows, counts = whole.batch_size, sorted(set(chunks), reverse=True)
+    if not whole.timed or rows < 2 or counts[0] <= 1:
+        return whole, list(chunks)
+    failed: dict[int, Exception] = {}
+    for count in counts:
+        least = rows // min(count, rows)  # the last micro-batch is the smallest
+        if least >= rows:
+            break
+        if least in failed:
+            continue
+        try:
+            small = profile_fn(smallest_micro_batch(sample, count))
+        except Exception as error:  # any failure of the model on it
+            failed[least] = error
+            continue
+        return with_call_times(whole, small), [c for c in chunks if rows // min(c, rows) >= least]
+    if len(counts) == 1:
+        raise _too_many(counts[0], rows, min(failed), failed[min(failed)])
+    return whole, [c for c in chunks if min(c, rows) <= 1]
+
+
+def _too_many(chunks: int, rows: int, least: int, error: Exception) -> ValueError:
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    most = max(1, rows // (least + 1))
+    return ValueError(
+        f"chunks={chunks} splits the batch of {rows} rows into micro-batches of as few as "
+        f"{least} row(s), and the model fails on {least} row(s) though it runs on {rows} "
+        f"({first}); pass chunks <= {most} or a larger batch"
+    )
+
+
+def smallest_micro_batch(sample: Any, chunks: int) -> Any:
+    """The smallest (the last) of ``chunks`` micro-batches of ``sample``, in the sample's own
+    form (a tensor, a tuple of positional arguments or a dict of keyword arguments).
+
+    Example:
+        >>> smallest_micro_batch(torch.zeros(10, 3), 4).shape
+        torch.Size([2, 3])
     """
     args, kwargs = as_call(sample)
-    part = split_call(args, kwargs, chunks)[0]
+    part = split_call(args, kwargs, chunks)[-1]
     if isinstance(sample, dict):
         return part.kwargs
     return part.args if isinstance(sample, tuple) else part.args[0]

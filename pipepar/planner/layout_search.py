@@ -161,14 +161,15 @@ def search_layouts(
     )
     machines = search_cluster(cluster, n)
     cap = machines.memory_bytes if capacity is None else parse_bytes(capacity, name="capacity")
-    prof, counted = search_profile(
+    prof, counted, runs = search_profile(
         model_or_profile,
         sample,
         optimizer=optimizer,
         device=profile_device,
         flops=flops,
-        chunks=options.chunks[0],
+        chunks=options.chunks,
     )
+    options = replace(options, chunks=runs)
     found = _Search(prof, counted, machines, cap, n, rows, options)
     layouts = found.run()
     if not layouts:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from pipepar.core import validation
+from pipepar.core.untouched import untouched
 from pipepar.planner.deferred_grads import deferred_grads
 from pipepar.planner.layer_trace import StorageRecord, stand_ins, time_layers, trace_layers
 from pipepar.planner.memory_tracker import storage_key
@@ -266,7 +267,7 @@ def profile(
     layers = list(validation.check_model(model, "model"))
     target = check_device(device)
     spec = resolve_optimizer(optimizer)
-    with training_step():
+    with training_step(), untouched(model):  # running statistics, random states as they were
         x = _on_device(_check_sample(sample), target)
         params = [stand_ins(layer, target) for layer in layers]
         traces, records = trace_layers(layers, x, params, target)

@@ -4,7 +4,8 @@
 from a measured profile or from FLOP counts; a named cluster gets as many nodes as the devices
 need. Every check here raises at once with the value given and how to fix it.
 
-    >>> prof, flops = search_profile(model, sample, optimizer="adam", device="meta", flops=None)
+    >>> prof, flops, chunks = search_profile(model, sample, optimizer="adam", device="meta",
+    ...                                      flops=None, chunks=[1, 2, 4])
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from pipepar.planner.call_times import profile_two_sizes
+from pipepar.planner.call_times import profile_for_chunks
 from pipepar.planner.cluster import Cluster
 from pipepar.planner.flop_count import count_flops
 from pipepar.planner.plan_inputs import check_profile
@@ -41,16 +42,19 @@ def search_profile(
     optimizer: object,
     device: str,
     flops: object,
-    chunks: int = 1,
-) -> tuple[Profile, Flops | None]:
-    """The checked profile, and the FLOPs to time it by (None: it has measured times).
+    chunks: Sequence[int] = (1,),
+) -> tuple[Profile, Flops | None, list[int]]:
+    """The checked profile, the FLOPs to time it by (None: it has measured times), and the
+    counts of ``chunks`` to search.
 
     A model is profiled on ``device`` (an ``nn.Sequential`` by its layers, any other module
     by its units) and, without times, its FLOPs are counted on ``meta``. With times, it is
-    profiled again on the first of ``chunks`` micro-batches of ``sample`` (the smallest the
-    search tries) to tell each layer's time per call from its time per row
-    (:func:`~pipepar.planner.call_times.profile_two_sizes`).
+    profiled again on the smallest micro-batch of the most ``chunks`` it runs (the smallest
+    the search tries) to tell each layer's time per call from its time per row; counts whose
+    micro-batches the model fails on are left out, and one count given that it fails on is a
+    ValueError (:func:`~pipepar.planner.call_times.profile_for_chunks`).
     """
+    counts = list(chunks)
     if isinstance(model_or_profile, Profile):
         prof = model_or_profile.with_optimizer(optimizer)
     elif isinstance(model_or_profile, nn.Module):
@@ -59,10 +63,10 @@ def search_profile(
                 "search_layouts was given a model but no sample; pass sample=<an input batch> "
                 "or a Profile from pipepar.profile"
             )
-        prof = profile_two_sizes(
+        prof, counts = profile_for_chunks(
             functools.partial(profile, model_or_profile, device=device, optimizer=optimizer),
             sample,
-            chunks,
+            counts,
         )
         if not prof.timed and flops is None:
             flops = count_flops(model_or_profile, sample, prof)
@@ -73,14 +77,14 @@ def search_profile(
         )
     check_profile(prof)
     if flops is not None:
-        return prof, _check_flops(flops, len(prof))
+        return prof, _check_flops(flops, len(prof)), counts
     if not prof.timed:
         raise ValueError(
             f"the profile (on {prof.device}) has no layer times; pass flops=count_flops(model, "
             "sample, profile), the model and sample instead of the profile, or a profile "
             "measured on a device"
         )
-    return prof, None
+    return prof, None, counts
 
 
 def _check_flops(flops: Any, n: int) -> list[tuple[float, float]]:

@@ -21,7 +21,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from pipepar.core.batchnorm import committing, convert_inside, reset_all
+from pipepar.core.batchnorm import committing, defer_statistics, reset_all
 from pipepar.core.losses import LossNotJoinable, joined_loss, split_target
 from pipepar.core.reductions import BatchCoupled
 from pipepar.core.stage import Stage
@@ -77,8 +77,7 @@ class ProgramCompute:
         deferred_batch_norm: bool,
         batch_coupling: str = "error",
     ) -> None:
-        if deferred_batch_norm:
-            convert_inside(model)
+        defer_statistics(model, deferred_batch_norm)
         order = [u.path for u in units_.units(model, sample)] if sample is not None else None
         self._units = units_.layout(model, order)
         self.sizes = units_.sizes_of(self._units, balance, split)

@@ -32,6 +32,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from pipepar.core.untouched import untouched
 from pipepar.planner.deferred_grads import DeferredGrads
 from pipepar.planner.layer_trace import LayerTrace
 from pipepar.planner.optimizer_state import OptimizerSpec, optimizer_cost, resolve_optimizer
@@ -45,7 +46,7 @@ from pipepar.planner.profile import (
 )
 from pipepar.planner.profile import profile as profile_layers
 from pipepar.program import units as units_
-from pipepar.program.calls import as_call, batch_size, split_call
+from pipepar.program.calls import as_call, batch_size
 from pipepar.program.meta_fallback import MetaUnsupported
 from pipepar.program.meta_values import SHADOW_LIMIT, meta_modes
 from pipepar.program.unit_timing import time_units
@@ -135,7 +136,7 @@ def profile_model(
     target = check_device(device if device is not None else _where(model))
     spec = resolve_optimizer(optimizer)
     args, kwargs = _check_sample(sample)
-    with training_step():
+    with training_step(), untouched(model):  # running statistics, random states as they were
         args, kwargs = pytree.tree_map(usable, (args, kwargs))
         call = _unit_call(model, args, kwargs, target)
         lay = units_.layout(model, _call_order(call))
@@ -268,7 +269,7 @@ def _moved(value: Any, device: torch.device) -> Any:
 
 
 def _call_order(call: UnitCall) -> list[str]:
-    """Unit paths in the order the model calls them, from a one-row forward without
+    """Unit paths in the order the model calls them, from a forward of the sample without
     gradients, as :func:`pipepar.units` finds them (here with the stand-ins and on meta with
     its answers to data-dependent reads)."""
     from torch.func import functional_call
@@ -277,8 +278,7 @@ def _call_order(call: UnitCall) -> list[str]:
 
     def run() -> None:
         with meta_modes(call.device, call.values):
-            one = split_call(call.args, call.kwargs, 1 << 30)[0]
-            functional_call(call.model, call.params, one.args, one.kwargs)
+            functional_call(call.model, call.params, call.args, call.kwargs)
 
     return units_.call_order(call.model, units, run)
 

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
-from pipepar.core.batchnorm import committing, convert_inside
+from pipepar.core.batchnorm import committing, defer_statistics
 from pipepar.core.losses import joined_loss, split_target
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
@@ -71,8 +71,7 @@ class RankProgram:
         deferred_batch_norm: bool,
         batch_coupling: str = "error",
     ) -> None:
-        if deferred_batch_norm:
-            convert_inside(model)
+        defer_statistics(model, deferred_batch_norm)
         self._forms = Forms(model, batch_coupling, deferred_batch_norm)  # outputs, by kind
         self.model = model
         self.sizes = units_.sizes_of(units_.layout(model), balance, split)
@@ -322,7 +321,8 @@ class RankProgram:
             )
             for stage in self._stages
         }
-        with committing([layer for stage in self._stages for layer in stage.layers]):
+        own = [layer for stage in self._stages for layer in stage.layers]
+        with committing(own, dropping=[self.model]):  # other ranks' as they were
             self._run(batch, steps, schedule, grad)
         return batch, list(steps.values())
 

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from pipepar.core.batchnorm import watched_as_before
 from pipepar.core.randomness import DrawPoint, draw_point
 from pipepar.core.recompute import recomputing_as_before
 from pipepar.program.driver import unit_lock
@@ -143,6 +144,7 @@ class _Replay:
             stack.enter_context(_swapped_in(self.stand_ins))
             stack.enter_context(self.point.replaying())
             stack.enter_context(recomputing_as_before([self.module]))
+            stack.enter_context(watched_as_before(self.module))  # a deferred batch norm unit
             failing.pop_all()
         self._stacks.append(stack)
 

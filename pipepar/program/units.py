@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from pipepar.core import validation
+from pipepar.core.untouched import untouched
 
 __all__ = ["Layout", "Unit", "layout", "sizes_of", "stage_of_units", "stages_from_split", "units"]
 
@@ -266,8 +267,9 @@ def units(model: nn.Module, sample: Any = None) -> list[Unit]:
         model: any module.
         sample: an example call (tensor, tuple of positional arguments, or dict of keyword
             arguments); the units are then in the order the model calls them, found by a
-            forward without gradients on a one-row slice of it, with copies of the model's
-            buffers (a training-mode batch norm keeps its running statistics).
+            forward without gradients on the sample as it is (nothing the plain model would
+            not run), with copies of the model's buffers (a training-mode batch norm keeps its
+            running statistics) and the random states put back afterwards.
 
     Example:
         >>> [u.path for u in units(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))]
@@ -275,15 +277,15 @@ def units(model: nn.Module, sample: Any = None) -> list[Unit]:
     """
     if sample is None:
         return layout(model).units
-    from pipepar.program.calls import as_call, split_call
+    from pipepar.program.calls import as_call
 
     args, kwargs = as_call(sample)
-    one = split_call(args, kwargs, 1 << 30)[0]
     # Each buffer once, under its first name: functional_call ties the others to it.
     buffers = {name: b.clone() for name, b in model.named_buffers()}
 
     def run() -> object:
-        return torch.func.functional_call(model, buffers, one.args, one.kwargs)
+        with untouched(model):
+            return torch.func.functional_call(model, buffers, args, kwargs)
 
     order = call_order(model, layout(model).units, run)
     return layout(model, order).units

@@ -11,8 +11,8 @@ from torch import nn
 import pipepar
 from pipepar.planner.call_times import (
     at_share,
-    first_micro_batch,
     profile_two_sizes,
+    smallest_micro_batch,
     with_call_times,
 )
 from pipepar.planner.plan_inputs import check_profile
@@ -112,15 +112,15 @@ def test_a_call_time_above_the_whole_time_is_refused_by_the_planner() -> None:
         {"input_ids": torch.zeros(10, 3), "flag": True},
     ],
 )
-def test_the_first_micro_batch_keeps_the_samples_form(sample: object) -> None:
-    part = first_micro_batch(sample, 4)
+def test_the_smallest_micro_batch_keeps_the_samples_form(sample: object) -> None:
+    part = smallest_micro_batch(sample, 4)  # 10 rows in 4: 3, 3, 2, 2
     if isinstance(sample, dict):
-        assert part["input_ids"].shape == (3, 3) and part["flag"] is True
+        assert part["input_ids"].shape == (2, 3) and part["flag"] is True
     elif isinstance(sample, tuple):
-        assert [t.shape[0] for t in part] == [3, 3]
+        assert [t.shape[0] for t in part] == [2, 2]
     else:
         assert isinstance(part, torch.Tensor)
-        assert torch.equal(part, sample[:3])
+        assert torch.equal(part, sample[8:])
 
 
 def test_two_measured_profiles_of_a_model() -> None:

@@ -248,9 +248,16 @@ def test_deferred_batch_norm_tracks_the_whole_batch(checkpoint: str) -> None:
             assert int(dict(per_microbatch.named_buffers())[name]) == 8, name
 
 
-def test_deferred_batch_norm_names_the_model_that_is_one() -> None:
-    with pytest.raises(TypeError, match=r"deferred_batch_norm=True.*BatchNorm1d"):
-        pipepar.wrap(nn.BatchNorm1d(4), [1], split=None, devices=["cpu"], deferred_batch_norm=True)
+def test_deferred_batch_norm_of_a_model_that_is_one() -> None:
+    """The layer is kept, not replaced: a model that is itself a batch norm defers too."""
+    model = nn.BatchNorm1d(4)
+    plain = nn.BatchNorm1d(4)
+    pipe = pipepar.wrap(model, [1], devices=["cpu"], chunks=4, deferred_batch_norm=True)
+    x = torch.randn(8, 4) * 2 + 1
+    pipe(x)
+    plain(x)
+    assert type(model) is nn.BatchNorm1d and int(model.num_batches_tracked) == 1
+    torch.testing.assert_close(model.running_var, plain.running_var)
 
 
 def test_deferred_batch_norm_forgets_a_failed_step() -> None:
