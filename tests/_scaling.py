@@ -9,9 +9,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 __all__ = [
     "BACKOFF",
+    "FP16_SCALE",
+    "check_fp16",
+    "fp16_gpt2",
+    "fp16_pipe_step",
+    "fp16_plain_run",
+    "fp16_step",
     "INIT_SCALE",
     "Record",
     "differences",
@@ -87,8 +94,13 @@ def train(
         opt.zero_grad()
         record.losses.append(float(loss))
         record.scales.append(amp.get_scale())
-        record.params.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        record.params.append({n: _whole(p) for n, p in model.named_parameters()})
     return record
+
+
+def _whole(p: torch.Tensor) -> torch.Tensor:
+    """A copy of ``p``'s values (all of them, for a shard of a sharded replica)."""
+    return (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
 
 
 def plain_step(
@@ -117,3 +129,54 @@ def differences(ours: Record, theirs: Record) -> dict[str, float]:
     )
     losses = max(abs(a - b) for a, b in zip(ours.losses, theirs.losses))
     return {"losses": losses, "params": params}
+
+
+# -- fp16: GPT-2 under autocast -----------------------------------------------------------
+FP16_SCALE = 2.0**30
+"""Under fp16 autocast, GPT-2's scaled activation gradients pass fp16's largest value (65504)."""
+FP16_TOL = 2e-3
+"""Micro-batches round fp16 products differently from the whole batch."""
+
+
+def fp16_gpt2() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A small GPT-2 (tied head) and a padded batch for its own token loss."""
+    from models import transformers_zoo as zoo
+
+    torch.manual_seed(0)
+    return zoo.gpt2(layers=2, hidden=16), zoo.padded_sample("gpt2", batch=6, seq=8)
+
+
+def fp16_step(model: nn.Module, batch: dict[str, Any]) -> Callable[[torch.amp.GradScaler], Any]:
+    """The model's loss under fp16 autocast, its scaled backward outside, as AMP does."""
+
+    def step(amp: torch.amp.GradScaler) -> Any:
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(**batch).loss
+        amp.scale(loss).backward()
+        return loss.detach()
+
+    return step
+
+
+def fp16_pipe_step(pipe: Any, batch: dict[str, Any]) -> Callable[[torch.amp.GradScaler], Any]:
+    """``pipe.step(**batch, scaler=)`` under fp16 autocast."""
+
+    def step(amp: torch.amp.GradScaler) -> Any:
+        with torch.autocast("cpu", dtype=torch.float16):
+            return pipe.step(**batch, scaler=amp)
+
+    return step
+
+
+def fp16_plain_run(plain: nn.Module, batch: dict[str, Any]) -> Record:
+    return train(plain, fp16_step(plain, batch), plain_clip(plain), scaler(FP16_SCALE), 3)
+
+
+def check_fp16(ours: Record, theirs: Record) -> None:
+    """The first step overflowed and was skipped on both, the scale grew after two good steps,
+    and the losses and parameters are the plain model's within fp16's rounding."""
+    backed_off = FP16_SCALE * BACKOFF
+    assert theirs.scales == [backed_off, backed_off, 2 * backed_off]
+    assert ours.scales == theirs.scales
+    gaps = differences(ours, theirs)
+    assert gaps["losses"] < FP16_TOL and gaps["params"] < FP16_TOL, gaps

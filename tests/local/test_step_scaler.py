@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 import pipepar
-from models import transformers_zoo as zoo
 from tests import _scaling as scaling
 
 TOL = 1e-5
@@ -29,10 +28,14 @@ def _check(pipe_run: scaling.Record, plain_run: scaling.Record) -> None:
     assert all(torch.equal(first[n], p) for n, p in scaling.tilted().named_parameters())
 
 
-@pytest.mark.parametrize("layout", [{"balance": [2, 3]}, {"split": ["2"]}])
+LAYOUTS = [{"balance": [2, 3]}, {"split": ["2"]}, {"split": [], "devices": ["cpu"]}]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_step_with_scaler_equals_plain(layout: dict[str, Any], schedule: str) -> None:
-    """An nn.Sequential as a chain (balance) and through its own forward (split)."""
+    """An nn.Sequential as a chain (balance) and through its own forward (split; one stage:
+    plain autograd)."""
     x, y = scaling.tilted_batch()
     plain = scaling.tilted()
     pipe = pipepar.wrap(scaling.tilted(), chunks=4, schedule=schedule, **layout)
@@ -66,49 +69,19 @@ def test_call_then_scaled_backward_equals_plain() -> None:
     pipe.close()
 
 
-FP16_TOL = 2e-3
-FP16_SCALE = 2.0**30
-"""Under fp16 autocast, GPT-2's scaled activation gradients pass fp16's largest value (65504)."""
-
-
 @pytest.mark.parametrize("how", ["step", "call"])
 def test_transformers_model_fp16_with_scaler_equals_plain(how: str) -> None:
     """GPT-2 (tied head, the model's own token loss over padded labels) under fp16 autocast,
     as AMP trains it: the first step's fp16 gradients overflow."""
     pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    plain = zoo.gpt2(layers=2, hidden=16)
+    plain, batch = scaling.fp16_gpt2()
     pipe = pipepar.wrap(copy.deepcopy(plain), split=["transformer.h.1"], chunks=3)
-    batch = zoo.padded_sample("gpt2", batch=6, seq=8)
-
-    def plain_step(model: nn.Module) -> Any:
-        def step(amp: torch.amp.GradScaler) -> Any:
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(**batch).loss
-            amp.scale(loss).backward()
-            return loss.detach()
-
-        return step
-
-    def pipe_step(amp: torch.amp.GradScaler) -> Any:
-        with torch.autocast("cpu", dtype=torch.float16):
-            return pipe.step(**batch, scaler=amp)
-
+    pipe_step = scaling.fp16_pipe_step if how == "step" else scaling.fp16_step
     ours = scaling.train(
-        pipe,
-        pipe_step if how == "step" else plain_step(pipe),
-        pipe.clip_grad_norm_,
-        scaling.scaler(FP16_SCALE),
-        steps=3,
+        pipe, pipe_step(pipe, batch), pipe.clip_grad_norm_, scaling.scaler(scaling.FP16_SCALE), 3
     )
-    theirs = scaling.train(
-        plain, plain_step(plain), scaling.plain_clip(plain), scaling.scaler(FP16_SCALE), steps=3
-    )
-    backed_off = FP16_SCALE * scaling.BACKOFF
-    assert theirs.scales == [backed_off, backed_off, 2 * backed_off]  # the first overflowed
-    assert ours.scales == theirs.scales
-    gaps = scaling.differences(ours, theirs)
-    assert gaps["losses"] < FP16_TOL and gaps["params"] < FP16_TOL, gaps
+    theirs = scaling.fp16_plain_run(plain, batch)
+    scaling.check_fp16(ours, theirs)
     pipe.close()
 
 
