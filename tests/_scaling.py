@@ -104,12 +104,15 @@ def _whole(p: torch.Tensor) -> torch.Tensor:
 
 
 def plain_step(
-    model: nn.Module, x: torch.Tensor, y: torch.Tensor
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    loss_fn: Callable[[Any, Any], torch.Tensor] = nn.functional.mse_loss,
 ) -> Callable[[torch.amp.GradScaler], Any]:
     """The plain model's scaled step on the whole batch."""
 
     def step(amp: torch.amp.GradScaler) -> Any:
-        loss = nn.functional.mse_loss(model(x), y)
+        loss = loss_fn(model(x), y)
         amp.scale(loss).backward()
         return loss.detach()
 

@@ -32,12 +32,17 @@ def test_not_a_scaler_is_a_type_error_naming_what_it_lacks() -> None:
         check_scaler("fp16")
 
 
-def test_seeds_are_the_shares_times_the_scale_and_the_shares_stay() -> None:
-    targets = [torch.zeros(1, 2), torch.zeros(3, 2)]
-    shares = loss_shares(nn.functional.mse_loss, targets, [1, 3]).scaled(2.0**16)
-    assert shares.weights == [0.25, 0.75]
-    assert list(shares.seeds) == [0.25 * 2**16, 0.75 * 2**16]
-    assert list(shares.spread(8.0, 2).seeds) == [0.25 * 2**16, 0.75 * 2**16]
+def test_seeds_are_the_shares_times_the_scale_read_once_the_shares_are_learned() -> None:
+    targets = [torch.tensor([1, -100]), torch.tensor([-100, -100, 2, 0])]
+    loss_fn = nn.functional.cross_entropy  # a mean over the real targets: 1 and 2 of them
+    shares = loss_shares(loss_fn, targets, [2, 4]).scaled(2.0**16)
+    seeds = shares.seeds
+    with pytest.raises(RuntimeError, match="micro-batch 0 was read before"):
+        seeds[0]  # the shares are unknown before micro-batch 0's loss
+    shares.head_of(loss_fn, targets)(torch.randn(2, 3), 0)
+    assert list(shares.weights) == [1 / 3, 2 / 3]
+    assert list(seeds) == [2**16 / 3, 2**17 / 3]
+    assert list(shares.spread(lambda count: 2 * count, 2).seeds) == list(seeds)
 
 
 def test_overflowed_sees_inf_and_nan_and_never_overflows_itself() -> None:

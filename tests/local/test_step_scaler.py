@@ -54,6 +54,29 @@ def test_step_with_scaler_equals_plain(layout: dict[str, Any], schedule: str) ->
     pipe.close()
 
 
+@pytest.mark.parametrize("layout", [{"balance": [2, 3]}, {"split": ["2"]}])
+def test_step_with_scaler_and_learned_shares_equals_plain(layout: dict[str, Any]) -> None:
+    """A mean over the real targets, 4, 1, 0 and 3 in the micro-batches: each seed is a share
+    learned at micro-batch 0's loss times the scale (by rows, or unscaled, it would differ)."""
+    x, _ = scaling.tilted_batch(16)
+    y = torch.tensor([0, 2, 1, 1, 2, -100, -100, -100, -100, -100, -100, -100, 0, 1, -100, 2])
+    plain = scaling.tilted()
+    pipe = pipepar.wrap(scaling.tilted(), chunks=4, **layout)
+    loss_fn = nn.functional.cross_entropy
+
+    def step(amp: torch.amp.GradScaler) -> Any:
+        if "balance" in layout:
+            return pipe.step(x, y, loss_fn, scaler=amp)
+        return pipe.step(x, target=y, loss_fn=loss_fn, scaler=amp)
+
+    ours = scaling.train(pipe, step, pipe.clip_grad_norm_, scaling.scaler())
+    theirs = scaling.train(
+        plain, scaling.plain_step(plain, x, y, loss_fn), scaling.plain_clip(plain), scaling.scaler()
+    )
+    _check(ours, theirs)
+    pipe.close()
+
+
 def test_call_then_scaled_backward_equals_plain() -> None:
     """``scaler.scale(loss).backward()`` on what ``pipe(x)`` returns."""
     x, y = scaling.tilted_batch()
