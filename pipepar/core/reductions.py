@@ -513,7 +513,7 @@ class Probe(TorchFunctionMode):
             return Averaged(self._count(bound["input"], Rows(), lambda t: t.shape[0], "rows"))
         if name == "ctc_loss":
             return Unknown(f"F.{name}()", where, "its mean divides each sequence by its length")
-        elementwise = func(**{**bound, "reduction": "none"})
+        elementwise = func(**{**_shapes_only(bound), "reduction": "none"})
         target = bound.get("target")
         if isinstance(target, Tensor) and elementwise.shape == target.shape:
             return Averaged(
@@ -624,6 +624,15 @@ def _real_targets(target: Tensor, bound: dict[str, Any]) -> Tensor:
     real = target[target != bound.get("ignore_index", -100)]
     weight = bound.get("weight")
     return torch.tensor(real.numel()) if weight is None else weight.to(real.device)[real].sum()
+
+
+def _shapes_only(bound: dict[str, Any]) -> dict[str, Any]:
+    """``bound``'s tensors as meta tensors of their shapes: what a loss's elements look like,
+    computed on no device (a shadow stage's meta output and the caller's target are on two)."""
+    return {
+        k: torch.empty_like(v, device="meta") if isinstance(v, Tensor) else v
+        for k, v in bound.items()
+    }
 
 
 def _bind(
