@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from pipepar.core.losses import LossFn
 from tests import _scaling as scaling
 from tests._ranks import spawn
 
@@ -21,20 +22,28 @@ pytestmark = pytest.mark.slow
 TOL = 1e-5
 
 
-def _train_pipe(pipe: Any, x: torch.Tensor, y: torch.Tensor, chain: bool) -> scaling.Record:
+def _train_pipe(
+    pipe: Any,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    chain: bool,
+    loss_fn: LossFn = nn.functional.mse_loss,
+) -> scaling.Record:
     first = pipe.stage_index == 0
 
     def step(amp: torch.amp.GradScaler) -> Any:
         if chain:  # stage 0 reads x, the last stage the target
-            return pipe.step(x if first else None, y, nn.functional.mse_loss, scaler=amp)
-        return pipe.step(x, target=y, loss_fn=nn.functional.mse_loss, scaler=amp)
+            return pipe.step(x if first else None, y, loss_fn, scaler=amp)
+        return pipe.step(x, target=y, loss_fn=loss_fn, scaler=amp)
 
     return scaling.train(pipe, step, pipe.clip_grad_norm_, scaling.scaler())
 
 
-def _plain(x: torch.Tensor, y: torch.Tensor) -> scaling.Record:
+def _plain(
+    x: torch.Tensor, y: torch.Tensor, loss_fn: LossFn = nn.functional.mse_loss
+) -> scaling.Record:
     plain = scaling.tilted()
-    step = scaling.plain_step(plain, x, y)
+    step = scaling.plain_step(plain, x, y, loss_fn)
     return scaling.train(plain, step, scaling.plain_clip(plain), scaling.scaler())
 
 
@@ -76,16 +85,28 @@ def _pipeline(rank: int) -> dict[str, Any]:
     return out
 
 
+MASKED = torch.tensor([0, 2, 1, 1, 2, -100, -100, -100, -100, -100, -100, 0, 1, -100, 2, -100])
+"""Class targets with 5 real ones in replica 0's half, 3 in replica 1's, none in one
+micro-batch: a mean over the real targets of both replicas, learned at micro-batch 0's loss."""
+
+
 def _replicated(rank: int, shard: bool) -> dict[str, Any]:
-    """pp=2 x dp=2: each replica its half of the batch, the plain model all of it."""
+    """pp=2 x dp=2: each replica its half of the batch, the plain model all of it; a mean
+    over rows and one over the real targets."""
     import pipepar.distributed as ppd
 
     x, y = scaling.tilted_batch(rows=16)
-    theirs = _plain(x, y)
-    pipe = ppd.wrap(scaling.tilted(), balance=[2, 3], chunks=4, dp=2, dp_shard=shard)
-    rows = slice(8 * pipe.dp_rank, 8 * pipe.dp_rank + 8)
-    out = _report(_train_pipe(pipe, x[rows], y[rows], chain=True), theirs)
-    pipe.close()
+    out = {}
+    for name, loss_fn, target in (
+        ("mse", nn.functional.mse_loss, y),
+        ("masked", nn.functional.cross_entropy, MASKED),
+    ):
+        theirs = _plain(x, target, loss_fn)
+        pipe = ppd.wrap(scaling.tilted(), balance=[2, 3], chunks=4, dp=2, dp_shard=shard)
+        rows = slice(8 * pipe.dp_rank, 8 * pipe.dp_rank + 8)
+        ours = _train_pipe(pipe, x[rows], target[rows], chain=True, loss_fn=loss_fn)
+        out[name] = _report(ours, theirs)
+        pipe.close()
     return out
 
 
@@ -112,4 +133,5 @@ def test_every_stage_skips_an_overflowed_step_together() -> None:
 def test_every_replica_skips_an_overflowed_step_together(shard: bool) -> None:
     results = spawn(4, functools.partial(_replicated, shard=shard))
     for out in results.values():
-        _check(out)
+        _check(out["mse"])
+        _check(out["masked"])
