@@ -19,6 +19,11 @@ while micro-batch 0's loss is computed:
 
 A custom loss that averages over something only the caller knows says so with
 ``items=lambda target: count``: shares ``c_i / C`` from it, nothing learned.
+
+A loss scaler's scale (:mod:`pipepar.core.loss_scale`) multiplies the seeds, not the shares:
+micro-batch ``i``'s backward starts from ``share_i * scale`` (:attr:`LossShares.seeds`, read
+when the share is, once micro-batch 0's loss is known); the joined loss stays the plain
+model's unscaled loss.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ __all__ = [
     "LossFn",
     "LossNotJoinable",
     "LossShares",
+    "Seeds",
     "batch_tensors",
     "loss_shares",
     "joined_loss",
@@ -89,6 +95,8 @@ class LossShares(Sequence[float]):
         self._globalize: Globalize | None = None
         self.per_micro_batch = False
         """Join what cannot be joined exactly by rows (micro-batch semantics asked for)."""
+        self.scale = 1.0
+        """A loss scaler's scale: the backward seeds are the shares times it."""
 
     # -- learning ---------------------------------------------------------------------------
     def learn(self, form: Form) -> None:
@@ -153,6 +161,17 @@ class LossShares(Sequence[float]):
         """The shares: this sequence itself."""
         return self
 
+    def scaled(self, scale: float) -> LossShares:
+        """These shares with their backward seeds multiplied by ``scale`` (a loss scaler's)."""
+        self.scale = scale
+        return self
+
+    @property
+    def seeds(self) -> Seeds:
+        """The gradient each micro-batch's backward starts from: its share times the scale,
+        each read when asked (known once micro-batch 0's loss is)."""
+        return Seeds(self)
+
     def weight(self, i: int) -> float:
         if not self.known:
             raise RuntimeError(
@@ -195,6 +214,29 @@ class LossShares(Sequence[float]):
             return nothing(output) if self.weight(i) == 0 else loss
 
         return head
+
+
+class Seeds(Sequence[float]):
+    """The gradients the micro-batches' backwards start from: each share times the loss
+    scale, read when asked (a share is known only once micro-batch 0's loss has been computed).
+
+    Example:
+        >>> shares = LossShares([2, 2], [[], []], counts=[1.0, 3.0]).scaled(1024.0)
+        >>> list(shares.seeds)
+        [256.0, 768.0]
+    """
+
+    def __init__(self, shares: LossShares) -> None:
+        self._shares = shares
+
+    def __getitem__(self, i: int) -> float:  # type: ignore[override]
+        return self._shares.weight(i) * self._shares.scale
+
+    def __len__(self) -> int:
+        return len(self._shares)
+
+    def __iter__(self) -> Iterator[float]:
+        return (self[i] for i in range(len(self)))
 
 
 def loss_shares(

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from pipepar.core.batchnorm import committing, defer_statistics
+from pipepar.core.losses import LossShares
 from pipepar.core.microbatch import Value, gather
 from pipepar.core.stage import Stage
 from pipepar.distributed.stage import build_stage, in_model_order
@@ -106,7 +107,10 @@ class RankChain:
         mesh, device, x = self._ctx.mesh, self._ctx.device, call.input
         same_inputs = check_replica_inputs(x, mesh, device) if mesh.stage == 0 else None
         self._sync.arm()
-        spread = functools.partial(spread_over_replicas, mesh=mesh, device=device)
+
+        def spread(shares: LossShares) -> LossShares:
+            return spread_over_replicas(shares, mesh=mesh, device=device).scaled(call.scale)
+
         with self._sync.gathered():  # sharded: all-gathered once for every action of the step
             loss_sum = self._runtime.run(
                 x, call.target, call.loss_fn, items=call.items, spread=spread

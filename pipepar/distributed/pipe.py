@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +35,7 @@ from torch import Tensor, nn
 
 from pipepar.core import validation
 from pipepar.core.garbage import StepCollector
+from pipepar.core.loss_scale import LossScaler, loss_scale
 from pipepar.core.losses import Items
 from pipepar.core.schedule import Schedule
 from pipepar.distributed.chain import RankChain
@@ -46,6 +48,7 @@ from pipepar.ranks.arguments import SCHEDULES, check_schedule, check_timeout
 from pipepar.ranks.failure import comm
 from pipepar.ranks.guard import Guard
 from pipepar.ranks.mesh import Mesh, build_mesh, check_grid
+from pipepar.ranks.overflow import agree_overflow
 from pipepar.ranks.pipe_context import PipeContext
 from pipepar.ranks.process import ensure_process_group, resolve_device
 from pipepar.ranks.sharding import check_dp_shard, full_tensors
@@ -231,6 +234,7 @@ class DistributedPipe(nn.Module):
         loss_fn: LossFn | None = None,
         target: Any = None,
         items: Items | None = None,
+        scaler: LossScaler | None = None,
         **kwargs: Any,
     ) -> float:
         """Run one mini-batch forward and backward; return its loss on every rank.
@@ -255,6 +259,11 @@ class DistributedPipe(nn.Module):
         ``.grad`` is untouched and no activation is kept for a backward (call ``pipe.eval()``
         first for dropout off).
 
+        ``scaler=`` (a ``torch.amp.GradScaler``, the same settings on every rank) scales the
+        loss as with the plain model (see :meth:`pipepar.local.pipe.Pipe.step`). A gradient
+        that overflows on any rank then counts on every rank (:mod:`pipepar.ranks.overflow`),
+        so ``scaler.step(opt)`` skips on all of them or none, and every scale stays the same.
+
         Returns:
             The loss of the whole batch over the replicas, the same float on every rank.
 
@@ -265,12 +274,19 @@ class DistributedPipe(nn.Module):
             >>> loss = pipe.step(x, y, nn.functional.mse_loss)  # doctest: +SKIP
             >>> loss = pipe.step(input_ids=ids, labels=ids)  # doctest: +SKIP
         """
+        scale = loss_scale(scaler, self.device)
         with self._collector.step():
             if isinstance(self._compute, RankChain):
-                return self._compute.step(
-                    chain_step_arguments(args, kwargs, target, loss_fn, items, name="x")
-                )
-            return self._compute.step(StepCall(args, kwargs, loss_fn, target, items))
+                call = chain_step_arguments(args, kwargs, target, loss_fn, items, name="x")
+                loss = self._compute.step(replace(call, scale=scale))
+            else:
+                loss = self._compute.step(StepCall(args, kwargs, loss_fn, target, items, scale))
+        if scaler is not None and scaler.is_enabled() and torch.is_grad_enabled():
+            held = self._compute.clipped()[1]
+            self._guarded(
+                lambda: agree_overflow(held, scale, mesh=self.mesh, device=self.device)
+            )
+        return loss
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Evaluate the model on a mini-batch: under ``torch.no_grad()`` (or

@@ -54,6 +54,8 @@ class ChainCall:
     target: Any
     loss_fn: LossFn
     items: Items | None = None
+    scale: float = 1.0
+    """A loss scaler's scale: each micro-batch's backward seed is multiplied by it."""
 
 
 class ChainCompute:
@@ -206,7 +208,7 @@ def _step(pipe: PipeView, call: ChainCall) -> Tensor:
     microbatches = scatter(input, pipe.chunks)
     rows = [tensors(x)[0].shape[0] for x in microbatches]
     targets = split_target(call.target, rows, pipe.devices[-1])
-    shares = loss_shares(call.loss_fn, targets, rows, call.items)
+    shares = loss_shares(call.loss_fn, targets, rows, call.items).scaled(call.scale)
     grad = torch.is_grad_enabled()
     loss_of = shares.head_of(call.loss_fn, targets)
     seeded: list[Run] = []
@@ -214,7 +216,7 @@ def _step(pipe: PipeView, call: ChainCall) -> Tensor:
     def head(output: Any, i: int) -> Tensor:
         loss = loss_of(output, i)  # micro-batch 0's shows every micro-batch's share
         if seeded:
-            seeded[0].seed_loss(i, shares.weights[i])
+            seeded[0].seed_loss(i, shares.seeds[i])
         return loss
 
     run = _run(pipe, microbatches, grad=grad, input=input, head=head)

@@ -252,10 +252,11 @@ class Run:
         for i in range(self.m):
             self.slots.put(("B", len(self.stages) - 1, i), tuple(p[i] for p in parts))
 
-    def seed_loss(self, i: int, weight: float) -> None:
-        """Start the backward of micro-batch ``i`` from ``weight`` (its loss's share)."""
+    def seed_loss(self, i: int, seed: float) -> None:
+        """Start the backward of micro-batch ``i`` from ``seed`` (its loss's share, times a
+        loss scaler's scale)."""
         last = self.stages[-1].device
-        self.slots.put(("B", len(self.stages) - 1, i), (torch.tensor(weight, device=last),))
+        self.slots.put(("B", len(self.stages) - 1, i), (torch.tensor(seed, device=last),))
 
     def input_grads(self) -> list[Tensor | None]:
         """Gradients of the pipeline's input tensors (after all backward actions ran)."""

@@ -16,6 +16,7 @@ stages, the random-draw record, the timeline, clipping, and the look of the mode
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 from pipepar.core import validation
 from pipepar.core.devices import DeviceSpec, resolve_devices
 from pipepar.core.garbage import StepCollector
+from pipepar.core.loss_scale import LossScaler, loss_scale
 from pipepar.core.losses import Items
 from pipepar.core.randomness import DrawLog
 from pipepar.core.schedule import Schedule
@@ -286,6 +288,7 @@ class Pipe(nn.Module):
         loss_fn: LossFn | None = None,
         target: Any = None,
         items: Items | None = None,
+        scaler: LossScaler | None = None,
         **kwargs: Any,
     ) -> Tensor:
         """Forward and backward of one mini-batch in the schedule's order; returns the loss.
@@ -311,6 +314,12 @@ class Pipe(nn.Module):
         ``pipe(x)`` + ``backward()``; for pipeline x data parallel use
         :mod:`pipepar.distributed` (``dp=``), which runs every schedule.
 
+        ``scaler=`` (a ``torch.amp.GradScaler``) scales the loss as the plain model's
+        ``scaler.scale(loss).backward()`` does: every micro-batch's backward starts from its
+        share times the scaler's scale (:mod:`pipepar.core.loss_scale`). The loss returned is
+        unscaled; ``scaler.unscale_(opt)``, :meth:`clip_grad_norm_`, ``scaler.step(opt)`` and
+        ``scaler.update()`` follow as with the plain model.
+
         Under ``torch.no_grad()`` or ``torch.inference_mode()`` it evaluates: only the
         forward actions of the schedule run, the same loss comes back, ``.grad`` is untouched
         and no activation is kept for a backward (call ``pipe.eval()`` first for dropout off).
@@ -319,15 +328,18 @@ class Pipe(nn.Module):
             >>> loss = pipe.step(x, y, nn.functional.mse_loss)  # an nn.Sequential
             >>> loss = pipe.step(input_ids=ids, labels=ids)  # a transformers model
             >>> opt.step(); opt.zero_grad()
+            >>> loss = pipe.step(x, y, loss_fn, scaler=scaler)  # fp16: scaled backward
+            >>> scaler.step(opt); scaler.update(); opt.zero_grad()
             >>> with torch.no_grad():
             ...     val_loss = pipe.eval().step(input_ids=val_ids, labels=val_ids)
         """
+        scale = loss_scale(scaler, self._stages[-1].device)
         with self._collector.step():
             if isinstance(self._compute, ChainCompute):
-                return self._compute.step(
-                    self, chain_step_arguments(args, kwargs, target, loss_fn, items)
-                )
-            return self._compute.step(self, StepCall(args, kwargs, loss_fn, target, items))
+                call = chain_step_arguments(args, kwargs, target, loss_fn, items)
+                return self._compute.step(self, replace(call, scale=scale))
+            step_call = StepCall(args, kwargs, loss_fn, target, items, scale)
+            return self._compute.step(self, step_call)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The model's own ``generate`` (transformers' ``GenerationMixin``), every forward call

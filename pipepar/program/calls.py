@@ -62,6 +62,8 @@ class StepCall:
     loss_fn: Any = None
     target: Any = None
     items: Items | None = None
+    scale: float = 1.0
+    """A loss scaler's scale: each micro-batch's backward seed is multiplied by it."""
 
 
 def as_call(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -144,6 +144,7 @@ class ProgramCompute:
         calls = split_call(call.args, call.kwargs, pipe.chunks)
         targets = split_target(call.target, [c.rows for c in calls])
         shares = step_shares(call.loss_fn, self.model, calls, targets, call.items, self._forms)
+        shares = shares.scaled(call.scale)
         attempt = self._step_direct if runs_directly(pipe, len(calls)) else self._step
         return self._retrying(lambda: attempt(pipe, calls, targets, shares, call.loss_fn))
 
@@ -156,16 +157,17 @@ class ProgramCompute:
         loss_fn: Any,
     ) -> Tensor:
         """One stage, nothing to recompute: each micro-batch's forward, then its loss's
-        backward seeded with its share, on plain autograd (draws and statistics in the order
-        of the one-stage schedule's forwards)."""
+        backward seeded with its share (times a loss scaler's scale), on plain autograd (draws
+        and statistics in the order of the one-stage schedule's forwards)."""
         head = loss_head(shares, targets, loss_fn)
         grad = torch.is_grad_enabled()
+        seeds = shares.seeds
         losses = []
         for i, call in enumerate(callers(self.model, _on(calls, pipe.devices[0]), shares)):
             loss = head(call(), i)
-            share = shares.weights[i]  # the model's own loss: known once its forward ran
-            if grad and share != 0 and loss.requires_grad:
-                (loss * share).backward()
+            seed = seeds[i]  # known once micro-batch 0's loss is
+            if grad and seed != 0 and loss.requires_grad:
+                (loss * seed).backward()
             losses.append(loss.detach())
         return joined_loss(losses, shares.weights)
 
@@ -246,7 +248,7 @@ class ProgramCompute:
             callers(self.model, calls, shares),
             cuts,
             head=head,
-            weights=shares.weights if head is not None and shares is not None else None,
+            seeds=shares.seeds if head is not None and shares is not None else None,
         )
         if any(d.type == "cpu" for d in pipe.devices) and grad:
             cpu_malloc.tune()

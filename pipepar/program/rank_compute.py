@@ -246,6 +246,7 @@ class RankProgram:
         shares = step_shares(call.loss_fn, self.model, calls, targets, call.items, self._forms)
         if ctx.schedule.n_stages - 1 in self._mine:  # where the shares seed the backward
             shares = spread_over_replicas(shares, mesh=ctx.mesh, device=ctx.device)
+        shares = shares.scaled(call.scale)
         grad = torch.is_grad_enabled()
         with self._gathered():  # sharded: gathered once for every action of the step
             head = loss_head(shares, targets, call.loss_fn)
@@ -275,7 +276,7 @@ class RankProgram:
         """Run this rank's actions of ``schedule`` on the micro-batch ``calls``: the own
         stages' for real, the others in shadow; without ``grad`` the forward ones only, and
         nothing is kept for a backward."""
-        weights = shares.weights if shares is not None else None
+        seeds = shares.seeds if shares is not None else None
         flags = (self.model.training, grad, head is not None, isinstance(shares, ModelLoss))
         aliases = alias_leaves(self._uses, [self._ctx.device] * self._ctx.schedule.n_stages)
         cuts = [
@@ -302,7 +303,7 @@ class RankProgram:
 
         if isinstance(shares, ModelLoss) and cuts:
             shares.resolve = cuts[0].original_of
-        batch = Batch(callers(self.model, calls, shares), cuts, context, head=head, weights=weights)
+        batch = Batch(callers(self.model, calls, shares), cuts, context, head=head, seeds=seeds)
         steps = {
             stage.index: RankStep(
                 stage,

@@ -42,8 +42,8 @@ class Batch:
         context: what the drivers enter while they compute a stage (the stage's step's
             :meth:`SegmentStep.segment_context`, or how a rank follows another's stage).
         head: applied to micro-batch ``i``'s output on the stage that finishes it (a loss);
-            backward then starts from it, with gradient ``weights[i]``.
-        weights: the micro-batches' shares of the loss.
+            backward then starts from it, with gradient ``seeds[i]``.
+        seeds: the micro-batches' shares of the loss, times a loss scaler's scale.
     """
 
     def __init__(
@@ -52,12 +52,12 @@ class Batch:
         cuts: Sequence[Cut],
         context: SegmentContext,
         head: Callable[[Any, int], Tensor] | None = None,
-        weights: Sequence[float] | None = None,
+        seeds: Sequence[float] | None = None,
     ) -> None:
         self.cuts = list(cuts)
         self.ledgers = [cut.ledger for cut in self.cuts]
         self.context = context
-        self.head, self.weights = head, weights
+        self.head, self.seeds = head, seeds
         self.drivers = [
             Driver(self._call(i, call), self._stage_context(i)) for i, call in enumerate(calls)
         ]
@@ -74,11 +74,9 @@ class Batch:
                     return out
                 loss = self.head(out, i)
             if loss.requires_grad:
-                weight = self.weights[i] if self.weights is not None else 1.0
+                seed = self.seeds[i] if self.seeds is not None else 1.0
                 cut.ledger.outputs.append((cut.stage, loss))
-                cut.ledger.add_grad(
-                    loss, torch.tensor(weight, dtype=loss.dtype, device=loss.device)
-                )
+                cut.ledger.add_grad(loss, torch.tensor(seed, dtype=loss.dtype, device=loss.device))
             return loss.detach()  # the ledger holds the graph's root, and lets go of it
 
         return run

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from pipepar.ranks.mesh import Mesh
 
-__all__ = ["clip_grad_norm_"]
+__all__ = ["clip_grad_norm_", "local_values"]
 
 
 def clip_grad_norm_(
@@ -54,7 +54,7 @@ def clip_grad_norm_(
         RuntimeError: the total norm is not finite and ``error_if_nonfinite`` is set.
     """
     p = float(norm_type)
-    part = _local_part([_local(q.grad) for q in owned if q.grad is not None], p, device)
+    part = _local_part([local_values(q.grad) for q in owned if q.grad is not None], p, device)
     op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
     if sharded and mesh.dp_group is not None:
         mesh.progress.all_reduce(part, mesh.dp_group, "the gradient norm of the shards", op)
@@ -74,7 +74,7 @@ def clip_grad_norm_(
     return total
 
 
-def _local(g: Tensor) -> Tensor:
+def local_values(g: Tensor) -> Tensor:
     """This rank's own values of ``g`` (its shard, for a ``DTensor``)."""
     return g.to_local() if isinstance(g, DTensor) else g
 

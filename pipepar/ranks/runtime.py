@@ -123,8 +123,8 @@ class Runtime:
     ) -> Tensor | None:
         """Run one mini-batch; on the last stage return its loss: the micro-batch losses
         times their shares (:mod:`pipepar.core.losses`; ``spread`` makes them shares of the
-        batch of every replica). With ``grad=False`` (evaluation) only the forward actions
-        run, and the steps keep nothing for a backward."""
+        batch of every replica, and may scale their backward seeds). With ``grad=False``
+        (evaluation) only the forward actions run, and the steps keep nothing for a backward."""
         return self._walk(x, target, loss_fn, items, spread, grad).loss_sum
 
     def forward(self, x: Value | None) -> list[Value] | None:
@@ -160,6 +160,7 @@ class Runtime:
             self._use(fewer_microbatches(self._full, m))
         known = self._shapes.get(signature)
         self._shares: Sequence[float] = []
+        self._seeds: Sequence[float] = []
         batch = _Batch(known, _Shapes(), self._steps(target, loss_fn, items, spread, grad))
         if 0 in self.stages:
             batch.chunks = _split(x, self.m, "x")
@@ -208,6 +209,7 @@ class Runtime:
             shares = loss_shares(loss_fn, targets, [len(t) for t in targets], items)
             shares = spread(shares) if spread is not None else shares
             self._shares, head = shares.weights, shares.head_of(loss_fn, targets)
+            self._seeds = shares.seeds
         randomness = Recorded()  # one thread runs this rank's stages, in schedule order
 
         def loss(output: Any, i: int) -> Tensor:
@@ -293,7 +295,7 @@ class Runtime:
 
     def _grads(self, batch: _Batch, s: int, i: int) -> tuple[Tensor | None, ...]:
         if s == self.last:
-            return (torch.tensor(self._shares[i], device=self.stages[s].device),)
+            return (torch.tensor(self._seeds[i], device=self.stages[s].device),)
         if self._rank_of(s + 1) == self.mesh.stage:
             return batch.local.pop(("B", s, i))
         metas = batch.seen.outputs[(s, i)]

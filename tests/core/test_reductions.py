@@ -162,3 +162,24 @@ def test_a_loss_no_share_can_join_stops_before_any_gradient() -> None:
     with pytest.raises(LossNotJoinable, match="items="):
         pipe.step(x, y, lambda o, t: F.mse_loss(o, t).log())
     assert all(p.grad is None for p in model.parameters())
+
+
+class _ToMeta(torch.overrides.TorchFunctionMode):
+    """What a rank that only follows the last stage does: the caller's values become meta."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        def meta(v):
+            return v.to("meta") if isinstance(v, torch.Tensor) else v
+
+        return func(*[meta(a) for a in args], **{k: meta(v) for k, v in (kwargs or {}).items()})
+
+
+def test_a_loss_on_a_meta_output_and_a_caller_target_is_learned() -> None:
+    """The shadow of the last stage on another rank: the output is meta, the target is the
+    caller's; the probe's own look at the loss's elements must not mix the two devices."""
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    with _ToMeta(), Probe([y], rows=4) as probe:
+        value = F.mse_loss(x.to("meta"), y)
+    form = probe.form_of(value)
+    assert isinstance(form, Averaged)
+    assert form.count([torch.zeros(2, 3)], 2) == 6.0
