@@ -251,9 +251,20 @@ def _getitem(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) ->
     if t is not args[0]:
         return None  # rows used as an index
     index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    if d == 0 and index and _row_by_row(index[0], t.shape[0]) and out.shape[:1] == t.shape[:1]:
+        return 0  # x[torch.arange(len(x)), idx]: one element of each row, in order
     if any(isinstance(i, (Tensor, list)) for i in index) or index.count(Ellipsis) > 1:
         return None
     return _basic_index(t, d, index)
+
+
+def _row_by_row(index: Any, rows: int) -> bool:
+    """Whether ``index`` takes the rows in their order: ``torch.arange(rows)``."""
+    if not isinstance(index, Tensor) or index.dim() != 1 or index.shape[0] != rows:
+        return False
+    if index.device.type == "meta" or index.is_floating_point() or index.dtype == torch.bool:
+        return False
+    return bool(torch.equal(index.cpu(), torch.arange(rows)))
 
 
 def _basic_index(t: Tensor, d: int, index: tuple[Any, ...]) -> Outcome:

@@ -48,7 +48,7 @@ class Forms:
         self._model, self._settings = model, (batch_coupling, deferred_batch_norm)
         self.accepts = accepting(batch_coupling, deferred_batch_norm)
         self.per_micro_batch = batch_coupling == "per-micro-batch"
-        self._learned: dict[Hashable, list[Form]] = {}
+        self._learned: dict[Hashable, Learned] = {}
         self._lock = threading.Lock()
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -56,17 +56,20 @@ class Forms:
 
     def names(self) -> dict[int, str]:
         """Module paths by ``id`` (for messages)."""
-        return {id(m): path for path, m in self._model.named_modules()}
+        return {
+            id(m): path or f"{type(m).__name__} (the model)"
+            for path, m in self._model.named_modules()
+        }
 
     def constants(self) -> list[Tensor]:
         """The model's weights and buffers as they are now (placed, or kept on meta)."""
         return [*self._model.parameters(), *self._model.buffers()]
 
-    def get(self, key: Hashable) -> list[Form] | None:
+    def get(self, key: Hashable) -> Learned | None:
         with self._lock:
             return self._learned.get(key)
 
-    def keep(self, key: Hashable, forms: list[Form]) -> None:
+    def keep(self, key: Hashable, forms: Learned) -> None:
         with self._lock:
             self._learned[key] = forms
 
@@ -119,12 +122,13 @@ class ModelLoss(LossShares):
         self._forms, self._needs_loss = forms, loss
         self.per_micro_batch = forms.per_micro_batch
         self.key = signature(calls[0].args, calls[0].kwargs, model.training) if calls else None
-        self.leaf_forms: list[Form] | None = forms.get(self.key)
+        learned = forms.get(self.key)
+        self.leaf_forms: list[Form] | None = learned[0] if learned is not None else None
         self.loss_at: int | None = None
         self.resolve: Callable[[Tensor], Tensor | None] | None = None
         self._probe: Probe | None = None
-        if self.leaf_forms is not None:
-            self._take(self.leaf_forms)
+        if learned is not None:
+            self._take(*learned)
 
     # -- learning -----------------------------------------------------------------------------
     def watch(self, i: int, call: Callable[[], Any]) -> Callable[[], Any]:
@@ -155,12 +159,13 @@ class ModelLoss(LossShares):
         forms = [self._probe.form_of(leaf) for leaf in pytree.tree_leaves(output)]
         self._probe.release()  # the micro-batch's values: its graph's to keep, not the probe's
         self._probe = None
-        self._take(forms)
-        self._forms.keep(self.key, forms)
+        learned = (forms, _named_loss(output))
+        self._take(*learned)
+        self._forms.keep(self.key, learned)
 
-    def _take(self, forms: list[Form]) -> None:
+    def _take(self, forms: list[Form], named: int | None) -> None:
         self.leaf_forms = forms
-        self.loss_at = _loss_leaf(forms, self._needs_loss)
+        self.loss_at = _loss_leaf(forms, named, self._needs_loss)
         if self.loss_at is not None:
             self.learn(forms[self.loss_at])
 
@@ -195,9 +200,12 @@ Shares = LossShares
 """How a step's micro-batch losses are joined: by a ``loss_fn``'s form, or the model's own."""
 
 
-def _loss_leaf(forms: list[Form], needed: bool) -> int | None:
-    """The output leaf that is the loss: the one leaf reduced over the batch."""
+def _loss_leaf(forms: list[Form], named: int | None, needed: bool) -> int | None:
+    """The output leaf that is the loss: the one leaf reduced over the batch, or among several
+    the one the output calls ``loss`` (a mixture of experts' ``aux_loss`` beside it)."""
     reduced = [k for k, f in enumerate(forms) if is_reduced(f)]
+    if len(reduced) > 1 and named in reduced:
+        return named
     if len(reduced) == 1 or (reduced and not needed):
         return reduced[0]
     if len(reduced) > 1:
@@ -207,6 +215,24 @@ def _loss_leaf(forms: list[Form], needed: bool) -> int | None:
             "pass step(..., loss_fn=fn, target=y)"
         )
     return None
+
+
+def _named_loss(output: Any) -> int | None:
+    """The index of the output leaf whose key is ``loss`` (``out.loss``, ``out["loss"]``)."""
+    try:
+        paths = [path for path, _ in pytree.tree_flatten_with_path(output)[0]]
+    except Exception:  # a container pytree cannot name: no name to go by
+        return None
+    named = [k for k, path in enumerate(paths) if path and _key(path[-1]) == "loss"]
+    return named[0] if len(named) == 1 else None
+
+
+def _key(entry: Any) -> Any:
+    return getattr(entry, "key", getattr(entry, "name", None))
+
+
+Learned = tuple[list[Form], "int | None"]
+"""Per kind of call: each output leaf's form, and which leaf the output calls its loss."""
 
 
 def callers(

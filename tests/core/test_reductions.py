@@ -12,6 +12,7 @@ import pipepar
 from pipepar.core.forms import Averaged, Summed, Unknown
 from pipepar.core.losses import LossNotJoinable
 from pipepar.core.reductions import Probe
+from tests._foreign_models import NanoGPT, nano_batch
 
 
 def _form(fn, x, y):
@@ -29,8 +30,13 @@ X, Y = torch.randn(6, 5), torch.tensor([0, 1, -1, 2, -1, 4])
         (lambda x, y: F.cross_entropy(x, y, ignore_index=-1), 4.0),
         (lambda x, y: F.cross_entropy(x, y.clamp(min=0), reduction="sum") / x.size(0), 6.0),
         (lambda x, y: F.cross_entropy(x, y.clamp(min=0), reduction="sum") / x.numel(), 30.0),
-        (lambda x, y: (F.cross_entropy(x, y.clamp(min=0), reduction="none") * (y >= 0)).sum()
-         / (y >= 0).sum(), 4.0),
+        (
+            lambda x, y: (
+                (F.cross_entropy(x, y.clamp(min=0), reduction="none") * (y >= 0)).sum()
+                / (y >= 0).sum()
+            ),
+            4.0,
+        ),
         (lambda x, y: F.mse_loss(x, torch.zeros_like(x)), 30.0),
         (lambda x, y: x.pow(2).mean() * 0.5 + 1.0, 30.0),
     ],
@@ -63,40 +69,9 @@ def test_what_no_share_can_join_is_unknown(fn) -> None:
 
 
 # -- in a pipe --------------------------------------------------------------------------------
-class _Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(x))
-
-
-class _NanoGPT(nn.Module):
-    """A nanoGPT-style model: forward(idx, targets) returns (logits, loss), ignore_index=-1."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(11, 16)
-        self.h = nn.ModuleList(_Block() for _ in range(4))
-        self.lm_head = nn.Linear(16, 11)
-
-    def forward(self, idx, targets=None):
-        x = self.wte(idx)
-        for block in self.h:
-            x = block(x)
-        logits = self.lm_head(x)
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(
-            logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1
-        )
-        return logits, loss
-
-
-def _nano() -> _NanoGPT:
+def _nano() -> NanoGPT:
     torch.manual_seed(0)
-    return _NanoGPT()
+    return NanoGPT()
 
 
 def _grads(model: nn.Module) -> list[torch.Tensor]:
@@ -106,9 +81,7 @@ def _grads(model: nn.Module) -> list[torch.Tensor]:
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("how", ["call", "step"])
 def test_a_models_own_loss_under_another_name_joins_exactly(schedule: str, how: str) -> None:
-    idx = torch.randint(0, 11, (8, 6))
-    targets = torch.randint(0, 11, (8, 6))
-    targets[:3, 2:], targets[5] = -1, -1  # unevenly padded: real targets differ per micro-batch
+    idx, targets = nano_batch()  # unevenly padded: real targets differ per micro-batch
     plain = _nano()
     _, expected = plain(idx, targets)
     expected.backward()
@@ -136,8 +109,9 @@ def _seq() -> nn.Sequential:
     [
         lambda o, t: F.cross_entropy(o, t.clamp(min=0), reduction="sum"),
         lambda o, t: F.cross_entropy(o, t.clamp(min=0), reduction="sum") / o.size(0),
-        lambda o, t: (F.cross_entropy(o, t.clamp(min=0), reduction="none") * (t >= 0)).sum()
-        / (t >= 0).sum(),
+        lambda o, t: (
+            (F.cross_entropy(o, t.clamp(min=0), reduction="none") * (t >= 0)).sum() / (t >= 0).sum()
+        ),
     ],
     ids=["sums", "per-row", "masked"],
 )

@@ -1,0 +1,67 @@
+"""Small models written as their authors write them, without pipepar in mind: a nanoGPT-style
+language model with its own loss under ``targets=``, and a CLIP-like contrastive model."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["Contrastive", "NanoGPT", "nano_batch"]
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + torch.tanh(self.fc(x))
+
+
+class NanoGPT(nn.Module):
+    """``forward(idx, targets)`` returns ``(logits, loss)``, the loss a cross-entropy with
+    ``ignore_index=-1`` over the flattened tokens, as nanoGPT computes it."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(11, 16)
+        self.h = nn.ModuleList(_Block() for _ in range(layers))
+        self.lm_head = nn.Linear(16, 11)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x)
+        logits = self.lm_head(x)
+        if targets is None:
+            return logits, None
+        flat = logits.view(-1, logits.size(-1))
+        return logits, F.cross_entropy(flat, targets.view(-1), ignore_index=-1)
+
+
+def nano_batch(rows: int = 8) -> tuple[Tensor, Tensor]:
+    """Token ids and targets, unevenly padded with -1 (micro-batches hold different counts)."""
+    g = torch.Generator().manual_seed(1)
+    idx = torch.randint(0, 11, (rows, 6), generator=g)
+    targets = torch.randint(0, 11, (rows, 6), generator=g)
+    targets[:3, 2:], targets[5] = -1, -1
+    return idx, targets
+
+
+class Contrastive(nn.Module):
+    """CLIP-like: two towers, logits between every image and every text of the batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.text = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, images: Tensor, texts: Tensor) -> Tensor:
+        for layer in self.image:
+            images = torch.tanh(layer(images))
+        for layer in self.text:
+            texts = torch.tanh(layer(texts))
+        logits = F.normalize(images, dim=-1) @ F.normalize(texts, dim=-1).t()
+        labels = torch.arange(len(logits))
+        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2

@@ -1,0 +1,105 @@
+"""Models from transformers and code written without pipepar in mind: what micro-batching may
+change is learned from their operations (their own losses joined exactly, code mixing rows of
+the batch refused by name), in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pipepar
+
+transformers = pytest.importorskip("transformers")
+
+
+def _clip() -> nn.Module:
+    torch.manual_seed(0)
+    tower = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    config = transformers.CLIPConfig(
+        text_config=dict(tower, vocab_size=100, max_position_embeddings=16),
+        vision_config=dict(tower, image_size=16, patch_size=8),
+        projection_dim=16,
+    )
+    return transformers.CLIPModel(config)
+
+
+def _mixtral(router: bool) -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2, output_router_logits=router,
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(config)
+
+
+def _t5() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+        decoder_start_token_id=0, dropout_rate=0.0,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def _bert() -> nn.Module:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.BertForMaskedLM(config)
+
+
+def test_clip_contrastive_loss_is_refused_naming_the_product() -> None:
+    model = _clip()
+    ids, pixels = torch.randint(0, 100, (4, 8)), torch.randn(4, 3, 16, 16)
+    pipe = pipepar.wrap(model, split=["text_model.encoder.layers.1"], devices=["cpu"] * 2, chunks=2)
+    with pytest.raises(pipepar.BatchCoupled, match=r"matmul\(\) in module CLIPModel"):
+        pipe.step(input_ids=ids, pixel_values=pixels, return_loss=True)
+    assert all(p.grad is None for p in model.parameters())
+    whole = pipepar.wrap(
+        model, split=["text_model.encoder.layers.1"], devices=["cpu"] * 2, chunks=1
+    )
+    expected = model(input_ids=ids, pixel_values=pixels, return_loss=True).loss
+    got = whole.step(input_ids=ids, pixel_values=pixels, return_loss=True)
+    torch.testing.assert_close(got, expected.detach())
+
+
+def test_a_router_loss_over_all_tokens_is_refused_unless_micro_batches_are_asked_for() -> None:
+    ids = torch.randint(0, 64, (4, 8))
+    pipe = pipepar.wrap(_mixtral(True), split=["model.layers.1"], devices=["cpu"] * 2, chunks=2)
+    with pytest.raises(pipepar.BatchCoupled, match="rows of the batch"):
+        pipe.step(input_ids=ids, labels=ids)
+    accepting = pipepar.wrap(
+        _mixtral(True), split=["model.layers.1"], devices=["cpu"] * 2, chunks=2,
+        batch_coupling="per-micro-batch",
+    )  # fmt: skip
+    loss = accepting.step(input_ids=ids, labels=ids)  # the loss, not its aux_loss beside it
+    assert torch.isfinite(loss)
+
+
+@pytest.mark.parametrize(
+    ("build", "split"),
+    [
+        (lambda: _mixtral(False), "model.layers.1"),
+        (_t5, "decoder.block.0"),
+        (_bert, "bert.encoder.layer.1"),
+    ],
+    ids=["mixtral", "t5", "bert"],
+)
+def test_own_token_losses_join_exactly(build, split: str) -> None:
+    plain, model = build(), build()
+    ids = torch.randint(1, 64, (4, 8))
+    labels = ids.clone()
+    labels[:2, 3:] = -100  # micro-batch 0 holds fewer real labels than micro-batch 1
+    kwargs = dict(input_ids=ids, labels=labels)
+    expected = plain(**kwargs).loss
+    expected.backward()
+    pipe = pipepar.wrap(model, split=[split], devices=["cpu"] * 2, chunks=2, schedule="1f1b")
+    for _ in range(2):  # learned on the first call, followed on the second
+        model.zero_grad()
+        torch.testing.assert_close(pipe.step(**kwargs), expected.detach(), rtol=1e-5, atol=1e-6)
+        for (name, a), b in zip(model.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
