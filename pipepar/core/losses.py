@@ -28,7 +28,10 @@ model's unscaled loss.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -202,6 +205,11 @@ class LossShares(Sequence[float]):
 
         def head(output: Any, i: int) -> Tensor:
             probe = self.probe(i)
+            kind = _kind(output, targets[i]) if probe is not None else None
+            known = _LEARNED.get(loss_fn, kind) if kind is not None else None
+            if known is not None:
+                self.learn(known)
+                probe = None
             if probe is None:
                 loss = scalar_loss(loss_fn(output, targets[i]), self.what)
             else:
@@ -211,9 +219,46 @@ class LossShares(Sequence[float]):
                 form = probe.form_of(value)
                 probe.release()
                 self.learn(form)
+                _LEARNED.keep(loss_fn, kind, form)
             return nothing(output) if self.weight(i) == 0 else loss
 
         return head
+
+
+class _LearnedForms:
+    """What each loss function's value was, by kind of call (the shapes of its output and
+    target): a step learns it on its first call of a kind and later ones take it, each
+    micro-batch's count still recomputed from its own target. Forgotten with the function."""
+
+    def __init__(self) -> None:
+        self._forms: weakref.WeakKeyDictionary[Any, dict[Hashable, Form]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+
+    def get(self, loss_fn: Any, kind: Hashable) -> Form | None:
+        with self._lock, contextlib.suppress(TypeError):  # not weakly referable: not kept
+            return self._forms.get(loss_fn, {}).get(kind)
+        return None
+
+    def keep(self, loss_fn: Any, kind: Hashable, form: Form) -> None:
+        with self._lock, contextlib.suppress(TypeError):
+            self._forms.setdefault(loss_fn, {})[kind] = form
+
+
+_LEARNED = _LearnedForms()
+
+
+def _kind(output: Any, target: Any) -> Hashable:
+    """A call's kind as far as its loss goes: the structure, shapes and dtypes of its values."""
+    leaves, spec = pytree.tree_flatten((output, target))
+    return (
+        str(spec),
+        tuple(
+            (tuple(t.shape), t.dtype, t.device.type) if isinstance(t, Tensor) else repr(t)
+            for t in leaves
+        ),
+    )
 
 
 class Seeds(Sequence[float]):

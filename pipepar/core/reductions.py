@@ -425,9 +425,12 @@ def _const(t: Tensor) -> Const:
 
 
 def _real_targets(target: Tensor, bound: dict[str, Any]) -> Tensor:
-    real = target[target != bound.get("ignore_index", -100)]
+    """The count (or the class weights' sum) of the targets a cross-entropy does not ignore."""
+    real = target != bound.get("ignore_index", -100)
     weight = bound.get("weight")
-    return torch.tensor(real.numel()) if weight is None else weight.to(real.device)[real].sum()
+    if weight is None:
+        return real.sum()
+    return (weight.to(target.device)[target.clamp(0, len(weight) - 1)] * real).sum()
 
 
 def _shapes_only(bound: dict[str, Any]) -> dict[str, Any]:
