@@ -106,6 +106,18 @@ class Progress:
         wait(work, what, self._within)
         self.waiting = None
 
+    def wait_watching(self, work: dist.Work | None, what: str) -> None:
+        """:meth:`wait` for a collective started in the middle of a step, whose peers may fail
+        before they reach it: the board is read meanwhile, so such a failure ends the wait at
+        once instead of at the timeout."""
+        if work is None:
+            return
+        deadline = time.monotonic() + (self._within.total_seconds() if self._within else 1e9)
+        while not work.is_completed() and time.monotonic() < deadline:
+            self.check_failures()
+            time.sleep(0.01)
+        self.wait(work, what)
+
     def check_failures(self) -> None:
         """Raise :class:`~pipepar.ranks.failure.CommError` if a rank posted a failure: a
         collective started after a peer left would only end at the timeout."""

@@ -118,7 +118,7 @@ def spread_over_replicas(shares: _Shares, *, mesh: Mesh, device: torch.device) -
         what = f"summing the loss's items over ranks {mesh.replica_ranks}"
         with comm(what):
             work = dist.all_reduce(total, group=group, async_op=True)
-        mesh.progress.wait(work, what)
+        mesh.progress.wait_watching(work, what)  # a peer replica may fail before its loss
         return float(total.item())
 
     return shares.spread(globalize, mesh.dp)
