@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from pipepar.core.first_calls import FirstCalls
 from pipepar.core.microbatch import Value, check_value, map_tensors
 
 __all__ = ["Stage", "StageModule", "iter_layers", "split_stages"]
@@ -51,6 +52,8 @@ class Stage:
         device: where the layers' parameters live and where the stage computes.
         names: the layers' names in the model; default their indices (``str(start)``, ...).
         module: the layers as a :class:`StageModule`, the module that :meth:`run` calls.
+        watch: what a new kind of input is watched under (a chain's
+            :class:`~pipepar.core.first_calls.FirstCalls`); None: nothing.
     """
 
     index: int
@@ -58,6 +61,7 @@ class Stage:
     layers: list[nn.Module]
     device: torch.device
     names: list[str] | None = None
+    watch: FirstCalls | None = field(default=None, compare=False, repr=False)
     in_place_first: bool = field(init=False)
     module: StageModule = field(init=False, repr=False, compare=False)
 

@@ -177,7 +177,11 @@ class StageStep:
         leaf = _leaf(x, self.input_grad) if self.grad else x
         ckpt = self.grad and self.training and should_checkpoint(self.checkpoint, i, self.m)
         with self._context(i, replay=ckpt), torch.set_grad_enabled(self.grad and not ckpt):
-            y = self._run(leaf, i)
+            if i == 0 and self.stage.watch is not None:  # a chain's new kind of input
+                with self.stage.watch.watching(self.stage.index, leaf, self.m):
+                    y = self._run(leaf, i)
+            else:
+                y = self._run(leaf, i)
         if self.grad:
             self._records[i] = _Record(leaf, None if ckpt else y)
             y = map_tensors(y, Tensor.detach)

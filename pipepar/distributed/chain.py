@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from pipepar.core.batch_dims import accepting
 from pipepar.core.batchnorm import committing, defer_statistics
+from pipepar.core.first_calls import FirstCalls
 from pipepar.core.losses import LossShares
 from pipepar.core.microbatch import Value, gather
 from pipepar.core.stage import Stage
@@ -49,10 +51,17 @@ class RankChain:
     default_checkpoint = "except_last"
 
     def __init__(
-        self, model: nn.Module, balance: Sequence[int] | None, *, deferred_batch_norm: bool
+        self,
+        model: nn.Module,
+        balance: Sequence[int] | None,
+        *,
+        deferred_batch_norm: bool,
+        batch_coupling: str = "error",
     ) -> None:
         chain, self.sizes = check_model(model, balance)
         defer_statistics(chain, deferred_batch_norm)
+        names = {id(m): f"layer {path}" for path, m in chain.named_modules() if path}
+        self._watch = FirstCalls(accepting(batch_coupling, deferred_batch_norm), names)
         self.model: nn.Sequential = chain
         self.layer_names: list[str] = list(chain._modules)
         """Names of the whole model's layers, in order (the first part of every key)."""
@@ -70,7 +79,8 @@ class RankChain:
             part = build_stage(self.model, self.sizes, s, device=ctx.device, state_dict=state_dict)
             for name, layer in part.named_children():
                 pipe.add_module(name, layer)
-            stages.append(Stage(s, sum(self.sizes[:s]), list(part.children()), ctx.device))
+            layers = list(part.children())
+            stages.append(Stage(s, sum(self.sizes[:s]), layers, ctx.device, watch=self._watch))
         if state_dict is None:  # before sharding: each replica keeps its shard of the same
             ctx.guard(lambda: broadcast_from_first(_tensors(pipe), mesh))
         window = ctx.schedule.worker_in_flight(mesh.stage)

@@ -159,7 +159,12 @@ class DistributedPipe(nn.Module):
             checkpoint = validation.check_checkpoint(checkpoint)
         self.timeout = check_timeout(timeout)
         compute: RankChain | RankProgram = (
-            RankChain(model, balance, deferred_batch_norm=deferred_batch_norm)
+            RankChain(
+                model,
+                balance,
+                deferred_batch_norm=deferred_batch_norm,
+                batch_coupling=batch_coupling,
+            )
             if is_chain(model, split)
             else RankProgram(
                 model,

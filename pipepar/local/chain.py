@@ -8,6 +8,7 @@ but its layers; one stage with nothing to recompute runs on plain autograd, with
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,9 @@ import torch
 from torch import Tensor, nn
 
 from pipepar.core import validation
+from pipepar.core.batch_dims import accepting
 from pipepar.core.batchnorm import committing, defer_statistics
+from pipepar.core.first_calls import FirstCalls
 from pipepar.core.losses import Items, LossFn, joined_loss, loss_shares, split_target
 from pipepar.core.microbatch import Value, check_value, gather, scatter, tensors
 from pipepar.core.recompute import should_checkpoint
@@ -65,7 +68,12 @@ class ChainCompute:
     default_checkpoint = "except_last"  # as torchgpipe
 
     def __init__(
-        self, module: nn.Module, balance: Sequence[int] | None, *, deferred_batch_norm: bool
+        self,
+        module: nn.Module,
+        balance: Sequence[int] | None,
+        *,
+        deferred_batch_norm: bool,
+        batch_coupling: str = "error",
     ) -> None:
         chain = validation.check_model(module)
         self.sizes = validation.check_balance(balance, len(chain))
@@ -75,10 +83,16 @@ class ChainCompute:
         self.model: nn.Sequential = chain
         self.paths = [name for name, _ in chain.named_children()]
         """Each unit's (layer's) name in the model."""
+        names = {id(m): f"layer {path}" for path, m in chain.named_modules() if path}
+        self._watch = FirstCalls(accepting(batch_coupling, deferred_batch_norm), names)
 
     def place(self, devices: Sequence[torch.device], checkpoint: str) -> list[Stage]:
-        """The stages on their ``devices`` (layers moved there)."""
-        return split_stages(list(self.model), self.sizes, list(devices), self.paths)
+        """The stages on their ``devices`` (layers moved there), each watched on a new kind
+        of input for code mixing the rows of the batch."""
+        stages = split_stages(list(self.model), self.sizes, list(devices), self.paths)
+        for stage in stages:
+            stage.watch = self._watch
+        return stages
 
     # -- pipe(x) --------------------------------------------------------------------------------
     def forward(self, pipe: PipeView, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Value:
@@ -187,8 +201,13 @@ def runs_directly(pipe: PipeView, m: int) -> bool:
 
 
 def _forward_direct(pipe: PipeView, microbatches: list[Value]) -> Value:
-    stage = pipe._stages[0]
-    outputs = [check_output(stage, x, stage.run(move(x, stage.device))) for x in microbatches]
+    stage, m = pipe._stages[0], len(microbatches)
+    outputs = []
+    for i, x in enumerate(microbatches):
+        x = move(x, stage.device)
+        watch = stage.watch.watching(0, x, m) if i == 0 and stage.watch is not None else None
+        with watch or contextlib.nullcontext():
+            outputs.append(check_output(stage, x, stage.run(x)))
     return gather(outputs)
 
 

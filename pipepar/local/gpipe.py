@@ -92,6 +92,7 @@ class GPipe(Pipe):
             chunks=chunks,
             checkpoint=checkpoint,
             deferred_batch_norm=deferred_batch_norm,
+            batch_coupling="per-micro-batch",  # torchgpipe's: batch norm per micro-batch
         )
 
     def _init_identity(self, chunks: int, checkpoint: str) -> None:

@@ -128,7 +128,12 @@ class Pipe(nn.Module):
         if checkpoint is not None:
             checkpoint = validation.check_checkpoint(checkpoint)
         compute: ChainCompute | ProgramCompute = (
-            ChainCompute(module, balance, deferred_batch_norm=deferred_batch_norm)
+            ChainCompute(
+                module,
+                balance,
+                deferred_batch_norm=deferred_batch_norm,
+                batch_coupling=batch_coupling,
+            )
             if is_chain(module, split, sample)
             else ProgramCompute(
                 module,

@@ -118,3 +118,22 @@ def test_batch_norm_in_training_needs_deferral_or_acceptance() -> None:
         _ConvNet().eval(), split=["blocks.1"], devices=["cpu", "cpu"], chunks=2
     )
     evaluating(x)  # running statistics: each row on its own
+
+
+def _bn_chain() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+
+
+@pytest.mark.parametrize("balance", [[2, 2], [4]], ids=["two-stages", "one-stage"])
+def test_a_chains_batch_norm_in_training_is_refused_unless_deferred(balance: list[int]) -> None:
+    x = torch.randn(8, 8)
+    devices = ["cpu"] * len(balance)
+    pipe = pipepar.wrap(_bn_chain(), balance, devices=devices, chunks=2)
+    with pytest.raises(pipepar.BatchCoupled, match="batch_norm.*layer 1"):
+        pipe(x)
+    with pytest.raises(pipepar.BatchCoupled):  # refused again: a refused kind is not learned
+        pipe(x)
+    pipepar.wrap(_bn_chain(), balance, devices=devices, chunks=2, deferred_batch_norm=True)(x)
+    pipepar.wrap(_bn_chain(), balance, devices=devices, chunks=1)(x)  # one micro-batch: exact
+    pipepar.GPipe(_bn_chain(), balance, devices=devices, chunks=2)(x)  # torchgpipe's semantics
