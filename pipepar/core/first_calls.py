@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Hashable, Iterator
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 
-from pipepar.core.batch_dims import Coupling
+from pipepar.core.batch_dims import accepting
 from pipepar.core.microbatch import Value, tensors
 from pipepar.core.reductions import Probe
 
@@ -29,15 +29,19 @@ class FirstCalls:
     """Which kinds of input each stage of a chain has been watched on.
 
     Args:
-        accepts: which operations mixing rows are accepted (see
+        model: the chain (its layer paths name what a message is about).
+        batch_coupling, deferred_batch_norm: which operations mixing rows are accepted (see
             :func:`~pipepar.core.batch_dims.accepting`).
-        names: layer paths by module ``id``, for messages.
     """
 
-    def __init__(self, accepts: Callable[[Coupling], bool], names: dict[int, str]) -> None:
-        self._accepts, self._names = accepts, names
+    def __init__(self, model: nn.Module, batch_coupling: str, deferred_batch_norm: bool) -> None:
+        self._model, self._settings = model, (batch_coupling, deferred_batch_norm)
+        self._accepts = accepting(batch_coupling, deferred_batch_norm)
         self._watched: set[Hashable] = set()
         self._lock = threading.Lock()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (FirstCalls, (self._model, *self._settings))  # watched again after a copy
 
     def watching(self, stage: int, x: Value, m: int) -> contextlib.AbstractContextManager[Any]:
         """What stage ``stage`` runs micro-batch input ``x`` of a mini-batch of ``m`` under: a
@@ -53,8 +57,9 @@ class FirstCalls:
 
     @contextlib.contextmanager
     def _probing(self, kind: Hashable, rows: list[Tensor], stage: int) -> Iterator[None]:
+        names = {id(m): f"layer {path}" for path, m in self._model.named_modules() if path}
         probe = Probe(
-            rows, rows=rows[0].shape[0], names=self._names, where=f"stage {stage}",
+            rows, rows=rows[0].shape[0], names=names, where=f"stage {stage}",
             accepts=self._accepts,
         )  # fmt: skip
         with probe:

@@ -19,7 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from pipepar.core.batch_dims import accepting
 from pipepar.core.batchnorm import committing, defer_statistics
 from pipepar.core.first_calls import FirstCalls
 from pipepar.core.losses import LossShares
@@ -60,8 +59,7 @@ class RankChain:
     ) -> None:
         chain, self.sizes = check_model(model, balance)
         defer_statistics(chain, deferred_batch_norm)
-        names = {id(m): f"layer {path}" for path, m in chain.named_modules() if path}
-        self._watch = FirstCalls(accepting(batch_coupling, deferred_batch_norm), names)
+        self._watch = FirstCalls(chain, batch_coupling, deferred_batch_norm)
         self.model: nn.Sequential = chain
         self.layer_names: list[str] = list(chain._modules)
         """Names of the whole model's layers, in order (the first part of every key)."""

@@ -17,7 +17,6 @@ import torch
 from torch import Tensor, nn
 
 from pipepar.core import validation
-from pipepar.core.batch_dims import accepting
 from pipepar.core.batchnorm import committing, defer_statistics
 from pipepar.core.first_calls import FirstCalls
 from pipepar.core.losses import Items, LossFn, joined_loss, loss_shares, split_target
@@ -83,8 +82,7 @@ class ChainCompute:
         self.model: nn.Sequential = chain
         self.paths = [name for name, _ in chain.named_children()]
         """Each unit's (layer's) name in the model."""
-        names = {id(m): f"layer {path}" for path, m in chain.named_modules() if path}
-        self._watch = FirstCalls(accepting(batch_coupling, deferred_batch_norm), names)
+        self._watch = FirstCalls(chain, batch_coupling, deferred_batch_norm)
 
     def place(self, devices: Sequence[torch.device], checkpoint: str) -> list[Stage]:
         """The stages on their ``devices`` (layers moved there), each watched on a new kind

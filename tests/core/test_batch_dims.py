@@ -130,7 +130,7 @@ def test_a_chains_batch_norm_in_training_is_refused_unless_deferred(balance: lis
     x = torch.randn(8, 8)
     devices = ["cpu"] * len(balance)
     pipe = pipepar.wrap(_bn_chain(), balance, devices=devices, chunks=2)
-    with pytest.raises(pipepar.BatchCoupled, match="batch_norm.*layer 1"):
+    with pytest.raises(pipepar.BatchCoupled, match=r"batch_norm.*layer 1"):
         pipe(x)
     with pytest.raises(pipepar.BatchCoupled):  # refused again: a refused kind is not learned
         pipe(x)

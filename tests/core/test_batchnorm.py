@@ -49,7 +49,9 @@ def test_running_stats_equal_full_batch(checkpoint: str, momentum: float | None)
 def test_plain_batch_norm_tracks_each_microbatch() -> None:
     model = _model()
     plain = copy.deepcopy(model)
-    pipe = pipepar.wrap(model, [2, 3], devices=["cpu", "cpu"], chunks=4)
+    pipe = pipepar.wrap(
+        model, [2, 3], devices=["cpu", "cpu"], chunks=4, batch_coupling="per-micro-batch"
+    )
     x = torch.randn(8, 3, 4, 4) * 3 + 1
     pipe(x)
     plain(x)

@@ -50,7 +50,14 @@ def test_dropout_single_stage_matches_plain_per_microbatch() -> None:
 def test_recompute_does_not_update_batch_norm_twice() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU())
     plain = copy.deepcopy(model)
-    pipe = pipepar.wrap(model, [1, 2], devices=["cpu", "cpu"], chunks=2, checkpoint="always")
+    pipe = pipepar.wrap(
+        model,
+        [1, 2],
+        devices=["cpu", "cpu"],
+        chunks=2,
+        checkpoint="always",
+        batch_coupling="per-micro-batch",
+    )
     x = torch.randn(8, 4)
     pipe(x).sum().backward()
     for part in x.chunk(2):

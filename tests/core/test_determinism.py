@@ -75,6 +75,7 @@ def _train(model: nn.Module, *, steps: int = 4, seed: int = 1) -> torch.Tensor:
 
 
 def _pipe(model: nn.Sequential, balance: list[int], **kwargs: object) -> pipepar.Pipe:
+    kwargs.setdefault("batch_coupling", "per-micro-batch")  # batch norm per micro-batch, asked
     return pipepar.wrap(model, balance, devices=["cpu"] * len(balance), threads=1, **kwargs)  # type: ignore[arg-type]
 
 

@@ -35,7 +35,9 @@ def test_same_keys_and_values_as_plain() -> None:
 
 
 def test_three_stages_to_plain_to_two_stages_and_back() -> None:
-    three = pipepar.wrap(_model(), [2, 2, 2], devices=["cpu"] * 3, chunks=2)
+    three = pipepar.wrap(
+        _model(), [2, 2, 2], devices=["cpu"] * 3, chunks=2, batch_coupling="per-micro-batch"
+    )
     three(torch.randn(8, 6)).sum().backward()  # changes batch-norm buffers
     saved = _roundtrip(three.state_dict())
     plain = _model()
@@ -63,15 +65,29 @@ def test_resume_with_optimizer_state_is_identical() -> None:
     batches = [(torch.randn(8, 6), torch.randn(8, 3)) for _ in range(6)]
     start = _model()
     # uninterrupted run: 6 steps on a [2, 4] pipe
-    full = pipepar.wrap(copy.deepcopy(start), [2, 4], devices=["cpu"] * 2, chunks=2)
+    full = pipepar.wrap(
+        copy.deepcopy(start),
+        [2, 4],
+        devices=["cpu"] * 2,
+        chunks=2,
+        batch_coupling="per-micro-batch",
+    )
     full_opt = torch.optim.Adam(full.parameters(), lr=1e-2)
     _train(full, full_opt, batches)
     # interrupted: 3 steps, checkpoint, resume on a pipe with another balance
-    first = pipepar.wrap(copy.deepcopy(start), [2, 4], devices=["cpu"] * 2, chunks=2)
+    first = pipepar.wrap(
+        copy.deepcopy(start),
+        [2, 4],
+        devices=["cpu"] * 2,
+        chunks=2,
+        batch_coupling="per-micro-batch",
+    )
     first_opt = torch.optim.Adam(first.parameters(), lr=1e-2)
     _train(first, first_opt, batches[:3])
     ckpt = _roundtrip({"model": first.state_dict(), "optim": first_opt.state_dict()})
-    second = pipepar.wrap(_model(), [4, 2], devices=["cpu"] * 2, chunks=2)
+    second = pipepar.wrap(
+        _model(), [4, 2], devices=["cpu"] * 2, chunks=2, batch_coupling="per-micro-batch"
+    )
     second.load_state_dict(ckpt["model"])  # type: ignore[index]
     second_opt = torch.optim.Adam(second.parameters(), lr=1e-2)
     second_opt.load_state_dict(ckpt["optim"])  # type: ignore[index]

@@ -128,6 +128,7 @@ class Job:
 def _pipe(model: nn.Sequential, balance: list[int] | None, **kwargs: object) -> nn.Module:
     if balance is None:
         return model
+    kwargs.setdefault("batch_coupling", "per-micro-batch")  # batch norm per micro-batch, asked
     return pipepar.wrap(model, balance, devices=["cpu"] * len(balance), threads=1, **kwargs)  # type: ignore[arg-type]
 
 
