@@ -177,7 +177,12 @@ def soak(steps: int, *, every: int = 50, warmup: int = 100) -> Soak:
     """
     torch.manual_seed(0)
     pipe = pipepar.wrap(
-        _model(), BALANCE, devices=["cpu"] * len(BALANCE), chunks=CHUNKS, checkpoint="except_last"
+        _model(),
+        BALANCE,
+        devices=["cpu"] * len(BALANCE),
+        chunks=CHUNKS,
+        checkpoint="except_last",
+        batch_coupling="per-micro-batch",  # its batch norm per micro-batch, as it always ran
     )
     opt = torch.optim.Adam(pipe.parameters(), lr=1e-3)
     result = Soak(steps=steps, warmup=warmup)
