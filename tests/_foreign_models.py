@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Contrastive", "NanoGPT", "nano_batch"]
+__all__ = ["Contrastive", "NanoGPT", "Towers", "contrastive_loss", "nano_batch"]
 
 
 class _Block(nn.Module):
@@ -65,3 +65,26 @@ class Contrastive(nn.Module):
         logits = F.normalize(images, dim=-1) @ F.normalize(texts, dim=-1).t()
         labels = torch.arange(len(logits))
         return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
+
+
+class Towers(nn.Module):
+    """:class:`Contrastive` without its loss: the two towers' embeddings, per row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+        self.text = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, images: Tensor, texts: Tensor) -> tuple[Tensor, Tensor]:
+        for layer in self.image:
+            images = torch.tanh(layer(images))
+        for layer in self.text:
+            texts = torch.tanh(layer(texts))
+        return F.normalize(images, dim=-1), F.normalize(texts, dim=-1)
+
+
+def contrastive_loss(images: Tensor, texts: Tensor) -> Tensor:
+    """CLIP's symmetric cross-entropy over every image-text pair of the batch."""
+    logits = images @ texts.t()
+    labels = torch.arange(len(logits))
+    return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2

@@ -10,6 +10,7 @@ from torch import nn
 
 import pipepar
 from pipepar.core.reductions import BatchCoupled, Probe
+from tests._foreign_models import Towers, contrastive_loss
 
 W = torch.randn(8, 8)
 
@@ -137,3 +138,21 @@ def test_a_chains_batch_norm_in_training_is_refused_unless_deferred(balance: lis
     pipepar.wrap(_bn_chain(), balance, devices=devices, chunks=2, deferred_batch_norm=True)(x)
     pipepar.wrap(_bn_chain(), balance, devices=devices, chunks=1)(x)  # one micro-batch: exact
     pipepar.GPipe(_bn_chain(), balance, devices=devices, chunks=2)(x)  # torchgpipe's semantics
+
+
+def test_coupled_code_trains_exactly_on_what_the_pipe_returns() -> None:
+    """The way out the README gives: the model returns per-row embeddings, the contrastive
+    loss is computed on the whole batch's rows the pipe returns."""
+    torch.manual_seed(0)
+    plain = Towers()
+    model = Towers()
+    model.load_state_dict(plain.state_dict())
+    images, texts = torch.randn(8, 8), torch.randn(8, 8)
+    expected = contrastive_loss(*plain(images, texts))
+    expected.backward()
+    pipe = pipepar.wrap(model, split=["text.0"], devices=["cpu", "cpu"], chunks=4)
+    loss = contrastive_loss(*pipe(images, texts))
+    loss.backward()
+    torch.testing.assert_close(loss, expected)
+    for a, b in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
