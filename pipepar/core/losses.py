@@ -205,11 +205,6 @@ class LossShares(Sequence[float]):
 
         def head(output: Any, i: int) -> Tensor:
             probe = self.probe(i)
-            kind = _kind(output, targets[i]) if probe is not None else None
-            known = _LEARNED.get(loss_fn, kind) if kind is not None else None
-            if known is not None:
-                self.learn(known)
-                probe = None
             if probe is None:
                 loss = scalar_loss(loss_fn(output, targets[i]), self.what)
             else:
@@ -219,16 +214,16 @@ class LossShares(Sequence[float]):
                 form = probe.form_of(value)
                 probe.release()
                 self.learn(form)
-                _LEARNED.keep(loss_fn, kind, form)
+                _LEARNED.keep(loss_fn, _kind(targets[0], self.rows[0]), form)
             return nothing(output) if self.weight(i) == 0 else loss
 
         return head
 
 
 class _LearnedForms:
-    """What each loss function's value was, by kind of call (the shapes of its output and
-    target): a step learns it on its first call of a kind and later ones take it, each
-    micro-batch's count still recomputed from its own target. Forgotten with the function."""
+    """What each loss function's value was, by kind of step (see :func:`_kind`): a step learns
+    it on its first call of a kind and later ones take it at their start, each micro-batch's
+    count still recomputed from its own target. Forgotten with the function."""
 
     def __init__(self) -> None:
         self._forms: weakref.WeakKeyDictionary[Any, dict[Hashable, Form]] = (
@@ -249,9 +244,11 @@ class _LearnedForms:
 _LEARNED = _LearnedForms()
 
 
-def _kind(output: Any, target: Any) -> Hashable:
-    """A call's kind as far as its loss goes: the structure, shapes and dtypes of its values."""
-    leaves, spec = pytree.tree_flatten((output, target))
+def _kind(target: Any, rows: int) -> Hashable:
+    """A step's kind as far as its loss goes: micro-batch 0's rows and its target's structure,
+    shapes and dtypes (what a step knows before any forward: its loss's form, once learned, is
+    then known at its start, and the replicas sum their counts there, before anything runs)."""
+    leaves, spec = pytree.tree_flatten((rows, target))
     return (
         str(spec),
         tuple(
@@ -308,7 +305,11 @@ def loss_shares(
     """
     sources = batch_tensors(targets)
     if items is None:
-        return LossShares(rows, sources)
+        shares = LossShares(rows, sources)
+        known = _LEARNED.get(loss_fn, _kind(targets[0], rows[0])) if targets else None
+        if known is not None:
+            shares.learn(known)
+        return shares
     if not callable(items):
         raise TypeError(
             f"items must be callable (items(target) -> count), but got {type(items).__name__}; "

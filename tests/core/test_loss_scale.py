@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -34,7 +36,8 @@ def test_not_a_scaler_is_a_type_error_naming_what_it_lacks() -> None:
 
 def test_seeds_are_the_shares_times_the_scale_read_once_the_shares_are_learned() -> None:
     targets = [torch.tensor([1, -100]), torch.tensor([-100, -100, 2, 0])]
-    loss_fn = nn.functional.cross_entropy  # a mean over the real targets: 1 and 2 of them
+    # a mean over the real targets, 1 and 2 of them (a loss function no step learned yet)
+    loss_fn = functools.partial(nn.functional.cross_entropy)
     shares = loss_shares(loss_fn, targets, [2, 4]).scaled(2.0**16)
     seeds = shares.seeds
     with pytest.raises(RuntimeError, match="micro-batch 0 was read before"):

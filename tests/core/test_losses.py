@@ -117,3 +117,16 @@ def test_nothing_is_a_zero_loss_with_zero_gradients() -> None:
     loss = nothing((out, {"b": out * 2}))
     (g,) = torch.autograd.grad(loss, out)
     assert loss.item() == 0 and (g == 0).all()
+
+
+def test_a_learned_loss_form_is_known_at_the_start_of_the_next_step_of_its_kind() -> None:
+    """Its replicas can then sum their counts before anything runs."""
+    loss_fn = functools.partial(F.cross_entropy, ignore_index=-1)
+    out, y = torch.randn(6, 5), torch.tensor([1, -1, 2, 2, -1, -1])
+    targets = split_target(y, [3, 3])
+    first = loss_shares(loss_fn, targets, [3, 3])
+    assert first.learning()
+    first.head_of(loss_fn, targets)(out[:3], 0)
+    y2 = torch.tensor([-1, -1, -1, 4, 4, -1])
+    second = loss_shares(loss_fn, split_target(y2, [3, 3]), [3, 3])
+    assert not second.learning() and list(second) == [0.0, 1.0]  # counted from its own targets
