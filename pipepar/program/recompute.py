@@ -102,8 +102,8 @@ class _Checkpointable:
 
 
 def _versions(tensors: Sequence[Tensor]) -> list[int]:
-    """The tensors' version counters, read unseen by a subclass's ``__torch_function__`` (the
-    pipe's ``num_items_in_batch`` notes every use)."""
+    """The tensors' version counters, read unseen by a subclass's ``__torch_function__`` (a
+    tensor subclass may note every use of its tensors)."""
     with torch._C.DisableTorchFunctionSubclass():
         return [t._version for t in tensors]
 
