@@ -33,7 +33,6 @@ __all__ = [
     "Shares",
     "callers",
     "loss_head",
-    "own_loss",
     "step_shares",
 ]
 
@@ -246,21 +245,3 @@ def callers(
         return shares.watch(i, call) if isinstance(shares, ModelLoss) else call
 
     return [caller(i, c) for i, c in enumerate(calls)]
-
-
-def own_loss(output: Any) -> Any:
-    """The loss a model returned: ``output.loss``, ``output["loss"]``, or the first element of
-    a tuple (as transformers models return it given ``labels=``)."""
-    loss = getattr(output, "loss", None)
-    if loss is None and isinstance(output, dict):
-        loss = output.get("loss")
-    if loss is None and isinstance(output, (tuple, list)) and output:
-        loss = output[0]
-    if loss is None and isinstance(output, Tensor):
-        loss = output
-    if loss is None:
-        raise TypeError(
-            f"the model returned {type(output).__name__} with no loss; pass the labels the "
-            "model takes (e.g. labels=input_ids) or step(..., loss_fn=fn, target=y)"
-        )
-    return loss

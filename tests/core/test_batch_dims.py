@@ -10,7 +10,7 @@ from torch import nn
 
 import pipepar
 from pipepar.core.reductions import BatchCoupled, Probe
-from tests._foreign_models import Towers, contrastive_loss
+from tests._foreign_models import Contrastive, Towers, contrastive_loss
 
 W = torch.randn(8, 8)
 
@@ -57,27 +57,9 @@ def test_row_wise_code_is_not_flagged(name: str) -> None:
 
 
 # -- in a pipe --------------------------------------------------------------------------------
-class _Contrastive(nn.Module):
-    """CLIP-like: two towers, logits between every image and every text of the batch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.image = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
-        self.text = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
-
-    def forward(self, images, texts):
-        for layer in self.image:
-            images = torch.tanh(layer(images))
-        for layer in self.text:
-            texts = torch.tanh(layer(texts))
-        logits = F.normalize(images, dim=-1) @ F.normalize(texts, dim=-1).t()
-        labels = torch.arange(len(logits))
-        return (F.cross_entropy(logits, labels) + F.cross_entropy(logits.t(), labels)) / 2
-
-
 def test_contrastive_logits_stop_before_any_gradient_unless_accepted() -> None:
     torch.manual_seed(0)
-    model = _Contrastive()
+    model = Contrastive()
     images, texts = torch.randn(8, 8), torch.randn(8, 8)
     pipe = pipepar.wrap(model, split=["text.0"], devices=["cpu", "cpu"], chunks=2)
     with pytest.raises(BatchCoupled, match="matmul"):
