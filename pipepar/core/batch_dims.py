@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["COUPLING_CHOICES", "Coupling", "accepting", "batch_dim_after"]
+__all__ = ["COUPLING_CHOICES", "Coupling", "accepting", "batch_dim_after", "reduced_dims"]
 
 COUPLING_CHOICES = ("error", "per-micro-batch")
 """What a pipe does with an operation mixing rows: refuse it, or let each micro-batch compute
@@ -197,7 +197,7 @@ def _along(what: str) -> Callable[..., Outcome]:
         t, d = batched[0]
         if t is not args[0]:
             return _aligned(out, batched, what)
-        dims = _dims_arg(args, kwargs, t.dim())
+        dims = reduced_dims(args, kwargs, t.dim())
         if dims is None or out.dim() == 0:
             return None  # over every element: the loss's business (forms)
         if d in dims and t.shape[d] > 1:
@@ -208,7 +208,9 @@ def _along(what: str) -> Callable[..., Outcome]:
     return rule
 
 
-def _dims_arg(args: Any, kwargs: Any, n: int) -> set[int] | None:
+def reduced_dims(args: Any, kwargs: Any, n: int) -> set[int] | None:
+    """The dimensions a reduction's ``dim`` argument names, of a tensor of ``n``; None when
+    it names none (every element)."""
     dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
     if dim is None or isinstance(dim, torch.dtype):
         return None

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from pipepar.core.batch_dims import Coupling, batch_dim_after
+from pipepar.core.batch_dims import Coupling, batch_dim_after, reduced_dims
 from pipepar.core.forms import (
     ADDITIVE,
     SCALING,
@@ -454,10 +454,8 @@ def _bind(
 
 
 def _all_dims(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-    if isinstance(dim, torch.dtype):
-        dim = None
-    return dim is None or (isinstance(dim, (tuple, list)) and len(dim) == args[0].dim())
+    dims = reduced_dims(args, kwargs, args[0].dim())
+    return dims is None or dims == set(range(args[0].dim()))
 
 
 def _is_operand(value: Any) -> bool:

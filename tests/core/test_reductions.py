@@ -39,8 +39,12 @@ X, Y = torch.randn(6, 5), torch.tensor([0, 1, -1, 2, -1, 4])
         ),
         (lambda x, y: F.mse_loss(x, torch.zeros_like(x)), 30.0),
         (lambda x, y: x.pow(2).mean() * 0.5 + 1.0, 30.0),
+        (lambda x, y: F.cross_entropy(x, y.clamp(min=0), reduction="none").mean(0), 6.0),
     ],
-    ids=["ce-ignore", "over-rows", "over-elements", "masked-mean", "mse", "mean-plus-const"],
+    ids=[
+        "ce-ignore", "over-rows", "over-elements", "masked-mean", "mse", "mean-plus-const",
+        "per-row-mean-over-dim-0",
+    ],
 )
 def test_means_are_learned_with_their_count(fn, count) -> None:
     form = _form(fn, X, Y)
