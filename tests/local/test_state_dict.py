@@ -34,10 +34,14 @@ def test_same_keys_and_values_as_plain() -> None:
         torch.testing.assert_close(got[key], expected[key])
 
 
+def _in_two_micro_batches(model: nn.Module, balance: list[int]) -> pipepar.Pipe:
+    """A pipe of two micro-batches, its batch norm per micro-batch (asked for)."""
+    devices = ["cpu"] * len(balance)
+    return pipepar.wrap(model, balance, devices=devices, chunks=2, batch_coupling="per-micro-batch")
+
+
 def test_three_stages_to_plain_to_two_stages_and_back() -> None:
-    three = pipepar.wrap(
-        _model(), [2, 2, 2], devices=["cpu"] * 3, chunks=2, batch_coupling="per-micro-batch"
-    )
+    three = _in_two_micro_batches(_model(), [2, 2, 2])
     three(torch.randn(8, 6)).sum().backward()  # changes batch-norm buffers
     saved = _roundtrip(three.state_dict())
     plain = _model()
@@ -65,29 +69,15 @@ def test_resume_with_optimizer_state_is_identical() -> None:
     batches = [(torch.randn(8, 6), torch.randn(8, 3)) for _ in range(6)]
     start = _model()
     # uninterrupted run: 6 steps on a [2, 4] pipe
-    full = pipepar.wrap(
-        copy.deepcopy(start),
-        [2, 4],
-        devices=["cpu"] * 2,
-        chunks=2,
-        batch_coupling="per-micro-batch",
-    )
+    full = _in_two_micro_batches(copy.deepcopy(start), [2, 4])
     full_opt = torch.optim.Adam(full.parameters(), lr=1e-2)
     _train(full, full_opt, batches)
     # interrupted: 3 steps, checkpoint, resume on a pipe with another balance
-    first = pipepar.wrap(
-        copy.deepcopy(start),
-        [2, 4],
-        devices=["cpu"] * 2,
-        chunks=2,
-        batch_coupling="per-micro-batch",
-    )
+    first = _in_two_micro_batches(copy.deepcopy(start), [2, 4])
     first_opt = torch.optim.Adam(first.parameters(), lr=1e-2)
     _train(first, first_opt, batches[:3])
     ckpt = _roundtrip({"model": first.state_dict(), "optim": first_opt.state_dict()})
-    second = pipepar.wrap(
-        _model(), [4, 2], devices=["cpu"] * 2, chunks=2, batch_coupling="per-micro-batch"
-    )
+    second = _in_two_micro_batches(_model(), [4, 2])
     second.load_state_dict(ckpt["model"])  # type: ignore[index]
     second_opt = torch.optim.Adam(second.parameters(), lr=1e-2)
     second_opt.load_state_dict(ckpt["optim"])  # type: ignore[index]
