@@ -594,3 +594,10 @@ def test_rank_floor_quick_times_the_hand_written_pipeline_and_pipepar(
                  "route check off", "direct terms off"):  # fmt: skip
         assert re.search(rf"\| {name} {cells}", out), out
     assert re.search(r"\| hand-written \| [\d.]+ \| [\d.]+ \| 1.00x", out), out
+
+
+def test_loss_learning_quick_rows(tmp_path: Path) -> None:
+    rows, text = _run("bench_loss_learning.py", tmp_path)
+    assert "## Loss shares: host time per step" in text
+    assert [r["micro_batches"] for r in rows] == [1, 4, 8, 16]
+    assert all(r["shares_us_median"] > 0 and r["plain_loss_us_median"] > 0 for r in rows)
