@@ -20,6 +20,7 @@ from pipepar.planner.layout_search import search_layouts
 from pipepar.planner.partition import partition
 from pipepar.planner.plan import Plan, StagePlan, plan
 from pipepar.planner.profile import LayerProfile, Profile
+from pipepar.program.batch_rules import Packed
 from pipepar.program.profile import profile
 from pipepar.program.units import Unit, units
 from pipepar.tracing.tracer import Timeline, tracing
@@ -38,6 +39,7 @@ __all__ = [
     "Layout",
     "LossNotJoinable",
     "ModelPipe",
+    "Packed",
     "Pipe",
     "Plan",
     "Profile",

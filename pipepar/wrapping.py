@@ -17,6 +17,7 @@ from pipepar.local.chain import is_chain
 from pipepar.local.pipe import Pipe
 from pipepar.planner.auto_layout import keep_layout, local_layout, pipe_arguments
 from pipepar.planner.runtime_fit import RuntimeFit
+from pipepar.program.batch_rules import InputRule, OutputRule
 from pipepar.program.split_points import torch_split
 
 __all__ = ["wrap"]
@@ -31,6 +32,8 @@ def wrap(
     checkpoint: str | None = None,
     deferred_batch_norm: bool = False,
     batch_coupling: str = "error",
+    split_inputs: Mapping[str | int, InputRule] | None = None,
+    join_outputs: Mapping[str, OutputRule] | None = None,
     sample: Any = None,
     split: Sequence[str] | None = None,
     split_spec: Mapping[str, Any] | None = None,
@@ -83,6 +86,15 @@ def wrap(
             over all tokens), found at the first call of a kind: ``"error"`` (the default)
             stops there with :class:`~pipepar.BatchCoupled`; ``"per-micro-batch"`` lets each
             micro-batch compute it on its own rows (its values join weighted by rows).
+        split_inputs: how arguments that are not rows of the batch are cut into
+            micro-batches, by parameter name (or position): ``"rows"``, ``"whole"`` (the same
+            to every micro-batch), :class:`~pipepar.Packed` (items of every row packed one
+            after another, e.g. the patches of all images) or ``fn(value, pieces)``. Without
+            one, a tensor with the batch's rows on dimension 0 is cut into rows and anything
+            else goes whole; the packed inputs of known multimodal models are recognised.
+        join_outputs: how output leaves are joined, by name or key path: ``"concat"``,
+            ``"sum"`` or ``fn(values)``; without one, what the outputs show (rows
+            concatenated, a loss by its shares, a packed output in micro-batch order).
         sample: an input batch to profile when ``balance`` is None: a tensor, a tuple of
             positional arguments, or a dict of keyword arguments (``dict(input_ids=...)``).
             It stands for one step's batch: the search chooses ``chunks`` up to its rows.
@@ -142,6 +154,8 @@ def wrap(
         checkpoint=checkpoint,
         deferred_batch_norm=deferred_batch_norm,
         batch_coupling=batch_coupling,
+        split_inputs=split_inputs,
+        join_outputs=join_outputs,
         schedule="gpipe" if schedule is None else schedule,
         threads=threads,
         trace=trace,

@@ -117,7 +117,10 @@ class Probe(TorchFunctionMode):
     """Watches one micro-batch's call and learns the :data:`Form` of every value it makes.
 
     Args:
-        sources: the call's tensors that hold the batch's rows (split into micro-batches).
+        sources: the call's tensors that hold the batch's rows (split into micro-batches);
+            after the first ``tracked``, tensors that hold the micro-batch's part of the batch
+            otherwise (packed items: its counts are replayed on them, its rows are not
+            followed through them).
         constants: tensors that do not depend on the batch (weights and buffers, arguments
             passed whole to every micro-batch).
         rows: the micro-batch's rows.
@@ -146,6 +149,7 @@ class Probe(TorchFunctionMode):
         where: str = "the model's forward",
         resolve: Callable[[Tensor], Tensor | None] | None = None,
         accepts: Callable[[Coupling], bool] = lambda coupling: False,
+        tracked: int | None = None,
     ) -> None:
         super().__init__()
         self._accepts = accepts
@@ -156,8 +160,9 @@ class Probe(TorchFunctionMode):
         self._default_where = where
         self._resolve = resolve
         self._modules = contextlib.ExitStack()
+        rows_of = len(sources) if tracked is None else tracked
         for k, t in enumerate(sources):
-            self._set(t, Rows(Source(k), 0))
+            self._set(t, Rows(Source(k), 0 if k < rows_of else None))
 
     def __enter__(self) -> Probe:
         self._modules.enter_context(_tracking_modules(self._names))

@@ -40,6 +40,7 @@ from pipepar.core.losses import Items
 from pipepar.core.schedule import Schedule
 from pipepar.distributed.chain import RankChain
 from pipepar.local.chain import chain_step_arguments, is_chain, one_input
+from pipepar.program.batch_rules import CHAIN_RULES, InputRule, OutputRule, Rules
 from pipepar.program.calls import StepCall
 from pipepar.program.losses import LossFn
 from pipepar.program.rank_compute import RankProgram
@@ -89,6 +90,8 @@ class DistributedPipe(nn.Module):
         routes: bool = True,
         deferred_batch_norm: bool = False,
         batch_coupling: str = "error",
+        split_inputs: Mapping[str | int, InputRule] | None = None,
+        join_outputs: Mapping[str, OutputRule] | None = None,
         dp_shard: bool = False,
         gc_every: int | None = None,
     ) -> None:
@@ -96,7 +99,7 @@ class DistributedPipe(nn.Module):
         try:
             compute = self._configure(
                 model, balance, split, chunks, schedule, dp, checkpoint, timeout, group,
-                deferred_batch_norm, batch_coupling,
+                deferred_batch_norm, batch_coupling, Rules.given(split_inputs, join_outputs),
             )  # fmt: skip
             self.dp_shard = check_dp_shard(dp_shard, self.dp)
             self._collector = StepCollector(gc_every)
@@ -146,6 +149,7 @@ class DistributedPipe(nn.Module):
         group: dist.ProcessGroup | None,
         deferred_batch_norm: bool,
         batch_coupling: str,
+        rules: Rules,
     ) -> RankChain | RankProgram:
         """Check this rank's arguments on their own (no communication) and keep them; the
         compute of the model."""
@@ -158,6 +162,8 @@ class DistributedPipe(nn.Module):
         if checkpoint is not None:
             checkpoint = validation.check_checkpoint(checkpoint)
         self.timeout = check_timeout(timeout)
+        if rules and is_chain(model, split):
+            raise TypeError(CHAIN_RULES)
         compute: RankChain | RankProgram = (
             RankChain(
                 model,
@@ -172,6 +178,7 @@ class DistributedPipe(nn.Module):
                 split=split,
                 deferred_batch_norm=deferred_batch_norm,
                 batch_coupling=batch_coupling,
+                rules=rules,
             )
         )
         self._compute = compute
@@ -288,9 +295,7 @@ class DistributedPipe(nn.Module):
                 loss = self._compute.step(StepCall(args, kwargs, loss_fn, target, items, scale))
         if scaler is not None and scaler.is_enabled() and torch.is_grad_enabled():
             held = self._compute.clipped()[1]
-            self._guarded(
-                lambda: agree_overflow(held, scale, mesh=self.mesh, device=self.device)
-            )
+            self._guarded(lambda: agree_overflow(held, scale, mesh=self.mesh, device=self.device))
         return loss
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

@@ -26,6 +26,7 @@ from pipepar.planner.auto_layout import (
 from pipepar.planner.cluster import cluster_for, device_memory
 from pipepar.planner.layout import Layout
 from pipepar.planner.runtime_fit import RuntimeFit
+from pipepar.program.batch_rules import InputRule, OutputRule
 from pipepar.program.split_points import torch_split
 from pipepar.ranks.process import ensure_process_group, resolve_device
 
@@ -48,6 +49,8 @@ def wrap(
     checkpoint: str | None = None,
     deferred_batch_norm: bool = False,
     batch_coupling: str = "error",
+    split_inputs: Mapping[str | int, InputRule] | None = None,
+    join_outputs: Mapping[str, OutputRule] | None = None,
     device: torch.device | str | None = None,
     group: dist.ProcessGroup | None = None,
     state_dict: Mapping[str, Tensor] | None = None,
@@ -130,6 +133,8 @@ def wrap(
             whole mini-batch, once per step (:mod:`pipepar.core.batchnorm`).
         batch_coupling: ``"error"`` (default) or ``"per-micro-batch"``, as in
             :func:`pipepar.wrap`.
+        split_inputs, join_outputs: how a call is cut into micro-batches and its output
+            joined, as in :func:`pipepar.wrap`.
         device: this rank's device; default ``cuda:LOCAL_RANK`` on NCCL, else CPU.
         group: parent process group (default: the world); initialized from torchrun's
             environment if no process group exists yet.
@@ -216,6 +221,8 @@ def wrap(
         routes=routes,
         deferred_batch_norm=deferred_batch_norm,
         batch_coupling=batch_coupling,
+        split_inputs=split_inputs,
+        join_outputs=join_outputs,
         dp_shard=dp_shard,
         gc_every=gc_every,
     )

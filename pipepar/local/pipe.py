@@ -15,7 +15,7 @@ stages, the random-draw record, the timeline, clipping, and the look of the mode
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -35,6 +35,7 @@ from pipepar.local.pipe_args import check_threads, count_workers, schedule_for, 
 from pipepar.local.placement import check_staying, cuda_device
 from pipepar.local.worker import WorkerPool
 from pipepar.program import generation, hf
+from pipepar.program.batch_rules import CHAIN_RULES, InputRule, OutputRule, Rules
 from pipepar.program.calls import StepCall
 from pipepar.program.compute import ProgramCompute
 from pipepar.program.losses import LossFn
@@ -112,6 +113,8 @@ class Pipe(nn.Module):
         checkpoint: str | None = None,
         deferred_batch_norm: bool = False,
         batch_coupling: str = "error",
+        split_inputs: Mapping[str | int, InputRule] | None = None,
+        join_outputs: Mapping[str, OutputRule] | None = None,
         schedule: str | Schedule = "gpipe",
         threads: int | None = None,
         trace: bool = False,
@@ -127,6 +130,10 @@ class Pipe(nn.Module):
         self.chunks = validation.check_chunks(chunks)
         if checkpoint is not None:
             checkpoint = validation.check_checkpoint(checkpoint)
+        chain = is_chain(module, split, sample)
+        rules = Rules.given(split_inputs, join_outputs)
+        if chain and rules:
+            raise TypeError(CHAIN_RULES)
         compute: ChainCompute | ProgramCompute = (
             ChainCompute(
                 module,
@@ -134,7 +141,7 @@ class Pipe(nn.Module):
                 deferred_batch_norm=deferred_batch_norm,
                 batch_coupling=batch_coupling,
             )
-            if is_chain(module, split, sample)
+            if chain
             else ProgramCompute(
                 module,
                 balance,
@@ -142,6 +149,7 @@ class Pipe(nn.Module):
                 sample=sample,
                 deferred_batch_norm=deferred_batch_norm,
                 batch_coupling=batch_coupling,
+                rules=rules,
             )
         )
         self.checkpoint = checkpoint or compute.default_checkpoint

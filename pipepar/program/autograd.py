@@ -17,7 +17,7 @@ from torch import Tensor
 from pipepar.local.autograd import unalias as _unalias
 from pipepar.local.executor import BACKWARD, FORWARD
 from pipepar.program import caches
-from pipepar.program.calls import join
+from pipepar.program.calls import LeafJoin, Parts, join, join_with
 from pipepar.program.losses import ModelLoss
 from pipepar.program.run import ProgramRun
 
@@ -44,13 +44,14 @@ class ProgramFunction(torch.autograd.Function):
         run.execute(pipe._workers(), FORWARD)
         results = run.results()
         by_leaf = _leaf_shares(results, shares)
-        leaves, spec = pytree.tree_flatten(join(results, run.rows, by_leaf))
+        output, ways = join_with(results, run.parts, by_leaf)
+        leaves, spec = pytree.tree_flatten(output)
         holder["spec"], holder["leaves"] = spec, leaves
         caches.detach_caches(leaves)  # no gradient flows through a returned key-value cache
         tensors = [t for t in leaves if isinstance(t, Tensor)]
         ctx.pipe, ctx.run, ctx.n = pipe, run, n
         ctx.results = [pytree.tree_leaves(r) for r in results]
-        ctx.weights = _tensor_weights(ctx.results[0], run.rows, by_leaf)
+        ctx.ways = [w for w, t in zip(ways, ctx.results[0]) if isinstance(t, Tensor)]
         outs = tuple(_unalias(t.detach(), args) for t in tensors)
         ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
         holder["n"] = len(leaves)
@@ -63,7 +64,7 @@ class ProgramFunction(torch.autograd.Function):
         ctx.run = None
         if run is None:
             raise RuntimeError("pipepar: backward through a pipe output twice is not supported")
-        _seed(run, ctx.results, grads, run.rows, ctx.weights)
+        _seed(run, ctx.results, grads, ctx.ways)
         run.open_backward()
         # on CUDA this runs on the autograd engine's device thread: the stage workers'
         # backwards would queue behind it there, so the pipe runs them on this thread instead
@@ -71,9 +72,9 @@ class ProgramFunction(torch.autograd.Function):
         return (None, None, None, None, None, *run.input_grads(), *run.take_param_grads())
 
 
-def joined(results: list[Any], rows: list[int], shares: ModelLoss | None) -> Any:
+def joined(results: list[Any], parts: Parts | list[int], shares: ModelLoss | None) -> Any:
     """The micro-batches' outputs joined; each value reduced over the batch by its shares."""
-    return join(results, rows, _leaf_shares(results, shares))
+    return join(results, parts, _leaf_shares(results, shares))
 
 
 def _leaf_shares(results: list[Any], shares: ModelLoss | None) -> dict[int, Sequence[float]]:
@@ -83,41 +84,40 @@ def _leaf_shares(results: list[Any], shares: ModelLoss | None) -> dict[int, Sequ
     return dict(shares.leaf_shares())
 
 
-def _tensor_weights(
-    leaves: list[Any], rows: list[int], by_leaf: dict[int, Sequence[float]]
-) -> list[list[float]]:
-    """Per tensor leaf of the output, each micro-batch's share of a one-value leaf's gradient:
-    by rows, or a reduced value's shares."""
-    total = sum(rows)
-    by_rows = [r / total for r in rows]
-    return [
-        list(by_leaf[k]) if k in by_leaf else by_rows
-        for k, t in enumerate(leaves)
-        if isinstance(t, Tensor)
-    ]
 def _seed(
     run: ProgramRun,
     results: list[list[Any]],
     grads: Sequence[Tensor | None],
-    rows: list[int],
-    weights: list[list[float]],
+    ways: list[LeafJoin],
 ) -> None:
-    """Hand each micro-batch the part of the output gradient that is its own."""
+    """Hand each micro-batch the part of the output gradient that is its own, by how its
+    output was joined."""
     per_mb_tensors = [[t for t in leaves if isinstance(t, Tensor)] for leaves in results]
     for k, g in enumerate(grads):
         if g is None:
             continue
-        for i, ts in enumerate(per_mb_tensors):
-            t = ts[k]
-            if t.dim() > 0 and g.dim() > 0 and len(per_mb_tensors) > 1:
-                part = g.split(rows)[i]
-            elif len(per_mb_tensors) > 1:
-                if weights[k][i] == 0:
-                    continue  # a loss over no label: nothing to differentiate
-                part = (g * weights[k][i]).reshape(t.shape)
-            else:
-                part = g
-            run.seed(i, t, part)
+        column = [ts[k] for ts in per_mb_tensors]
+        for i, part in enumerate(_parts_of_grad(ways[k], column, g)):
+            if part is not None:
+                run.seed(i, column[i], part)
+
+
+def _parts_of_grad(way: LeafJoin, column: list[Tensor], g: Tensor) -> list[Tensor | None]:
+    """Each micro-batch's part of the gradient of a joined leaf (None: it adds nothing)."""
+    if way.kind == "concat":
+        return list(g.split(list(way.sizes), dim=way.dim))
+    if way.kind == "shares":
+        return [None if w == 0 else (g * w).reshape(t.shape) for t, w in zip(column, way.weights)]
+    if way.kind == "sum" or way.kind == "single":
+        return [g.reshape(t.shape) for t in column]
+    if way.kind == "custom":
+        pieces = [t.detach().requires_grad_(t.is_floating_point()) for t in column]
+        with torch.enable_grad():
+            out = way.custom(pieces)
+            wanted = [p for p in pieces if p.requires_grad]
+            got = iter(torch.autograd.grad(out, wanted, g, allow_unused=True))
+        return [next(got) if p.requires_grad else None for p in pieces]
+    return [None for _ in column]
 
 
 def as_tuple(outs: Any) -> tuple[Any, ...]:

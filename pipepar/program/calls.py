@@ -16,19 +16,50 @@ anything else cannot be joined and raises.
 
 from __future__ import annotations
 
+import functools
+import operator
 import reprlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch import Tensor
+from torch import Tensor, nn
 
 from pipepar.core.losses import Items, weighted_sum
 from pipepar.program import caches
+from pipepar.program.batch_rules import (
+    Rule,
+    Rules,
+    argument_keys,
+    first_key,
+    packed_pieces,
+    row_lengths,
+)
 
-__all__ = ["Call", "StepCall", "as_call", "join", "split_call"]
+__all__ = [
+    "Call",
+    "LeafJoin",
+    "Parts",
+    "StepCall",
+    "as_call",
+    "batch_size",
+    "join",
+    "join_with",
+    "parts_of",
+    "split_call",
+]
+
+
+@dataclass(frozen=True)
+class Parts:
+    """How a batch was cut: each micro-batch's rows, the sizes of its packed inputs (per
+    packed tensor, each micro-batch's size on the packed dimension) and the pipe's rules."""
+
+    rows: tuple[int, ...]
+    packed: tuple[tuple[int, ...], ...] = ()
+    rules: Rules = field(default_factory=Rules)
 
 
 @dataclass
@@ -40,15 +71,33 @@ class Call:
     rows: int
     batched: frozenset[int] = frozenset()
     """Which leaves of ``(args, kwargs)`` are this micro-batch's rows of a batch tensor."""
+    packed: frozenset[int] = frozenset()
+    """Which leaves are this micro-batch's part of a packed (or custom-split) argument."""
+    parts: Parts | None = None
 
     def tensors(self) -> list[Tensor]:
         leaves = pytree.tree_leaves((self.args, self.kwargs))
         return [t for t in leaves if isinstance(t, Tensor)]
 
     def batch_tensors(self) -> list[Tensor]:
-        """The tensors holding this micro-batch's rows (the others go whole to each)."""
+        """The tensors holding this micro-batch's part of the batch (the others go whole to
+        each): its row blocks first (:meth:`tracked` of them), then its packed parts."""
         leaves = pytree.tree_leaves((self.args, self.kwargs))
-        return [t for k, t in enumerate(leaves) if k in self.batched and isinstance(t, Tensor)]
+        rows = [t for k, t in enumerate(leaves) if k in self.batched and isinstance(t, Tensor)]
+        packed = [t for k, t in enumerate(leaves) if k in self.packed and isinstance(t, Tensor)]
+        return rows + packed
+
+    def tracked(self) -> int:
+        """How many of :meth:`batch_tensors` hold rows on dimension 0."""
+        leaves = pytree.tree_leaves((self.args, self.kwargs))
+        return sum(1 for k, t in enumerate(leaves) if k in self.batched and isinstance(t, Tensor))
+
+
+def parts_of(calls: Sequence[Call]) -> Parts:
+    """How the batch of ``calls`` was cut (rows only for calls made without rules)."""
+    if calls and calls[0].parts is not None:
+        return calls[0].parts
+    return Parts(tuple(c.rows for c in calls))
 
 
 @dataclass(frozen=True)
@@ -76,43 +125,165 @@ def as_call(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return (sample,), {}
 
 
-def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    for leaf in pytree.tree_leaves((args, kwargs)):
-        if isinstance(leaf, Tensor) and leaf.dim() > 0:
-            return leaf.shape[0]
-    raise ValueError(
-        "the call has no tensor argument with a batch dimension to split into micro-batches; "
-        "pass the batch as a tensor (e.g. input_ids=...) with the samples on dimension 0"
-    )
-
-
-def split_call(args: tuple[Any, ...], kwargs: dict[str, Any], chunks: int) -> list[Call]:
+def split_call(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    chunks: int,
+    rules: Rules | None = None,
+    model: nn.Module | None = None,
+) -> list[Call]:
     """The calls of at most ``chunks`` micro-batches (fewer if the batch has fewer rows).
+
+    Args:
+        args, kwargs: the batch's call.
+        chunks: the micro-batches to cut it into.
+        rules: how each argument is cut (:mod:`pipepar.program.batch_rules`); without one, a
+            tensor with the batch's rows on dimension 0 is cut into row blocks and anything
+            else goes whole to every micro-batch.
+        model: whose parameter names the rules use (positions without it).
 
     Example:
         >>> calls = split_call((torch.zeros(5, 2),), {"flag": True}, 2)
         >>> [(c.args[0].shape[0], c.kwargs["flag"]) for c in calls]
         [(3, True), (2, True)]
     """
-    n = batch_size(args, kwargs)
+    rules = rules or Rules()
+    keys: list[str | int] = (
+        argument_keys(model, args, kwargs) if model is not None else [*range(len(args)), *kwargs]
+    )
+    values = [*args, *kwargs.values()]
+    given = [rules.input(key) if rules.inputs else None for key in keys]
+    n = _batch_size(keys, values, given)
     m = max(1, min(chunks, n))
-    leaves, spec = pytree.tree_flatten((args, kwargs), is_leaf=caches.is_cache)
-    columns = [_split_leaf(leaf, n, m) for leaf in leaves]
-    rows = [len(r) for r in torch.arange(n).tensor_split(m)]
-    batched = _batched_leaves(leaves, n, spec)
+    pieces = [range(int(r[0]), int(r[-1]) + 1) if len(r) else range(0) for r in _blocks(n, m)]
+    whole: dict[str | int, Any] | None = None
+    parts, marks, packed_sizes = [], [], []
+    for key, value, rule in zip(keys, values, given):
+        if rule is not None and rule.name == "packed" and whole is None:
+            whole = dict(zip(keys, values))
+        split = _split_argument(key, value, rule, n, pieces, whole)
+        parts.append(split.values)
+        marks.extend(split.marks)
+        packed_sizes.extend(split.sizes)
+    batched = frozenset(k for k, mark in enumerate(marks) if mark == "rows")
+    packed = frozenset(k for k, mark in enumerate(marks) if mark == "packed")
+    cut = Parts(tuple(len(p) for p in pieces), tuple(packed_sizes), rules)
     calls = []
     for i in range(m):
-        a, k = pytree.tree_unflatten([col[i] for col in columns], spec)
-        calls.append(Call(tuple(a), dict(k), rows[i], batched))
+        a = tuple(parts[k][i] for k in range(len(args)))
+        kw = {name: parts[len(args) + j][i] for j, name in enumerate(kwargs)}
+        calls.append(Call(a, kw, len(pieces[i]), batched, packed, cut))
     return calls
 
 
-def _batched_leaves(leaves: list[Any], n: int, spec: pytree.TreeSpec) -> frozenset[int]:
-    """Positions, among the plain leaves of a micro-batch's call, of the split batch tensors."""
-    marks = pytree.tree_leaves(
-        pytree.tree_unflatten([_batched(leaf, n) for leaf in leaves], spec)
+def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    """Dimension 0 of the call's first tensor: the rows of its batch."""
+    values = [*args, *kwargs.values()]
+    return _batch_size([*range(len(args)), *kwargs], values, [None] * len(values))
+
+
+def _blocks(n: int, m: int) -> list[Tensor]:
+    return list(torch.arange(n).tensor_split(m)) if n else [torch.arange(0)]
+
+
+def _batch_size(keys: list[str | int], values: list[Any], given: list[Rule | None]) -> int:
+    """Dimension 0 of the first tensor of an argument cut into rows (by default, or said)."""
+    for key, value, rule in zip(keys, values, given):
+        if rule is not None and rule.name != "rows":
+            continue
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, Tensor) and leaf.dim() > 0:
+                return leaf.shape[0]
+        if rule is not None:
+            raise ValueError(
+                f"split_inputs says argument {key!r} holds rows, but it has no tensor with a "
+                "dimension 0 to cut; pass the batch there, or its rule as 'whole'"
+            )
+    raise ValueError(
+        "the call has no tensor argument with a batch dimension to split into micro-batches; "
+        "pass the batch as a tensor (e.g. input_ids=...) with the samples on dimension 0"
     )
-    return frozenset(k for k, mark in enumerate(marks) if mark is True)
+
+
+@dataclass
+class _Split:
+    values: list[Any]
+    """The argument's value in each micro-batch."""
+    marks: list[str | None]
+    """Per leaf of a micro-batch's value: ``"rows"``, ``"packed"`` or None (whole)."""
+    sizes: list[tuple[int, ...]]
+    """Per packed tensor leaf, each micro-batch's size on the packed dimension."""
+
+
+def _split_argument(
+    key: str | int,
+    value: Any,
+    rule: Rule | None,
+    n: int,
+    pieces: list[range],
+    whole: dict[str | int, Any] | None,
+) -> _Split:
+    m = len(pieces)
+    if rule is None:
+        return _split_by_default(value, n, m)
+    if rule.name == "whole":
+        return _Split([value] * m, [None] * len(pytree.tree_leaves(value)), [])
+    if rule.name == "rows":
+        return _split_rows(key, value, n, m)
+    if rule.name == "packed":
+        assert rule.packed is not None and whole is not None
+        lengths = row_lengths(rule.packed, whole, n, key)
+        leaves, spec = pytree.tree_flatten(value)
+        columns = [
+            packed_pieces(t, rule.packed, lengths, pieces, key)
+            if isinstance(t, Tensor)
+            else [t] * m
+            for t in leaves
+        ]
+        values = [pytree.tree_unflatten([col[i] for col in columns], spec) for i in range(m)]
+        marks: list[str | None] = ["packed" if isinstance(t, Tensor) else None for t in leaves]
+        dim = rule.packed.dim
+        sizes = [tuple(p.shape[dim] for p in col) for col in columns if isinstance(col[0], Tensor)]
+        return _Split(values, marks, sizes)
+    assert rule.custom is not None
+    values = list(rule.custom(value, pieces))
+    if len(values) != m:
+        raise ValueError(
+            f"the split function of argument {key!r} returned {len(values)} values for "
+            f"{m} micro-batches; return one value per range of rows it is given"
+        )
+    leaves = [pytree.tree_leaves(v) for v in values]
+    marks = ["packed" if isinstance(t, Tensor) else None for t in leaves[0]]
+    sizes = [
+        tuple(col[k].shape[0] for col in leaves)
+        for k, t in enumerate(leaves[0])
+        if isinstance(t, Tensor) and t.dim() > 0
+    ]
+    return _Split(values, marks, sizes)
+
+
+def _split_by_default(value: Any, n: int, m: int) -> _Split:
+    """Tensors with the batch's rows cut into row blocks, key-value caches by rows, anything
+    else whole."""
+    leaves, spec = pytree.tree_flatten(value, is_leaf=caches.is_cache)
+    columns = [_split_leaf(leaf, n, m) for leaf in leaves]
+    values = [pytree.tree_unflatten([col[i] for col in columns], spec) for i in range(m)]
+    flags = pytree.tree_leaves(pytree.tree_unflatten([_batched(t, n) for t in leaves], spec))
+    return _Split(values, ["rows" if flag is True else None for flag in flags], [])
+
+
+def _split_rows(key: str | int, value: Any, n: int, m: int) -> _Split:
+    leaves, spec = pytree.tree_flatten(value)
+    for t in leaves:
+        if isinstance(t, Tensor) and not _batched(t, n):
+            raise ValueError(
+                f"split_inputs says argument {key!r} holds rows, but it has shape "
+                f"{tuple(t.shape)} for a batch of {n} rows; give it the rows on dimension 0, "
+                "or its rule as 'whole' or pipepar.Packed(lengths)"
+            )
+    columns = [_split_leaf(t, n, m) for t in leaves]
+    values = [pytree.tree_unflatten([col[i] for col in columns], spec) for i in range(m)]
+    return _Split(values, ["rows" if isinstance(t, Tensor) else None for t in leaves], [])
 
 
 def _split_leaf(leaf: Any, n: int, m: int) -> Sequence[Any]:
@@ -125,24 +296,49 @@ def _batched(leaf: Any, n: int) -> bool:
     return isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == n
 
 
+@dataclass(frozen=True)
+class LeafJoin:
+    """How one output leaf is joined over micro-batches, and its gradient handed back:
+    ``"concat"`` on ``dim`` (each micro-batch's size there in ``sizes``), ``"shares"`` (one
+    value, each micro-batch weighted), ``"sum"``, ``"custom"`` (a function of the values),
+    ``"same"`` (equal plain values), ``"cache"``."""
+
+    kind: str
+    dim: int = 0
+    sizes: tuple[int, ...] = ()
+    weights: tuple[float, ...] = ()
+    custom: Any = None
+
+
 def join(
     outputs: Sequence[Any],
-    rows: Sequence[int],
+    parts: Parts | Sequence[int],
     shares: dict[int, Sequence[float]] | None = None,
 ) -> Any:
     """Join the micro-batch outputs into the output of the whole batch.
 
     Args:
         outputs: what each micro-batch's call returned.
-        rows: each micro-batch's rows.
+        parts: how the batch was cut (:func:`parts_of`), or each micro-batch's rows.
         shares: for the leaves reduced over the batch (by index among the output's leaves),
             the micro-batches' shares (see :mod:`pipepar.core.losses`); a share of 0 leaves
             that micro-batch's value out (a mean over nothing). Other one-element leaves are
             averaged by rows.
     """
+    return join_with(outputs, parts, shares)[0]
+
+
+def join_with(
+    outputs: Sequence[Any],
+    parts: Parts | Sequence[int],
+    shares: dict[int, Sequence[float]] | None = None,
+) -> tuple[Any, list[LeafJoin]]:
+    """:func:`join`, and how each leaf was joined (what hands its gradient back)."""
+    cut = parts if isinstance(parts, Parts) else Parts(tuple(parts))
     shares = shares or {}
     if len(outputs) == 1:
-        return outputs[0]
+        leaves = pytree.tree_leaves(outputs[0])
+        return outputs[0], [LeafJoin("single") for _ in leaves]
     flat = [pytree.tree_flatten(out) for out in outputs]
     spec = flat[0][1]
     for k, (_, other) in enumerate(flat[1:], 1):
@@ -152,41 +348,98 @@ def join(
                 f"({other} vs {spec}); the model must return the same structure for every batch"
             )
     columns = list(zip(*(leaves for leaves, _ in flat)))
-    total = sum(rows)
-    by_rows = [r / total for r in rows]
-    joined = [
-        _join_leaf(col, rows, list(shares[k]) if k in shares else by_rows, path)
+    total = sum(cut.rows)
+    by_rows = tuple(r / total for r in cut.rows) if total else tuple(1.0 for _ in cut.rows)
+    ways = [
+        _how(col, cut, tuple(shares[k]) if k in shares else by_rows, path)
         for k, (path, col) in enumerate(zip(_paths(spec, len(columns)), columns))
     ]
-    return pytree.tree_unflatten(joined, spec)
+    joined = [
+        _apply(way, col, cut.rows, path)
+        for way, col, path in zip(ways, columns, _paths(spec, len(columns)))
+    ]
+    return pytree.tree_unflatten(joined, spec), ways
 
 
-def _join_leaf(col: Sequence[Any], rows: Sequence[int], shares: Sequence[float], where: str) -> Any:
+def _how(col: Sequence[Any], cut: Parts, shares: tuple[float, ...], where: str) -> LeafJoin:
+    """How a leaf is joined: by the pipe's rule for it, else by what its values are."""
+    rule = cut.rules.output(where)
     first = col[0]
+    if rule == "concat":
+        _check_concat(col, where)
+        return LeafJoin("concat", 0, tuple(t.shape[0] for t in col))
+    if rule == "sum":
+        return LeafJoin("sum")
+    if rule is not None:
+        return LeafJoin("custom", custom=rule)
     if isinstance(first, Tensor):
         if all(
-            isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == r for t, r in zip(col, rows)
+            isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == r for t, r in zip(col, cut.rows)
         ):
-            return torch.cat(list(col))
+            return LeafJoin("concat", 0, tuple(cut.rows))
         if all(isinstance(t, Tensor) and t.numel() == 1 for t in col):
-            return weighted_sum(col, shares)
+            return LeafJoin("shares", weights=shares)
+        if _packed_like(col, cut):
+            return LeafJoin("concat", 0, tuple(t.shape[0] for t in col))
         shapes = [tuple(t.shape) for t in col]
         raise ValueError(
             f"output {where} cannot be joined over micro-batches: shapes {shapes} neither carry "
-            f"the micro-batch rows {list(rows)} on dimension 0 nor hold one value; return it "
-            "with the batch on dimension 0, or use chunks=1"
+            f"the micro-batch rows {list(cut.rows)} on dimension 0 nor hold one value; return it "
+            "with the batch on dimension 0, say how to join it (wrap(..., join_outputs="
+            f"{{{first_key(where)!r}: 'concat'}}) or 'sum' or a function), or use chunks=1"
         )
     if caches.is_cache(first):
-        return caches.join(col, rows, f"output {where}")
+        return LeafJoin("cache")
     if all(v is None for v in col) or all(_same(v, first) for v in col):
-        return first
+        return LeafJoin("same")
     other = next(v for v in col if not _same(v, first))
     raise ValueError(
         f"output {where} differs between micro-batches ({reprlib.repr(first)} vs "
         f"{reprlib.repr(other)}) and a {type(first).__name__} cannot be joined (tensors, "
-        "transformers caches and equal plain values can); leave it out of the output or use "
-        "chunks=1 (for a cache of a kind of the model's own, pass use_cache=False)"
+        "transformers caches and equal plain values can); leave it out of the output, say how "
+        f"to join it (join_outputs={{{first_key(where)!r}: fn}}) or use chunks=1 (for a "
+        "cache of a kind of the model's own, pass use_cache=False)"
     )
+
+
+def _apply(way: LeafJoin, col: Sequence[Any], rows: Sequence[int], where: str) -> Any:
+    if way.kind == "single":
+        return col[0]
+    if way.kind == "concat":
+        return torch.cat(list(col), dim=way.dim)
+    if way.kind == "shares":
+        return weighted_sum(col, way.weights)
+    if way.kind == "sum":
+        return functools.reduce(operator.add, col)
+    if way.kind == "custom":
+        return way.custom(list(col))
+    if way.kind == "cache":
+        return caches.join(col, rows, f"output {where}")
+    return col[0]
+
+
+def _check_concat(col: Sequence[Any], where: str) -> None:
+    if not all(isinstance(t, Tensor) and t.dim() > 0 for t in col):
+        kinds = [type(t).__name__ if not isinstance(t, Tensor) else tuple(t.shape) for t in col]
+        raise ValueError(
+            f"join_outputs says output {where} is concatenated, but the micro-batches returned "
+            f"{kinds}; concatenate tensors of one dimension or more, or give a function"
+        )
+
+
+def _packed_like(col: Sequence[Any], cut: Parts) -> bool:
+    """Whether each micro-batch's dimension 0 is in one proportion to its part of a packed
+    input (an image's hidden states for each image, or for each patch)."""
+    if not all(isinstance(t, Tensor) and t.dim() > 0 for t in col):
+        return False
+    sizes = [t.shape[0] for t in col]
+    for packed in cut.packed:
+        ref = next((i for i, p in enumerate(packed) if p > 0), None)
+        if ref is None or sizes[ref] == 0:
+            continue
+        if all(s * packed[ref] == sizes[ref] * p for s, p in zip(sizes, packed)):
+            return True
+    return False
 
 
 def _same(a: Any, b: Any) -> bool:

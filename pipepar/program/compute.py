@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
@@ -33,7 +34,8 @@ from pipepar.local.pipe_view import PipeView
 from pipepar.program import units as units_
 from pipepar.program.aliases import alias_leaves, of_stage, used_elsewhere
 from pipepar.program.autograd import ProgramFunction, as_tuple, joined
-from pipepar.program.calls import Call, StepCall, split_call
+from pipepar.program.batch_rules import Rules
+from pipepar.program.calls import Call, StepCall, parts_of, split_call
 from pipepar.program.cut import Cut, Ledger
 from pipepar.program.driver import driver_pool, watch_units
 from pipepar.program.losses import Forms, ModelLoss, Shares, callers, loss_head, step_shares
@@ -76,8 +78,11 @@ class ProgramCompute:
         sample: Any,
         deferred_batch_norm: bool,
         batch_coupling: str = "error",
+        rules: Rules | None = None,
     ) -> None:
         defer_statistics(model, deferred_batch_norm)
+        self.rules = rules or Rules()
+        """How a call is cut into micro-batches and its output joined (said in wrap)."""
         order = [u.path for u in units_.units(model, sample)] if sample is not None else None
         self._units = units_.layout(model, order)
         self.sizes = units_.sizes_of(self._units, balance, split)
@@ -108,7 +113,7 @@ class ProgramCompute:
     def forward(self, pipe: PipeView, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """Run the model on the batch, micro-batch by micro-batch through the stages; what the
         model returns, joined over the micro-batches."""
-        calls = split_call(args, kwargs, pipe.chunks)
+        calls = split_call(args, kwargs, pipe.chunks, self.rules, self.model)
         shares = ModelLoss(self.model, calls, self._forms, loss=False)
         if runs_directly(pipe, len(calls)):
             return self._retrying(lambda: self._forward_direct(pipe, calls, shares))
@@ -118,7 +123,7 @@ class ProgramCompute:
         """One stage, nothing to recompute: the model called on each micro-batch, on plain
         autograd."""
         results = [call() for call in callers(self.model, _on(calls, pipe.devices[0]), shares)]
-        return joined(results, [c.rows for c in calls], shares)
+        return joined(results, parts_of(calls), shares)
 
     def _forward(self, pipe: PipeView, calls: list[Call], shares: ModelLoss | None) -> Any:
         params = [p for held in self._params for p in held]
@@ -129,7 +134,7 @@ class ProgramCompute:
         run = self._run(pipe, calls, grad=needs_grad, shares=shares)
         if not needs_grad:
             run.execute(pipe._workers(), FORWARD)
-            return joined(run.results(), run.rows, shares)
+            return joined(run.results(), run.parts, shares)
         holder: dict[str, Any] = {}
         outs = ProgramFunction.apply(pipe, run, holder, shares, len(flat_in), *flat_in, *params)
         leaves = list(holder["leaves"])
@@ -141,7 +146,7 @@ class ProgramCompute:
     def step(self, pipe: PipeView, call: StepCall) -> Tensor:
         """Forward and backward of one mini-batch in the schedule's order; the joined loss
         (see :meth:`pipepar.local.pipe.Pipe.step`)."""
-        calls = split_call(call.args, call.kwargs, pipe.chunks)
+        calls = split_call(call.args, call.kwargs, pipe.chunks, self.rules, self.model)
         targets = split_target(call.target, [c.rows for c in calls])
         shares = step_shares(call.loss_fn, self.model, calls, targets, call.items, self._forms)
         shares = shares.scaled(call.scale)
@@ -259,7 +264,7 @@ class ProgramCompute:
             batch,
             self._driver_threads(pipe, len(calls)),
             inputs,
-            [c.rows for c in calls],
+            parts_of(calls),
             grad=grad,
             tracer=pipe.tracer,
             draws=pipe._draws,
@@ -290,7 +295,7 @@ def _on(calls: list[Call], device: torch.device) -> list[Call]:
         return leaf.to(device) if isinstance(leaf, Tensor) and leaf.device != device else leaf
 
     moved = [pytree.tree_map(there, (c.args, c.kwargs)) for c in calls]
-    return [Call(args, kwargs, c.rows) for (args, kwargs), c in zip(moved, calls)]
+    return [replace(c, args=args, kwargs=kwargs) for (args, kwargs), c in zip(moved, calls)]
 
 
 # -- building -------------------------------------------------------------------------------

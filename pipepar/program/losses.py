@@ -115,6 +115,7 @@ class ModelLoss(LossShares):
         self, model: nn.Module, calls: Sequence[Call], forms: Forms, *, loss: bool
     ) -> None:
         sources = [c.batch_tensors() for c in calls]
+        self._tracked = calls[0].tracked() if calls else 0
         batch = {id(t) for t in sources[0]} if sources else set()
         self._whole = [t for t in calls[0].tensors() if id(t) not in batch] if calls else []
         super().__init__([c.rows for c in calls], sources, what="the model's loss")
@@ -143,6 +144,7 @@ class ModelLoss(LossShares):
                 names=self._forms.names(),
                 resolve=self.resolve,
                 accepts=self._forms.accepts if len(self.rows) > 1 else lambda c: True,
+                tracked=self._tracked,
             )
             with self._probe:
                 output = call()

@@ -32,7 +32,8 @@ from pipepar.program import early_weights
 from pipepar.program import units as units_
 from pipepar.program.aliases import alias_leaves, of_stage, used_elsewhere
 from pipepar.program.autograd import joined
-from pipepar.program.calls import Call, StepCall, split_call
+from pipepar.program.batch_rules import Rules
+from pipepar.program.calls import Call, StepCall, parts_of, split_call
 from pipepar.program.cut import Ledger
 from pipepar.program.driver import driver_pool, watch_units
 from pipepar.program.link import Link
@@ -70,8 +71,11 @@ class RankProgram:
         split: Sequence[str] | None,
         deferred_batch_norm: bool,
         batch_coupling: str = "error",
+        rules: Rules | None = None,
     ) -> None:
         defer_statistics(model, deferred_batch_norm)
+        self.rules = rules or Rules()
+        """How a call is cut into micro-batches and its output joined (said in wrap)."""
         self._forms = Forms(model, batch_coupling, deferred_batch_norm)  # outputs, by kind
         self.model = model
         self.sizes = units_.sizes_of(units_.layout(model), balance, split)
@@ -211,14 +215,14 @@ class RankProgram:
         """The forwards of a mini-batch under no_grad: what the model returns, joined, on the
         last stage's ranks; None on the others."""
         ctx = self._ctx
-        calls = split_call(args, kwargs, ctx.chunks)
+        calls = split_call(args, kwargs, ctx.chunks, self.rules, self.model)
         schedule = fewer_microbatches(ctx.schedule, len(calls))
         shares = ModelLoss(self.model, calls, self._forms, loss=False)
         batch, _ = ctx.guard(lambda: self._gathered_walk(calls, schedule, shares))
         try:
             if ctx.schedule.n_stages - 1 not in self._mine:
                 return None
-            return joined([d.result for d in batch.drivers], [c.rows for c in calls], shares)
+            return joined([d.result for d in batch.drivers], parts_of(calls), shares)
         finally:
             batch.close()
 
@@ -235,7 +239,7 @@ class RankProgram:
 
     def _step(self, call: StepCall) -> float:
         ctx = self._ctx
-        calls = split_call(call.args, call.kwargs, ctx.chunks)
+        calls = split_call(call.args, call.kwargs, ctx.chunks, self.rules, self.model)
         if calls[0].rows == 0:
             raise ValueError(
                 "the batch has no rows: pass at least one sample on dimension 0 of the tensors "

@@ -24,6 +24,7 @@ from pipepar.core.stage import Stage
 from pipepar.local.executor import Phase, Run
 from pipepar.local.weights import shared_stages
 from pipepar.local.worker import Slots, WorkerPool
+from pipepar.program.calls import Parts
 from pipepar.program.step import Batch, SegmentContext, SegmentStep
 from pipepar.tracing.tracer import Tracer
 
@@ -65,7 +66,7 @@ class ProgramRun(Run):
         batch: Callable[[SegmentContext], Batch],
         drivers: ThreadPoolExecutor,
         inputs: Sequence[Sequence[Tensor]],
-        rows: Sequence[int],
+        parts: Parts,
         *,
         grad: bool,
         tracer: Tracer | None = None,
@@ -108,7 +109,8 @@ class ProgramRun(Run):
         self._started = False
         self._lock = threading.Lock()
         self.out_sizes: list[int] = []
-        self.rows = list(rows)
+        self.parts = parts
+        self.rows = list(parts.rows)
 
     def _segment_context(self, stage: int, i: int) -> contextlib.AbstractContextManager[Any]:
         """What micro-batch ``i``'s driver enters while it computes ``stage``: that stage's
