@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipepar.zoo.llama import llama, llama3_70b
+
 __all__ = [
     "NAMES",
     "bert",
@@ -73,53 +75,6 @@ def gpt2(
         eos_token_id=0,
     )
     return _on(device, lambda: GPT2LMHeadModel(config))
-
-
-def llama(
-    *,
-    layers: int = 4,
-    hidden: int = 32,
-    intermediate: int = 64,
-    heads: int = 4,
-    kv_heads: int = 2,
-    vocab: int = VOCAB,
-    positions: int = 256,
-    dropout: float = 0.0,
-    device: str | torch.device | None = None,
-) -> nn.Module:
-    """transformers' ``LlamaForCausalLM`` (grouped-query attention, rotary positions)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        num_hidden_layers=layers,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=vocab,
-        max_position_embeddings=positions,
-        attention_dropout=dropout,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    return _on(device, lambda: LlamaForCausalLM(config))
-
-
-def llama3_70b(*, device: str | torch.device = "meta") -> nn.Module:
-    """A Llama-3-70B-shaped ``LlamaForCausalLM`` (80 layers, hidden 8192, intermediate 28672,
-    64 heads with 8 key-value heads, vocabulary 128256, sequence 4096), on ``meta``."""
-    return llama(
-        layers=80,
-        hidden=8192,
-        intermediate=28672,
-        heads=64,
-        kv_heads=8,
-        vocab=128256,
-        positions=4096,
-        device=device,
-    )
 
 
 def bert(

@@ -24,13 +24,15 @@ from pipepar.program.batch_rules import Packed
 from pipepar.program.profile import profile
 from pipepar.program.units import Unit, units
 from pipepar.tracing.tracer import Timeline, tracing
+from pipepar.version import installed_version
 from pipepar.wrapping import wrap
 
 ModelPipe = Pipe
 """The pipe of any model: the same class as :class:`Pipe` (one pipe for every model), kept
 under the name it had when models other than ``nn.Sequential`` had a class of their own."""
 
-__version__ = "0.1.0"
+__version__ = installed_version()
+"""The installed distribution's version (``pip show pipepar``); see :mod:`pipepar.version`."""
 
 __all__ = [
     "BatchCoupled",

@@ -2,15 +2,17 @@
 
     pipepar profile MODEL --input-shape 64,3,224,224 --devices 4 --capacity 16GiB --chunks 8 \\
         --optimizer adam [--schedule 1f1b] [--json plan.json] [--html report.html]
-    pipepar plan models.transformers_zoo:llama3_70b --tokens 8,4096 --dtype bfloat16 \\
+    pipepar plan pipepar.zoo:llama3_70b --tokens 8,4096 --dtype bfloat16 \\
         --devices 8 --capacity 80GiB --chunks 8 --checkpoint always --schedule 1f1b
     pipepar plan --hf-config path/to/config.json --tokens 8,4096 --devices 8 --capacity 80GiB
-    pipepar plan models.transformers_zoo:llama3_70b --tokens 8,4096 --dtype bfloat16 \\
+    pipepar plan pipepar.zoo:llama3_70b --tokens 8,4096 --dtype bfloat16 \\
         --devices 64 --capacity 80GiB --cluster h100x8 --batch 512 [--top 5] [--dp-shard both]
     pipepar convert CKPT_DIR OUT.pt
 
-MODEL is a zoo builder (``models.alexnet``), a torchvision model (``torchvision.models.resnet50``
-or just ``resnet50``) or any ``package.module:function`` returning an ``nn.Module``. ``profile``
+MODEL is one of pipepar's example models (``pipepar.zoo:alexnet``, ``pipepar.zoo:llama3_70b``:
+:mod:`pipepar.zoo`), a torchvision model (``torchvision.models.resnet50`` or just ``resnet50``) or
+a model of one's own: ``package.module:function``, a function returning an ``nn.Module``,
+imported from the installed packages or else from the current directory. ``profile``
 flattens models that are not an ``nn.Sequential`` with :func:`pipepar.sequentialize`; ``plan``
 takes any model as it is and plans over its units (:func:`pipepar.units`: what
 ``pipepar.wrap(model, balance=...)`` counts), building it on meta by default, and feeds it
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
@@ -65,21 +68,40 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message)
 
 
+def _model_names() -> str:
+    """How MODEL is named, for the help."""
+    from pipepar import zoo
+
+    return (
+        f"MODEL: pipepar.zoo:NAME for pipepar's example models ({', '.join(zoo.__all__)}), a "
+        "torchvision model (resnet50), or a model of your own as package.module:function, a "
+        "function returning an nn.Module (its keyword arguments: --model-kwargs), imported "
+        "from the installed packages or else from the current directory."
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="pipepar", description="Plan and inspect pipeline-parallel splits.")
+    models = _model_names()
+    parser = _Parser(
+        prog="pipepar", description="Plan and inspect pipeline-parallel splits.", epilog=models
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    p = sub.add_parser("profile", help="profile a model and plan its split over devices")
+    p = sub.add_parser(
+        "profile", help="profile a model and plan its split over devices", epilog=models
+    )
     p.add_argument(
-        "model", help="models.alexnet, torchvision.models.resnet50, resnet50 or pkg.mod:fn"
+        "model", help="pipepar.zoo:alexnet, resnet50 (torchvision) or your package.module:function"
     )
     p.add_argument("--input-shape", required=True, help="sample shape, batch first: 64,3,224,224")
     _common(p)
-    q = sub.add_parser("plan", help="plan any model (transformers too) over its units")
+    q = sub.add_parser(
+        "plan", help="plan any model (transformers too) over its units", epilog=models
+    )
     q.add_argument(
         "model",
         nargs="?",
         default=None,
-        help="models.transformers_zoo:llama3_70b, pkg.mod:fn, ... (or --hf-config)",
+        help="pipepar.zoo:llama3_70b or your package.module:function (or --hf-config)",
     )
     q.add_argument("--hf-config", metavar="FILE", help="a transformers config.json (or folder)")
     q.add_argument("--tokens", help="token ids B,T passed as input_ids= and labels=: 8,4096")
@@ -159,9 +181,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         arguments.
 
     Example:
-        >>> main(["profile", "models.mlp", "--input-shape", "32,1024", "--devices", "2"])
+        >>> main(["profile", "pipepar.zoo:mlp", "--input-shape", "32,1024", "--devices", "2"])
         0
     """
+    _search_current_directory()
     try:
         args = _parser().parse_args(argv)
         commands = {"plan": _plan_units, "profile": _profile, "convert": _convert}
@@ -172,6 +195,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PlanError as err:
         print(f"pipepar: {err}", file=sys.stderr)
         return 1
+
+
+def _search_current_directory() -> None:
+    """Let MODEL name a module in the current directory (``mymodels:build``), as ``python -m``
+    would: the ``pipepar`` command itself starts with only its own folder and the installed
+    packages on the path. Added last, so that a folder here never hides an installed package."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.append(here)
 
 
 class PlanError(Exception):
@@ -331,7 +363,7 @@ def _search_and_write(
 def _unit_model(args: argparse.Namespace, options: _Options) -> torch.nn.Module:
     if (args.model is None) == (args.hf_config is None):
         raise UsageError(
-            "pass a MODEL (e.g. models.transformers_zoo:llama3_70b) or --hf-config "
+            "pass a MODEL (e.g. pipepar.zoo:llama3_70b) or --hf-config "
             "path/to/config.json, one of the two"
         )
     device = args.profile_device

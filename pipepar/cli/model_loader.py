@@ -1,10 +1,11 @@
-"""Build a model from a name, for the command line: zoo, torchvision or ``package.module:function``.
+"""Build a model from a name, for the command line: ``pipepar.zoo``, torchvision or
+``package.module:function``.
 
-    >>> load_model("models.alexnet", device="meta")            # the zoo (models/)
+    >>> load_model("pipepar.zoo:alexnet", device="meta")       # pipepar's examples (pipepar.zoo)
     >>> load_model("resnet50", device="meta")                  # torchvision, weights=None
     >>> load_model("torchvision.models.vgg16", device="meta")
     >>> load_model("mypackage.nets:build", device="meta", depth=4)
-    >>> load_module("models.transformers_zoo:llama3_70b", device="meta")   # kept as it is
+    >>> load_module("pipepar.zoo:llama3_70b", device="meta")   # kept as it is
     >>> load_hf_config("path/to/config.json", device="meta")               # transformers
 
 Builders run under ``torch.device(device)`` so that ``device="meta"`` allocates nothing; those
@@ -45,7 +46,7 @@ def resolve_builder(spec: str) -> Callable[..., Any]:
         'resnet18'
     """
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"MODEL {spec!r} is empty; use e.g. models.alexnet or resnet50")
+        raise ValueError(f"MODEL {spec!r} is empty; use e.g. pipepar.zoo:alexnet or resnet50")
     if ":" in spec:
         module_name, _, attr = spec.partition(":")
         return _attribute(_import(module_name, spec), attr, spec)
@@ -61,7 +62,8 @@ def _import(name: str, spec: str) -> Any:
     except ImportError as err:
         raise ValueError(
             f"MODEL {spec!r}: cannot import {name!r} ({err}); check the name and that the "
-            "package is installed (and importable from the current directory)"
+            "package is installed or in the current directory (pipepar's example models are "
+            "pipepar.zoo:NAME)"
         ) from None
 
 
@@ -81,22 +83,30 @@ def _torchvision(name: str) -> Callable[..., Any]:
         import torchvision.models as tvm
     except ImportError:
         raise ValueError(
-            f"MODEL {name!r} looks like a torchvision model but torchvision is not installed; "
-            "pip install torchvision, or use models.<name> or package.module:function"
+            f"MODEL {name!r} looks like a torchvision model but torchvision is not installed"
+            f"{_zoo_hint(name)}; pip install torchvision, or use pipepar.zoo:NAME or "
+            "package.module:function"
         ) from None
     available = tvm.list_models()
     if name not in available:
         close = [m for m in available if name.lower() in m][:5]
-        hint = f" (did you mean {', '.join(close)}?)" if close else ""
+        hint = f" (did you mean {', '.join(close)}?)" if close else _zoo_hint(name)
         raise ValueError(
-            f"MODEL {name!r} is not a torchvision model{hint}; use models.<name> for the zoo "
-            "or package.module:function"
+            f"MODEL {name!r} is not a torchvision model{hint}; use pipepar.zoo:NAME for "
+            "pipepar's example models or package.module:function"
         )
 
     def build(**kw: Any) -> nn.Module:
         return tvm.get_model(name, **{"weights": None, **kw})  # never download
 
     return build
+
+
+def _zoo_hint(name: str) -> str:
+    """A pointer to ``pipepar.zoo:name`` where a bare name is one of pipepar's examples."""
+    from pipepar import zoo
+
+    return f" (pipepar's example is pipepar.zoo:{name})" if name in zoo.__all__ else ""
 
 
 def load_model(spec: str, *, device: str | torch.device = "meta", **kwargs: Any) -> nn.Sequential:
@@ -111,7 +121,7 @@ def load_model(spec: str, *, device: str | torch.device = "meta", **kwargs: Any)
         The model, flattened to an ``nn.Sequential``.
 
     Example:
-        >>> len(load_model("models.mlp", device="meta", depth=2))
+        >>> len(load_model("pipepar.zoo:mlp", device="meta", depth=2))
         4
     """
     model = load_module(spec, device=device, **kwargs)
@@ -131,8 +141,8 @@ def load_module(spec: str, *, device: str | torch.device = "meta", **kwargs: Any
         **kwargs: passed to the builder.
 
     Example:
-        >>> type(load_module("models.transformers_zoo:gpt2", layers=2)).__name__
-        'GPT2LMHeadModel'
+        >>> type(load_module("pipepar.zoo:llama", layers=2)).__name__
+        'LlamaForCausalLM'
     """
     builder = resolve_builder(spec)
     params = _parameters(builder)
