@@ -29,13 +29,11 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 try:
-    import models
+    import pipepar
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    import models
-
-import pipepar
-from pipepar import timeline
+    import pipepar
+from pipepar import timeline, zoo
 
 MIN_IMAGE_SIZE = 63  # AlexNet's three 3x3/2 max pools need at least this many pixels
 
@@ -189,7 +187,7 @@ def synthetic_data(args: argparse.Namespace) -> list[tuple[torch.Tensor, torch.T
 
 def build_pipe(args: argparse.Namespace, sample: torch.Tensor) -> pipepar.Pipe:
     """AlexNet split over ``args.devices`` (``trace=True`` when a timeline is asked for)."""
-    model = models.alexnet(args.num_classes, original=args.original, hidden=args.hidden)
+    model = zoo.alexnet(args.num_classes, original=args.original, hidden=args.hidden)
     devices = args.devices or default_devices()
     balance = args.balance or equal_flops_balance(model, sample[:1], len(devices))
     return pipepar.wrap(

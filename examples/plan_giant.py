@@ -16,8 +16,8 @@ import time
 
 import torch
 
-import models
 import pipepar
+from pipepar import zoo
 from pipepar.core.units import format_bytes
 
 
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
-    model = models.gpt(
+    model = zoo.gpt(
         depth=args.depth, width=args.width, heads=args.heads, seq_len=args.seq_len, device="meta"
     )
     tokens = torch.zeros(args.batch, args.seq_len, dtype=torch.long, device="meta")

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 import pipepar
-from models.mlp import mlp
 from pipepar import timeline
 from pipepar.core.schedule import NAMES, VIRTUAL
+from pipepar.zoo import mlp
 
 
 def draw(name: str, out: Path, steps: int) -> Path:

@@ -82,9 +82,9 @@ def _own_dist_info(name: str) -> bool:
     return name.startswith(f"{PACKAGE}-") and name.endswith(".dist-info")
 
 
-def build_and_check(out: Path) -> Path:
-    """Copy the sources, build the sdist, unpack it, build the wheel from it and check it; the
-    wheel's path (``out`` holds both files)."""
+def build_dists(out: Path) -> tuple[Path, Path]:
+    """Copy the sources to ``out/source``, build the sdist there, unpack it and build the
+    wheel from it (both files in ``out/dist``); the wheel's path and the sources'."""
     source = copy_sources(ROOT, out / "source")
     sdist = build("build_sdist", source, out / "dist")
     with tarfile.open(sdist) as tar:
@@ -93,7 +93,12 @@ def build_and_check(out: Path) -> Path:
         else:
             tar.extractall(out / "unpacked")
     unpacked = out / "unpacked" / sdist.name.removesuffix(".tar.gz")
-    wheel = build("build_wheel", unpacked, out / "dist")
+    return build("build_wheel", unpacked, out / "dist"), source
+
+
+def main(out: Path) -> Path:
+    """Build the sdist and the wheel in ``out`` and check the wheel; its path."""
+    wheel, source = build_dists(out)
     problems = wheel_problems(wheel, source)
     if problems:
         raise SystemExit(f"{wheel.name}:\n  " + "\n  ".join(problems))
@@ -103,4 +108,4 @@ def build_and_check(out: Path) -> Path:
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         raise SystemExit(f"usage: python {sys.argv[0]} OUT_DIR (an empty directory)")
-    print(build_and_check(Path(sys.argv[1]).resolve()))
+    print(main(Path(sys.argv[1]).resolve()))

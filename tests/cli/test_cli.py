@@ -26,7 +26,7 @@ def test_profile_zoo_model_writes_json_and_html(
     code, out, err = _run(
         capsys,
         "profile",
-        "models.alexnet",
+        "pipepar.zoo:alexnet",
         "--input-shape",
         "64,3,224,224",
         "--devices",
@@ -214,6 +214,8 @@ def test_python_dash_m_entry_point(tmp_path: Path) -> None:
 
 
 def test_model_loader_resolves_every_spelling() -> None:
+    assert resolve_builder("pipepar.zoo:llama3_70b").__name__ == "llama3_70b"
+    assert resolve_builder("pipepar.zoo.alexnet").__name__ == "alexnet"
     assert resolve_builder("models.alexnet").__name__ == "alexnet"
     assert resolve_builder("models:mlp").__name__ == "mlp"
     model = load_model("vgg11", device="meta")
@@ -262,6 +264,7 @@ def test_plan_any_model_over_its_units(tmp_path: Path, capsys: pytest.CaptureFix
     ("argv", "message"),
     [
         (["plan", "--tokens", "2,8"], "MODEL"),
+        (["plan", "llama3_70b", "--tokens", "2,8"], "pipepar.zoo:llama3_70b"),
         (["plan", "models.transformers_zoo:gpt2"], "--tokens"),
         (["plan", "models.transformers_zoo:gpt2", "--tokens", "2,8,3"], "two numbers"),
         (["plan", "--hf-config", "/nonexistent/config.json", "--tokens", "2,8"], "--hf-config"),
@@ -272,3 +275,32 @@ def test_plan_bad_arguments_exit_2(
 ) -> None:
     code, out, err = _run(capsys, *argv)
     assert code == 2 and out == "" and message in err and err.count("\n") == 1
+
+
+def test_help_says_how_to_name_a_model(capsys: pytest.CaptureFixture[str]) -> None:
+    for command in ("profile", "plan"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        out = capsys.readouterr().out
+        assert "pipepar.zoo:NAME" in out and "llama3_70b" in out
+        assert "package.module:function" in out and "current directory" in out
+
+
+def test_own_model_from_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``pipepar`` (a console script) starts with only its own folder and the installed packages
+    on the path; a MODEL in the current directory is found all the same."""
+    (tmp_path / "cli_own_net.py").write_text(
+        "from torch import nn\n\n\ndef build(width=16):\n"
+        "    return nn.Sequential(nn.Linear(width, width), nn.ReLU())\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    code, out, err = _run(
+        capsys, "profile", "cli_own_net:build", "--input-shape", "8,16", "--devices", "2",
+        "--json", "-", "--quiet",
+    )
+    assert code == 0, err
+    assert json.loads(out)["balance"] == [1, 1]
+    assert sys.path[-1] == str(tmp_path)  # last: a folder here never hides an installed package
