@@ -6,18 +6,14 @@
 # 70B-shaped example and `pipepar profile` of a model of one's own. Called by .ci/run.
 #
 # The new environment gets pipepar from the wheel only. Its dependencies (torch, rich,
-# transformers) come from the development environment by default, seen through a folder of
-# links that leaves out pipepar, models and every .pth file (so no editable install can leak
-# in), which keeps the check within a minute or two; PIPEPAR_CHECK_DEPS=install has pip
-# install them instead, as `pip install "pipepar[hf]"` would (torch from pip's configured
-# indexes and find-links: slow, and the CUDA build unless a CPU wheel is found first).
+# transformers) come from the development environment, seen through a folder of links that
+# leaves out pipepar, models and every .pth file (so no editable install can leak in): pip is
+# not asked for torch, which keeps the check offline and within a minute or two.
 #
 #   bash scripts/check_wheel.sh                 # PYTHON=.venv/bin/python by default
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
-DEPS=${PIPEPAR_CHECK_DEPS:-share}
-case "$DEPS" in share|install) ;; *) echo "PIPEPAR_CHECK_DEPS=$DEPS: use share or install" >&2; exit 2;; esac
 
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/pipepar-wheel.XXXXXX")
 trap 'rm -rf "$TMP"' EXIT
@@ -47,20 +43,16 @@ WHEEL=$(tail -n 1 "$LOG")
 VENV="$TMP/venv"
 step "fresh virtual environment" "$PY" -m venv "$VENV"
 SITE=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-if [ "$DEPS" = share ]; then
-  DEV_SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  mkdir "$TMP/deps"
-  for entry in "$DEV_SITE"/*; do
-    case "$(basename "$entry")" in
-      pipepar|pipepar-*|__editable__*|models|*.pth|__pycache__) ;;  # nothing of the checkout
-      *) ln -s "$entry" "$TMP/deps/" ;;
-    esac
-  done
-  echo "$TMP/deps" >"$SITE/dev-dependencies.pth"
-  step "install the wheel (dependencies shared)" "$VENV/bin/pip" install --no-deps --no-index "$WHEEL"
-else
-  step "install the wheel with pipepar[hf]" "$VENV/bin/pip" install "$WHEEL[hf]"
-fi
+DEV_SITE=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+mkdir "$TMP/deps"
+for entry in "$DEV_SITE"/*; do
+  case "$(basename "$entry")" in
+    pipepar|pipepar-*|pipepar.*|__editable__*|models|*.pth|__pycache__) ;;  # nothing of the checkout
+    *) ln -s "$entry" "$TMP/deps/" ;;
+  esac
+done
+echo "$TMP/deps" >"$SITE/dev-dependencies.pth"
+step "install the wheel" "$VENV/bin/pip" install --no-deps --no-index "$WHEEL"
 
 # 3. From a folder outside the checkout, with nothing of it on the path.
 RUN="$TMP/run"
