@@ -1,5 +1,9 @@
 """Sequential model zoo: every builder returns a flat ``nn.Sequential`` ready to split.
 
+The repository's zoo, for the tests, examples and benchmarks: it is not installed with pipepar.
+The models installed users get (:func:`alexnet`, :func:`gpt`, :func:`mlp`) live in
+:mod:`pipepar.zoo` and are the same functions here.
+
 Each builder takes keyword-only options and ``device=`` (``"meta"`` builds without memory):
 
 - :func:`alexnet`: torchvision's AlexNet, or ``original=True`` for the 2012 two-GPU net.

@@ -1,4 +1,4 @@
-"""Look zoo models up by name, for the CLI (``pipepar profile models.alexnet ...``)."""
+"""Look zoo models up by name (``models.get("alexnet")``), for the tests and benchmarks."""
 
 from __future__ import annotations
 
