@@ -25,10 +25,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from pipepar.core.losses import Items, weighted_sum
+from pipepar.core.given import Given
+from pipepar.core.losses import Items, split_target, weighted_sum
 from pipepar.program import caches
 
-__all__ = ["Call", "StepCall", "as_call", "join", "split_call"]
+__all__ = ["Call", "StepCall", "as_call", "given_calls", "join", "split_call"]
 
 
 @dataclass
@@ -64,6 +65,17 @@ class StepCall:
     items: Items | None = None
     scale: float = 1.0
     """A loss scaler's scale: each micro-batch's backward seed is multiplied by it."""
+    given: Given | None = None
+    """The micro-batches (and targets) the caller made, in place of ``args``, ``kwargs``
+    (and ``target``)."""
+
+    def microbatches(self, chunks: int) -> tuple[list[Call], list[Any]]:
+        """The micro-batch calls (the batch split into at most ``chunks``, or the caller's)
+        and each one's target."""
+        if self.given is not None:
+            return given_calls(self.given.microbatches), self.given.targets_on(None)
+        calls = split_call(self.args, self.kwargs, chunks)
+        return calls, split_target(self.target, [c.rows for c in calls])
 
 
 def as_call(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -105,6 +117,43 @@ def split_call(args: tuple[Any, ...], kwargs: dict[str, Any], chunks: int) -> li
         a, k = pytree.tree_unflatten([col[i] for col in columns], spec)
         calls.append(Call(tuple(a), dict(k), rows[i], batched))
     return calls
+
+
+def given_calls(microbatches: Sequence[Any]) -> list[Call]:
+    """The calls of micro-batches the caller made, each read as :func:`as_call` reads a
+    sample (a dict: keyword arguments, a tuple: positional ones); a micro-batch's rows are
+    dimension 0 of its first tensor, its tensors with those rows its batch tensors.
+
+    Raises:
+        ValueError: micro-batches with different arguments, or one without rows.
+
+    Example:
+        >>> calls = given_calls([{"x": torch.zeros(2, 5)}, {"x": torch.zeros(1, 7)}])
+        >>> [c.rows for c in calls]
+        [2, 1]
+    """
+    made = [as_call(mb) for mb in microbatches]
+    flat = [pytree.tree_flatten(call, is_leaf=caches.is_cache) for call in made]
+    calls = []
+    for i, ((args, kwargs), (leaves, spec)) in enumerate(zip(made, flat)):
+        if spec != flat[0][1]:
+            raise ValueError(
+                f"microbatches[{i}] passes the model {_arguments(args, kwargs)} but "
+                f"microbatches[0] {_arguments(*made[0])}; give every micro-batch the same "
+                "arguments, in the same structure (only their tensors' sizes may differ)"
+            )
+        n = batch_size(args, kwargs)
+        if n == 0:
+            raise ValueError(
+                f"microbatches[{i}] has no rows (dimension 0 of its first tensor is 0); leave "
+                "empty micro-batches out of the list"
+            )
+        calls.append(Call(tuple(args), dict(kwargs), n, _batched_leaves(leaves, n, spec)))
+    return calls
+
+
+def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    return f"{len(args)} positional arguments and keywords {sorted(kwargs)}"
 
 
 def _batched_leaves(leaves: list[Any], n: int, spec: pytree.TreeSpec) -> frozenset[int]:
