@@ -19,51 +19,11 @@ from models import transformers_zoo as zoo
 from pipepar.core.losses import LossNotJoinable
 from pipepar.core.schedule import Schedule, make
 from tests._foreign_models import NanoGPT
+from tests.program._given import SHAPES, chain, chain_data, hand_joined_lm, lm_batches
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1"]
 SPLITS = {"gpt2": "transformer.h.2", "llama": "model.layers.2"}
 RTOL = 1e-5
-SHAPES = [(3, 5), (1, 2), (2, 7)]  # rows, sequence length of each micro-batch
-
-
-def _chain() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
-
-
-def _chain_data() -> tuple[list[Tensor], list[Tensor]]:
-    g = torch.Generator().manual_seed(1)
-    xs = [torch.randn(r, t, 4, generator=g) for r, t in SHAPES]
-    ys = [torch.randn(r, t, 2, generator=g) for r, t in SHAPES]
-    return xs, ys
-
-
-def _lm_batches(vocab: int = zoo.VOCAB) -> list[dict[str, Tensor]]:
-    """Micro-batches of different rows and lengths, each with another count of ignored labels
-    (the third has none to train on)."""
-    g = torch.Generator().manual_seed(2)
-    out = []
-    for (rows, seq), ignored in zip([(2, 7), (3, 4), (1, 9), (2, 3)], [3, 0, 5, 3]):
-        ids = torch.randint(1, vocab, (rows, seq), generator=g)
-        labels = ids.clone()
-        labels[:, :ignored] = -100
-        out.append({"input_ids": ids, "labels": labels})
-    out[2]["labels"][:] = -100
-    return out
-
-
-def _hand_joined_lm(model: nn.Module, batches: list[dict[str, Tensor]]) -> Tensor:
-    """The token-mean cross-entropy over every micro-batch's real labels: their per-token
-    losses summed over all micro-batches, divided by all counted tokens."""
-    total, count = torch.zeros(()), 0
-    for b in batches:
-        logits = model(input_ids=b["input_ids"]).logits[:, :-1]
-        labels = b["labels"][:, 1:]
-        total = total + F.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="sum"
-        )
-        count += int((labels != -100).sum())
-    return total / count
 
 
 def _check_grads(pipe: nn.Module, plain: nn.Module) -> None:
@@ -82,11 +42,11 @@ def _close(a: Tensor | float, b: Tensor) -> bool:
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_a_chains_micro_batches_of_other_lengths_equal_one_loss_over_them(schedule: str) -> None:
-    plain = _chain()
+    plain = chain()
     pipe = pipepar.wrap(
         copy.deepcopy(plain), balance=[3, 2], devices=["cpu", "cpu"], chunks=2, schedule=schedule
     )
-    xs, ys = _chain_data()
+    xs, ys = chain_data()
     pipe.step(microbatches=xs, targets=ys, loss_fn=F.mse_loss)  # learns, then follows
     pipe.zero_grad()
     loss = pipe.step(microbatches=xs, targets=ys, loss_fn=F.mse_loss)
@@ -113,11 +73,11 @@ def test_a_models_own_loss_over_micro_batches_of_other_lengths(name: str, schedu
         chunks=2,
         schedule=schedule,
     )
-    batches = _lm_batches()
+    batches = lm_batches()
     pipe.step(microbatches=batches)
     pipe.zero_grad()
     loss = pipe.step(microbatches=batches)  # the schedule built for 4, chunks=2 or not
-    ref = _hand_joined_lm(plain, batches)
+    ref = hand_joined_lm(plain, batches)
     ref.backward()
     assert _close(loss, ref), (loss, ref)
     _check_grads(pipe, plain)
@@ -168,9 +128,9 @@ def test_a_loss_fn_with_targets_and_positional_micro_batches() -> None:
 def test_a_mean_measured_on_micro_batch_0_is_refused_for_other_lengths() -> None:
     """A hand-written mean over the output's elements: its count is the first micro-batch's,
     scaled by rows, which is wrong for other sequence lengths: refused before any gradient."""
-    plain = _chain()
+    plain = chain()
     pipe = pipepar.wrap(copy.deepcopy(plain), balance=[3, 2], devices=["cpu", "cpu"], chunks=2)
-    xs, ys = _chain_data()
+    xs, ys = chain_data()
     with pytest.raises(LossNotJoinable, match="differ in shape beyond their rows"):
         pipe.step(microbatches=xs, targets=ys, loss_fn=lambda o, y: ((o - y) ** 2).mean())
     with pytest.raises(LossNotJoinable, match="means over different counts added"):
@@ -227,7 +187,7 @@ def test_a_mean_measured_on_micro_batch_0_is_refused_for_other_lengths() -> None
 def test_bad_micro_batch_arguments_are_refused(
     kwargs: dict[str, Any], error: type[Exception], match: str
 ) -> None:
-    pipe = pipepar.wrap(_chain(), balance=[3, 2], devices=["cpu", "cpu"], chunks=2)
+    pipe = pipepar.wrap(chain(), balance=[3, 2], devices=["cpu", "cpu"], chunks=2)
     with pytest.raises(error, match=match):
         pipe.step(**kwargs)
 
@@ -242,6 +202,8 @@ def test_micro_batches_with_the_batch_or_other_arguments_are_refused() -> None:
         pipe.step(microbatches=[{"input_ids": ids, "labels": ids}, {"input_ids": ids}])
     built = make("1f1b", 2, 4, n_workers=2)
     fixed = Schedule("mine", built.n_stages, built.n_microbatches, built.actions)
-    chain = pipepar.wrap(_chain(), balance=[3, 2], devices=["cpu", "cpu"], chunks=4, schedule=fixed)
+    fixed_pipe = pipepar.wrap(
+        chain(), balance=[3, 2], devices=["cpu", "cpu"], chunks=4, schedule=fixed
+    )
     with pytest.raises(ValueError, match="4 microbatches="):
-        chain.step(microbatches=[torch.zeros(2, 4)] * 3, loss_fn=lambda o, y: o.sum())
+        fixed_pipe.step(microbatches=[torch.zeros(2, 4)] * 3, loss_fn=lambda o, y: o.sum())
