@@ -16,6 +16,7 @@ anything else cannot be joined and raises.
 
 from __future__ import annotations
 
+import dataclasses
 import reprlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -122,7 +123,8 @@ def split_call(args: tuple[Any, ...], kwargs: dict[str, Any], chunks: int) -> li
 def given_calls(microbatches: Sequence[Any]) -> list[Call]:
     """The calls of micro-batches the caller made, each read as :func:`as_call` reads a
     sample (a dict: keyword arguments, a tuple: positional ones); a micro-batch's rows are
-    dimension 0 of its first tensor, its tensors with those rows its batch tensors.
+    dimension 0 of its first tensor; its batch tensors are the arguments that have its rows
+    there in every micro-batch.
 
     Raises:
         ValueError: micro-batches with different arguments, or one without rows.
@@ -149,7 +151,9 @@ def given_calls(microbatches: Sequence[Any]) -> list[Call]:
                 "empty micro-batches out of the list"
             )
         calls.append(Call(tuple(args), dict(kwargs), n, _batched_leaves(leaves, n, spec)))
-    return calls
+    # The same leaves hold rows in every micro-batch: counts are replayed by position.
+    batched = frozenset.intersection(*(c.batched for c in calls))
+    return [dataclasses.replace(c, batched=batched) for c in calls]
 
 
 def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
