@@ -2,8 +2,9 @@
 different rows and sequence lengths, an ``nn.Sequential`` (MSE, ``targets=``) and GPT-2 and
 Llama with their own ``labels=`` loss (different ``-100`` counts, one micro-batch with none to
 train on) give on every rank the loss and gradients of one loss over them all, under 1F1B and
-a zero-bubble schedule, in training and evaluation; ranks given different counts of micro-
-batches are refused naming both."""
+a zero-bubble schedule, in training and evaluation; two replicas given micro-batches of their
+own train as one batch of them all; ranks of a pipeline given different counts of micro-batches
+are refused naming both."""
 
 from __future__ import annotations
 
@@ -57,6 +58,10 @@ def _two_ranks(rank: int) -> dict[str, Any]:
         with torch.no_grad():
             out[f"{name} eval"] = pipe.step(microbatches=batches)
         pipe.close()
+    torch.manual_seed(0)  # two replicas, each its own micro-batches (two and two)
+    pipe = ppd.wrap(zoo.build("gpt2"), balance=[9], chunks=2, dp=2)
+    out["replicas"] = (pipe.step(microbatches=batches[2 * rank : 2 * rank + 2]), _grads(pipe))
+    pipe.close()
     return out
 
 
@@ -88,3 +93,14 @@ def test_a_models_own_loss_over_micro_batches_of_other_lengths(
     ranks_equal_plain([ranks[r][name] for r in (0, 1)], loss, plain)
     for r in (0, 1):
         assert abs(ranks[r][f"{name} eval"] - loss.item()) <= 1e-5 * loss.item()
+
+
+def test_replicas_given_micro_batches_of_their_own(ranks: dict[int, Any]) -> None:
+    """dp=2: the counts are summed over the replicas, so each replica's micro-batches of other
+    lengths and token counts make the loss and gradients of one loss over all four."""
+    torch.manual_seed(0)
+    plain = zoo.build("gpt2")
+    loss = hand_joined_lm(plain, lm_batches())
+    loss.backward()
+    for r in (0, 1):
+        ranks_equal_plain([ranks[r]["replicas"]], loss, plain)
