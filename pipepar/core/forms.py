@@ -19,6 +19,7 @@ operations that made it. :mod:`pipepar.core.reductions` learns the forms of a ca
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -76,12 +77,17 @@ class Count:
     share (its rows over the batch's)."""
     fixed: float | None = None
     """The count, when it is one number for micro-batches of the watched one's shape."""
+    measured: bool = False
+    """The count was measured on the watched micro-batch (and scaled by rows), not recomputed
+    from each one's inputs: right only for micro-batches of the watched one's shape beyond
+    their rows (not for micro-batches of other sequence lengths)."""
 
     def same_shares(self, other: Count) -> bool:
         """Whether the two counts give every micro-batch the same share."""
         if self == other or (self.per_row and other.per_row):
             return True
         return self.fixed is not None and self.fixed == other.fixed
+
     def __call__(self, sources: Sources, rows: int) -> float:
         """The count of a micro-batch, computed on its inputs as they are, outside whatever
         mode the caller runs under (a shadow stage's meta values)."""
@@ -90,7 +96,7 @@ class Count:
 
     def times(self, factor: float) -> Count:
         of = self.of
-        return Count(lambda s, r: factor * of(s, r), self.what, self.any_rows, self.per_row)
+        return dataclasses.replace(self, of=lambda s, r: factor * of(s, r), fixed=None)
 
     def plus(self, other: Count) -> Count:
         a, b = self.of, other.of
@@ -99,6 +105,7 @@ class Count:
             f"{self.what} + {other.what}",
             self.any_rows and other.any_rows,
             self.per_row and other.per_row,
+            measured=self.measured or other.measured,
         )
 
 
@@ -299,7 +306,10 @@ def _added(a: Form, b: Form, *, name: str, where: str) -> Form:
         both = a.count.plus(b.count) if a.count and b.count and name in ("add", "radd") else None
         return Summed(both)
     if isinstance(a, Averaged) and isinstance(b, Averaged) and a.count.same_shares(b.count):
-        return a
+        if a.count == b.count:
+            return a
+        # Two counts in proportion for micro-batches of one shape, not of other lengths.
+        return Averaged(dataclasses.replace(a.count, measured=True))
     return Unknown(name, where, "it adds values of the batch averaged over different counts")
 
 

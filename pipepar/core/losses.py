@@ -90,6 +90,8 @@ class LossShares(Sequence[float]):
         what: str = "loss_fn",
     ) -> None:
         self.rows, self.sources, self.what = list(rows), [list(s) for s in sources], what
+        self.ragged = _ragged(self.sources)
+        """The micro-batches differ in shape beyond their rows (e.g. sequence lengths)."""
         self.counts: list[float] | None = list(counts) if counts is not None else None
         self.summed = False
         self.known = counts is not None
@@ -135,6 +137,16 @@ class LossShares(Sequence[float]):
                 f"{self.what} divides by {count.what}, a size of a value the model computes that "
                 f"is known for micro-batches of {self.rows[0]} rows only, but micro-batch {i} has "
                 f"{self.rows[i]}; give a batch that chunks divides evenly, or say what the loss "
+                "averages over with items=lambda target: count"
+            )
+        if count.measured and self.ragged:
+            raise LossNotJoinable(
+                f"{self.what} divides by {count.what} in a way known for micro-batches of "
+                "micro-batch 0's shape only (a count measured on it and scaled by rows, or "
+                "means over different counts added), but the micro-batches differ in shape "
+                f"beyond their rows ({_shapes(self.sources)}); reduce with an operation "
+                "on the inputs (e.g. F.mse_loss(output, target), F.cross_entropy with "
+                "ignore_index, or a sum divided by a mask's sum), or say what the loss "
                 "averages over with items=lambda target: count"
             )
         return count(self.sources[i], self.rows[i])
@@ -337,6 +349,17 @@ def batch_tensors(values: Sequence[Any]) -> list[list[Tensor]]:
         ]
         for leaves in flat
     ]
+
+
+def _ragged(sources: Sequence[Sequence[Tensor]]) -> bool:
+    """Whether the micro-batches' tensors differ in shape beyond their rows (dimension 0)."""
+    first = [t.shape[1:] for t in sources[0]] if sources else []
+    return any([t.shape[1:] for t in s] != first for s in sources[1:])
+
+
+def _shapes(sources: Sequence[Sequence[Tensor]]) -> str:
+    shown = [[tuple(t.shape) for t in s] for s in sources[:3]]
+    return f"tensors of {', '.join(map(str, shown))}{' ...' if len(sources) > 3 else ''}"
 
 
 def _not_joinable(what: str, form: Unknown) -> str:

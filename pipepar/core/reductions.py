@@ -331,8 +331,9 @@ class Probe(TorchFunctionMode):
         label = f"the {what} of a {tuple(tensor.shape)} value"
         if self.rows and tensor.dim() and tensor.shape[dim or 0] % self.rows == 0:
             per_row = value / self.rows
-            return Count(lambda sources, rows: per_row * rows, label, per_row=True)
-        return Count(lambda sources, rows: value, label, any_rows=False, fixed=value)
+            measured = what != "rows"  # a size of another dimension: the watched one's
+            return Count(lambda s, r: per_row * r, label, per_row=True, measured=measured)
+        return Count(lambda s, r: value, label, any_rows=False, fixed=value, measured=True)
 
     # -- reductions over the batch ------------------------------------------------------------
     def _reduction(
@@ -402,7 +403,8 @@ class Probe(TorchFunctionMode):
         if isinstance(form, Const):  # made from sizes alone (torch.arange(len(logits)))
             value = float(_real_targets(target, bound))
             label = f"the targets of F.{name}()"
-            return Averaged(Count(lambda s, r: value, label, any_rows=False, fixed=value))
+            count = Count(lambda s, r: value, label, any_rows=False, fixed=value, measured=True)
+            return Averaged(count)
         return Unknown(
             f"F.{name}()",
             where,

@@ -104,15 +104,17 @@ class RankChain:
     def _evaluate(self, call: ChainCall) -> float:
         ctx = self._ctx
         spread = functools.partial(spread_over_replicas, mesh=ctx.mesh, device=ctx.device)
+        x, target = _batch_of(call)
         with self._sync.gathered():
             loss_sum = self._runtime.run(
-                call.input, call.target, call.loss_fn, items=call.items, spread=spread, grad=False
+                x, target, call.loss_fn, items=call.items, spread=spread, grad=False
             )
         loss = None if loss_sum is None else self._replica_mean(loss_sum.float().reshape(1))
         return self._share_loss(loss)
 
     def _step(self, call: ChainCall) -> float:
-        mesh, device, x = self._ctx.mesh, self._ctx.device, call.input
+        mesh, device = self._ctx.mesh, self._ctx.device
+        x, target = _batch_of(call)
         same_inputs = check_replica_inputs(x, mesh, device) if mesh.stage == 0 else None
         self._sync.arm()
 
@@ -120,9 +122,7 @@ class RankChain:
             return spread_over_replicas(shares, mesh=mesh, device=device).scaled(call.scale)
 
         with self._sync.gathered():  # sharded: all-gathered once for every action of the step
-            loss_sum = self._runtime.run(
-                x, call.target, call.loss_fn, items=call.items, spread=spread
-            )
+            loss_sum = self._runtime.run(x, target, call.loss_fn, items=call.items, spread=spread)
             if same_inputs is not None:  # before the averaged gradients are written back
                 same_inputs()
             loss = None if loss_sum is None else loss_sum.float().reshape(1)
@@ -213,6 +213,14 @@ class RankChain:
         """Release the transport's and the gradient sync's groups."""
         self._transport.drop()
         self._sync.drop()
+
+
+def _batch_of(call: ChainCall) -> tuple[Any, Any]:
+    """What the runtime takes: the batch and its target, or the micro-batches the caller made
+    and their targets (lists, which the runtime takes as they are)."""
+    if call.given is None:
+        return call.input, call.target
+    return call.given.microbatches, call.given.targets
 
 
 def _tensors(pipe: nn.Module) -> list[Tensor]:

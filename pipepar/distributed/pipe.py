@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from pipepar.core import validation
 from pipepar.core.garbage import StepCollector
+from pipepar.core.given import check_given
 from pipepar.core.loss_scale import LossScaler, loss_scale
 from pipepar.core.losses import Items
 from pipepar.core.schedule import Schedule
@@ -247,6 +248,8 @@ class DistributedPipe(nn.Module):
         target: Any = None,
         items: Items | None = None,
         scaler: LossScaler | None = None,
+        microbatches: list[Any] | None = None,
+        targets: list[Any] | None = None,
         **kwargs: Any,
     ) -> float:
         """Run one mini-batch forward and backward; return its loss on every rank.
@@ -276,6 +279,12 @@ class DistributedPipe(nn.Module):
         that overflows on any rank then counts on every rank (:mod:`pipepar.ranks.overflow`),
         so ``scaler.step(opt)`` skips on all of them or none, and every scale stays the same.
 
+        ``microbatches=[mb0, mb1, ...]`` (with ``loss_fn=``, ``targets=[t0, t1, ...]``) runs
+        micro-batches you made, as :meth:`pipepar.local.pipe.Pipe.step` does; pass the same
+        lists on every rank of a pipeline (an ``nn.Sequential``'s stage 0 reads
+        ``microbatches``, its last stage ``targets``). They may differ in rows and in other
+        sizes (sequence lengths): every rank learns each micro-batch's shapes.
+
         Returns:
             The loss of the whole batch over the replicas, the same float on every rank.
 
@@ -286,13 +295,19 @@ class DistributedPipe(nn.Module):
             >>> loss = pipe.step(x, y, nn.functional.mse_loss)  # doctest: +SKIP
             >>> loss = pipe.step(input_ids=ids, labels=ids)  # doctest: +SKIP
         """
+        given, kwargs = check_given(
+            microbatches, targets, loss_fn=loss_fn, target=target, args=args, kwargs=kwargs
+        )
         scale = loss_scale(scaler, self.device)
         with self._collector.step():
             if isinstance(self._compute, RankChain):
-                call = chain_step_arguments(args, kwargs, target, loss_fn, items, name="x")
+                call = chain_step_arguments(
+                    args, kwargs, target, loss_fn, items, name="x", given=given
+                )
                 loss = self._compute.step(replace(call, scale=scale))
             else:
-                loss = self._compute.step(StepCall(args, kwargs, loss_fn, target, items, scale))
+                step_call = StepCall(args, kwargs, loss_fn, target, items, scale, given)
+                loss = self._compute.step(step_call)
         if scaler is not None and scaler.is_enabled() and torch.is_grad_enabled():
             held = self._compute.clipped()[1]
             self._guarded(lambda: agree_overflow(held, scale, mesh=self.mesh, device=self.device))

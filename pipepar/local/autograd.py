@@ -16,13 +16,13 @@ __all__ = ["StepFunction", "unalias"]
 class StepFunction(torch.autograd.Function):
     """The autograd node of ``pipe.step``: forward runs the whole schedule (F, B and W) by
     calling ``step_all()``, which returns the joined loss; backward hands the gradients ``run``
-    found (of ``args``: the batch's tensors, then the parameters) to autograd, scaled by the
+    found (of ``args``: each micro-batch's tensors, then the parameters) to autograd, scaled by the
     loss's gradient."""
 
     @staticmethod
     def forward(ctx: Any, step_all: Callable[[], Tensor], run: Any, *args: Tensor) -> Any:
         loss = step_all()
-        ctx.grads = [*run.input_grads(), *run.take_param_grads()]
+        ctx.grads = [*run.microbatch_input_grads(), *run.take_param_grads()]
         return loss.detach()
 
     @staticmethod

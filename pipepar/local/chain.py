@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from pipepar.core import validation
 from pipepar.core.batchnorm import committing, defer_statistics
 from pipepar.core.first_calls import FirstCalls
+from pipepar.core.given import Given
 from pipepar.core.losses import Items, LossFn, joined_loss, loss_shares, split_target
 from pipepar.core.microbatch import Value, check_value, gather, scatter, tensors
 from pipepar.core.recompute import should_checkpoint
@@ -58,6 +59,22 @@ class ChainCall:
     items: Items | None = None
     scale: float = 1.0
     """A loss scaler's scale: each micro-batch's backward seed is multiplied by it."""
+    given: Given | None = None
+    """The micro-batches (and targets) the caller made, in place of ``input`` (and
+    ``target``)."""
+
+    def microbatches(
+        self, chunks: int, device: torch.device | None
+    ) -> tuple[list[Value], list[Any]]:
+        """The micro-batch inputs (``input`` split into at most ``chunks``, or the caller's)
+        and their targets (tensors on ``device``, the last stage's)."""
+        if self.given is not None:
+            given = self.given.microbatches
+            inputs = [check_value(x, what=f"microbatches[{i}]") for i, x in enumerate(given)]
+            return inputs, self.given.targets_on(device)
+        inputs = scatter(check_value(self.input, what="input"), chunks)
+        rows = [tensors(x)[0].shape[0] for x in inputs]
+        return inputs, split_target(self.target, rows, device)
 
 
 class ChainCompute:
@@ -111,7 +128,7 @@ class ChainCompute:
         needs_grad = torch.is_grad_enabled() and (
             any(t.requires_grad for t in tensors(input)) or bool(params)
         )
-        run = _run(pipe, microbatches, grad=needs_grad, input=input)
+        run = _run(pipe, microbatches, grad=needs_grad)
         if not needs_grad:
             return forward_all(pipe, run)
         _tune_heap(pipe)
@@ -148,9 +165,18 @@ def chain_step_arguments(
     loss_fn: LossFn | None,
     items: Items | None,
     name: str = "input",
+    given: Given | None = None,
 ) -> ChainCall:
     """What ``pipe.step(input, target, loss_fn, items=...)`` of an ``nn.Sequential`` was given,
-    positionally or by name (the input's keyword is ``name``)."""
+    positionally or by name (the input's keyword is ``name``), or with ``given`` micro-batches
+    ``step(microbatches=..., targets=..., loss_fn=...)``."""
+    if given is not None:
+        if loss_fn is None:
+            raise TypeError(
+                "step() is missing 'loss_fn'; call pipe.step(microbatches=[...], "
+                "targets=[...], loss_fn=fn), e.g. loss_fn=torch.nn.functional.mse_loss"
+            )
+        return ChainCall(None, None, loss_fn, items, given=given)
     if len(args) > 3 or set(kwargs) - {name}:
         raise TypeError(
             f"step() of a pipe of an nn.Sequential takes ({name}, target, loss_fn, *, items), "
@@ -158,8 +184,8 @@ def chain_step_arguments(
             "pipe.step(x, y, loss_fn)"
         )
     named = dict(zip((name, "target", "loss_fn"), args))
-    given = [(k, v) for k, v in (("target", target), ("loss_fn", loss_fn)) if v is not None]
-    for key, value in list(kwargs.items()) + given:
+    named_too = [(k, v) for k, v in (("target", target), ("loss_fn", loss_fn)) if v is not None]
+    for key, value in list(kwargs.items()) + named_too:
         if key in named:
             raise TypeError(f"step() got multiple values for argument {key!r}")
         named[key] = value
@@ -173,16 +199,14 @@ def chain_step_arguments(
 
 
 # -- running ------------------------------------------------------------------------------------
-def _run(
-    pipe: PipeView, microbatches: list[Value], *, grad: bool, input: Value, head: Any = None
-) -> Run:
+def _run(pipe: PipeView, microbatches: list[Value], *, grad: bool, head: Any = None) -> Run:
     return Run(
         pipe._stages,
         pipe._schedule(len(microbatches)),
         microbatches,
         checkpoint=pipe.checkpoint,
         grad=grad,
-        input_requires_grad=any(t.requires_grad for t in tensors(input)),
+        input_requires_grad=any(t.requires_grad for x in microbatches for t in tensors(x)),
         head=head,
         tracer=pipe.tracer,
         draws=pipe._draws,
@@ -221,10 +245,8 @@ def _step(pipe: PipeView, call: ChainCall) -> Tensor:
             f"loss_fn must be callable, but got {type(call.loss_fn).__name__}; pass e.g. "
             "torch.nn.functional.cross_entropy"
         )
-    input = check_value(call.input, what="input")
-    microbatches = scatter(input, pipe.chunks)
+    microbatches, targets = call.microbatches(pipe.chunks, pipe.devices[-1])
     rows = [tensors(x)[0].shape[0] for x in microbatches]
-    targets = split_target(call.target, rows, pipe.devices[-1])
     shares = loss_shares(call.loss_fn, targets, rows, call.items).scaled(call.scale)
     grad = torch.is_grad_enabled()
     loss_of = shares.head_of(call.loss_fn, targets)
@@ -236,13 +258,13 @@ def _step(pipe: PipeView, call: ChainCall) -> Tensor:
             seeded[0].seed_loss(i, shares.seeds[i])
         return loss
 
-    run = _run(pipe, microbatches, grad=grad, input=input, head=head)
+    run = _run(pipe, microbatches, grad=grad, head=head)
     if not grad:  # evaluation: the schedule's forward actions only, no graph kept
         run.execute(pipe._workers(), FORWARD)
         return joined_loss(run.outputs(), shares.weights)
     params = [p for s in pipe._stages for p in s.trainable()]
     _tune_heap(pipe)
-    xs = tensors(input)
+    xs = [t for x in microbatches for t in tensors(x)]  # their gradients: micro-batch by one
     seeded.append(run)
     loss = StepFunction.apply(lambda: _step_all(pipe, run, shares.weights), run, *xs, *params)
     loss.backward()

@@ -260,9 +260,15 @@ class Run:
 
     def input_grads(self) -> list[Tensor | None]:
         """Gradients of the pipeline's input tensors (after all backward actions ran)."""
-        per_mb: list[Grads] = [self.slots.take(("B", -1, i)) for i in range(self.m)]  # type: ignore[misc]
-        columns = list(zip(*per_mb))
+        columns = list(zip(*self._each_input_grads()))
         return [None if any(g is None for g in col) else torch.cat(col) for col in columns]  # type: ignore[arg-type]
+
+    def microbatch_input_grads(self) -> list[Tensor | None]:
+        """Gradients of each micro-batch's input tensors, micro-batch by micro-batch."""
+        return [g for grads in self._each_input_grads() for g in grads]
+
+    def _each_input_grads(self) -> list[Grads]:
+        return [self.slots.take(("B", -1, i)) for i in range(self.m)]  # type: ignore[misc]
 
     def take_param_grads(self) -> list[Tensor | None]:
         """Per-parameter gradient sums, stage by stage, in ``stage.trainable()`` order; the

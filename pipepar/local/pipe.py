@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from pipepar.core import validation
 from pipepar.core.devices import DeviceSpec, resolve_devices
 from pipepar.core.garbage import StepCollector
+from pipepar.core.given import check_given
 from pipepar.core.loss_scale import LossScaler, loss_scale
 from pipepar.core.losses import Items
 from pipepar.core.randomness import DrawLog
@@ -302,6 +303,8 @@ class Pipe(nn.Module):
         target: Any = None,
         items: Items | None = None,
         scaler: LossScaler | None = None,
+        microbatches: list[Any] | None = None,
+        targets: list[Any] | None = None,
         **kwargs: Any,
     ) -> Tensor:
         """Forward and backward of one mini-batch in the schedule's order; returns the loss.
@@ -337,21 +340,36 @@ class Pipe(nn.Module):
         forward actions of the schedule run, the same loss comes back, ``.grad`` is untouched
         and no activation is kept for a backward (call ``pipe.eval()`` first for dropout off).
 
+        ``microbatches=[mb0, mb1, ...]`` runs micro-batches you made instead of splitting a
+        batch (e.g. sequences of different lengths, bucketed): each ``mb`` is what the model
+        takes (a dict of keyword arguments or a tuple of positional ones; for an
+        ``nn.Sequential`` its input), and they may differ in rows and in any other size.
+        The schedule is built for ``len(microbatches)`` (a Schedule object must have that
+        many). With ``loss_fn=``, ``targets=[t0, t1, ...]`` gives each one's target. The loss
+        and gradients are those of one loss over all of them, joined as above: a mean over
+        tokens is the mean over every micro-batch's tokens. Without ``microbatches=``,
+        ``targets=`` is the model's own keyword argument (nanoGPT's ``forward(idx, targets)``).
+
         Example:
             >>> loss = pipe.step(x, y, nn.functional.mse_loss)  # an nn.Sequential
             >>> loss = pipe.step(input_ids=ids, labels=ids)  # a transformers model
+            >>> loss = pipe.step(microbatches=[{"input_ids": a, "labels": a},
+            ...                                {"input_ids": b, "labels": b}])
             >>> opt.step(); opt.zero_grad()
             >>> loss = pipe.step(x, y, loss_fn, scaler=scaler)  # fp16: scaled backward
             >>> scaler.step(opt); scaler.update(); opt.zero_grad()
             >>> with torch.no_grad():
             ...     val_loss = pipe.eval().step(input_ids=val_ids, labels=val_ids)
         """
+        given, kwargs = check_given(
+            microbatches, targets, loss_fn=loss_fn, target=target, args=args, kwargs=kwargs
+        )
         scale = loss_scale(scaler, self._stages[-1].device)
         with self._collector.step():
             if isinstance(self._compute, ChainCompute):
-                call = chain_step_arguments(args, kwargs, target, loss_fn, items)
+                call = chain_step_arguments(args, kwargs, target, loss_fn, items, given=given)
                 return self._compute.step(self, replace(call, scale=scale))
-            step_call = StepCall(args, kwargs, loss_fn, target, items, scale)
+            step_call = StepCall(args, kwargs, loss_fn, target, items, scale, given)
             return self._compute.step(self, step_call)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:

@@ -31,7 +31,9 @@ def schedule_of_batch(layout: Schedule, m: int, chunks: int) -> Schedule:
         if layout.n_microbatches != m:
             raise ValueError(
                 f"the batch gives {m} micro-batches but the schedule was built for "
-                f"{layout.n_microbatches}; pass at least chunks={chunks} rows"
+                f"{layout.n_microbatches}; pass at least chunks={chunks} rows (or "
+                f"{layout.n_microbatches} microbatches=), or a schedule by name (built for "
+                "each batch's count)"
             )
         return layout
     return _cached(layout.name, layout.n_stages, m, layout.n_workers)

@@ -16,6 +16,7 @@ anything else cannot be joined and raises.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 import reprlib
@@ -27,7 +28,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from pipepar.core.losses import Items, weighted_sum
+from pipepar.core.given import Given
+from pipepar.core.losses import Items, split_target, weighted_sum
 from pipepar.program import caches
 from pipepar.program.batch_rules import (
     Rule,
@@ -45,6 +47,7 @@ __all__ = [
     "StepCall",
     "as_call",
     "batch_size",
+    "given_calls",
     "join",
     "join_with",
     "parts_of",
@@ -113,6 +116,19 @@ class StepCall:
     items: Items | None = None
     scale: float = 1.0
     """A loss scaler's scale: each micro-batch's backward seed is multiplied by it."""
+    given: Given | None = None
+    """The micro-batches (and targets) the caller made, in place of ``args``, ``kwargs``
+    (and ``target``)."""
+
+    def microbatches(
+        self, chunks: int, rules: Rules | None = None, model: nn.Module | None = None
+    ) -> tuple[list[Call], list[Any]]:
+        """The micro-batch calls (the batch split into at most ``chunks`` by ``rules``, or
+        the caller's) and each one's target."""
+        if self.given is not None:
+            return given_calls(self.given.microbatches), self.given.targets_on(None)
+        calls = split_call(self.args, self.kwargs, chunks, rules, model)
+        return calls, split_target(self.target, [c.rows for c in calls])
 
 
 def as_call(sample: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -203,6 +219,54 @@ def _batch_size(keys: list[str | int], values: list[Any], given: list[Rule | Non
         "the call has no tensor argument with a batch dimension to split into micro-batches; "
         "pass the batch as a tensor (e.g. input_ids=...) with the samples on dimension 0"
     )
+
+
+def given_calls(microbatches: Sequence[Any]) -> list[Call]:
+    """The calls of micro-batches the caller made, each read as :func:`as_call` reads a
+    sample (a dict: keyword arguments, a tuple: positional ones); a micro-batch's rows are
+    dimension 0 of its first tensor; its batch tensors are the arguments that have its rows
+    there in every micro-batch.
+
+    Raises:
+        ValueError: micro-batches with different arguments, or one without rows.
+
+    Example:
+        >>> calls = given_calls([{"x": torch.zeros(2, 5)}, {"x": torch.zeros(1, 7)}])
+        >>> [c.rows for c in calls]
+        [2, 1]
+    """
+    made = [as_call(mb) for mb in microbatches]
+    flat = [pytree.tree_flatten(call, is_leaf=caches.is_cache) for call in made]
+    calls = []
+    for i, ((args, kwargs), (leaves, spec)) in enumerate(zip(made, flat)):
+        if spec != flat[0][1]:
+            raise ValueError(
+                f"microbatches[{i}] passes the model {_arguments(args, kwargs)} but "
+                f"microbatches[0] {_arguments(*made[0])}; give every micro-batch the same "
+                "arguments, in the same structure (only their tensors' sizes may differ)"
+            )
+        n = batch_size(args, kwargs)
+        if n == 0:
+            raise ValueError(
+                f"microbatches[{i}] has no rows (dimension 0 of its first tensor is 0); leave "
+                "empty micro-batches out of the list"
+            )
+        calls.append(Call(tuple(args), dict(kwargs), n, _batched_leaves(leaves, n, spec)))
+    # The same leaves hold rows in every micro-batch: counts are replayed by position.
+    batched = frozenset.intersection(*(c.batched for c in calls))
+    return [dataclasses.replace(c, batched=batched) for c in calls]
+
+
+def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    return f"{len(args)} positional arguments and keywords {sorted(kwargs)}"
+
+
+def _batched_leaves(leaves: list[Any], n: int, spec: pytree.TreeSpec) -> frozenset[int]:
+    """Positions, among the plain leaves of a micro-batch's call, of the split batch tensors."""
+    marks = pytree.tree_leaves(
+        pytree.tree_unflatten([_batched(leaf, n) for leaf in leaves], spec)
+    )
+    return frozenset(k for k, mark in enumerate(marks) if mark is True)
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from pipepar.core.batchnorm import committing, defer_statistics, reset_all
-from pipepar.core.losses import LossNotJoinable, joined_loss, split_target
+from pipepar.core.losses import LossNotJoinable, joined_loss
 from pipepar.core.reductions import BatchCoupled
 from pipepar.core.stage import Stage
 from pipepar.local import cpu_malloc
@@ -146,8 +146,7 @@ class ProgramCompute:
     def step(self, pipe: PipeView, call: StepCall) -> Tensor:
         """Forward and backward of one mini-batch in the schedule's order; the joined loss
         (see :meth:`pipepar.local.pipe.Pipe.step`)."""
-        calls = split_call(call.args, call.kwargs, pipe.chunks, self.rules, self.model)
-        targets = split_target(call.target, [c.rows for c in calls])
+        calls, targets = call.microbatches(pipe.chunks, self.rules, self.model)
         shares = step_shares(call.loss_fn, self.model, calls, targets, call.items, self._forms)
         shares = shares.scaled(call.scale)
         attempt = self._step_direct if runs_directly(pipe, len(calls)) else self._step

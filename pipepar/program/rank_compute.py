@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from pipepar.core.batchnorm import committing, defer_statistics
-from pipepar.core.losses import joined_loss, split_target
+from pipepar.core.losses import joined_loss
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.program import early_weights
@@ -239,14 +239,13 @@ class RankProgram:
 
     def _step(self, call: StepCall) -> float:
         ctx = self._ctx
-        calls = split_call(call.args, call.kwargs, ctx.chunks, self.rules, self.model)
+        calls, targets = call.microbatches(ctx.chunks, self.rules, self.model)
         if calls[0].rows == 0:
             raise ValueError(
                 "the batch has no rows: pass at least one sample on dimension 0 of the tensors "
                 "of pipe.step(...) (every rank of the pipeline gets the same batch)"
             )
         schedule = fewer_microbatches(ctx.schedule, len(calls))
-        targets = split_target(call.target, [c.rows for c in calls])
         shares = step_shares(call.loss_fn, self.model, calls, targets, call.items, self._forms)
         if ctx.schedule.n_stages - 1 in self._mine:  # where the shares seed the backward
             shares = spread_over_replicas(shares, mesh=ctx.mesh, device=ctx.device)

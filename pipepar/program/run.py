@@ -163,6 +163,8 @@ class ProgramRun(Run):
             for t in xs
         ]
 
+    microbatch_input_grads = input_grads  # the calls' own tensors: micro-batch by one
+
     def take_param_grads(self) -> list[Tensor | None]:
         """Per-parameter sums, stage by stage, the tied uses added to their holder's."""
         steps: list[SegmentStep] = self.steps  # type: ignore[assignment]

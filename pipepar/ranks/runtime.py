@@ -113,8 +113,8 @@ class Runtime:
 
     def run(
         self,
-        x: Value | None,
-        target: Tensor | None,
+        x: Value | list[Tensor] | None,
+        target: Tensor | list[Tensor] | None,
         loss_fn: LossFn,
         *,
         items: Items | None = None,
@@ -124,7 +124,9 @@ class Runtime:
         """Run one mini-batch; on the last stage return its loss: the micro-batch losses
         times their shares (:mod:`pipepar.core.losses`; ``spread`` makes them shares of the
         batch of every replica, and may scale their backward seeds). With ``grad=False``
-        (evaluation) only the forward actions run, and the steps keep nothing for a backward."""
+        (evaluation) only the forward actions run, and the steps keep nothing for a backward.
+        ``x`` and ``target`` are the batch and its target (split into ``chunks``), or lists
+        of the micro-batches the caller made and their targets (run as they are)."""
         return self._walk(x, target, loss_fn, items, spread, grad).loss_sum
 
     def forward(self, x: Value | None) -> list[Value] | None:
@@ -135,8 +137,8 @@ class Runtime:
 
     def _walk(
         self,
-        x: Value | None,
-        target: Tensor | None,
+        x: Value | list[Tensor] | None,
+        target: Tensor | list[Tensor] | None,
         loss_fn: LossFn | None,
         items: Items | None,
         spread: Callable[[LossShares], LossShares] | None,
@@ -186,7 +188,10 @@ class Runtime:
         self._next = _next_of_kind(self.actions)
 
     def _microbatches(self, x: Any) -> int:
-        """``chunks``, or the rows of a smaller batch (one micro-batch per row)."""
+        """``chunks``, or the rows of a smaller batch (one micro-batch per row); as many as
+        the caller made."""
+        if isinstance(x, list):
+            return len(x)
         rows = x.shape[0] if isinstance(x, Tensor) and x.dim() > 0 else 0
         if rows == 0:
             raise ValueError(
@@ -197,7 +202,7 @@ class Runtime:
 
     def _steps(
         self,
-        target: Tensor | None,
+        target: Tensor | list[Tensor] | None,
         loss_fn: LossFn | None,
         items: Items | None,
         spread: Callable[[LossShares], LossShares] | None,
@@ -359,15 +364,18 @@ class Runtime:
         return self.stages[stage].device
 
     # -- signatures and shapes ------------------------------------------------------------------
-    def _signature(self, x: Value | None) -> int:
-        if not isinstance(x, Tensor):
+    def _signature(self, x: Value | list[Tensor] | None) -> int:
+        """The kind of mini-batch: its shape, or each given micro-batch's (the shapes of every
+        stage's values are learned per kind, micro-batch by micro-batch)."""
+        if not isinstance(x, (Tensor, list)):
             raise TypeError(
                 f"x must be the mini-batch tensor on stage 0, but got {type(x).__name__}; pass "
                 "the input batch to pipe.step(x, target, loss_fn) (or pipe(x)) on the first "
                 "stage's ranks"
             )
-        key = (tuple(x.shape), x.dtype, x.device.type)
-        return self._signatures.setdefault(key, len(self._signatures))
+        xs = _given(x, "microbatches") if isinstance(x, list) else [x]
+        key = tuple((tuple(t.shape), t.dtype, t.device.type) for t in xs)
+        return self._signatures.setdefault((isinstance(x, list), key), len(self._signatures))
 
     def _check_outputs(self, s: int, i: int, metas: Metas, expected: Metas) -> None:
         """Refuse to send an output the next stage has no buffer for (gloo would abort on it)."""
@@ -441,13 +449,33 @@ def fewer_microbatches(schedule: Schedule, m: int) -> Schedule:
     if schedule.name not in NAMES:
         raise ValueError(
             f"the batch gives {m} micro-batches but the schedule object was built for "
-            f"{schedule.n_microbatches}; pass at least {schedule.n_microbatches} rows, or a "
-            "schedule by name (which is rebuilt for a short batch)"
+            f"{schedule.n_microbatches}; pass at least {schedule.n_microbatches} rows (or "
+            f"{schedule.n_microbatches} microbatches=), or a schedule by name (which is "
+            "rebuilt for each batch's count)"
         )
     return make(schedule.name, schedule.n_stages, m, n_workers=schedule.n_workers)
 
 
-def _split(value: Value | None, m: int, name: str) -> list[Value]:
+def _given(values: list[Any], name: str) -> list[Tensor]:
+    """Micro-batches (or targets) the caller made: one tensor each, with rows."""
+    for i, t in enumerate(values):
+        if not isinstance(t, Tensor) or t.dim() == 0 or t.shape[0] == 0:
+            shown = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise TypeError(
+                f"{name}[{i}] is {shown}, but a pipe of an nn.Sequential across ranks takes one "
+                f"tensor with at least one row per micro-batch; pass {name}=[tensor, ...]"
+            )
+    return values
+
+
+def _split(value: Value | list[Tensor] | None, m: int, name: str) -> list[Value]:
+    if isinstance(value, list):  # micro-batches the caller made: as they are
+        if len(value) != m:
+            raise ValueError(
+                f"{name} has {len(value)} micro-batches but stage 0's rank passed {m}; pass "
+                "the same lists (microbatches=, targets=) on every rank of the pipeline"
+            )
+        return list(_given(value, name))
     if not isinstance(value, Tensor):
         raise TypeError(
             f"{name} must be a Tensor on this stage, but got {type(value).__name__}; stage 0 needs "
