@@ -52,10 +52,15 @@ _DEPTH = 2  # how deep containers' contents are followed: a list of tensors, a d
 
 
 @contextmanager
-def untouched(model: nn.Module) -> Iterator[None]:
+def untouched(model: nn.Module) -> Iterator[ModuleState]:
     """Run the block, then put back the random generators' states (the CPU's and every
     initialized CUDA device's) and every module of ``model`` as it was: its attributes, its
     registered buffers, parameters, submodules and hooks (same objects), buffers' values.
+
+    The block gets the :class:`ModuleState`: a block that runs the forward several times (a
+    profile: once to trace, once on ``meta``, once to time) calls its ``restore()`` before
+    each, so that no run starts from what the one before it stored (a cache filled on the CPU
+    and read on ``meta``).
 
     Raises:
         ValueError: the block wrote a parameter or a gradient in place (after the rest was put
@@ -72,7 +77,7 @@ def untouched(model: nn.Module) -> Iterator[None]:
     cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=cuda):
         try:
-            yield
+            yield state
         finally:
             written = state.written()  # before restore(), whose copies may write a weight's view
             state.restore()
@@ -147,13 +152,13 @@ class ModuleState:
 
     def _take(self, value: Any, depth: int) -> None:
         """Remember what ``value`` holds that a forward may change in place."""
-        if isinstance(value, (nn.Parameter, nn.Module)):
-            return  # weights: by reference (above); modules: walked themselves
         if isinstance(value, Tensor):
-            self._take_tensor(value)
-        elif type(value) not in _CONTAINERS:
-            return  # any other object: by reference only (its identity is in the __dict__)
-        elif isinstance(value, dict):
+            if not isinstance(value, nn.Parameter):  # weights: by reference (above)
+                self._take_tensor(value)
+            return
+        if type(value) not in _CONTAINERS:
+            return  # a module (walked itself), any other object: by reference in the __dict__
+        if isinstance(value, dict):
             items = list(value.items())
             self._restorers.append(lambda: _refill_dict(value, items))
             self._take_items((v for _, v in items), depth)

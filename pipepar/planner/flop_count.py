@@ -65,8 +65,10 @@ def count_flops(model: nn.Module, sample: Any, profile: Profile) -> list[tuple[f
             if backward:
                 _backward(output, params)
 
-    with untouched(model):  # what the forward stores on its modules, random states
-        forward, both = _counts(lambda: run(False), model), _counts(lambda: run(True), model)
+    with untouched(model) as passed:  # each run from the model as passed, and left so
+        forward = _counts(lambda: run(False), model)
+        passed.restore()
+        both = _counts(lambda: run(True), model)
     out = [(forward.get(k, 0), both.get(k, 0) - forward.get(k, 0)) for k in keys]
     extra_f = max(0, forward.get("Global", 0) - sum(f for f, _ in out))
     extra_b = max(0, both.get("Global", 0) - forward.get("Global", 0) - sum(b for _, b in out))
