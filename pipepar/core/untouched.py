@@ -104,6 +104,7 @@ class ModuleState:
     """
 
     def __init__(self, model: nn.Module) -> None:
+        _refuse_lazy(model)
         self._values: dict[int, tuple[Tensor, Tensor]] = {}
         self._weights: dict[int, tuple[str, Tensor, int]] = {}
         self._restorers: list[Callable[[], None]] = []
@@ -188,6 +189,25 @@ class ModuleState:
 _MISSING = object()
 # Plain containers only: a subclass (a model output, a config) may refuse clear() or update().
 _CONTAINERS = (dict, OrderedDict, list, set, tuple)
+
+
+def _refuse_lazy(model: nn.Module) -> None:
+    """A lazy module's first forward creates its parameters in place (and changes its class):
+    nothing to put back, and the pipe would hold weights drawn at another moment than the
+    plain model's first call draws them."""
+    lazy = [
+        name
+        for name, t in (*model.named_parameters(), *model.named_buffers())
+        if nn.parameter.is_lazy(t)
+    ]
+    if lazy:
+        raise ValueError(
+            f"model has uninitialized (lazy) parameters or buffers: {', '.join(lazy[:4])}"
+            f"{' ...' if len(lazy) > 4 else ''}; planning runs the forward, which would "
+            "create them, and could not leave the model as you passed it; call the model once "
+            "on a batch (model(sample)) before wrapping or planning, as torch asks before "
+            "building an optimizer"
+        )
 
 
 def _storage(t: Tensor) -> int:

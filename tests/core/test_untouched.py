@@ -134,3 +134,10 @@ def test_a_70b_shaped_meta_model_is_looked_at_cheaply() -> None:
     took = time.perf_counter() - start
     assert _attributes(model) == before
     assert took < 2.0, f"untouched took {took:.2f} s on a meta model"
+
+
+def test_a_lazy_module_is_refused_before_its_forward_creates_weights() -> None:
+    model = nn.Sequential(nn.LazyLinear(4), nn.ReLU())
+    with pytest.raises(ValueError, match=r"lazy.*0\.weight.*model\(sample\)"), untouched(model):
+        model(torch.randn(2, 3))
+    assert nn.parameter.is_lazy(model[0].weight)
