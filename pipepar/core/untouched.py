@@ -11,14 +11,20 @@ its buffers' values:
   filled on the first call, a length it grew for; transformers' dynamic rotary embedding
   records ``max_seq_len_cached`` and registers a new ``inv_freq`` tensor (a new object:
   copying the old values into the old buffer would leave the new one registered);
-- it may register buffers, submodules (a lazy module's materialization) or hooks.
+- it may register buffers, submodules or hooks.
 
 :func:`untouched` therefore snapshots, for every module of the tree, its ``__dict__`` shallowly
 (which object each attribute names), the contents of the containers it holds one or two
 levels deep (``_parameters``, ``_buffers``, ``_modules``, the hook dictionaries, a list or
 dict of the module's own), and puts all of that back afterwards: attributes the forward added
 are deleted, rebound ones point at their old objects again, containers hold their old
-entries (in place, so hook handles stay valid). Nothing is keyed on a class or a name.
+entries (in place, so hook handles stay valid): a hook or submodule the forward added is gone,
+one it removed is back. Nothing is keyed on a class or a name.
+
+Why put back rather than plan on a copy: a copy of a model on a device costs its weights'
+memory again, exactly where a large model has none to spare, and ``copy.deepcopy`` fails on
+some models (open files, process groups); a snapshot costs the buffers (a meta model's:
+nothing but the walk over its modules' attributes).
 
 What is copied and what is only referenced (the cost of a look stays the size of the buffers,
 never the size of the weights):
@@ -29,11 +35,15 @@ never the size of the weights):
   tell (batch norm's kernel updates its running statistics without moving it);
 - parameters and their ``.grad`` are referenced, never copied (that would double the model's
   memory): planning runs on stand-ins, and a forward that writes a weight or gradient in place
-  through an operation that moves its version counter (``mul_``, ``+=``, ``copy_``: every
-  in-place operation called from Python) raises :class:`ValueError` (the weights then differ
-  from the model the user passed, and no copy exists to put back);
+  through an operation that moves its version counter (``mul_``, ``+=``, ``copy_`` on the
+  parameter itself) raises :class:`ValueError` (the weights then differ from the model the
+  user passed, and no copy exists to put back); a write through ``.data`` moves no counter
+  and is not seen. A tensor on a weight's storage (``self.w_t = self.weight.detach().t()``)
+  counts as the weight's: referenced, not copied;
 - any other object (a config, a tokenizer) is referenced: its identity is restored, its own
-  attributes are not looked into.
+  attributes are not looked into;
+- a lazy module not yet initialized is refused: its first forward creates its parameters in
+  place, which could not be undone.
 """
 
 from __future__ import annotations
