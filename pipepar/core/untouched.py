@@ -49,7 +49,7 @@ never the size of the weights):
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -117,7 +117,9 @@ class ModuleState:
         _refuse_lazy(model)
         self._values: dict[int, tuple[Tensor, Tensor]] = {}
         self._weights: dict[int, tuple[str, Tensor, int]] = {}
-        self._restorers: list[Callable[[], None]] = []
+        self._empty: list[Any] = []  # containers that held nothing (most hook dictionaries)
+        self._filled: list[tuple[Any, Any]] = []  # a container and a copy of its entries
+        self._grads: list[tuple[Tensor, Tensor | None]] = []
         self._dicts: list[tuple[nn.Module, type, dict[str, Any]]] = []
         # A tensor on a weight's storage (a transposed view, a detached alias) is the weight's.
         self._weight_storages = {_storage(p) for p in model.parameters() if not p.is_meta} - {0}
@@ -139,8 +141,14 @@ class ModuleState:
             for key, value in saved.items():
                 if current.get(key, _MISSING) is not value:
                     current[key] = value
-        for restore in self._restorers:
-            restore()
+        for container in self._empty:
+            if container:
+                container.clear()
+        for container, entries in self._filled:
+            _refill(container, entries)
+        for p, grad in self._grads:
+            if p.grad is not grad:
+                p.grad = grad
         with torch.no_grad():
             for tensor, copy in self._values.values():
                 _put_back(tensor, copy)
@@ -159,7 +167,7 @@ class ModuleState:
                 if grad is not None and not grad.is_meta and not grad.is_inference():
                     key = (f"the gradient of {prefix}{name}", grad, grad._version)
                     self._weights.setdefault(id(grad), key)
-                self._restorers.append(_grad_restorer(p))
+                self._grads.append((p, grad))
 
     def _take(self, value: Any, depth: int) -> None:
         """Remember what ``value`` holds that a forward may change in place."""
@@ -169,19 +177,18 @@ class ModuleState:
             return
         if type(value) not in _CONTAINERS:
             return  # a module (walked itself), any other object: by reference in the __dict__
-        if isinstance(value, dict):
-            items = list(value.items())
-            self._restorers.append(lambda: _refill_dict(value, items))
-            self._take_items((v for _, v in items), depth)
-        elif isinstance(value, list):
-            entries = list(value)
-            self._restorers.append(lambda: _refill_list(value, entries))
-            self._take_items(entries, depth)
-        elif isinstance(value, set):
-            members = set(value)
-            self._restorers.append(lambda: _refill_set(value, members))
-        elif isinstance(value, tuple):
+        if isinstance(value, tuple):
             self._take_items(value, depth)
+        elif not value:
+            self._empty.append(value)
+        elif isinstance(value, dict):
+            items = list(value.items())
+            self._filled.append((value, items))
+            self._take_items((v for _, v in items), depth)
+        else:
+            entries = list(value) if isinstance(value, list) else set(value)
+            self._filled.append((value, entries))
+            self._take_items(entries, depth)
 
     def _take_items(self, items: Any, depth: int) -> None:
         if depth > 0:
@@ -236,31 +243,19 @@ def _put_back(tensor: Tensor, copy: Tensor) -> None:
         tensor.copy_(copy)
 
 
-def _grad_restorer(p: Tensor) -> Callable[[], None]:
-    grad = p.grad
-
-    def restore() -> None:
-        if p.grad is not grad:
-            p.grad = grad
-
-    return restore
-
-
-def _refill_dict(target: dict[Any, Any], items: list[tuple[Any, Any]]) -> None:
-    same = len(target) == len(items) and all(
-        a == k and target[a] is v for a, (k, v) in zip(target, items)
-    )
-    if not same:
+def _refill(target: Any, entries: Any) -> None:
+    """``target`` (a dict, list or set) holding ``entries`` again, the same objects in the same
+    order; untouched when it still does."""
+    if isinstance(target, dict):
+        same = len(target) == len(entries) and all(
+            a == k and target[a] is v for a, (k, v) in zip(target, entries)
+        )
+        if not same:
+            target.clear()
+            target.update(entries)
+    elif isinstance(target, list):
+        if len(target) != len(entries) or any(a is not b for a, b in zip(target, entries)):
+            target[:] = entries
+    elif target != entries:
         target.clear()
-        target.update(items)
-
-
-def _refill_list(target: list[Any], entries: list[Any]) -> None:
-    if len(target) != len(entries) or any(a is not b for a, b in zip(target, entries)):
-        target[:] = entries
-
-
-def _refill_set(target: set[Any], members: set[Any]) -> None:
-    if target != members:
-        target.clear()
-        target.update(members)
+        target.update(entries)

@@ -123,7 +123,6 @@ def _attributes(model: nn.Module) -> dict[str, dict[str, Any]]:
     return {path: dict(m.__dict__) for path, m in model.named_modules()}
 
 
-@pytest.mark.slow
 def test_a_70b_shaped_meta_model_is_looked_at_cheaply() -> None:
     """Nothing on meta is copied: the snapshot walks ~2000 modules' attributes."""
     model = zoo.llama3_70b()
