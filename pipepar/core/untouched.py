@@ -95,9 +95,9 @@ def untouched(model: nn.Module) -> Iterator[ModuleState]:
         raise ValueError(
             f"planning ran the model's forward, which wrote {', '.join(written)} in place; "
             "pipepar keeps no copy of the weights to put back, so the pipe would start from "
-            "other weights than the model you passed; give the layout instead of a sample "
-            "(balance=... or split=...), or plan on a copy: "
-            "pipepar.wrap(copy.deepcopy(model), sample=...).layout"
+            "other weights than the model you passed; give the layout instead of a sample: "
+            "balance=[units per stage] or split=[module paths where stages begin] "
+            "(pipepar.units(model) lists the units)"
         )
 
 
@@ -161,13 +161,15 @@ class ModuleState:
     def _take_parameters(self, path: str, params: dict[str, Any]) -> None:
         prefix = f"{path}." if path else ""
         for name, p in params.items():
-            if isinstance(p, Tensor) and not p.is_meta and not p.is_inference():
-                self._weights.setdefault(id(p), (f"parameter {prefix}{name}", p, p._version))
-                grad = p.grad
-                if grad is not None and not grad.is_meta and not grad.is_inference():
-                    key = (f"the gradient of {prefix}{name}", grad, grad._version)
-                    self._weights.setdefault(id(grad), key)
-                self._grads.append((p, grad))
+            if not isinstance(p, Tensor):
+                continue
+            self._grads.append((p, p.grad))
+            for what, t in (
+                (f"parameter {prefix}{name}", p),
+                (f"the gradient of {prefix}{name}", p.grad),
+            ):
+                if t is not None and not t.is_meta and not t.is_inference():
+                    self._weights.setdefault(id(t), (what, t, t._version))
 
     def _take(self, value: Any, depth: int) -> None:
         """Remember what ``value`` holds that a forward may change in place."""
