@@ -67,7 +67,8 @@ def wrap(
             unit or a module holding units. With none of ``balance``, ``split`` and
             ``split_spec``, ``pipe_split()`` calls in the forward split it where they stand,
             between two unit calls: the forward runs once on ``sample`` as given to find them
-            (buffers and random states put back; a marker inside a unit is a ValueError), and
+            (the model and the random states left as they were; a marker inside a unit is a
+            ValueError), and
             they take the place of the searched layout (``chunks``, ``schedule`` and
             ``checkpoint`` as with ``split``).
         devices: one device per stage; ``None`` = all CUDA devices, or the CPU for every stage.
@@ -98,6 +99,7 @@ def wrap(
         sample: an input batch to profile when ``balance`` is None: a tensor, a tuple of
             positional arguments, or a dict of keyword arguments (``dict(input_ids=...)``).
             It stands for one step's batch: the search chooses ``chunks`` up to its rows.
+            Planning leaves ``module`` as it was passed (:mod:`pipepar.core.untouched`).
         capacity: bytes per device for planning (int, ``"16GiB"``, or one per device, of
             which the search plans with the smallest); default: a CUDA device's memory, or
             this machine's memory shared among the CPU stages.

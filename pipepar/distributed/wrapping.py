@@ -99,9 +99,9 @@ def wrap(
             module's first unit) or ``SplitPoint.END`` (at the unit after it). With none of
             ``balance``, ``split``, ``split_spec`` and ``plan``, ``pipe_split()`` calls in the
             forward split it where they stand, between two unit calls: every rank runs the
-            forward once on ``sample`` as given (on ``meta`` for a model built there; buffers
-            and random states put back) to find them. ``plan="auto"`` searches the stages and
-            does not look for them.
+            forward once on ``sample`` as given (on ``meta`` for a model built there; the
+            model and the random states left as they were) to find them. ``plan="auto"``
+            searches the stages and does not look for them.
         plan: ``"auto"`` to choose the layout from ``sample`` (see above); ``None`` (the
             default) to use ``balance`` or ``split``.
         sample: with ``plan="auto"``: one step's global batch (a tensor, a tuple of positional

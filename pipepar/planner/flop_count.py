@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from pipepar.core.untouched import untouched
 from pipepar.planner.profile import Profile
 from pipepar.program.meta_values import SHADOW_LIMIT, meta_modes
 
@@ -35,7 +36,7 @@ def count_flops(model: nn.Module, sample: Any, profile: Profile) -> list[tuple[f
     """Per layer of ``profile``, the (forward, backward) FLOPs of one step on ``sample``.
 
     Nothing is computed and nothing allocated: the model runs on ``meta`` copies of its
-    parameters and of the sample.
+    parameters and of the sample, and is left as it was (:func:`untouched`).
 
     Args:
         model: the model profiled (an ``nn.Sequential`` or any module).
@@ -64,7 +65,10 @@ def count_flops(model: nn.Module, sample: Any, profile: Profile) -> list[tuple[f
             if backward:
                 _backward(output, params)
 
-    forward, both = _counts(lambda: run(False), model), _counts(lambda: run(True), model)
+    with untouched(model) as passed:  # each run from the model as passed, and left so
+        forward = _counts(lambda: run(False), model)
+        passed.restore()
+        both = _counts(lambda: run(True), model)
     out = [(forward.get(k, 0), both.get(k, 0) - forward.get(k, 0)) for k in keys]
     extra_f = max(0, forward.get("Global", 0) - sum(f for f, _ in out))
     extra_b = max(0, both.get("Global", 0) - forward.get("Global", 0) - sum(b for _, b in out))

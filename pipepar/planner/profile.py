@@ -267,11 +267,14 @@ def profile(
     layers = list(validation.check_model(model, "model"))
     target = check_device(device)
     spec = resolve_optimizer(optimizer)
-    with training_step(), untouched(model):  # running statistics, random states as they were
+    # Each run starts from the model as passed; afterwards it is as passed (untouched).
+    with training_step(), untouched(model) as passed:
         x = _on_device(_check_sample(sample), target)
         params = [stand_ins(layer, target) for layer in layers]
         traces, records = trace_layers(layers, x, params, target)
+        passed.restore()
         deferred = deferred_grads(layers, x)
+        passed.restore()
         times = time_layers(layers, x, params, target) if target.type != "meta" else None
     costs = _parameter_costs(layers, spec)
     profiles = []

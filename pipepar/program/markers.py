@@ -8,9 +8,9 @@ the user's sample as it is (what the plain model runs: a one-row slice would fai
 training-mode batch norm) without gradients and records, in call order, each unit's call and
 each marker (``torch.ops.pippy._pipe_split``, which a torch-function mode sees, as torch's
 ``pipe_split()`` is nothing but that call; in eager mode it does nothing, so the markers
-cost a pipe nothing when it runs). That forward leaves the model and torch as they were: its
-buffers (a batch norm's running statistics and batch count) and the random generators' states
-(a dropout's draws) are put back, so the first step is the plain model's.
+cost a pipe nothing when it runs). That forward leaves the model and torch as they were
+(:func:`~pipepar.core.untouched.untouched`: buffers, what the forward stored on its modules,
+the random generators' states), so the first step is the plain model's.
 
 A marker inside a unit (in a transformer block's forward), before the first unit, after the
 last, or two markers with no unit called between them cannot make a stage of whole units:
@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import os
 import traceback
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +29,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from pipepar.core.untouched import untouched
 from pipepar.program import units as units_
 
 __all__ = ["Markers", "find_markers", "marker_split"]
@@ -61,7 +61,7 @@ def markers_defined() -> bool:
 
 def find_markers(model: nn.Module, run: Callable[[], object]) -> Markers | None:
     """The markers ``run()`` (a forward of ``model``) calls, or None when it calls none;
-    ``model``'s buffers and the random states are as they were before.
+    ``model`` and the random states are as they were before (:func:`untouched`).
 
     Raises:
         ValueError: a marker inside a unit, before the first unit or after the last, or two
@@ -80,7 +80,7 @@ def find_markers(model: nn.Module, run: Callable[[], object]) -> Markers | None:
         )
     ]
     try:
-        with torch.no_grad(), _kept(model), seen:
+        with torch.no_grad(), untouched(model), seen:
             run()
     finally:
         for h in handles:
@@ -89,31 +89,6 @@ def find_markers(model: nn.Module, run: Callable[[], object]) -> Markers | None:
         return None
     _check_between(seen.markers, units_.layout(model, seen.markers.order).paths())
     return seen.markers
-
-
-@contextmanager
-def _kept(model: nn.Module) -> Iterator[None]:
-    """Puts back what a forward may change besides its output: every buffer of ``model`` (the
-    same tensor, with its values; one a forward replaced is registered again) and the CPU's
-    and each initialized CUDA device's random state."""
-    saved = [
-        (module, name, b, b.detach().clone())
-        for module in model.modules()
-        for name, b in module.named_buffers(recurse=False)
-        if not b.is_meta
-    ]
-    cuda = torch.cuda.is_initialized()
-    states = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None)
-    try:
-        yield
-    finally:
-        torch.set_rng_state(states[0])
-        if states[1] is not None:
-            torch.cuda.set_rng_state_all(states[1])
-        with torch.no_grad():
-            for module, name, b, value in saved:
-                setattr(module, name, b)
-                b.copy_(value)
 
 
 class _Watch(TorchFunctionMode):

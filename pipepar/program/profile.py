@@ -136,13 +136,17 @@ def profile_model(
     target = check_device(device if device is not None else _where(model))
     spec = resolve_optimizer(optimizer)
     args, kwargs = _check_sample(sample)
-    with training_step(), untouched(model):  # running statistics, random states as they were
+    # Each run starts from the model as passed; afterwards it is as passed (untouched).
+    with training_step(), untouched(model) as passed:
         args, kwargs = pytree.tree_map(usable, (args, kwargs))
         call = _unit_call(model, args, kwargs, target)
         lay = units_.layout(model, _call_order(call))
+        passed.restore()
         call = _with_layout(call, model, lay)
         traces, records = _checked(lambda: trace_units(call), model, call)
-        deferred = _deferred(call, model, lay, args, kwargs)
+        passed.restore()
+        deferred = _deferred(call, model, lay, args, kwargs, passed.restore)
+        passed.restore()
         times = time_units(call) if target.type != "meta" else None
     costs, trained = _parameter_costs(model, lay, spec)
     saved = [0] * len(lay.units)
@@ -231,16 +235,19 @@ def _deferred(
     lay: units_.Layout,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    fresh: Callable[[], None],
 ) -> list[DeferredGrads]:
     """What each unit's split backward keeps for W, measured on meta (sizes only), or on
     ``call``'s real device where the model's code cannot run on meta (an operation whose
-    outputs' shapes depend on activations: a router's choice of experts)."""
+    outputs' shapes depend on activations: a router's choice of experts); ``fresh()`` puts
+    the model back as it was passed before that second run."""
     if call.device.type == "meta":
         return deferred_units(call)
     try:
         return deferred_units(_with_layout(_unit_call(model, args, kwargs, _META), model, lay))
     except MetaUnsupported as err:
         logger.info("split backwards measured on %s: %s", call.device, err)
+        fresh()
         return deferred_units(call)
 
 

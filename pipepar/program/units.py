@@ -268,8 +268,8 @@ def units(model: nn.Module, sample: Any = None) -> list[Unit]:
         sample: an example call (tensor, tuple of positional arguments, or dict of keyword
             arguments); the units are then in the order the model calls them, found by a
             forward without gradients on the sample as it is (nothing the plain model would
-            not run), with copies of the model's buffers (a training-mode batch norm keeps its
-            running statistics) and the random states put back afterwards.
+            not run), after which the model and the random states are as they were (what
+            its forward stored on its modules included: :mod:`pipepar.core.untouched`).
 
     Example:
         >>> [u.path for u in units(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))]
