@@ -17,6 +17,12 @@ while micro-batch 0's loss is computed:
 * anything else (a product of two means, a ``log`` of one, means over different counts added)
   cannot be joined by shares: :class:`LossNotJoinable`, at micro-batch 0, before any backward.
 
+A cut that may split what the loss counts (between packed documents, where the plain model's
+label shift makes a document's last token predict the next one's first) gives the shares the
+whole batch's inputs too (:meth:`LossShares.covering`): the micro-batches' counts must add up to
+the count replayed on the whole batch, else the step is refused; a sum there is refused (what it
+adds up cannot be counted).
+
 A custom loss that averages over something only the caller knows says so with
 ``items=lambda target: count``: shares ``c_i / C`` from it, nothing learned.
 
@@ -100,6 +106,15 @@ class LossShares(Sequence[float]):
         """Join what cannot be joined exactly by rows (micro-batch semantics asked for)."""
         self.scale = 1.0
         """A loss scaler's scale: the backward seeds are the shares times it."""
+        self.whole: tuple[list[Tensor], int] | None = None
+        """The whole batch's inputs and size, when the cut must be checked against them."""
+
+    def covering(self, sources: Sequence[Tensor], rows: int) -> LossShares:
+        """Check the cut against the whole batch: its inputs ``sources`` (in the order of each
+        micro-batch's) and its size ``rows``. The micro-batches' counts must add up to the
+        whole batch's (nothing the loss counts lies across a cut)."""
+        self.whole = (list(sources), rows)
+        return self
 
     # -- learning ---------------------------------------------------------------------------
     def learn(self, form: Form) -> None:
@@ -111,9 +126,11 @@ class LossShares(Sequence[float]):
         if isinstance(form, Unknown):
             form = Const()  # each micro-batch's value, weighted by its rows
         if isinstance(form, Summed):
+            self._check_sum()
             self.summed = True
         elif isinstance(form, Averaged):
             self.counts = [self._count_of(form, i) for i in range(len(self.rows))]
+            self._check_cover(form)
         elif isinstance(form, Const):
             self.counts = [float(r) for r in self.rows]  # the same value: counted once
         else:
@@ -138,6 +155,29 @@ class LossShares(Sequence[float]):
                 "averages over with items=lambda target: count"
             )
         return count(self.sources[i], self.rows[i])
+
+    def _check_cover(self, form: Averaged) -> None:
+        if self.whole is None or self.counts is None:
+            return
+        whole = form.count(*self.whole)
+        if abs(whole - sum(self.counts)) > 1e-6 * max(1.0, abs(whole)):
+            raise LossNotJoinable(
+                f"{self.what} averages over {form.count.what}: {whole:g} of them in the whole "
+                f"batch, but {sum(self.counts):g} in its micro-batches together "
+                f"({[round(c, 6) for c in self.counts]}): something it counts lies across a cut "
+                "between documents (the plain model's shifted labels make a document's last "
+                "token predict the next document's first one); mark each document's first "
+                "label ignored (-100, as DataCollatorWithFlattening does), or use chunks=1"
+            )
+
+    def _check_sum(self) -> None:
+        if self.whole is not None:
+            raise LossNotJoinable(
+                f"{self.what} is a sum over the batch, cut here between documents: pipepar "
+                "cannot count what the sum adds up, so it cannot check that nothing lies "
+                "across a cut (a document's last token predicting the next one's first); "
+                "compute a mean over the counted labels (no num_items_in_batch), or chunks=1"
+            )
 
     def learning(self) -> bool:
         """Whether micro-batch 0's loss has yet to show its form."""
