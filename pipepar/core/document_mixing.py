@@ -25,6 +25,7 @@ stage) are counted as seen and checked by the rank that computes them.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import _disable_current_modes
 
 from pipepar.core.reductions import BatchCoupled
 
@@ -67,8 +69,9 @@ class DocumentWatch(TorchFunctionMode):
                 "chunks=1"
             )
         self.tokens = sum(lengths)
-        ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(list(lengths)))
-        self._apart = ids[:, None] != ids[None, :]
+        with _plain():  # a real tensor, whatever modes the forward runs under (a shadow stage)
+            ids = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(list(lengths)))
+            self._apart = ids[:, None] != ids[None, :]
         self.seen = 0
         self.mixing: list[str] = []
 
@@ -81,7 +84,7 @@ class DocumentWatch(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        with torch._C.DisableTorchFunction():
+        with _plain():
             self._look(func, args, kwargs, out)
         return out
 
@@ -155,6 +158,14 @@ class DocumentWatch(TorchFunctionMode):
             return
         if x.dim() and x.shape[dim] == self.tokens:
             self.mixing.append(f"{func.__name__}() along the tokens carries them across documents")
+
+
+def _plain() -> contextlib.ExitStack:
+    """Outside every torch-function and dispatch mode: what the watch computes is its own."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch._C.DisableTorchFunction())
+    stack.enter_context(_disable_current_modes())
+    return stack
 
 
 _SOFTMAX = {F.softmax, torch.softmax, Tensor.softmax}

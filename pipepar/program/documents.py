@@ -19,6 +19,7 @@ crossing a cut) is checked at the first call (:mod:`pipepar.core.document_mixing
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -77,7 +78,7 @@ def _positions(pos: Tensor) -> tuple[str, tuple[int, ...]] | None:
     if starts.numel() == pos.numel() - 1:
         return None  # every token its own document: zeros (token types), not positions
     edges = [0, *starts.tolist(), pos.numel()]
-    return "positions", tuple(b - a for a, b in zip(edges, edges[1:]))
+    return "positions", tuple(b - a for a, b in itertools.pairwise(edges))
 
 
 def _offsets(off: Tensor) -> tuple[str, tuple[int, ...]] | None:
@@ -135,7 +136,10 @@ def _agreed(found: dict[str | int, tuple[str, tuple[int, ...]]]) -> tuple[int, .
 
 
 def _one_row(
-    values: Sequence[Any], lengths: tuple[int, ...], roles: dict[str | int, str], keys: Sequence[Any]
+    values: Sequence[Any],
+    lengths: tuple[int, ...],
+    roles: dict[str | int, str],
+    keys: Sequence[Any],
 ) -> bool:
     """Whether the batch is one row of the documents' tokens (several rows cut by rows)."""
     tokens = sum(lengths)
@@ -184,7 +188,7 @@ def balanced(lengths: Sequence[int], chunks: int) -> list[range]:
         ideal = k * total / m
         cuts.append(min(range(low, high + 1), key=lambda d: (abs(ends[d] - ideal), d)))
     cuts.append(n)
-    return [range(a, b) for a, b in zip(cuts, cuts[1:])]
+    return [range(a, b) for a, b in itertools.pairwise(cuts)]
 
 
 def split_value(
@@ -202,5 +206,7 @@ def split_value(
             return [torch.tensor(n, dtype=value.dtype, device=value.device) for n in longest], False
         return longest, False
     if _per_token(value, cut.tokens):
-        return packed_pieces(value, Packed(len, SEQUENCE_DIM), lengths, pieces, key), True
+        return packed_pieces(
+            value, Packed(lambda call: lengths, SEQUENCE_DIM), lengths, pieces, key
+        ), True
     return [value] * len(pieces), False

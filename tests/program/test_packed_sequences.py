@@ -88,10 +88,16 @@ def test_split_cuts_every_per_token_argument_and_rebases_offsets() -> None:
     offsets = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
     calls = split_call((), {**batch, "cu_seq_lens_q": offsets, "max_length_q": 9, "flag": 3}, 3)
     assert [c.rows for c in calls] == [14, 10, 10]
-    assert [c.kwargs["cu_seq_lens_q"].tolist() for c in calls] == [[0, 5, 14], [0, 3, 10], [0, 4, 10]]
+    assert [c.kwargs["cu_seq_lens_q"].tolist() for c in calls] == [
+        [0, 5, 14],
+        [0, 3, 10],
+        [0, 4, 10],
+    ]
     assert [c.kwargs["max_length_q"] for c in calls] == [9, 7, 6]
     assert [c.kwargs["flag"] for c in calls] == [3, 3, 3]  # not the longest length: whole
-    torch.testing.assert_close(torch.cat([c.kwargs["input_ids"] for c in calls], 1), batch["input_ids"])
+    torch.testing.assert_close(
+        torch.cat([c.kwargs["input_ids"] for c in calls], 1), batch["input_ids"]
+    )
     assert calls[1].kwargs["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 5, 6]]
     several_rows = {k: v.expand(2, -1) for k, v in batch.items()}
     assert [c.rows for c in split_call((), several_rows, 3)] == [1, 1]  # rows: cut by rows
