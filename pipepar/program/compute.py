@@ -23,7 +23,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from pipepar.core.batchnorm import committing, defer_statistics, reset_all
-from pipepar.core.losses import LossNotJoinable, joined_loss, split_target
+from pipepar.core.losses import LossNotJoinable, joined_loss
 from pipepar.core.reductions import BatchCoupled
 from pipepar.core.stage import Stage
 from pipepar.local import cpu_malloc
@@ -38,7 +38,15 @@ from pipepar.program.batch_rules import Rules
 from pipepar.program.calls import Call, StepCall, parts_of, split_call
 from pipepar.program.cut import Cut, Ledger
 from pipepar.program.driver import driver_pool, watch_units
-from pipepar.program.losses import Forms, ModelLoss, Shares, callers, loss_head, step_shares
+from pipepar.program.losses import (
+    Forms,
+    ModelLoss,
+    Shares,
+    callers,
+    loss_head,
+    step_shares,
+    step_targets,
+)
 from pipepar.program.recompute import checkpoint_units
 from pipepar.program.rerun import Rerun
 from pipepar.program.route import PathChanged, Routes, signature
@@ -147,7 +155,7 @@ class ProgramCompute:
         """Forward and backward of one mini-batch in the schedule's order; the joined loss
         (see :meth:`pipepar.local.pipe.Pipe.step`)."""
         calls = split_call(call.args, call.kwargs, pipe.chunks, self.rules, self.model)
-        targets = split_target(call.target, [c.rows for c in calls])
+        targets = step_targets(call, calls)
         shares = step_shares(call.loss_fn, self.model, calls, targets, call.items, self._forms)
         shares = shares.scaled(call.scale)
         attempt = self._step_direct if runs_directly(pipe, len(calls)) else self._step

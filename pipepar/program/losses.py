@@ -25,9 +25,16 @@ from torch import Tensor, nn
 from pipepar.core.batch_dims import accepting
 from pipepar.core.document_mixing import DocumentWatch
 from pipepar.core.forms import Form, is_reduced
-from pipepar.core.losses import LossFn, LossNotJoinable, LossShares, nothing, scalar_loss
+from pipepar.core.losses import (
+    LossFn,
+    LossNotJoinable,
+    LossShares,
+    nothing,
+    scalar_loss,
+    split_target,
+)
 from pipepar.core.reductions import Probe
-from pipepar.program.calls import Call, Parts, parts_of
+from pipepar.program.calls import Call, Parts, StepCall, parts_of
 from pipepar.program.route import signature
 
 __all__ = [
@@ -38,6 +45,7 @@ __all__ = [
     "callers",
     "loss_head",
     "step_shares",
+    "step_targets",
 ]
 
 
@@ -87,6 +95,23 @@ def loss_head(
     return shares.head_of(loss_fn, targets)
 
 
+def step_targets(call: StepCall, calls: Sequence[Call]) -> list[Any]:
+    """Each micro-batch's target, split like its rows.
+
+    Raises:
+        ValueError: a ``loss_fn`` for a batch cut at document boundaries (a target is cut by
+            rows, and a loss outside the model is not checked for what lies across a cut).
+    """
+    if call.loss_fn is not None and parts_of(calls).dim != 0:
+        raise ValueError(
+            "pipe.step(loss_fn=..., target=...) was given one row of packed documents, cut at "
+            f"document boundaries into {len(calls)} micro-batches: a target is cut by rows "
+            "only; pass the labels to the model (its own loss is checked for the cut), or "
+            "chunks=1"
+        )
+    return split_target(call.target, [c.rows for c in calls])
+
+
 def step_shares(
     loss_fn: LossFn | None,
     model: nn.Module,
@@ -99,13 +124,6 @@ def step_shares(
     from pipepar.core.losses import loss_shares
 
     if loss_fn is not None:
-        if parts_of(calls).dim != 0:
-            raise ValueError(
-                "pipe.step(loss_fn=..., target=...) was given one row of packed documents, cut "
-                f"at document boundaries into {len(calls)} micro-batches: a target is cut by "
-                "rows only; pass the labels to the model (its own loss is checked for the cut), "
-                "or chunks=1"
-            )
         return loss_shares(loss_fn, targets, [c.rows for c in calls], items)
     return ModelLoss(model, calls, forms if forms is not None else Forms(model), loss=True)
 
@@ -135,7 +153,8 @@ class ModelLoss(LossShares):
             self.covering(self._cut.whole, sum(self._cut.rows))
         self._forms, self._needs_loss = forms, loss
         self.per_micro_batch = forms.per_micro_batch
-        self.key = signature(calls[0].args, calls[0].kwargs, model.training) if calls else None
+        kind = signature(calls[0].args, calls[0].kwargs, model.training) if calls else None
+        self.key = (kind, self._cut.dim)  # a document cut's first call is watched on its own
         learned = forms.get(self.key)
         self.leaf_forms: list[Form] | None = learned[0] if learned is not None else None
         self.loss_at: int | None = None

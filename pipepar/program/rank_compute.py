@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from pipepar.core.batchnorm import committing, defer_statistics
-from pipepar.core.losses import joined_loss, split_target
+from pipepar.core.losses import joined_loss
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.program import early_weights
@@ -37,7 +37,15 @@ from pipepar.program.calls import Call, StepCall, parts_of, split_call
 from pipepar.program.cut import Ledger
 from pipepar.program.driver import driver_pool, watch_units
 from pipepar.program.link import Link
-from pipepar.program.losses import Forms, ModelLoss, Shares, callers, loss_head, step_shares
+from pipepar.program.losses import (
+    Forms,
+    ModelLoss,
+    Shares,
+    callers,
+    loss_head,
+    step_shares,
+    step_targets,
+)
 from pipepar.program.meta_shapes import MetaShapes
 from pipepar.program.meta_values import MetaScalars
 from pipepar.program.rank_weights import holders, keep_only, tied_groups
@@ -246,7 +254,7 @@ class RankProgram:
                 "of pipe.step(...) (every rank of the pipeline gets the same batch)"
             )
         schedule = fewer_microbatches(ctx.schedule, len(calls))
-        targets = split_target(call.target, [c.rows for c in calls])
+        targets = step_targets(call, calls)
         shares = step_shares(call.loss_fn, self.model, calls, targets, call.items, self._forms)
         if ctx.schedule.n_stages - 1 in self._mine:  # where the shares seed the backward
             shares = spread_over_replicas(shares, mesh=ctx.mesh, device=ctx.device)

@@ -188,3 +188,36 @@ def test_a_model_of_other_code_mixing_documents_is_refused() -> None:
     pipe = pipepar.wrap(CausalAttention(), balance=[3, 3], devices=["cpu"] * 2, chunks=2)
     with pytest.raises(DocumentsMixed, match="is_causal=True without a mask"):
         pipe.step(**packed())
+
+
+def test_flash_attention_kwargs_are_cut_and_the_step_equals_the_plain_model() -> None:
+    model, batch = llama(), packed()
+    offsets = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    varlen = {"cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets}
+    batch = {**batch, **varlen, "max_length_q": 9, "max_length_k": 9}  # sdpa reads none of them
+    plain = copy.deepcopy(model)
+    seen = tokens_seen(model)
+    loss = pipe_of(model, 3).step(**batch)
+    assert seen == CUTS[3]
+    ref = plain(**batch).loss
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
+    assert_grads_equal(model, plain)
+
+
+def test_a_kind_learned_under_a_row_cut_is_watched_again_under_a_document_cut() -> None:
+    pipe = pipe_of(llama(), 2)
+    rows = {k: v.reshape(2, 17) for k, v in packed((5, 9, 3, 7, 4, 6)).items()}
+    rows["position_ids"] = torch.arange(17).expand(2, 17)
+    rows["attention_mask"] = torch.ones(2, 17, dtype=torch.long)
+    pipe.step(**rows)  # micro-batches of one row of 17 tokens: rows never mix here
+    mixed = {**packed(), "attention_mask": torch.ones(1, 34, dtype=torch.long)}
+    with pytest.raises(DocumentsMixed):  # micro-batches of the same shapes, documents mixed
+        pipe.step(**mixed)
+
+
+def test_a_loss_fn_with_a_target_is_refused_under_a_document_cut() -> None:
+    batch = packed()
+    labels = batch.pop("labels")
+    with pytest.raises(ValueError, match="a target is cut by rows only"):
+        pipe_of(llama(), 2).step(**batch, loss_fn=lambda out, y: out.logits.mean(), target=labels)
