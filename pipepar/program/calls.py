@@ -462,8 +462,9 @@ def _how(col: Sequence[Any], cut: Parts, shares: tuple[float, ...], where: str) 
         shapes = [tuple(t.shape) for t in col]
         raise ValueError(
             f"output {where} cannot be joined over micro-batches: shapes {shapes} neither carry "
-            f"the micro-batch rows {list(cut.rows)} on dimension 0 nor hold one value; return it "
-            "with the batch on dimension 0, say how to join it (wrap(..., join_outputs="
+            f"the micro-batch {_unit(cut)} {list(cut.rows)} on dimension {cut.dim} nor hold one "
+            f"value; return it with the batch on dimension {cut.dim}, say how to join it "
+            "(wrap(..., join_outputs="
             f"{{{first_key(where)!r}: 'concat'}}) or 'sum' or a function), or use chunks=1"
         )
     if caches.is_cache(first) and cut.dim != 0:
@@ -484,6 +485,10 @@ def _how(col: Sequence[Any], cut: Parts, shares: tuple[float, ...], where: str) 
         f"to join it (join_outputs={{{first_key(where)!r}: fn}}) or use chunks=1 (for a "
         "cache of a kind of the model's own, pass use_cache=False)"
     )
+
+
+def _unit(cut: Parts) -> str:
+    return "tokens" if cut.documents else "rows"
 
 
 def _apply(way: LeafJoin, col: Sequence[Any], rows: Sequence[int], where: str) -> Any:

@@ -110,7 +110,7 @@ def find(
                 f"{_describe(values[k])}; give position ids restarting at 0 for each document "
                 "(1 x T integers) or offsets [0, ..., T] (cu_seqlens), or another rule"
             )
-    if not found or (chunks < 2 and not declared):
+    if not found or chunks < 2:
         return None
     lengths = _agreed(found)
     roles = {key: role for key, (role, _) in found.items()}

@@ -178,6 +178,7 @@ class ModelLoss(LossShares):
                 resolve=self.resolve,
                 accepts=self._forms.accepts if len(self.rows) > 1 else lambda c: True,
                 tracked=self._tracked,
+                rows_dim=self._cut.dim,
             )
             documents = DocumentWatch(self._cut.documents[0]) if self._cut.documents else None
             with self._probe:

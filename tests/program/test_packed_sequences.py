@@ -221,3 +221,51 @@ def test_a_loss_fn_with_a_target_is_refused_under_a_document_cut() -> None:
     labels = batch.pop("labels")
     with pytest.raises(ValueError, match="a target is cut by rows only"):
         pipe_of(llama(), 2).step(**batch, loss_fn=lambda out, y: out.logits.mean(), target=labels)
+
+
+class PackedAttention(nn.Module):
+    """Its own block-diagonal causal mask from restarting positions, and a loss averaged over
+    every element of what it computes (a count no input replays: one per token, scaled)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 48) for _ in range(3))
+        self.head = nn.Linear(16, 8)
+
+    def forward(self, input_ids, position_ids):
+        document = (position_ids == 0).cumsum(-1)
+        same = document[..., :, None] == document[..., None, :]
+        mask = (same & torch.ones_like(same).tril())[:, None]
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            q, k, v = block(x)[:, None].chunk(3, -1)
+            x = x + F.scaled_dot_product_attention(q, k, v, attn_mask=mask)[:, 0]
+        out = self.head(x)
+        return {"out": out, "loss": out.square().mean()}
+
+
+def test_a_mean_over_computed_tokens_is_joined_by_tokens() -> None:
+    torch.manual_seed(0)
+    model, batch = PackedAttention(), packed()
+    del batch["labels"]
+    plain = copy.deepcopy(model)
+    pipe = pipepar.wrap(model, balance=[2, 3], devices=["cpu"] * 2, chunks=3)
+    loss = pipe.step(**batch)
+    ref = plain(**batch)["loss"]
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    assert_grads_equal(model, plain)
+
+
+def test_a_count_the_probe_cannot_replay_scales_with_the_tokens() -> None:
+    from pipepar.core.reductions import Probe
+
+    computed = torch.randn(1, 14, 8)  # made where the probe saw nothing: not replayable
+    with Probe([], rows=14, rows_dim=1) as probe:
+        loss = computed.mean()
+    count = probe.form_of(loss).count
+    assert [count([], tokens) for tokens in (14, 10)] == [14 * 8, 10 * 8]
+    with Probe([], rows=14) as probe:  # rows on dimension 0: a count for this shape only
+        loss = computed.mean()
+    assert not probe.form_of(loss).count.any_rows
