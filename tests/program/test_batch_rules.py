@@ -8,55 +8,10 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import pipepar
-
-IMAGE = 1  # the token that stands for one patch of an image
-
-
-class PackedImages(nn.Module):
-    """A toy multimodal model: ``pixel_values`` holds the patches of all images of the batch
-    one after another; each image token of ``input_ids`` takes the next patch's embedding."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(16, 8)
-        self.vision = nn.Sequential(nn.Linear(4, 8), nn.Tanh())
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
-        self.head = nn.Linear(8, 16)
-
-    def forward(self, input_ids, pixel_values, labels=None, scale=None):
-        x = self.embed(input_ids)
-        image = self.vision(pixel_values)
-        x = x.masked_scatter((input_ids == IMAGE).unsqueeze(-1), image)
-        if scale is not None:
-            x = x * scale
-        for block in self.blocks:
-            x = x + torch.relu(block(x))
-        logits = self.head(x)
-        out = {"logits": logits, "image_hidden_states": image}
-        if labels is not None:
-            out["loss"] = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
-        return out
-
-
-def _batch(rows: int = 4, seq: int = 6) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(2, 16, (rows, seq), generator=g)
-    ids[0, 1:4] = IMAGE  # row 0: three patches, row 1: none, row 2: one, row 3: two
-    ids[2, 0] = IMAGE
-    ids[3, 2:4] = IMAGE
-    labels = ids.clone()
-    labels[1, :3] = -100
-    patches = int((ids == IMAGE).sum())
-    pixels = torch.randn(patches, 4, generator=g)
-    return {"input_ids": ids, "pixel_values": pixels, "labels": labels}
-
-
-def _patches_per_row(call):
-    return (call["input_ids"] == IMAGE).sum(1)
+from tests.program._packed_toy import PackedImages, packed_batch, patches_per_row
 
 
 def _pipe(model: nn.Module, **kwargs) -> pipepar.Pipe:
@@ -71,9 +26,9 @@ def _model() -> nn.Module:
 
 
 def test_packed_inputs_and_outputs_equal_the_plain_model() -> None:
-    model, batch = _model(), _batch()
+    model, batch = _model(), packed_batch()
     plain = copy.deepcopy(model)
-    pipe = _pipe(model, split_inputs={"pixel_values": pipepar.Packed(_patches_per_row)})
+    pipe = _pipe(model, split_inputs={"pixel_values": pipepar.Packed(patches_per_row)})
     out, ref = pipe(**batch), plain(**batch)
     for key in ("logits", "image_hidden_states", "loss"):
         torch.testing.assert_close(out[key], ref[key], rtol=1e-5, atol=1e-6)
@@ -85,12 +40,12 @@ def test_packed_inputs_and_outputs_equal_the_plain_model() -> None:
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_packed_step_equals_the_plain_loss(schedule: str) -> None:
-    model, batch = _model(), _batch()
+    model, batch = _model(), packed_batch()
     plain = copy.deepcopy(model)
     pipe = _pipe(
         model,
         schedule=schedule,
-        split_inputs={"pixel_values": pipepar.Packed(_patches_per_row)},
+        split_inputs={"pixel_values": pipepar.Packed(patches_per_row)},
     )
     loss = pipe.step(**batch)
     ref = plain(**batch)["loss"]
@@ -103,16 +58,16 @@ def test_packed_step_equals_the_plain_loss(schedule: str) -> None:
 def test_without_a_rule_the_packed_output_is_refused() -> None:
     pipe = _pipe(_model())  # every micro-batch gets every patch and returns them all
     with pytest.raises(ValueError, match=r"output \['image_hidden_states'\] cannot be joined"):
-        pipe(**_batch())
+        pipe(**packed_batch())
 
 
 def test_custom_split_whole_and_output_joins() -> None:
-    model, batch = _model(), _batch()
+    model, batch = _model(), packed_batch()
     plain = copy.deepcopy(model)
     scale = torch.tensor(0.5)
 
     def by_rows(value, pieces):  # the patches of each micro-batch's rows, by hand
-        counts = [0, *torch.cumsum(_patches_per_row(batch), 0).tolist()]
+        counts = [0, *torch.cumsum(patches_per_row(batch), 0).tolist()]
         return [value[counts[p.start] : counts[p.stop]] for p in pieces]
 
     pipe = _pipe(
@@ -139,7 +94,7 @@ def test_bad_rules_name_the_argument() -> None:
         pipepar.wrap(nn.Sequential(nn.Linear(2, 2)), balance=[1], split_inputs={0: "rows"})
     pipe = _pipe(_model(), split_inputs={"pixel_values": pipepar.Packed(lambda c: [1, 2])})
     with pytest.raises(ValueError, match="gave lengths \\[1, 2\\] for a batch of 4 rows"):
-        pipe(**_batch())
+        pipe(**packed_batch())
     pipe = _pipe(_model(), split_inputs={"pixel_values": pipepar.Packed(lambda c: [1, 1, 1, 1])})
     with pytest.raises(ValueError, match="adding up to 4"):
-        pipe(**_batch())
+        pipe(**packed_batch())
