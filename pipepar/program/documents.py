@@ -10,11 +10,13 @@ offsets are rebased to the micro-batch's first token and a longest length is rec
 
 The layout is read from the values of the call, never from names: an integer ``(1, T)`` tensor
 whose values count ``0, 1, 2, ...`` and restart at 0 (at least twice), or a 1-D integer tensor
-of increasing offsets from 0 to ``T``; an int equal to the longest document beside offsets is
-taken for that length. :class:`~pipepar.program.batch_rules.Documents` declares the argument to
-read them from. Whether cutting there is exact (no attention across documents, no label
-crossing a cut) is checked at the first call (:mod:`pipepar.core.document_mixing`,
-:mod:`pipepar.core.losses`), not assumed here.
+of increasing offsets from 0 to ``T``. :class:`~pipepar.program.batch_rules.Documents`
+declares the argument to read them from, and an int declared so is the longest document's
+length, recomputed per micro-batch. An int is never taken for that length by its value (it
+could be another number equal to it by chance); left whole, it is the batch's longest, an upper
+bound of every micro-batch's, which variable-length kernels accept. Whether cutting there is
+exact (no attention across documents, no label crossing a cut) is checked at the first call
+(:mod:`pipepar.core.document_mixing`, :mod:`pipepar.core.losses`), not assumed here.
 """
 
 from __future__ import annotations
@@ -98,13 +100,14 @@ def find(
         ValueError: a declared argument that delimits no documents, or two that disagree.
     """
     declared = [k for k, rule in enumerate(given) if rule is not None and rule.name == "documents"]
-    looked = declared or [k for k, rule in enumerate(given) if rule is None]
+    delimiting = [k for k in declared if not _is_int(values[k])]
+    looked = delimiting or [k for k, rule in enumerate(given) if rule is None]
     found: dict[str | int, tuple[str, tuple[int, ...]]] = {}
     for k in looked:
         layout = lengths_of(values[k])
         if layout is not None:
             found[keys[k]] = layout
-        elif declared and not _is_int(values[k]):
+        elif k in delimiting:
             raise ValueError(
                 f"split_inputs says argument {keys[k]!r} delimits documents, but it is "
                 f"{_describe(values[k])}; give position ids restarting at 0 for each document "
@@ -114,10 +117,9 @@ def find(
         return None
     lengths = _agreed(found)
     roles = {key: role for key, (role, _) in found.items()}
-    if "offsets" in {role for role, _ in found.values()}:
-        for k in declared or looked:
-            if _is_int(values[k]) and (declared or int(values[k]) == max(lengths)):
-                roles[keys[k]] = "longest"
+    for k in declared:  # an int is read as the longest length only when said to be one
+        if _is_int(values[k]):
+            roles[keys[k]] = "longest"
     if not _one_row(values, lengths, roles, keys):
         return None
     return DocumentCut(lengths, roles)

@@ -86,7 +86,11 @@ def test_layouts_recognised_from_values() -> None:
 def test_split_cuts_every_per_token_argument_and_rebases_offsets() -> None:
     batch = packed()
     offsets = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
-    calls = split_call((), {**batch, "cu_seq_lens_q": offsets, "max_length_q": 9, "flag": 3}, 3)
+    call = {**batch, "cu_seq_lens_q": offsets, "max_length_q": 9, "flag": 3}
+    calls = split_call((), call, 3)
+    assert [c.kwargs["max_length_q"] for c in calls] == [9, 9, 9]  # an int is not guessed at
+    longest = Rules.given({"max_length_q": pipepar.Documents()}, None)
+    calls = split_call((), call, 3, longest)
     assert [c.rows for c in calls] == [14, 10, 10]
     assert [c.kwargs["cu_seq_lens_q"].tolist() for c in calls] == [
         [0, 5, 14],
@@ -94,7 +98,7 @@ def test_split_cuts_every_per_token_argument_and_rebases_offsets() -> None:
         [0, 4, 10],
     ]
     assert [c.kwargs["max_length_q"] for c in calls] == [9, 7, 6]
-    assert [c.kwargs["flag"] for c in calls] == [3, 3, 3]  # not the longest length: whole
+    assert [c.kwargs["flag"] for c in calls] == [3, 3, 3]
     torch.testing.assert_close(
         torch.cat([c.kwargs["input_ids"] for c in calls], 1), batch["input_ids"]
     )
