@@ -44,7 +44,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from pipepar.core.forms import Averaged, Const, Form, Summed, Unknown
+from pipepar.core.forms import Averaged, Const, Count, Form, Summed, Unknown
 from pipepar.core.reductions import Probe
 
 __all__ = [
@@ -126,11 +126,11 @@ class LossShares(Sequence[float]):
         if isinstance(form, Unknown):
             form = Const()  # each micro-batch's value, weighted by its rows
         if isinstance(form, Summed):
-            self._check_sum()
+            self._check_sum(form)
             self.summed = True
         elif isinstance(form, Averaged):
             self.counts = [self._count_of(form, i) for i in range(len(self.rows))]
-            self._check_cover(form)
+            self._check_cover(form.count, self.counts, "averages")
         elif isinstance(form, Const):
             self.counts = [float(r) for r in self.rows]  # the same value: counted once
         else:
@@ -156,28 +156,34 @@ class LossShares(Sequence[float]):
             )
         return count(self.sources[i], self.rows[i])
 
-    def _check_cover(self, form: Averaged) -> None:
-        if self.whole is None or self.counts is None:
+    def _check_cover(self, count: Count, counts: Sequence[float], verb: str) -> None:
+        """Under a cut checked against the whole batch: the micro-batches' ``counts`` add up
+        to the whole batch's ``count``."""
+        if self.whole is None:
             return
-        whole = form.count(*self.whole)
-        if abs(whole - sum(self.counts)) > 1e-6 * max(1.0, abs(whole)):
+        whole = count(*self.whole)
+        if abs(whole - sum(counts)) > 1e-6 * max(1.0, abs(whole)):
             raise LossNotJoinable(
-                f"{self.what} averages over {form.count.what}: {whole:g} of them in the whole "
-                f"batch, but {sum(self.counts):g} in its micro-batches together "
-                f"({[round(c, 6) for c in self.counts]}): something it counts lies across a cut "
+                f"{self.what} {verb} over {count.what}: {whole:g} of them in the whole batch, "
+                f"but {sum(counts):g} in its micro-batches together "
+                f"({[round(c, 6) for c in counts]}): something it counts lies across a cut "
                 "between documents (the plain model's shifted labels make a document's last "
                 "token predict the next document's first one); mark each document's first "
                 "label ignored (-100, as DataCollatorWithFlattening does), or use chunks=1"
             )
 
-    def _check_sum(self) -> None:
-        if self.whole is not None:
+    def _check_sum(self, form: Summed) -> None:
+        if self.whole is None:
+            return
+        if form.items is None:
             raise LossNotJoinable(
-                f"{self.what} is a sum over the batch, cut here between documents: pipepar "
-                "cannot count what the sum adds up, so it cannot check that nothing lies "
-                "across a cut (a document's last token predicting the next one's first); "
-                "compute a mean over the counted labels (no num_items_in_batch), or chunks=1"
+                f"{self.what} is a sum over the batch, cut here between documents, of terms "
+                "pipepar cannot count, so it cannot check that none lies across a cut (a "
+                "document's last token predicting the next one's first); sum a class loss "
+                "(F.cross_entropy with ignore_index) or average, or use chunks=1"
             )
+        items = form.items
+        self._check_cover(items, [items(s, r) for s, r in zip(self.sources, self.rows)], "sums")
 
     def learning(self) -> bool:
         """Whether micro-batch 0's loss has yet to show its form."""

@@ -380,7 +380,8 @@ class Probe(TorchFunctionMode):
         reduction = bound.get("reduction", "mean")
         name = func.__name__
         if reduction == "sum":
-            return Summed()
+            classes = name in ("cross_entropy", "nll_loss")
+            return Summed(items=self._real_targets(bound, name) if classes else None)
         if name in ("cross_entropy", "nll_loss"):
             return self._class_loss(bound, name, where)
         if name == "kl_div" and reduction == "batchmean":
@@ -401,14 +402,9 @@ class Probe(TorchFunctionMode):
         if target.is_floating_point():  # class probabilities: a mean over the rows
             classes = bound["input"].shape[1] if bound["input"].dim() > 1 else 1
             return Averaged(self._count(target, form, lambda t: t.numel() // classes, "rows"))
-        if isinstance(form, Rows) and form.replay is not None:
-            replay = form.replay
-            return Averaged(
-                Count(
-                    lambda sources, rows: float(_real_targets(replay(sources, {}), bound)),
-                    f"the real targets of F.{name}()",
-                )
-            )
+        real = self._real_targets(bound, name)
+        if real is not None:
+            return Averaged(real)
         if isinstance(form, Const):  # made from sizes alone (torch.arange(len(logits)))
             value = float(_real_targets(target, bound))
             label = f"the targets of F.{name}()"
@@ -418,6 +414,20 @@ class Probe(TorchFunctionMode):
             where,
             "its targets are computed by the model, so the count of real targets it divides by "
             "is not known before each micro-batch's forward",
+        )
+
+
+    def _real_targets(self, bound: dict[str, Any], name: str) -> Count | None:
+        """The count of a class loss's real targets in any micro-batch, when its class-index
+        target is replayed from the inputs."""
+        target = bound["target"]
+        form = self.form_of(target)
+        if target.is_floating_point() or not isinstance(form, Rows) or form.replay is None:
+            return None
+        replay = form.replay
+        return Count(
+            lambda sources, rows: float(_real_targets(replay(sources, {}), bound)),
+            f"the real targets of F.{name}()",
         )
 
 

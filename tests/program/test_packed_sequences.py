@@ -273,3 +273,23 @@ def test_a_count_the_probe_cannot_replay_scales_with_the_tokens() -> None:
     with Probe([], rows=14) as probe:  # rows on dimension 0: a count for this shape only
         loss = computed.mean()
     assert not probe.form_of(loss).count.any_rows
+
+
+@pytest.mark.parametrize("crossing", [False, True])
+def test_a_loss_summed_over_the_batchs_items_is_checked_by_its_real_targets(crossing: bool) -> None:
+    model, batch = llama(), packed()
+    if crossing:
+        batch["labels"] = batch["input_ids"].clone()
+    items = (batch["labels"][:, 1:] != -100).sum()  # what HF Trainer passes: the batch's count
+    batch["num_items_in_batch"] = items
+    plain = copy.deepcopy(model)
+    pipe = pipe_of(model, 3)
+    if crossing:
+        with pytest.raises(pipepar.LossNotJoinable, match="sums over the real targets"):
+            pipe.step(**batch)
+        return
+    loss = pipe.step(**batch)
+    ref = plain(**batch).loss
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
+    assert_grads_equal(model, plain)
