@@ -35,15 +35,14 @@ def llama(**options: Any) -> nn.Module:
     return transformers.LlamaForCausalLM(config).eval().train()
 
 
-def packed(lengths: tuple[int, ...] = LENGTHS) -> dict[str, torch.Tensor]:
-    """One row: the documents one after another, positions restarting at 0, the first label
-    of each document ignored (as DataCollatorWithFlattening makes it)."""
+def packed(lengths: tuple[int, ...] = LENGTHS, varlen: bool = False) -> dict[str, Any]:
+    """One row made by transformers' DataCollatorWithFlattening: the documents one after
+    another, positions restarting at 0, each document's first label ignored; with ``varlen``
+    also flash-attention's offsets and longest lengths."""
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, VOCAB, (1, sum(lengths)), generator=g)
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    labels = ids.clone()
-    labels[positions == 0] = -100
-    return {"input_ids": ids, "position_ids": positions, "labels": labels}
+    docs = [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist()} for n in lengths]
+    collate = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=varlen)
+    return dict(collate(docs))
 
 
 def pipe_of(model: nn.Module, chunks: int, **kwargs: Any) -> pipepar.Pipe:
@@ -85,8 +84,7 @@ def test_layouts_recognised_from_values() -> None:
 
 def test_split_cuts_every_per_token_argument_and_rebases_offsets() -> None:
     batch = packed()
-    offsets = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
-    call = {**batch, "cu_seq_lens_q": offsets, "max_length_q": 9, "flag": 3}
+    call = {**packed(varlen=True), "flag": 3}
     calls = split_call((), call, 3)
     assert [c.kwargs["max_length_q"] for c in calls] == [9, 9, 9]  # an int is not guessed at
     longest = Rules.given({"max_length_q": pipepar.Documents()}, None)
@@ -103,6 +101,7 @@ def test_split_cuts_every_per_token_argument_and_rebases_offsets() -> None:
         torch.cat([c.kwargs["input_ids"] for c in calls], 1), batch["input_ids"]
     )
     assert calls[1].kwargs["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 4, 5, 6]]
+    assert [c.kwargs["cu_seq_lens_k"].tolist() for c in calls][1] == [0, 3, 10]
     several_rows = {k: v.expand(2, -1) for k, v in batch.items()}
     assert [c.rows for c in split_call((), several_rows, 3)] == [1, 1]  # rows: cut by rows
     rows = Rules.given({"position_ids": "rows"}, None)
@@ -128,13 +127,16 @@ def test_call_logits_loss_and_backward_equal_the_plain_model() -> None:
     model, batch = llama(), packed()
     plain = copy.deepcopy(model)
     seen = tokens_seen(model)
-    out, ref = pipe_of(model, 3)(**batch), plain(**batch)
+    pipe = pipe_of(model, 3)
+    out, ref = pipe(**batch), plain(**batch)
     assert seen == CUTS[3]
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.loss, ref.loss, rtol=1e-5, atol=1e-5)
     (out.loss + out.logits.square().mean()).backward()
     (ref.loss + ref.logits.square().mean()).backward()
     assert_grads_equal(model, plain)
+    with torch.no_grad():  # evaluation: the same cut, no graph
+        torch.testing.assert_close(pipe(**batch).logits, ref.logits, rtol=1e-5, atol=1e-5)
 
 
 def test_eager_attention_and_declared_positions() -> None:
@@ -195,10 +197,8 @@ def test_a_model_of_other_code_mixing_documents_is_refused() -> None:
 
 
 def test_flash_attention_kwargs_are_cut_and_the_step_equals_the_plain_model() -> None:
-    model, batch = llama(), packed()
-    offsets = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
-    varlen = {"cu_seq_lens_q": offsets, "cu_seq_lens_k": offsets}
-    batch = {**batch, **varlen, "max_length_q": 9, "max_length_k": 9}  # sdpa reads none of them
+    model, batch = llama(), packed(varlen=True)  # cu_seq_lens_q/k, max_length_q/k: sdpa
+    assert batch["max_length_q"] == 9  # reads none of them
     plain = copy.deepcopy(model)
     seen = tokens_seen(model)
     loss = pipe_of(model, 3).step(**batch)
@@ -211,7 +211,7 @@ def test_flash_attention_kwargs_are_cut_and_the_step_equals_the_plain_model() ->
 
 def test_a_kind_learned_under_a_row_cut_is_watched_again_under_a_document_cut() -> None:
     pipe = pipe_of(llama(), 2)
-    rows = {k: v.reshape(2, 17) for k, v in packed((5, 9, 3, 7, 4, 6)).items()}
+    rows = {k: v.reshape(2, 17) for k, v in packed().items()}
     rows["position_ids"] = torch.arange(17).expand(2, 17)
     rows["attention_mask"] = torch.ones(2, 17, dtype=torch.long)
     pipe.step(**rows)  # micro-batches of one row of 17 tokens: rows never mix here
