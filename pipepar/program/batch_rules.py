@@ -84,7 +84,8 @@ class Documents:
     then cut at document boundaries into micro-batches of balanced tokens: every ``(1, T, ...)``
     tensor on dimension 1, offsets rebased, a longest length recomputed. The layout is
     recognised without it; declaring it makes that argument the one the documents are read
-    from (and an int a longest length).
+    from first (any other argument recognised as delimiting them must agree) and an int a
+    longest length.
 
     Example:
         >>> rules = Rules.given({"position_ids": Documents()}, None)

@@ -101,7 +101,7 @@ def find(
     """
     declared = [k for k, rule in enumerate(given) if rule is not None and rule.name == "documents"]
     delimiting = [k for k in declared if not _is_int(values[k])]
-    looked = delimiting or [k for k, rule in enumerate(given) if rule is None]
+    looked = delimiting + [k for k, rule in enumerate(given) if rule is None]
     found: dict[str | int, tuple[str, tuple[int, ...]]] = {}
     for k in looked:
         layout = lengths_of(values[k])
@@ -115,7 +115,7 @@ def find(
             )
     if not found or chunks < 2:
         return None
-    lengths = _agreed(found)
+    lengths = _agreed(found, [keys[k] for k in delimiting])
     roles = {key: role for key, (role, _) in found.items()}
     for k in declared:  # an int is read as the longest length only when said to be one
         if _is_int(values[k]):
@@ -125,14 +125,21 @@ def find(
     return DocumentCut(lengths, roles)
 
 
-def _agreed(found: dict[str | int, tuple[str, tuple[int, ...]]]) -> tuple[int, ...]:
+def _agreed(
+    found: dict[str | int, tuple[str, tuple[int, ...]]], declared: list[str | int]
+) -> tuple[int, ...]:
+    """The documents every argument that delimits them agrees on (a declared one first)."""
     (first, (_, lengths)), *rest = found.items()
     for key, (_, other) in rest:
         if other != lengths:
+            fix = (
+                f"give {key!r} a rule of its own ('whole' or fn(value, pieces))"
+                if declared
+                else f"say which one to cut by: split_inputs={{{first!r}: pipepar.Documents()}}"
+            )
             raise ValueError(
                 f"arguments {first!r} and {key!r} delimit different documents (lengths "
-                f"{list(lengths)} and {list(other)}); pass them for the same documents, or say "
-                f"which one to cut by: split_inputs={{{first!r}: pipepar.Documents()}}"
+                f"{list(lengths)} and {list(other)}); pass them for the same documents, or {fix}"
             )
     return lengths
 

@@ -293,3 +293,19 @@ def test_a_loss_summed_over_the_batchs_items_is_checked_by_its_real_targets(cros
     ref.backward()
     torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-5)
     assert_grads_equal(model, plain)
+
+
+def test_declared_and_disagreeing_layouts_name_the_arguments() -> None:
+    batch = packed(varlen=True)
+    bad = Rules.given({"labels": pipepar.Documents()}, None)
+    with pytest.raises(ValueError, match="argument 'labels' delimits documents, but it is"):
+        split_call((), batch, 2, bad)
+    other = {**batch, "cu_seq_lens_q": torch.tensor([0, 5, 34], dtype=torch.int32)}
+    with pytest.raises(ValueError, match="'position_ids' and 'cu_seq_lens_q' delimit different"):
+        split_call((), other, 2)
+    said = Rules.given({"cu_seq_lens_q": pipepar.Documents()}, None)
+    with pytest.raises(ValueError, match="give 'position_ids' a rule of its own"):
+        split_call((), other, 2, said)  # a declared one does not hand the others whole
+    said = Rules.given({"position_ids": pipepar.Documents()}, None)  # the others agree
+    calls = split_call((), batch, 2, said)
+    assert [c.kwargs["cu_seq_lens_k"].tolist() for c in calls] == [[0, 5, 14, 17], [0, 7, 11, 17]]
