@@ -20,7 +20,7 @@ from pipepar.planner.layout_search import search_layouts
 from pipepar.planner.partition import partition
 from pipepar.planner.plan import Plan, StagePlan, plan
 from pipepar.planner.profile import LayerProfile, Profile
-from pipepar.program.batch_rules import Packed
+from pipepar.program.batch_rules import Documents, Packed
 from pipepar.program.profile import profile
 from pipepar.program.units import Unit, units
 from pipepar.tracing.tracer import Timeline, tracing
@@ -36,6 +36,7 @@ __version__ = installed_version()
 
 __all__ = [
     "BatchCoupled",
+    "Documents",
     "GPipe",
     "LayerProfile",
     "Layout",

@@ -132,6 +132,9 @@ class Summed:
     size of the batch): then a mean may divide by it."""
 
     count: Count | None = None
+    items: Count | None = None
+    """What the sum adds one term for, when the inputs alone tell (the real targets of a
+    summed cross-entropy): a cut that could split those terms is checked by it."""
 
 
 @dataclass(frozen=True)
@@ -303,8 +306,10 @@ def _added(a: Form, b: Form, *, name: str, where: str) -> Form:
             return a  # the shares add up to one: the constant is counted once
         return Unknown(name, where, "it adds a constant to a sum over the batch")
     if isinstance(a, Summed) and isinstance(b, Summed):
-        both = a.count.plus(b.count) if a.count and b.count and name in ("add", "radd") else None
-        return Summed(both)
+        adds = name in ("add", "radd")
+        both = a.count.plus(b.count) if a.count and b.count and adds else None
+        items = a.items.plus(b.items) if a.items and b.items and adds else None
+        return Summed(both, items)
     if isinstance(a, Averaged) and isinstance(b, Averaged) and a.count.same_shares(b.count):
         if a.count == b.count:
             return a
@@ -320,12 +325,12 @@ def _scaled(a: Form, b: Form, *, name: str, where: str) -> Form:
         if not isinstance(b, Const):
             return Unknown("mul", where, "it multiplies two values of the batch")
         if isinstance(a, Summed) and a.count is not None and b.value is not None:
-            return Summed(a.count.times(b.value))
-        return Summed() if isinstance(a, Summed) else a
+            return Summed(a.count.times(b.value), a.items)
+        return Summed(None, a.items) if isinstance(a, Summed) else a
     if isinstance(b, Const):  # a / c, a // c
         if isinstance(a, Summed) and a.count is not None and b.value:
-            return Summed(a.count.times(1.0 / b.value))
-        return Summed() if isinstance(a, Summed) else a
+            return Summed(a.count.times(1.0 / b.value), a.items)
+        return Summed(None, a.items) if isinstance(a, Summed) else a
     if isinstance(a, Summed) and isinstance(b, Summed) and b.count is not None:
         return Averaged(b.count)
     if isinstance(a, Const):

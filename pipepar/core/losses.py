@@ -17,6 +17,12 @@ while micro-batch 0's loss is computed:
 * anything else (a product of two means, a ``log`` of one, means over different counts added)
   cannot be joined by shares: :class:`LossNotJoinable`, at micro-batch 0, before any backward.
 
+A cut that may split what the loss counts (between packed documents, where the plain model's
+label shift makes a document's last token predict the next one's first) gives the shares the
+whole batch's inputs too (:meth:`LossShares.covering`): the micro-batches' counts must add up to
+the count replayed on the whole batch, else the step is refused; a sum there is refused (what it
+adds up cannot be counted).
+
 A custom loss that averages over something only the caller knows says so with
 ``items=lambda target: count``: shares ``c_i / C`` from it, nothing learned.
 
@@ -38,7 +44,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
-from pipepar.core.forms import Averaged, Const, Form, Summed, Unknown
+from pipepar.core.forms import Averaged, Const, Count, Form, Summed, Unknown
 from pipepar.core.reductions import Probe
 
 __all__ = [
@@ -102,6 +108,15 @@ class LossShares(Sequence[float]):
         """Join what cannot be joined exactly by rows (micro-batch semantics asked for)."""
         self.scale = 1.0
         """A loss scaler's scale: the backward seeds are the shares times it."""
+        self.whole: tuple[list[Tensor], int] | None = None
+        """The whole batch's inputs and size, when the cut must be checked against them."""
+
+    def covering(self, sources: Sequence[Tensor], rows: int) -> LossShares:
+        """Check the cut against the whole batch: its inputs ``sources`` (in the order of each
+        micro-batch's) and its size ``rows``. The micro-batches' counts must add up to the
+        whole batch's (nothing the loss counts lies across a cut)."""
+        self.whole = (list(sources), rows)
+        return self
 
     # -- learning ---------------------------------------------------------------------------
     def learn(self, form: Form) -> None:
@@ -113,9 +128,11 @@ class LossShares(Sequence[float]):
         if isinstance(form, Unknown):
             form = Const()  # each micro-batch's value, weighted by its rows
         if isinstance(form, Summed):
+            self._check_sum(form)
             self.summed = True
         elif isinstance(form, Averaged):
             self.counts = [self._count_of(form, i) for i in range(len(self.rows))]
+            self._check_cover(form.count, self.counts, "averages")
         elif isinstance(form, Const):
             self.counts = [float(r) for r in self.rows]  # the same value: counted once
         else:
@@ -150,6 +167,35 @@ class LossShares(Sequence[float]):
                 "averages over with items=lambda target: count"
             )
         return count(self.sources[i], self.rows[i])
+
+    def _check_cover(self, count: Count, counts: Sequence[float], verb: str) -> None:
+        """Under a cut checked against the whole batch: the micro-batches' ``counts`` add up
+        to the whole batch's ``count``."""
+        if self.whole is None:
+            return
+        whole = count(*self.whole)
+        if abs(whole - sum(counts)) > 1e-6 * max(1.0, abs(whole)):
+            raise LossNotJoinable(
+                f"{self.what} {verb} over {count.what}: {whole:g} of them in the whole batch, "
+                f"but {sum(counts):g} in its micro-batches together "
+                f"({[round(c, 6) for c in counts]}): something it counts lies across a cut "
+                "between documents (the plain model's shifted labels make a document's last "
+                "token predict the next document's first one); mark each document's first "
+                "label ignored (-100, as DataCollatorWithFlattening does), or use chunks=1"
+            )
+
+    def _check_sum(self, form: Summed) -> None:
+        if self.whole is None:
+            return
+        if form.items is None:
+            raise LossNotJoinable(
+                f"{self.what} is a sum over the batch, cut here between documents, of terms "
+                "pipepar cannot count, so it cannot check that none lies across a cut (a "
+                "document's last token predicting the next one's first); sum a class loss "
+                "(F.cross_entropy with ignore_index) or average, or use chunks=1"
+            )
+        items = form.items
+        self._check_cover(items, [items(s, r) for s, r in zip(self.sources, self.rows)], "sums")
 
     def learning(self) -> bool:
         """Whether micro-batch 0's loss has yet to show its form."""

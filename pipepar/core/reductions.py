@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import operator
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -123,7 +124,10 @@ class Probe(TorchFunctionMode):
             followed through them).
         constants: tensors that do not depend on the batch (weights and buffers, arguments
             passed whole to every micro-batch).
-        rows: the micro-batch's rows.
+        rows: the micro-batch's rows (its size on the cut's dimension: its tokens when a
+            batch of packed documents is cut between them).
+        rows_dim: where a value the probe does not follow has the cut's units: dimension 0
+            (rows), or 1 (the tokens of a one-row batch cut between documents).
         names: module paths by ``id``, for messages.
         where: what the call is, for messages about operations outside any module.
         resolve: for a tensor the probe did not see made (a stage's leaf standing for another
@@ -150,10 +154,11 @@ class Probe(TorchFunctionMode):
         resolve: Callable[[Tensor], Tensor | None] | None = None,
         accepts: Callable[[Coupling], bool] = lambda coupling: False,
         tracked: int | None = None,
+        rows_dim: int = 0,
     ) -> None:
         super().__init__()
         self._accepts = accepts
-        self.rows = rows
+        self.rows, self._rows_dim = rows, rows_dim
         self._forms: dict[int, tuple[Any, Form]] = {}
         self._constants = {id(t) for t in constants}
         self._names = names or {}
@@ -239,7 +244,11 @@ class Probe(TorchFunctionMode):
             return out
         replay = self._replay(func, args, kwargs, forms)
         dim = self._batch_dim(name, func, args, kwargs, out, operands, forms)
-        self._set(out, Rows(replay, dim))
+        if isinstance(out, (tuple, list)) and replay is not None:
+            for k, part in enumerate(out):  # each part replays as its item of the whole
+                self._set(part, Rows(Replay(operator.getitem, (Ref(replay), k), {}), dim))
+        else:
+            self._set(out, Rows(replay, dim))
         return out
 
     def _batch_dim(
@@ -312,7 +321,7 @@ class Probe(TorchFunctionMode):
         """Size ``d`` of a value of the batch: a count of it where the rows are (the first
         dimension, a multiple of the rows, when not known), else a constant."""
         n = tensor.shape[d]
-        rows_dim = form.dim if isinstance(form, Rows) and form.dim is not None else 0
+        rows_dim = form.dim if isinstance(form, Rows) and form.dim is not None else self._rows_dim
         if d != rows_dim or self.rows == 0 or n % self.rows:
             return n
         return number(n, Summed(self._count(tensor, form, lambda t: t.shape[d], "rows")))
@@ -329,7 +338,8 @@ class Probe(TorchFunctionMode):
             return dataclasses.replace(count, per_row=dim is not None)
         value = float(measure(tensor))
         label = f"the {what} of a {tuple(tensor.shape)} value"
-        if self.rows and tensor.dim() and tensor.shape[dim or 0] % self.rows == 0:
+        at = self._rows_dim if dim is None else dim
+        if self.rows and tensor.dim() > at and tensor.shape[at] % self.rows == 0:
             per_row = value / self.rows
             measured = what != "rows"  # a size of another dimension: the watched one's
             return Count(lambda s, r: per_row * r, label, per_row=True, measured=measured)
@@ -371,7 +381,8 @@ class Probe(TorchFunctionMode):
         reduction = bound.get("reduction", "mean")
         name = func.__name__
         if reduction == "sum":
-            return Summed()
+            classes = name in ("cross_entropy", "nll_loss")
+            return Summed(items=self._real_targets(bound, name) if classes else None)
         if name in ("cross_entropy", "nll_loss"):
             return self._class_loss(bound, name, where)
         if name == "kl_div" and reduction == "batchmean":
@@ -392,14 +403,9 @@ class Probe(TorchFunctionMode):
         if target.is_floating_point():  # class probabilities: a mean over the rows
             classes = bound["input"].shape[1] if bound["input"].dim() > 1 else 1
             return Averaged(self._count(target, form, lambda t: t.numel() // classes, "rows"))
-        if isinstance(form, Rows) and form.replay is not None:
-            replay = form.replay
-            return Averaged(
-                Count(
-                    lambda sources, rows: float(_real_targets(replay(sources, {}), bound)),
-                    f"the real targets of F.{name}()",
-                )
-            )
+        real = self._real_targets(bound, name)
+        if real is not None:
+            return Averaged(real)
         if isinstance(form, Const):  # made from sizes alone (torch.arange(len(logits)))
             value = float(_real_targets(target, bound))
             label = f"the targets of F.{name}()"
@@ -410,6 +416,20 @@ class Probe(TorchFunctionMode):
             where,
             "its targets are computed by the model, so the count of real targets it divides by "
             "is not known before each micro-batch's forward",
+        )
+
+
+    def _real_targets(self, bound: dict[str, Any], name: str) -> Count | None:
+        """The count of a class loss's real targets in any micro-batch, when its class-index
+        target is replayed from the inputs."""
+        target = bound["target"]
+        form = self.form_of(target)
+        if target.is_floating_point() or not isinstance(form, Rows) or form.replay is None:
+            return None
+        replay = form.replay
+        return Count(
+            lambda sources, rows: float(_real_targets(replay(sources, {}), bound)),
+            f"the real targets of F.{name}()",
         )
 
 

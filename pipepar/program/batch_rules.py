@@ -8,8 +8,11 @@ name of the model's parameter (or its position):
 * ``"whole"``: the same value to every micro-batch (the default for anything else);
 * :class:`Packed`: the items of every row one after another on a dimension, e.g. the patches of
   all images of a batch (``lengths`` gives each row's share of that dimension);
+* :class:`Documents`: the argument delimits the documents packed in one row (restarting
+  position ids, or ``cu_seqlens`` offsets) or is their longest length: the batch is cut at
+  document boundaries (:mod:`pipepar.program.documents`, which also recognises the layout);
 * a function ``fn(value, pieces) -> [value of micro-batch 0, value of micro-batch 1, ...]``
-  given the rows of each micro-batch as ``range``\\ s.
+  given the rows (or, cut by documents, the documents) of each micro-batch as ``range``\\ s.
 
 Outputs are joined by the rule named for their key (``"image_hidden_states"``, or a key path
 such as ``"[0]"``): ``"concat"`` (dimension 0, in micro-batch order), ``"sum"``, or a function
@@ -40,6 +43,7 @@ from torch import Tensor, nn
 
 __all__ = [
     "CHAIN_RULES",
+    "Documents",
     "InputRule",
     "OutputRule",
     "Packed",
@@ -72,10 +76,31 @@ class Packed:
     name: str = field(default="packed", init=False)
 
 
+@dataclass(frozen=True)
+class Documents:
+    """An argument about the documents packed one after another in a one-row batch: position
+    ids restarting at 0 for each document (``(1, T)``), or offsets of their starts
+    (``cu_seqlens``: ``[0, ..., T]``), or the longest document's length (an int). The batch is
+    then cut at document boundaries into micro-batches of balanced tokens: every ``(1, T, ...)``
+    tensor on dimension 1, offsets rebased, a longest length recomputed. The layout is
+    recognised without it; declaring it makes that argument the one the documents are read
+    from first (any other argument recognised as delimiting them must agree) and an int a
+    longest length.
+
+    Example:
+        >>> rules = Rules.given({"position_ids": Documents()}, None)
+        >>> rules.input("position_ids").name
+        'documents'
+    """
+
+    name: str = field(default="documents", init=False)
+
+
 CustomSplit = Callable[[Any, Sequence[range]], Sequence[Any]]
 CustomJoin = Callable[[Sequence[Any]], Any]
-InputRule = str | Packed | CustomSplit
-"""``"rows"``, ``"whole"``, a :class:`Packed` or ``fn(value, pieces) -> values``."""
+InputRule = str | Packed | Documents | CustomSplit
+"""``"rows"``, ``"whole"``, a :class:`Packed`, :class:`Documents` or ``fn(value, pieces) ->
+values``."""
 OutputRule = str | CustomJoin
 """``"concat"``, ``"sum"`` or ``fn(values) -> joined``."""
 
@@ -91,7 +116,7 @@ OUTPUT_NAMES = ("concat", "sum")
 @dataclass(frozen=True)
 class Rule:
     """One argument's rule, checked: its ``name`` (``rows``, ``whole``, ``packed``,
-    ``custom``) and what it needs."""
+    ``documents``, ``custom``) and what it needs."""
 
     name: str
     packed: Packed | None = None
@@ -171,11 +196,14 @@ def _input_rule(key: str | int, rule: Any) -> Rule:
                 'call["image_grid_thw"].prod(-1))'
             )
         return Rule("packed", packed=rule)
+    if isinstance(rule, Documents):
+        return Rule("documents")
     if isinstance(rule, str):
         if rule not in INPUT_NAMES:
             raise ValueError(
                 f"split_inputs[{key!r}] is {rule!r}, not one of {list(INPUT_NAMES)}; pass "
-                "'rows', 'whole', pipepar.Packed(lengths) or fn(value, pieces)"
+                "'rows', 'whole', pipepar.Packed(lengths), pipepar.Documents() or "
+                "fn(value, pieces)"
             )
         return Rule(rule)
     if callable(rule):

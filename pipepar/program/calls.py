@@ -7,6 +7,10 @@ micro-batch. The batch size is dimension 0 of the first tensor argument. A trans
 key-value cache, passed in or returned, is split and joined like a tensor of the batch
 (:mod:`pipepar.program.caches`).
 
+A one-row batch of packed documents (restarting position ids, ``cu_seqlens``) is cut at
+document boundaries instead (:mod:`pipepar.program.documents`): its units are documents, the
+micro-batches' sizes are tokens, on dimension 1.
+
 Outputs are joined leaf by leaf (tensors, tuples, dicts and transformers' ``ModelOutput``):
 tensors with the micro-batch's rows are concatenated; a one-element tensor (a loss averaged
 over the micro-batch) becomes the average weighted by rows, or for the loss by the shares of
@@ -30,7 +34,7 @@ from torch import Tensor, nn
 
 from pipepar.core.given import Given
 from pipepar.core.losses import Items, split_target, weighted_sum
-from pipepar.program import caches
+from pipepar.program import caches, documents
 from pipepar.program.batch_rules import (
     Rule,
     Rules,
@@ -57,12 +61,19 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Parts:
-    """How a batch was cut: each micro-batch's rows, the sizes of its packed inputs (per
+    """How a batch was cut: each micro-batch's size on the cut's dimension ``dim`` (its rows,
+    or under a document cut its tokens on dimension 1), the sizes of its packed inputs (per
     packed tensor, each micro-batch's size on the packed dimension) and the pipe's rules."""
 
     rows: tuple[int, ...]
     packed: tuple[tuple[int, ...], ...] = ()
     rules: Rules = field(default_factory=Rules)
+    dim: int = 0
+    documents: tuple[tuple[int, ...], ...] = ()
+    """Under a document cut, each micro-batch's documents' lengths."""
+    whole: tuple[Tensor, ...] = field(default=(), compare=False)
+    """Under a document cut, the whole batch's tensors in the order of
+    :meth:`Call.batch_tensors` (what a loss's count is replayed on, to check the cut)."""
 
 
 @dataclass
@@ -128,6 +139,13 @@ class StepCall:
         if self.given is not None:
             return given_calls(self.given.microbatches), self.given.targets_on(None)
         calls = split_call(self.args, self.kwargs, chunks, rules, model)
+        if self.loss_fn is not None and parts_of(calls).dim != 0:
+            raise ValueError(
+                "pipe.step(loss_fn=..., target=...) was given one row of packed documents, cut "
+                f"at document boundaries into {len(calls)} micro-batches: a target is cut by "
+                "rows only; pass the labels to the model (its own loss is checked for the cut), "
+                "or chunks=1"
+            )
         return calls, split_target(self.target, [c.rows for c in calls])
 
 
@@ -169,6 +187,9 @@ def split_call(
     )
     values = [*args, *kwargs.values()]
     given = [rules.input(key) if rules.inputs else None for key in keys]
+    cut_documents = documents.find(keys, values, given, chunks)
+    if cut_documents is not None:
+        return _split_documents(args, kwargs, keys, given, cut_documents, chunks, rules)
     n = _batch_size(keys, values, given)
     m = max(1, min(chunks, n))
     pieces = [range(int(r[0]), int(r[-1]) + 1) if len(r) else range(0) for r in _blocks(n, m)]
@@ -190,6 +211,64 @@ def split_call(
         kw = {name: parts[len(args) + j][i] for j, name in enumerate(kwargs)}
         calls.append(Call(a, kw, len(pieces[i]), batched, packed, cut))
     return calls
+
+
+def _split_documents(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    keys: list[str | int],
+    given: list[Rule | None],
+    cut: documents.DocumentCut,
+    chunks: int,
+    rules: Rules,
+) -> list[Call]:
+    """The calls of a one-row batch of packed documents cut at document boundaries."""
+    pieces = documents.balanced(cut.lengths, chunks)
+    columns, marks = [], []
+    for key, value, rule in zip(keys, [*args, *kwargs.values()], given):
+        split = _split_by_documents(key, value, rule, cut, pieces)
+        columns.append(split.values)
+        marks.extend(split.marks)
+    packed = frozenset(k for k, mark in enumerate(marks) if mark == "packed")
+    leaves = pytree.tree_leaves((args, kwargs))
+    tokens = tuple(sum(cut.lengths[p.start : p.stop]) for p in pieces)
+    parts = Parts(
+        tokens,
+        rules=rules,
+        dim=documents.SEQUENCE_DIM,
+        documents=tuple(cut.lengths[p.start : p.stop] for p in pieces),
+        whole=tuple(t for k, t in enumerate(leaves) if k in packed and isinstance(t, Tensor)),
+    )
+    calls = []
+    for i, size in enumerate(tokens):
+        a = tuple(columns[k][i] for k in range(len(args)))
+        kw = {name: columns[len(args) + j][i] for j, name in enumerate(kwargs)}
+        calls.append(Call(a, kw, size, frozenset(), packed, parts))
+    return calls
+
+
+def _split_by_documents(
+    key: str | int, value: Any, rule: Rule | None, cut: documents.DocumentCut, pieces: list[range]
+) -> _Split:
+    """One argument under a document cut: whole, by its function of the documents' ranges, or
+    leaf by leaf as :func:`pipepar.program.documents.split_value` says."""
+    m = len(pieces)
+    if rule is not None and rule.name in ("rows", "packed"):
+        raise ValueError(
+            f"split_inputs gives argument {key!r} the rule {rule.name!r}, but the batch is one "
+            f"row of {len(cut.lengths)} packed documents, cut at document boundaries; give it "
+            "'whole', pipepar.Documents() or fn(value, pieces) (pieces: each micro-batch's "
+            "documents), or cut by rows: a batch of several rows, or chunks=1"
+        )
+    if rule is not None and rule.name == "whole":
+        return _Split([value] * m, [None] * len(pytree.tree_leaves(value)), [])
+    if rule is not None and rule.custom is not None:
+        return _split_custom(key, value, rule, pieces)
+    leaves, spec = pytree.tree_flatten(value)
+    role = cut.roles.get(key)
+    split = [documents.split_value(key, t, role, cut, pieces) for t in leaves]
+    values = [pytree.tree_unflatten([col[i] for col, _ in split], spec) for i in range(m)]
+    return _Split(values, ["packed" if own else None for _, own in split], [])
 
 
 def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -309,6 +388,11 @@ def _split_argument(
         dim = rule.packed.dim
         sizes = [tuple(p.shape[dim] for p in col) for col in columns if isinstance(col[0], Tensor)]
         return _Split(values, marks, sizes)
+    return _split_custom(key, value, rule, pieces)
+
+
+def _split_custom(key: str | int, value: Any, rule: Rule, pieces: list[range]) -> _Split:
+    m = len(pieces)
     assert rule.custom is not None
     values = list(rule.custom(value, pieces))
     if len(values) != m:
@@ -437,10 +521,11 @@ def _how(col: Sequence[Any], cut: Parts, shares: tuple[float, ...], where: str) 
     if rule is not None:
         return LeafJoin("custom", custom=rule)
     if isinstance(first, Tensor):
+        d = cut.dim
         if all(
-            isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == r for t, r in zip(col, cut.rows)
+            isinstance(t, Tensor) and t.dim() > d and t.shape[d] == r for t, r in zip(col, cut.rows)
         ):
-            return LeafJoin("concat", 0, tuple(cut.rows))
+            return LeafJoin("concat", d, tuple(cut.rows))
         if all(isinstance(t, Tensor) and t.numel() == 1 for t in col):
             return LeafJoin("shares", weights=shares)
         if _packed_like(col, cut):
@@ -448,9 +533,16 @@ def _how(col: Sequence[Any], cut: Parts, shares: tuple[float, ...], where: str) 
         shapes = [tuple(t.shape) for t in col]
         raise ValueError(
             f"output {where} cannot be joined over micro-batches: shapes {shapes} neither carry "
-            f"the micro-batch rows {list(cut.rows)} on dimension 0 nor hold one value; return it "
-            "with the batch on dimension 0, say how to join it (wrap(..., join_outputs="
+            f"the micro-batch {_unit(cut)} {list(cut.rows)} on dimension {cut.dim} nor hold one "
+            f"value; return it with the batch on dimension {cut.dim}, say how to join it "
+            "(wrap(..., join_outputs="
             f"{{{first_key(where)!r}: 'concat'}}) or 'sum' or a function), or use chunks=1"
+        )
+    if caches.is_cache(first) and cut.dim != 0:
+        raise ValueError(
+            f"output {where} is a key-value cache of each micro-batch's documents, which pipepar "
+            "joins by rows only, and this batch was cut at document boundaries; pass "
+            "use_cache=False (training does not read the cache), or chunks=1"
         )
     if caches.is_cache(first):
         return LeafJoin("cache")
@@ -464,6 +556,10 @@ def _how(col: Sequence[Any], cut: Parts, shares: tuple[float, ...], where: str) 
         f"to join it (join_outputs={{{first_key(where)!r}: fn}}) or use chunks=1 (for a "
         "cache of a kind of the model's own, pass use_cache=False)"
     )
+
+
+def _unit(cut: Parts) -> str:
+    return "tokens" if cut.documents else "rows"
 
 
 def _apply(way: LeafJoin, col: Sequence[Any], rows: Sequence[int], where: str) -> Any:

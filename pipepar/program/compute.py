@@ -38,7 +38,14 @@ from pipepar.program.batch_rules import Rules
 from pipepar.program.calls import Call, StepCall, parts_of, split_call
 from pipepar.program.cut import Cut, Ledger
 from pipepar.program.driver import driver_pool, watch_units
-from pipepar.program.losses import Forms, ModelLoss, Shares, callers, loss_head, step_shares
+from pipepar.program.losses import (
+    Forms,
+    ModelLoss,
+    Shares,
+    callers,
+    loss_head,
+    step_shares,
+)
 from pipepar.program.recompute import checkpoint_units
 from pipepar.program.rerun import Rerun
 from pipepar.program.route import PathChanged, Routes, signature

@@ -6,7 +6,10 @@ With ``loss_fn``, micro-batch losses join by :mod:`pipepar.core.losses`. The mod
 0's forward runs under a :class:`~pipepar.core.reductions.Probe` the first time a kind of call
 is seen, which tells which leaves of the output are reduced over the batch and what each
 divides by; later calls of that kind reuse what was learned (:class:`Forms`), with each
-micro-batch's count recomputed from its own inputs. Whatever the model is given whole (a
+micro-batch's count recomputed from its own inputs. A batch cut between packed documents is
+checked there too: the forward must keep documents apart
+(:class:`~pipepar.core.document_mixing.DocumentWatch`) and the loss's counts add up to the
+whole batch's. Whatever the model is given whole (a
 ``num_items_in_batch`` the caller passes, as HF Trainer does) is a constant of the batch.
 """
 
@@ -20,10 +23,17 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from pipepar.core.batch_dims import accepting
+from pipepar.core.document_mixing import DocumentWatch
 from pipepar.core.forms import Form, is_reduced
-from pipepar.core.losses import LossFn, LossNotJoinable, LossShares, nothing, scalar_loss
+from pipepar.core.losses import (
+    LossFn,
+    LossNotJoinable,
+    LossShares,
+    nothing,
+    scalar_loss,
+)
 from pipepar.core.reductions import Probe
-from pipepar.program.calls import Call
+from pipepar.program.calls import Call, Parts, parts_of
 from pipepar.program.route import signature
 
 __all__ = [
@@ -119,9 +129,13 @@ class ModelLoss(LossShares):
         batch = {id(t) for t in sources[0]} if sources else set()
         self._whole = [t for t in calls[0].tensors() if id(t) not in batch] if calls else []
         super().__init__([c.rows for c in calls], sources, what="the model's loss")
+        self._cut: Parts = parts_of(calls)
+        if self._cut.dim != 0:
+            self.covering(self._cut.whole, sum(self._cut.rows))
         self._forms, self._needs_loss = forms, loss
         self.per_micro_batch = forms.per_micro_batch
-        self.key = signature(calls[0].args, calls[0].kwargs, model.training) if calls else None
+        kind = signature(calls[0].args, calls[0].kwargs, model.training) if calls else None
+        self.key = (kind, self._cut.dim)  # a document cut's first call is watched on its own
         learned = forms.get(self.key)
         self.leaf_forms: list[Form] | None = learned[0] if learned is not None else None
         self.loss_at: int | None = None
@@ -145,9 +159,16 @@ class ModelLoss(LossShares):
                 resolve=self.resolve,
                 accepts=self._forms.accepts if len(self.rows) > 1 else lambda c: True,
                 tracked=self._tracked,
+                rows_dim=self._cut.dim,
             )
+            documents = DocumentWatch(self._cut.documents[0]) if self._cut.documents else None
             with self._probe:
-                output = call()
+                if documents is None:
+                    output = call()
+                else:
+                    with documents:
+                        output = call()
+                    documents.verdict()
             self.learn_output(output)
             return output
 
@@ -179,6 +200,8 @@ class ModelLoss(LossShares):
             elif is_reduced(form):
                 leaf = LossShares(self.rows, self.sources, what=f"output leaf {k}")
                 leaf.per_micro_batch = self.per_micro_batch
+                if self.whole is not None:
+                    leaf.covering(*self.whole)
                 leaf.learn(form)
                 shares[k] = leaf
         return shares

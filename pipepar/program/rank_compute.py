@@ -37,7 +37,14 @@ from pipepar.program.calls import Call, StepCall, parts_of, split_call
 from pipepar.program.cut import Ledger
 from pipepar.program.driver import driver_pool, watch_units
 from pipepar.program.link import Link
-from pipepar.program.losses import Forms, ModelLoss, Shares, callers, loss_head, step_shares
+from pipepar.program.losses import (
+    Forms,
+    ModelLoss,
+    Shares,
+    callers,
+    loss_head,
+    step_shares,
+)
 from pipepar.program.meta_shapes import MetaShapes
 from pipepar.program.meta_values import MetaScalars
 from pipepar.program.rank_weights import holders, keep_only, tied_groups
