@@ -36,12 +36,29 @@ from pipepar.planner.meta_attention import _fusable, _fused
 from pipepar.program.meta_fallback import without_meta_kernel
 from pipepar.program.meta_shapes import MetaShapes
 
-__all__ = ["SHADOW_LIMIT", "FusedGroupedAttention", "MetaScalars", "meta_modes"]
+__all__ = [
+    "SHADOW_LIMIT",
+    "FusedGroupedAttention",
+    "KnownValues",
+    "MetaScalars",
+    "forget_dead",
+    "meta_modes",
+]
 
 _aten = torch.ops.aten
 _CPU = torch.device("cpu")
 SHADOW_LIMIT = 1 << 22
 """Largest tensor (elements) whose value :class:`MetaScalars` follows on the CPU."""
+
+
+KnownValues = dict[int, tuple["weakref.ref[Tensor]", Tensor]]
+"""The known values of meta tensors, by ``id``, each beside a reference to its tensor."""
+
+
+def forget_dead(known: KnownValues) -> None:
+    """Drop the values of meta tensors that no longer exist."""
+    for key in [k for k, (ref, _) in known.items() if ref() is None]:
+        known.pop(key, None)
 
 
 class _Unknown(Exception):
@@ -83,9 +100,13 @@ class MetaScalars(TorchDispatchMode):
         True
     """
 
-    def __init__(self, shapes: MetaShapes | None = None) -> None:
+    def __init__(self, shapes: MetaShapes | None = None, known: KnownValues | None = None) -> None:
         super().__init__()
-        self._values: dict[int, tuple[weakref.ref[Tensor], Tensor]] = {}
+        self._values: KnownValues = known if known is not None else {}
+        """The values known, by the meta tensor's ``id``: shared by the modes of every
+        micro-batch of a rank given the same ``known``, so that a meta value a module keeps
+        (a dynamic rotary embedding's longest length) is known to the next micro-batch that
+        reads it, as it is to a real run."""
         self._shapes = shapes
         """Where the outputs of operations seen before are made without their meta kernels
         (None: every operation runs)."""

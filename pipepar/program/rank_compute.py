@@ -46,7 +46,7 @@ from pipepar.program.losses import (
     step_shares,
 )
 from pipepar.program.meta_shapes import MetaShapes
-from pipepar.program.meta_values import MetaScalars
+from pipepar.program.meta_values import KnownValues, MetaScalars, forget_dead
 from pipepar.program.rank_weights import holders, keep_only, tied_groups
 from pipepar.program.ranks import RankCut, RankStep, shadow_context
 from pipepar.program.recompute import checkpoint_units
@@ -91,6 +91,7 @@ class RankProgram:
         self._drivers: ThreadPoolExecutor | None = None
         self._sync: ShardedSync | None = None
         self._shapes = MetaShapes()
+        self._known: KnownValues = {}  # meta values the shadows know, kept while they live
         """What the other stages' operations made on meta, kept from micro-batch to
         micro-batch (their meta kernels run once per shape)."""
         self.weights_run_early = 0
@@ -289,6 +290,7 @@ class RankProgram:
         seeds = shares.seeds if shares is not None else None
         flags = (self.model.training, grad, head is not None, isinstance(shares, ModelLoss))
         aliases = alias_leaves(self._uses, [self._ctx.device] * self._ctx.schedule.n_stages)
+        forget_dead(self._known)
         cuts = [
             RankCut(
                 Ledger(),
@@ -297,7 +299,7 @@ class RankProgram:
                 {},
                 mine=self._mine,
                 link=self._link,
-                values=MetaScalars(self._shapes),
+                values=MetaScalars(self._shapes, self._known),
                 routes=self._routes,
                 key=signature(c.args, c.kwargs, *flags),
                 aliases=aliases,
