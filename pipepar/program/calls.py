@@ -28,7 +28,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from pipepar.core.losses import Items, weighted_sum
-from pipepar.program import caches
+from pipepar.program import caches, packed_inputs
 from pipepar.program.batch_rules import (
     Rule,
     Rules,
@@ -74,22 +74,30 @@ class Call:
     packed: frozenset[int] = frozenset()
     """Which leaves are this micro-batch's part of a packed (or custom-split) argument."""
     parts: Parts | None = None
+    absent: tuple[tuple[int, Tensor], ...] = ()
+    """Leaves passed as ``None`` (a recognised packed input this micro-batch holds no item
+    of, :mod:`pipepar.program.packed_inputs`): their index and the empty part they stand for."""
+
+    def _leaves(self) -> list[Any]:
+        leaves = pytree.tree_leaves((self.args, self.kwargs))
+        for k, empty in self.absent:
+            leaves[k] = empty
+        return leaves
 
     def tensors(self) -> list[Tensor]:
-        leaves = pytree.tree_leaves((self.args, self.kwargs))
-        return [t for t in leaves if isinstance(t, Tensor)]
+        return [t for t in self._leaves() if isinstance(t, Tensor)]
 
     def batch_tensors(self) -> list[Tensor]:
         """The tensors holding this micro-batch's part of the batch (the others go whole to
         each): its row blocks first (:meth:`tracked` of them), then its packed parts."""
-        leaves = pytree.tree_leaves((self.args, self.kwargs))
+        leaves = self._leaves()
         rows = [t for k, t in enumerate(leaves) if k in self.batched and isinstance(t, Tensor)]
         packed = [t for k, t in enumerate(leaves) if k in self.packed and isinstance(t, Tensor)]
         return rows + packed
 
     def tracked(self) -> int:
         """How many of :meth:`batch_tensors` hold rows on dimension 0."""
-        leaves = pytree.tree_leaves((self.args, self.kwargs))
+        leaves = self._leaves()
         return sum(1 for k, t in enumerate(leaves) if k in self.batched and isinstance(t, Tensor))
 
 
@@ -140,7 +148,9 @@ def split_call(
         rules: how each argument is cut (:mod:`pipepar.program.batch_rules`); without one, a
             tensor with the batch's rows on dimension 0 is cut into row blocks and anything
             else goes whole to every micro-batch.
-        model: whose parameter names the rules use (positions without it).
+        model: whose parameter names the rules use (positions without it); its config's
+            placeholder tokens recognise the packed inputs of a multimodal model
+            (:mod:`pipepar.program.packed_inputs`).
 
     Example:
         >>> calls = split_call((torch.zeros(5, 2),), {"flag": True}, 2)
@@ -154,6 +164,10 @@ def split_call(
     values = [*args, *kwargs.values()]
     given = [rules.input(key) if rules.inputs else None for key in keys]
     n = _batch_size(keys, values, given)
+    found = packed_inputs.recognised(model, keys, values, given, n) if model is not None else {}
+    if found:  # the packed inputs of a multimodal model, under what the caller said
+        rules = rules.with_defaults(found)
+        given = [rules.input(key) for key in keys]
     m = max(1, min(chunks, n))
     pieces = [range(int(r[0]), int(r[-1]) + 1) if len(r) else range(0) for r in _blocks(n, m)]
     whole: dict[str | int, Any] | None = None
@@ -173,7 +187,7 @@ def split_call(
         a = tuple(parts[k][i] for k in range(len(args)))
         kw = {name: parts[len(args) + j][i] for j, name in enumerate(kwargs)}
         calls.append(Call(a, kw, len(pieces[i]), batched, packed, cut))
-    return calls
+    return packed_inputs.absent_when_empty(calls, list(found)) if found else calls
 
 
 def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -336,6 +350,7 @@ def join_with(
     """:func:`join`, and how each leaf was joined (what hands its gradient back)."""
     cut = parts if isinstance(parts, Parts) else Parts(tuple(parts))
     shares = shares or {}
+    outputs = packed_inputs.aligned(outputs)
     if len(outputs) == 1:
         leaves = pytree.tree_leaves(outputs[0])
         return outputs[0], [LeafJoin("single") for _ in leaves]
