@@ -48,6 +48,7 @@ from pipepar.core.forms import (
     op_name,
     replayed,
 )
+from pipepar.core.whole_inputs import SCATTERS, WholeInputs
 
 __all__ = ["BatchCoupled", "Probe"]
 
@@ -130,6 +131,9 @@ class Probe(TorchFunctionMode):
             stage's value), the value it stands for.
         accepts: whether an operation that mixes rows of the batch is accepted (computed per
             micro-batch on purpose); any other raises :class:`BatchCoupled`.
+        whole: the arguments passed whole to every one of several micro-batches, by name:
+            filling the rows with their items in order raises :class:`BatchCoupled`
+            (:mod:`pipepar.core.whole_inputs`).
 
     Example:
         >>> x, y = torch.randn(4, 3), torch.tensor([0, 1, -1, 2])
@@ -150,8 +154,10 @@ class Probe(TorchFunctionMode):
         resolve: Callable[[Tensor], Tensor | None] | None = None,
         accepts: Callable[[Coupling], bool] = lambda coupling: False,
         tracked: int | None = None,
+        whole: Sequence[tuple[str, Tensor]] = (),
     ) -> None:
         super().__init__()
+        self._whole = WholeInputs(whole)
         self._accepts = accepts
         self.rows = rows
         self._forms: dict[int, tuple[Any, Form]] = {}
@@ -176,6 +182,7 @@ class Probe(TorchFunctionMode):
     def release(self) -> None:
         """Let go of the call's values (the forms learned stay with whoever asked for them)."""
         self._forms.clear()
+        self._whole.release()
 
     def form_of(self, value: Any) -> Form:
         """The form of a value the call made or was given."""
@@ -221,6 +228,13 @@ class Probe(TorchFunctionMode):
         if name not in ADDITIVE | SCALING:  # a size given as a shape, a split, a dim...
             operands = [v for v in operands if isinstance(v, Tensor)]
         forms = [self.form_of(v) for v in operands]
+        if self._whole and name in SCATTERS:
+            of_rows = lambda v: isinstance(self.form_of(v), Rows)  # noqa: E731
+            refused = self._whole.refusal(name, args, kwargs, of_rows, _where(self._default_where))
+            if refused:
+                raise BatchCoupled(refused)
+        if self._whole:
+            self._whole.follow(operands, forms, out)
         if all(isinstance(f, Const) for f in forms):
             if isinstance(out, Tensor):
                 self._set(out, _const(out))
