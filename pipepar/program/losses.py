@@ -212,6 +212,8 @@ def _named(model: nn.Module, call: Call, batch: set[int]) -> list[tuple[str, Ten
         for t in pytree.tree_leaves(value)
         if isinstance(t, Tensor) and id(t) not in batch
     ]
+
+
 """How a step's micro-batch losses are joined: by a ``loss_fn``'s form, or the model's own."""
 
 
