@@ -239,6 +239,9 @@ class Probe(TorchFunctionMode):
             if isinstance(out, Tensor):
                 self._set(out, _const(out))
             return out
+        if name in _FACTORIES:  # made from sizes alone, whatever gave them (a grid's max)
+            self._set(out, _const(out))
+            return out
         if name in _SIZES or func is _SHAPE:
             return self._size(name, operands[0], forms[0], out, args)
         if any(is_reduced(f) for f in forms):
@@ -489,6 +492,8 @@ def _operands(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
             yield value
 
 
+_FACTORIES = {"arange", "zeros", "ones", "empty", "eye", "randperm"}
+"""Operations whose tensor operands are sizes: what they make holds no value of the batch."""
 _SHAPE = torch.Tensor.shape.__get__  # type: ignore[attr-defined]
 _SIZES = {"size", "numel", "len"}
 _OTHER_REDUCTIONS = {

@@ -164,9 +164,9 @@ def split_call(
     values = [*args, *kwargs.values()]
     given = [rules.input(key) if rules.inputs else None for key in keys]
     n = _batch_size(keys, values, given)
-    found = packed_inputs.recognised(model, keys, values, given, n) if model is not None else {}
+    found = packed_inputs.recognised(model, keys, values, given, n) if model is not None else None
     if found:  # the packed inputs of a multimodal model, under what the caller said
-        rules = rules.with_defaults(found)
+        rules = rules.with_defaults(found.rules)
         given = [rules.input(key) for key in keys]
     m = max(1, min(chunks, n))
     pieces = [range(int(r[0]), int(r[-1]) + 1) if len(r) else range(0) for r in _blocks(n, m)]
@@ -181,13 +181,15 @@ def split_call(
         packed_sizes.extend(split.sizes)
     batched = frozenset(k for k, mark in enumerate(marks) if mark == "rows")
     packed = frozenset(k for k, mark in enumerate(marks) if mark == "packed")
+    if found:  # each micro-batch's placeholders: what outputs per image token are packed like
+        packed_sizes.extend(found.placeholders_of(pieces))
     cut = Parts(tuple(len(p) for p in pieces), tuple(packed_sizes), rules)
     calls = []
     for i in range(m):
         a = tuple(parts[k][i] for k in range(len(args)))
         kw = {name: parts[len(args) + j][i] for j, name in enumerate(kwargs)}
         calls.append(Call(a, kw, len(pieces[i]), batched, packed, cut))
-    return packed_inputs.absent_when_empty(calls, list(found)) if found else calls
+    return found.absent_when_empty(calls, pieces) if found else calls
 
 
 def batch_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:

@@ -8,18 +8,22 @@ Each image stands in ``input_ids`` as placeholder tokens (the config's ``image_t
 ``image_token_index``, ``video_token_id``, ``audio_token_id``, in sub-configs too), and a row's
 share of a packed argument is known from its placeholders:
 
-* in proportion to them: a tensor of ``D`` items whose rows take ``count * D / total`` items
-  each (Llava's images of a fixed number of tokens, Qwen2-VL's patches, four per token);
 * by an integer grid's per-item product: ``image_grid_thw``'s ``t * h * w`` is proportional to
-  the image's tokens, so a row takes the grid lines whose tokens add up to its count.
+  the image's tokens, so a row takes the grid lines whose tokens add up to its count;
+* else one item per run of placeholders (text parts the images of a row), when the runs of
+  all rows add up to the tensor's items (Llava's images, LlavaNext's of any size);
+* else in proportion to them: a tensor of ``D`` items whose rows take ``count * D / total``
+  items each (Qwen2-VL's patches, four per token).
 
-An argument is recognised when one placeholder places its items (by the walk over a grid when
-it is one, else in proportion) and no other places them differently; where two placeholders
-do, the one named in the argument's name wins (``pixel_values_videos``: ``video``), and an
-argument named after none takes none that another argument of its kind (floating or integer,
-its dimensions) is named after (``pixel_values`` is left the images). A tensor with the
-batch's rows on dimension 0 stays rows, and an argument recognised nowhere stays whole (the
-probe refuses a whole argument scattered into the rows, see :mod:`pipepar.core.reductions`).
+A tensor of two dimensions or more that is no value per token (its shape does not hold the
+token ids' rows and positions) is recognised when one placeholder places its items and no
+other places them differently; where two do, the one named in the argument's name wins
+(``pixel_values_videos``: ``video``), and an argument named after none takes none that another
+argument of its kind (floating or integer, its dimensions) is named after (``pixel_values`` is
+left the images). Its dimension 0 may be the batch's rows by chance (four images for four
+rows); a tensor of each row's items padded to the most a row holds (Idefics3's rows x images x
+pixels) stays rows. An argument recognised nowhere stays whole (the probe refuses a whole
+argument scattered into the rows: :mod:`pipepar.core.whole_inputs`).
 
 A micro-batch whose rows hold no item of a recognised floating-point argument (pixels) gets
 ``None`` for it, as the plain model does for a batch without images (a vision tower cannot run
@@ -32,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,7 +45,7 @@ from torch import Tensor, nn
 
 from pipepar.program.batch_rules import Packed, Rule
 
-__all__ = ["absent_when_empty", "aligned", "placeholders", "recognised"]
+__all__ = ["Recognised", "aligned", "placeholders", "recognised"]
 
 _PLACEHOLDER = re.compile(r"^(image|video|audio)_token_(id|index)$")
 
@@ -71,14 +76,42 @@ def placeholders(model: nn.Module) -> dict[str, int]:
     return found
 
 
+@dataclass(frozen=True)
+class Recognised:
+    """What a call's placeholders tell: the packed rules of its arguments, each recognised
+    argument's items per row (packed, or padded per row) and each modality's placeholders
+    per row."""
+
+    rules: dict[str | int, Rule]
+    items: dict[str | int, tuple[int, ...]]
+    placeholders: tuple[Tensor, ...]
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def placeholders_of(self, pieces: Sequence[range]) -> list[tuple[int, ...]]:
+        """Each modality's placeholders in each micro-batch of rows ``pieces``."""
+        return [tuple(int(c[p.start : p.stop].sum()) for p in pieces) for c in self.placeholders]
+
+    def absent_when_empty(self, calls: list[Any], pieces: Sequence[range]) -> list[Any]:
+        """``calls`` (of rows ``pieces``) with ``None`` for each recognised floating-point
+        argument passed by keyword whose items a micro-batch holds none of (a vision tower
+        runs on no image of a text-only batch); its part kept as :attr:`Call.absent`."""
+        return [
+            _without(call, [k for k, n in self.items.items() if sum(n[p.start : p.stop]) == 0])
+            for call, p in zip(calls, pieces)
+        ]
+
+
 def recognised(
     model: nn.Module,
     keys: Sequence[str | int],
     values: Sequence[Any],
     given: Sequence[Rule | None],
     n: int,
-) -> dict[str | int, Rule]:
-    """The packed rules of the call's arguments that hold items of the rows' placeholders.
+) -> Recognised | None:
+    """The packed rules of the call's arguments that hold items of the rows' placeholders
+    (None when there are none).
 
     Args:
         model: the model (its config names the placeholder tokens).
@@ -96,20 +129,23 @@ def recognised(
     ]
     counts = _counts(ids, tokens, n) if free else {}
     if not counts:
-        return {}
+        return None
     fits = {key: _fits(value, counts) for key, value in free}
     kinds = {key: _kind(value) for key, value in free}
     named = {(kinds[key], m) for key, found in fits.items() for m in found if m in str(key)}
     rules: dict[str | int, Rule] = {}
-    for key, found in fits.items():
-        pool = found
+    items: dict[str | int, tuple[int, ...]] = {}
+    for key, value in free:
+        found = fits[key]
         if len(set(found.values())) > 1:  # placeholders that disagree: by name, else not taken
-            pool = {m: f for m, f in found.items() if m in str(key)} or {
+            found = {m: f for m, f in found.items() if m in str(key)} or {
                 m: f for m, f in found.items() if (kinds[key], m) not in named
             }
-        if len(set(pool.values())) == 1:
-            rules[key] = Rule("packed", packed=Packed(_fixed(next(iter(pool.values())))))
-    return rules
+        if len(set(found.values())) == 1:
+            items[key] = next(iter(found.values()))
+            if not _padded_rows(value, items[key], n):  # else its rows are cut as rows
+                rules[key] = Rule("packed", packed=Packed(_fixed(items[key])))
+    return Recognised(rules, items, tuple(c for c, _ in counts.values()))
 
 
 def _fixed(lengths: tuple[int, ...]) -> Callable[[Mapping[str | int, Any]], Tensor]:
@@ -134,18 +170,23 @@ def _token_rows(value: Any, rule: Rule | None, n: int) -> bool:
         and value.shape[0] == n
         and not value.is_floating_point()
         and not value.is_complex()
+        and value.dtype != torch.bool
     )
 
 
-def _counts(ids: Mapping[str, int], tokens: Sequence[Tensor], n: int) -> dict[str, Tensor]:
-    """Each modality's placeholders per row, in the tensor that holds most of them (the token
-    ids, not labels that hide some)."""
-    counts: dict[str, Tensor] = {}
+def _counts(
+    ids: Mapping[str, int], tokens: Sequence[Tensor], n: int
+) -> dict[str, tuple[Tensor, Tensor]]:
+    """Each modality's placeholders per row and their runs (the items they stand for, when
+    text parts them) per row, in the tensor that holds most of them (the token ids, not
+    labels that hide some)."""
+    counts: dict[str, tuple[Tensor, Tensor]] = {}
     for modality, token in ids.items():
-        per_tensor = [(t == token).reshape(n, -1).sum(1).to("cpu") for t in tokens]
-        best = max(per_tensor, key=lambda c: int(c.sum()), default=None)
+        masks = [(t == token).reshape(n, -1).to("cpu") for t in tokens]
+        best = max(masks, key=lambda mask: int(mask.sum()), default=None)
         if best is not None and int(best.sum()) > 0:
-            counts[modality] = best
+            starts = best & ~torch.nn.functional.pad(best[:, :-1], (1, 0), value=False)
+            counts[modality] = (best.sum(1), starts.sum(1))
     return counts
 
 
@@ -162,15 +203,25 @@ def _holds(shape: tuple[int, ...], part: tuple[int, ...]) -> bool:
     return any(shape[k : k + len(part)] == part for k in range(len(shape) - len(part) + 1))
 
 
-def _fits(value: Tensor, counts: Mapping[str, Tensor]) -> dict[str, tuple[int, ...]]:
-    """Each row's items of ``value``, by each modality whose placeholders place them."""
+def _fits(value: Tensor, counts: Mapping[str, tuple[Tensor, Tensor]]) -> dict[str, tuple[int, ...]]:
+    """Each row's items of ``value``, by each modality whose placeholders place them: by the
+    walk over a grid, else one item per run of placeholders when there are as many, else in
+    proportion to them."""
     found: dict[str, tuple[int, ...]] = {}
-    for modality, count in counts.items():
+    for modality, (count, runs) in counts.items():
         lengths = _by_grid(value, count) if _is_grid(value) else None
+        if lengths is None and int(runs.sum()) == value.shape[0]:
+            lengths = tuple(runs.tolist())
         lengths = lengths if lengths is not None else _in_proportion(value.shape[0], count)
         if lengths is not None:
             found[modality] = lengths
     return found
+
+
+def _padded_rows(value: Tensor, lengths: tuple[int, ...], n: int) -> bool:
+    """Whether ``value`` holds each row's items on dimension 1, padded to the most a row
+    holds (Idefics3's ``pixel_values``: rows x images x pixels), not items packed."""
+    return value.shape[0] == n and value.dim() > 2 and value.shape[1] == max(lengths)
 
 
 def _is_grid(value: Tensor) -> bool:
@@ -200,14 +251,8 @@ def _by_grid(grid: Tensor, count: Tensor) -> tuple[int, ...] | None:
 
 
 # -- micro-batches without items -----------------------------------------------------------------
-def absent_when_empty(calls: list[Any], keys: Sequence[str | int]) -> list[Any]:
-    """``calls`` with ``None`` for each recognised floating-point argument (``keys``, passed
-    by keyword) a micro-batch holds no item of; its empty part kept as :attr:`Call.absent`."""
-    return [_without_empty(call, keys) for call in calls]
-
-
-def _without_empty(call: Any, keys: Sequence[str | int]) -> Any:
-    names = {k for k in keys if isinstance(k, str) and _empty(call.kwargs.get(k))}
+def _without(call: Any, keys: Sequence[str | int]) -> Any:
+    names = {k for k in keys if isinstance(k, str) and _floating(call.kwargs.get(k))}
     if not names:
         return call
     leaves = pytree.tree_leaves((call.args, call.kwargs))
@@ -217,15 +262,15 @@ def _without_empty(call: Any, keys: Sequence[str | int]) -> Any:
     return dataclasses.replace(call, kwargs=kwargs, absent=absent)
 
 
-def _empty(value: Any) -> bool:
-    return isinstance(value, Tensor) and value.is_floating_point() and value.shape[0] == 0
+def _floating(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.is_floating_point()
 
 
 # -- outputs of micro-batches without items -------------------------------------------------------
 def aligned(outputs: Sequence[Any]) -> list[Any]:
-    """The micro-batches' outputs with the same keys: an output leaf a micro-batch without
-    items leaves out (Llava's ``image_hidden_states``) is, in it, an empty tensor like the
-    others' (joined in micro-batch order, it adds nothing)."""
+    """The micro-batches' outputs with the same keys: an output a micro-batch without items
+    leaves out (Llava's ``image_hidden_states``) is, in it, empty tensors shaped like the
+    others' (joined in micro-batch order, they add nothing)."""
     outputs = list(outputs)
     mappings = [o for o in outputs if isinstance(o, Mapping)]
     if len(mappings) != len(outputs) or len({tuple(o.keys()) for o in mappings}) < 2:
@@ -255,10 +300,11 @@ def _filled(
         if key in output:
             values[key] = output[key]
             continue
-        like = next((o[key] for o in others if isinstance(o.get(key), Tensor)), None)
-        if like is None or like.dim() == 0:
+        like = next((o[key] for o in others if o.get(key) is not None), None)
+        leaves = pytree.tree_leaves(like)
+        if not leaves or not all(isinstance(t, Tensor) and t.dim() > 0 for t in leaves):
             return output  # not an output of items: the join says what differs
-        values[key] = like.new_empty((0, *like.shape[1:]))
+        values[key] = pytree.tree_map(lambda t: t.new_empty((0, *t.shape[1:])), like)
     if dataclasses.is_dataclass(output):
         return type(output)(**values)  # a ModelOutput, its fields in their order
     return values

@@ -36,7 +36,7 @@ def test_the_rows_items_are_found_from_their_placeholder_tokens() -> None:
     batch = batch_of("qwen2_vl")  # patches 8, 0, 4+8 (and a video of 8), 4
     keys, values = list(batch), list(batch.values())
     found = recognised(qwen2_vl(), keys, values, [None] * len(keys), 4)
-    lengths = {key: rule.packed.lengths({}).tolist() for key, rule in found.items()}
+    lengths = {key: rule.packed.lengths({}).tolist() for key, rule in found.rules.items()}
     assert lengths == {
         "pixel_values": [8, 0, 12, 4],
         "image_grid_thw": [1, 0, 2, 1],
@@ -46,7 +46,43 @@ def test_the_rows_items_are_found_from_their_placeholder_tokens() -> None:
     batch = llava_batch([1, 0, 2, 1])  # four images for four rows: still packed
     keys = argument_keys(llava(), (), batch)
     found = recognised(llava(), keys, list(batch.values()), [None] * len(keys), 4)
-    assert found["pixel_values"].packed.lengths({}).tolist() == [1, 0, 2, 1]
+    assert found.rules["pixel_values"].packed.lengths({}).tolist() == [1, 0, 2, 1]
+
+
+class _Config(nn.Module):
+    """A model whose config names image placeholder 90 (in a sub-config)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import PretrainedConfig
+
+        self.config = PretrainedConfig(text_config={"vocab_size": 100}, image_token_index=90)
+
+
+def _found(batch: dict[str, torch.Tensor]) -> tuple[dict, list]:
+    found = recognised(_Config(), list(batch), list(batch.values()), [None] * len(batch), 4)
+    assert found is not None
+    return dict(found.items), list(found.rules)
+
+
+def test_runs_of_placeholders_place_images_of_any_number_of_tokens() -> None:
+    ids = torch.randint(3, 80, (4, 30))
+    ids[0, 1:6] = 90  # row 0: one image of 5 tokens, row 1: none,
+    ids[2, 1:4], ids[2, 5:14] = 90, 90  # row 2: 3 and 9 tokens, row 3: 4 (LlavaNext's sizes)
+    ids[3, 2:6] = 90
+    batch = {"input_ids": ids, "pixel_values": torch.randn(4, 5, 3, 2, 2)}
+    batch["image_sizes"] = torch.tensor([[8, 8], [8, 16], [16, 8], [8, 8]])
+    items, packed = _found(batch)
+    assert items == {"pixel_values": (1, 0, 2, 1), "image_sizes": (1, 0, 2, 1)}
+    assert packed == ["pixel_values", "image_sizes"]
+
+
+def test_items_padded_per_row_stay_rows() -> None:
+    ids = torch.randint(3, 80, (4, 16))
+    ids[0, 1:5], ids[2, 1:5], ids[2, 6:10], ids[3, 1:5] = 90, 90, 90, 90
+    pixels = torch.randn(4, 2, 3, 8, 8)  # Idefics3: rows x most images a row has x pixels
+    items, packed = _found({"input_ids": ids, "pixel_values": pixels})
+    assert items == {"pixel_values": (1, 0, 2, 1)} and packed == []
 
 
 @pytest.mark.parametrize("name", MODELS)
