@@ -119,6 +119,8 @@ def recognised(
         given: the caller's rule for each argument (those with one are left to it).
         n: the batch's rows.
     """
+    if not _some_other_shape(values):
+        return None  # every tensor of two dimensions is (rows, tokens): a text model's call
     ids = placeholders(model)
     rows = [v for v, r in zip(values, given) if ids and _token_rows(v, r, n)]
     tokens = [t for t in rows if _holds_any(t, ids.values())]
@@ -146,6 +148,11 @@ def recognised(
             if not _padded_rows(value, items[key], n):  # else its rows are cut as rows
                 rules[key] = Rule("packed", packed=Packed(_fixed(items[key])))
     return Recognised(rules, items, tuple(c for c, _ in counts.values()))
+
+
+def _some_other_shape(values: Sequence[Any]) -> bool:
+    shapes = {tuple(v.shape[:2]) for v in values if isinstance(v, Tensor) and v.dim() > 1}
+    return len(shapes) > 1
 
 
 def _fixed(lengths: tuple[int, ...]) -> Callable[[Mapping[str | int, Any]], Tensor]:
