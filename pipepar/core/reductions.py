@@ -216,9 +216,19 @@ class Probe(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if self._whole and op_name(func) in SCATTERS:  # before it runs: it may fail on them
+            self._refuse_scatter(op_name(func), args, kwargs)
         out = func(*args, **kwargs)
         with torch._C.DisableTorchFunction():
             return self._learn(func, args, kwargs, out)
+
+    def _refuse_scatter(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def of_rows(value: Any) -> bool:
+            return isinstance(self.form_of(value), Rows)
+
+        refused = self._whole.refusal(name, args, kwargs, of_rows, _where(self._default_where))
+        if refused:
+            raise BatchCoupled(refused)
 
     def _learn(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
@@ -228,11 +238,6 @@ class Probe(TorchFunctionMode):
         if name not in ADDITIVE | SCALING:  # a size given as a shape, a split, a dim...
             operands = [v for v in operands if isinstance(v, Tensor)]
         forms = [self.form_of(v) for v in operands]
-        if self._whole and name in SCATTERS:
-            of_rows = lambda v: isinstance(self.form_of(v), Rows)  # noqa: E731
-            refused = self._whole.refusal(name, args, kwargs, of_rows, _where(self._default_where))
-            if refused:
-                raise BatchCoupled(refused)
         if self._whole:
             self._whole.follow(operands, forms, out)
         if all(isinstance(f, Const) for f in forms):

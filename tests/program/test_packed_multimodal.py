@@ -136,16 +136,20 @@ class ScattersPatches(nn.Module):
     """Each image token of ``input_ids`` takes the next patch of ``pixel_values`` (the patches
     of all rows, one after another); no config says which token is an image's."""
 
-    def __init__(self) -> None:
+    def __init__(self, how: str = "masked_scatter") -> None:
         super().__init__()
+        self.how = how
         self.embed = nn.Embedding(16, 8)
         self.vision = nn.Linear(4, 8)
         self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
         self.head = nn.Linear(8, 16)
 
     def forward(self, input_ids, pixel_values, labels):
-        x = self.embed(input_ids)
-        x = x.masked_scatter((input_ids == IMAGE).unsqueeze(-1), self.vision(pixel_values))
+        x, image = self.embed(input_ids), input_ids == IMAGE
+        if self.how == "masked_scatter":
+            x = x.masked_scatter(image.unsqueeze(-1), self.vision(pixel_values))
+        else:
+            x[image] = self.vision(pixel_values)  # index_put
         for block in self.blocks:
             x = x + torch.tanh(block(x))
         logits = self.head(x)
@@ -160,16 +164,19 @@ def _scatter_batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "pixel_values": torch.randn(6, 4), "labels": ids.clone()}
 
 
-@pytest.mark.parametrize("call", ["forward", "step"])
-def test_a_whole_argument_scattered_into_the_rows_is_refused(call: str) -> None:
+@pytest.mark.parametrize(
+    ("how", "call"),
+    [("masked_scatter", "forward"), ("masked_scatter", "step"), ("setitem", "step")],
+)
+def test_a_whole_argument_scattered_into_the_rows_is_refused(how: str, call: str) -> None:
     torch.manual_seed(0)
-    model = ScattersPatches()
+    model = ScattersPatches(how)
     before = [p.detach().clone() for p in model.parameters()]
     pipe = pipepar.wrap(model, balance=[3, 3], devices=["cpu", "cpu"], chunks=2)
     run = pipe.step if call == "step" else pipe
     with pytest.raises(
         pipepar.BatchCoupled,
-        match=r"masked_scatter\(\) in module ScattersPatches.*'pixel_values'.*"
+        match=rf"{how}\(\) in module ScattersPatches.*'pixel_values'.*"
         r"split_inputs=\{'pixel_values': pipepar\.Packed",
     ):
         run(**_scatter_batch())
