@@ -49,6 +49,7 @@ from pipepar.core.forms import (
     op_name,
     replayed,
 )
+from pipepar.core.whole_inputs import SCATTERS, WholeInputs
 
 __all__ = ["BatchCoupled", "Probe"]
 
@@ -134,6 +135,9 @@ class Probe(TorchFunctionMode):
             stage's value), the value it stands for.
         accepts: whether an operation that mixes rows of the batch is accepted (computed per
             micro-batch on purpose); any other raises :class:`BatchCoupled`.
+        whole: the arguments passed whole to every one of several micro-batches, by name:
+            filling the rows with their items in order raises :class:`BatchCoupled`
+            (:mod:`pipepar.core.whole_inputs`).
 
     Example:
         >>> x, y = torch.randn(4, 3), torch.tensor([0, 1, -1, 2])
@@ -155,8 +159,10 @@ class Probe(TorchFunctionMode):
         accepts: Callable[[Coupling], bool] = lambda coupling: False,
         tracked: int | None = None,
         rows_dim: int = 0,
+        whole: Sequence[tuple[str, Tensor]] = (),
     ) -> None:
         super().__init__()
+        self._whole = WholeInputs(whole)
         self._accepts = accepts
         self.rows, self._rows_dim = rows, rows_dim
         self._forms: dict[int, tuple[Any, Form]] = {}
@@ -181,6 +187,7 @@ class Probe(TorchFunctionMode):
     def release(self) -> None:
         """Let go of the call's values (the forms learned stay with whoever asked for them)."""
         self._forms.clear()
+        self._whole.release()
 
     def form_of(self, value: Any) -> Form:
         """The form of a value the call made or was given."""
@@ -214,9 +221,19 @@ class Probe(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if self._whole and op_name(func) in SCATTERS:  # before it runs: it may fail on them
+            self._refuse_scatter(op_name(func), args, kwargs)
         out = func(*args, **kwargs)
         with torch._C.DisableTorchFunction():
             return self._learn(func, args, kwargs, out)
+
+    def _refuse_scatter(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def of_rows(value: Any) -> bool:
+            return isinstance(self.form_of(value), Rows)
+
+        refused = self._whole.refusal(name, args, kwargs, of_rows, _where(self._default_where))
+        if refused:
+            raise BatchCoupled(refused)
 
     def _learn(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
@@ -226,9 +243,14 @@ class Probe(TorchFunctionMode):
         if name not in ADDITIVE | SCALING:  # a size given as a shape, a split, a dim...
             operands = [v for v in operands if isinstance(v, Tensor)]
         forms = [self.form_of(v) for v in operands]
+        if self._whole:
+            self._whole.follow(operands, forms, out)
         if all(isinstance(f, Const) for f in forms):
             if isinstance(out, Tensor):
                 self._set(out, _const(out))
+            return out
+        if name in _FACTORIES:  # made from sizes alone, whatever gave them (a grid's max)
+            self._set(out, _const(out))
             return out
         if name in _SIZES or func is _SHAPE:
             return self._size(name, operands[0], forms[0], out, args)
@@ -497,6 +519,8 @@ def _operands(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
             yield value
 
 
+_FACTORIES = {"arange", "zeros", "ones", "empty", "eye", "randperm"}
+"""Operations whose tensor operands are sizes: what they make holds no value of the batch."""
 _SHAPE = torch.Tensor.shape.__get__  # type: ignore[attr-defined]
 _SIZES = {"size", "numel", "len"}
 _OTHER_REDUCTIONS = {

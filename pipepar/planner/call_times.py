@@ -27,6 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from torch import nn
+
 from pipepar.planner.profile import LayerProfile, Profile
 from pipepar.program.calls import as_call, split_call
 
@@ -102,13 +104,17 @@ def profile_two_sizes(profile_fn: Callable[[Any], Profile], sample: Any, chunks:
 
 
 def profile_for_chunks(
-    profile_fn: Callable[[Any], Profile], sample: Any, chunks: Sequence[int]
+    profile_fn: Callable[[Any], Profile],
+    sample: Any,
+    chunks: Sequence[int],
+    model: nn.Module | None = None,
 ) -> tuple[Profile, list[int]]:
     """``profile_fn(sample)`` with call times fitted against the smallest micro-batch of the
     largest count in ``chunks`` whose micro-batches the model runs, and the counts of
     ``chunks`` it runs: the model is only ever given micro-batches a pipe of one of them runs,
     and a count whose micro-batches it fails on (a training-mode batch norm given one row) is
-    left out of the search. Without times nothing but ``sample`` runs.
+    left out of the search. Without times nothing but ``sample`` runs. ``model`` cuts the
+    sample as its pipe would (the packed inputs of a multimodal model recognised).
 
     Raises:
         ValueError: ``chunks`` holds one count (the caller's) and the model fails on its
@@ -131,7 +137,7 @@ def profile_for_chunks(
         if least in failed:
             continue
         try:
-            small = profile_fn(smallest_micro_batch(sample, count))
+            small = profile_fn(smallest_micro_batch(sample, count, model))
         except Exception as error:  # any failure of the model on it
             failed[least] = error
             continue
@@ -151,16 +157,17 @@ def _too_many(chunks: int, rows: int, least: int, error: Exception) -> ValueErro
     )
 
 
-def smallest_micro_batch(sample: Any, chunks: int) -> Any:
+def smallest_micro_batch(sample: Any, chunks: int, model: nn.Module | None = None) -> Any:
     """The smallest (the last) of ``chunks`` micro-batches of ``sample``, in the sample's own
-    form (a tensor, a tuple of positional arguments or a dict of keyword arguments).
+    form (a tensor, a tuple of positional arguments or a dict of keyword arguments), cut as
+    a pipe of ``model`` cuts it (:func:`pipepar.program.calls.split_call`).
 
     Example:
         >>> smallest_micro_batch(torch.zeros(10, 3), 4).shape
         torch.Size([2, 3])
     """
     args, kwargs = as_call(sample)
-    part = split_call(args, kwargs, chunks)[-1]
+    part = split_call(args, kwargs, chunks, model=model)[-1]
     if isinstance(sample, dict):
         return part.kwargs
     return part.args if isinstance(sample, tuple) else part.args[0]

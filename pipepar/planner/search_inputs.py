@@ -67,6 +67,7 @@ def search_profile(
             functools.partial(profile, model_or_profile, device=device, optimizer=optimizer),
             sample,
             counts,
+            model_or_profile,
         )
         if not prof.timed and flops is None:
             flops = count_flops(model_or_profile, sample, prof)

@@ -19,6 +19,7 @@ from pipepar.local.executor import BACKWARD, FORWARD
 from pipepar.program import caches
 from pipepar.program.calls import LeafJoin, Parts, join, join_with
 from pipepar.program.losses import ModelLoss
+from pipepar.program.packed_inputs import aligned
 from pipepar.program.run import ProgramRun
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ class ProgramFunction(torch.autograd.Function):
         *args: Tensor,
     ) -> Any:
         run.execute(pipe._workers(), FORWARD)
-        results = run.results()
+        results = aligned(run.results())
         by_leaf = _leaf_shares(results, shares)
         output, ways = join_with(results, run.parts, by_leaf)
         leaves, spec = pytree.tree_flatten(output)
@@ -74,6 +75,7 @@ class ProgramFunction(torch.autograd.Function):
 
 def joined(results: list[Any], parts: Parts | list[int], shares: ModelLoss | None) -> Any:
     """The micro-batches' outputs joined; each value reduced over the batch by its shares."""
+    results = aligned(results)
     return join(results, parts, _leaf_shares(results, shares))
 
 

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from pipepar.core.given import Given
 from pipepar.core.losses import Items, split_target, weighted_sum
-from pipepar.program import caches, documents
+from pipepar.program import caches, documents, packed_inputs
 from pipepar.program.batch_rules import (
     Rule,
     Rules,
@@ -88,22 +88,30 @@ class Call:
     packed: frozenset[int] = frozenset()
     """Which leaves are this micro-batch's part of a packed (or custom-split) argument."""
     parts: Parts | None = None
+    absent: tuple[tuple[int, Tensor], ...] = ()
+    """Leaves passed as ``None`` (a recognised packed input this micro-batch holds no item
+    of, :mod:`pipepar.program.packed_inputs`): their index and the empty part they stand for."""
+
+    def _leaves(self) -> list[Any]:
+        leaves = pytree.tree_leaves((self.args, self.kwargs))
+        for k, empty in self.absent:
+            leaves[k] = empty
+        return leaves
 
     def tensors(self) -> list[Tensor]:
-        leaves = pytree.tree_leaves((self.args, self.kwargs))
-        return [t for t in leaves if isinstance(t, Tensor)]
+        return [t for t in self._leaves() if isinstance(t, Tensor)]
 
     def batch_tensors(self) -> list[Tensor]:
         """The tensors holding this micro-batch's part of the batch (the others go whole to
         each): its row blocks first (:meth:`tracked` of them), then its packed parts."""
-        leaves = pytree.tree_leaves((self.args, self.kwargs))
+        leaves = self._leaves()
         rows = [t for k, t in enumerate(leaves) if k in self.batched and isinstance(t, Tensor)]
         packed = [t for k, t in enumerate(leaves) if k in self.packed and isinstance(t, Tensor)]
         return rows + packed
 
     def tracked(self) -> int:
         """How many of :meth:`batch_tensors` hold rows on dimension 0."""
-        leaves = pytree.tree_leaves((self.args, self.kwargs))
+        leaves = self._leaves()
         return sum(1 for k, t in enumerate(leaves) if k in self.batched and isinstance(t, Tensor))
 
 
@@ -174,7 +182,9 @@ def split_call(
         rules: how each argument is cut (:mod:`pipepar.program.batch_rules`); without one, a
             tensor with the batch's rows on dimension 0 is cut into row blocks and anything
             else goes whole to every micro-batch.
-        model: whose parameter names the rules use (positions without it).
+        model: whose parameter names the rules use (positions without it); its config's
+            placeholder tokens recognise the packed inputs of a multimodal model
+            (:mod:`pipepar.program.packed_inputs`).
 
     Example:
         >>> calls = split_call((torch.zeros(5, 2),), {"flag": True}, 2)
@@ -191,6 +201,10 @@ def split_call(
     if cut_documents is not None:
         return _split_documents(args, kwargs, keys, given, cut_documents, chunks, rules)
     n = _batch_size(keys, values, given)
+    found = packed_inputs.recognised(model, keys, values, given, n) if model is not None else None
+    if found:  # the packed inputs of a multimodal model, under what the caller said
+        rules = rules.with_defaults(found.rules)
+        given = [rules.input(key) for key in keys]
     m = max(1, min(chunks, n))
     pieces = [range(int(r[0]), int(r[-1]) + 1) if len(r) else range(0) for r in _blocks(n, m)]
     whole: dict[str | int, Any] | None = None
@@ -204,13 +218,15 @@ def split_call(
         packed_sizes.extend(split.sizes)
     batched = frozenset(k for k, mark in enumerate(marks) if mark == "rows")
     packed = frozenset(k for k, mark in enumerate(marks) if mark == "packed")
+    if found:  # each micro-batch's placeholders: what outputs per image token are packed like
+        packed_sizes.extend(found.placeholders_of(pieces))
     cut = Parts(tuple(len(p) for p in pieces), tuple(packed_sizes), rules)
     calls = []
     for i in range(m):
         a = tuple(parts[k][i] for k in range(len(args)))
         kw = {name: parts[len(args) + j][i] for j, name in enumerate(kwargs)}
         calls.append(Call(a, kw, len(pieces[i]), batched, packed, cut))
-    return calls
+    return found.absent_when_empty(calls, pieces) if found else calls
 
 
 def _split_documents(
@@ -484,6 +500,7 @@ def join_with(
     """:func:`join`, and how each leaf was joined (what hands its gradient back)."""
     cut = parts if isinstance(parts, Parts) else Parts(tuple(parts))
     shares = shares or {}
+    outputs = packed_inputs.aligned(outputs)
     if len(outputs) == 1:
         leaves = pytree.tree_leaves(outputs[0])
         return outputs[0], [LeafJoin("single") for _ in leaves]

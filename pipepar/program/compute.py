@@ -300,8 +300,11 @@ def _on(calls: list[Call], device: torch.device) -> list[Call]:
     def there(leaf: Any) -> Any:
         return leaf.to(device) if isinstance(leaf, Tensor) and leaf.device != device else leaf
 
-    moved = [pytree.tree_map(there, (c.args, c.kwargs)) for c in calls]
-    return [replace(c, args=args, kwargs=kwargs) for (args, kwargs), c in zip(moved, calls)]
+    moved = [pytree.tree_map(there, (c.args, c.kwargs, c.absent)) for c in calls]
+    return [
+        replace(c, args=args, kwargs=kwargs, absent=absent)
+        for (args, kwargs, absent), c in zip(moved, calls)
+    ]
 
 
 # -- building -------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from pipepar.core.losses import (
     scalar_loss,
 )
 from pipepar.core.reductions import Probe
+from pipepar.program.batch_rules import argument_keys
 from pipepar.program.calls import Call, Parts, parts_of
 from pipepar.program.route import signature
 
@@ -128,6 +129,7 @@ class ModelLoss(LossShares):
         self._tracked = calls[0].tracked() if calls else 0
         batch = {id(t) for t in sources[0]} if sources else set()
         self._whole = [t for t in calls[0].tensors() if id(t) not in batch] if calls else []
+        self._named_whole = _named(model, calls[0], batch) if len(calls) > 1 else []
         super().__init__([c.rows for c in calls], sources, what="the model's loss")
         self._cut: Parts = parts_of(calls)
         if self._cut.dim != 0:
@@ -160,6 +162,7 @@ class ModelLoss(LossShares):
                 accepts=self._forms.accepts if len(self.rows) > 1 else lambda c: True,
                 tracked=self._tracked,
                 rows_dim=self._cut.dim,
+                whole=self._named_whole,
             )
             documents = DocumentWatch(self._cut.documents[0]) if self._cut.documents else None
             with self._probe:
@@ -221,6 +224,19 @@ class ModelLoss(LossShares):
 
 
 Shares = LossShares
+
+
+def _named(model: nn.Module, call: Call, batch: set[int]) -> list[tuple[str, Tensor]]:
+    """The tensors of the arguments ``call`` passes whole (not in ``batch``), by name."""
+    keys = argument_keys(model, call.args, call.kwargs)
+    return [
+        (str(key), t)
+        for key, value in zip(keys, [*call.args, *call.kwargs.values()])
+        for t in pytree.tree_leaves(value)
+        if isinstance(t, Tensor) and id(t) not in batch
+    ]
+
+
 """How a step's micro-batch losses are joined: by a ``loss_fn``'s form, or the model's own."""
 
 

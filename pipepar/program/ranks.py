@@ -39,6 +39,7 @@ from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from pipepar.program.aliases import Aliases
@@ -50,6 +51,10 @@ from pipepar.program.shadow import ToMeta, from_template, on_meta, template
 from pipepar.program.step import SegmentContext, SegmentStep
 
 __all__ = ["RankCut", "RankStep", "shadow_context"]
+
+
+_TOLIST = Tensor.tolist
+_FROM_DATA = (torch.tensor, torch.as_tensor)
 
 
 class RankCut(Cut):
@@ -257,6 +262,14 @@ class RankCut(Cut):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
+        if func is _TOLIST and self.stage not in self.mine:
+            read = self._read(args[0])
+            if read is not None:
+                return read.tolist()
+        if func in _FROM_DATA and self.stage not in self.mine:
+            numbers = self._from_numbers(func, args, kwargs or {})
+            if numbers is not None:
+                return numbers
         out = super().__torch_function__(func, types, args, kwargs)
         if self.stage in self.mine:
             return out
@@ -264,6 +277,40 @@ class RankCut(Cut):
         if made is not out:
             self._tag(made)
         return made
+
+    def _from_numbers(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Tensor | None:
+        """``torch.tensor(data, device=...)`` in a shadow stage, made on the CPU from the
+        known values of the meta scalars in ``data`` and stood in by its twin on meta (which
+        knows the value, as :meth:`_twin` does for any constant); None where one is not
+        known."""
+        try:
+            data = pytree.tree_map_only(Tensor, self._known, args)
+        except LookupError:
+            return None
+        with torch._C.DisableTorchFunction():
+            out = func(*data, **{**kwargs, "device": "cpu"})
+        made = self._twin(out)
+        self._tag(made)
+        return made
+
+    def _known(self, t: Tensor) -> Tensor:
+        if not t.is_meta:
+            return t
+        value = self.values.value(t)
+        if value is None:
+            raise LookupError("a value the shadow does not know")
+        return value
+
+    def _read(self, t: Any) -> Tensor | None:
+        """What a shadow stage reads as numbers (``tensor.tolist()``: a grid of image sizes):
+        a call's input or a constant as it is, a meta tensor by its known value."""
+        if not isinstance(t, Tensor):
+            return None
+        if t.is_meta:
+            return self.values.value(t)
+        return t if self.ledger.stage_of(t) is None else None
 
     def _check_crossing(self, t: Tensor, producer: int) -> None:
         """Nothing at a crossing: the rank walks its own stages' graphs at the end."""

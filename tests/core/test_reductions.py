@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipepar
-from pipepar.core.forms import Averaged, Summed, Unknown
+from pipepar.core.forms import Averaged, Const, Summed, Unknown
 from pipepar.core.losses import LossNotJoinable
 from pipepar.core.reductions import Probe
 from tests._foreign_models import NanoGPT, nano_batch
@@ -42,7 +42,12 @@ X, Y = torch.randn(6, 5), torch.tensor([0, 1, -1, 2, -1, 4])
         (lambda x, y: F.cross_entropy(x, y.clamp(min=0), reduction="none").mean(0), 6.0),
     ],
     ids=[
-        "ce-ignore", "over-rows", "over-elements", "masked-mean", "mse", "mean-plus-const",
+        "ce-ignore",
+        "over-rows",
+        "over-elements",
+        "masked-mean",
+        "mse",
+        "mean-plus-const",
         "per-row-mean-over-dim-0",
     ],
 )
@@ -161,3 +166,13 @@ def test_a_loss_on_a_meta_output_and_a_caller_target_is_learned() -> None:
     form = probe.form_of(value)
     assert isinstance(form, Averaged)
     assert form.count([torch.zeros(2, 3)], 2) == 6.0
+
+
+def test_a_size_read_off_packed_items_makes_constants() -> None:
+    x = torch.randn(2, 3)
+    grid = torch.tensor([[1, 2, 4], [1, 4, 2]])  # a micro-batch's images, packed
+    with Probe([x, grid], rows=2, tracked=1) as probe:
+        positions = torch.arange(grid[:, 1:].max())  # Qwen3-VL's vision positions
+        loss = (x.sum(1) * positions[:2]).mean()
+    assert isinstance(probe.form_of(positions), Const)
+    assert isinstance(probe.form_of(loss), Averaged)

@@ -55,9 +55,9 @@ def test_packed_step_equals_the_plain_loss(schedule: str) -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def test_without_a_rule_the_packed_output_is_refused() -> None:
-    pipe = _pipe(_model())  # every micro-batch gets every patch and returns them all
-    with pytest.raises(ValueError, match=r"output \['image_hidden_states'\] cannot be joined"):
+def test_without_a_rule_the_patches_passed_whole_are_refused() -> None:
+    pipe = _pipe(_model())  # every micro-batch would get every patch and take its first ones
+    with pytest.raises(pipepar.BatchCoupled, match=r"masked_scatter\(\).*'pixel_values'"):
         pipe(**packed_batch())
 
 
