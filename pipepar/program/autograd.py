@@ -17,7 +17,8 @@ from torch import Tensor
 from pipepar.local.autograd import unalias as _unalias
 from pipepar.local.executor import BACKWARD, FORWARD
 from pipepar.program import caches
-from pipepar.program.calls import LeafJoin, Parts, join, join_with
+from pipepar.program.calls import Parts
+from pipepar.program.joins import LeafJoin, join, join_with
 from pipepar.program.losses import ModelLoss
 from pipepar.program.packed_inputs import aligned
 from pipepar.program.run import ProgramRun
