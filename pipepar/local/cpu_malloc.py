@@ -32,6 +32,8 @@ import logging
 import os
 import threading
 
+from pipepar.core import switches
+
 __all__ = ["MMAP_THRESHOLD", "TOP_PAD", "TRIM_THRESHOLD", "tune"]
 
 _log = logging.getLogger(__name__)
@@ -70,7 +72,7 @@ def tune() -> bool:
 
 def _reason_to_skip() -> str | None:
     env = os.environ
-    if env.get("PIPEPAR_TUNE_MALLOC", "1") == "0":
+    if not switches.tune_malloc():
         return "PIPEPAR_TUNE_MALLOC=0"
     if not _glibc():
         return "the C library is not glibc"

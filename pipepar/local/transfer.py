@@ -9,17 +9,17 @@ the CPU block, because a non-blocking device-to-host copy could be read before i
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import Tensor
 
+from pipepar.core import switches
 from pipepar.core.microbatch import Value, map_tensors
 
 __all__ = ["move"]
 
 _log = logging.getLogger(__name__)
-_DEBUG = os.environ.get("PIPEPAR_DEBUG") == "1"
+_DEBUG = switches.debug()
 
 
 def _move_tensor(t: Tensor, device: torch.device) -> Tensor:

@@ -32,10 +32,12 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 import torch
 
+from pipepar.core import switches
+
 __all__ = ["IDLE", "Aborted", "Slots", "WorkerPool", "run_inline", "worker_cores"]
 
 _log = logging.getLogger(__name__)
-_DEBUG = os.environ.get("PIPEPAR_DEBUG") == "1"
+_DEBUG = switches.debug()
 
 
 class Aborted(Exception):
@@ -134,7 +136,7 @@ def worker_cores(devices: Sequence[torch.device], threads: Sequence[int]) -> lis
     worker to; no ``os.sched_setaffinity``; ``PIPEPAR_PIN_WORKERS=0``) no worker is bound.
     """
     unbound: list[int | None] = [None] * len(devices)
-    if not hasattr(os, "sched_getaffinity") or os.environ.get("PIPEPAR_PIN_WORKERS") == "0":
+    if not hasattr(os, "sched_getaffinity") or not switches.pin_workers():
         return unbound
     cpu = [j for j, d in enumerate(devices) if d.type == "cpu"]
     allowed = sorted(os.sched_getaffinity(0))

@@ -21,9 +21,9 @@ the W it ran would have been run later anyway.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Sequence
 
+from pipepar.core import switches
 from pipepar.core.schedule import Action
 
 __all__ = ["EarlyWeights", "enabled"]
@@ -31,7 +31,7 @@ __all__ = ["EarlyWeights", "enabled"]
 
 def enabled() -> bool:
     """Whether W actions may run early (``PIPEPAR_EARLY_WEIGHTS`` is not ``"0"``)."""
-    return os.environ.get("PIPEPAR_EARLY_WEIGHTS", "1") != "0"
+    return switches.early_weights()
 
 
 class EarlyWeights:

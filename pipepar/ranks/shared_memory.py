@@ -44,6 +44,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from pipepar.core import switches
+
 __all__ = ["SharedMemory", "connect"]
 
 logger = logging.getLogger(__name__)
@@ -75,7 +77,7 @@ def supported() -> bool:
         and platform.system() == "Linux"
         and platform.machine() in ("x86_64", "AMD64")
         and os.path.isdir("/dev/shm")
-        and os.environ.get("PIPEPAR_SHARED_MEMORY", "1") != "0"
+        and switches.shared_memory()
     )
 
 

@@ -26,7 +26,6 @@ With ``PIPEPAR_DEBUG=1`` every send and receive is logged at DEBUG level.
 from __future__ import annotations
 
 import logging
-import os
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from pipepar.core import switches
 from pipepar.ranks.failure import comm
 from pipepar.ranks.mesh import Mesh
 
@@ -119,7 +119,7 @@ def decode_meta(message: Tensor) -> tuple[TensorMeta, ...]:
 
 def debug_enabled() -> bool:
     """True when ``PIPEPAR_DEBUG=1``; then the ``pipepar`` logger prints DEBUG records."""
-    if os.environ.get("PIPEPAR_DEBUG", "") not in ("1", "true", "yes"):
+    if not switches.debug():
         return False
     root = logging.getLogger("pipepar")
     if not root.handlers:  # opted in by env: make the trace visible without logging config
