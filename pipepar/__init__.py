@@ -12,6 +12,7 @@ plan the split from a memory profile.
 from pipepar import io, report, timeline
 from pipepar.core.losses import LossNotJoinable
 from pipepar.core.reductions import BatchCoupled
+from pipepar.core.schedule import Schedule
 from pipepar.core.sequential import sequentialize
 from pipepar.local.gpipe import GPipe, from_torchgpipe_state_dict
 from pipepar.local.pipe import Pipe
@@ -29,7 +30,8 @@ from pipepar.wrapping import wrap
 
 ModelPipe = Pipe
 """The pipe of any model: the same class as :class:`Pipe` (one pipe for every model), kept
-under the name it had when models other than ``nn.Sequential`` had a class of their own."""
+under the name it had when models other than ``nn.Sequential`` had a class of their own; an
+alias, not part of ``__all__``."""
 
 __version__ = installed_version()
 """The installed distribution's version (``pip show pipepar``); see :mod:`pipepar.version`."""
@@ -41,11 +43,11 @@ __all__ = [
     "LayerProfile",
     "Layout",
     "LossNotJoinable",
-    "ModelPipe",
     "Packed",
     "Pipe",
     "Plan",
     "Profile",
+    "Schedule",
     "from_torchgpipe_state_dict",
     "io",
     "StagePlan",
