@@ -17,7 +17,7 @@ from pipepar.local.chain import is_chain
 from pipepar.local.pipe import Pipe
 from pipepar.planner.auto_layout import keep_layout, local_layout, pipe_arguments
 from pipepar.planner.runtime_fit import RuntimeFit
-from pipepar.program.batch_rules import InputRule, OutputRule
+from pipepar.program.batch_rules import InputRule, OutputRule, Rules
 from pipepar.program.split_points import torch_split
 
 __all__ = ["wrap"]
@@ -144,6 +144,7 @@ def wrap(
             chunks=chunks,
             checkpoint=checkpoint,
             runtime=runtime,
+            rules=Rules.given(split_inputs, join_outputs),
         )
         balance, chunks, checkpoint, schedule = pipe_arguments(layout, schedule)
     pipe = Pipe(

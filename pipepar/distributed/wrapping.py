@@ -26,7 +26,7 @@ from pipepar.planner.auto_layout import (
 from pipepar.planner.cluster import cluster_for, device_memory
 from pipepar.planner.layout import Layout
 from pipepar.planner.runtime_fit import RuntimeFit
-from pipepar.program.batch_rules import InputRule, OutputRule
+from pipepar.program.batch_rules import InputRule, OutputRule, Rules
 from pipepar.program.split_points import torch_split
 from pipepar.ranks.process import ensure_process_group, resolve_device
 
@@ -197,7 +197,7 @@ def wrap(
             )
         layout = _auto_layout(
             model, plan, balance, split, sample, capacity, chunks, schedule, dp, checkpoint,
-            dp_shard, device, group, runtime,
+            dp_shard, device, group, runtime, Rules.given(split_inputs, join_outputs),
         )  # fmt: skip
         balance, chunks, dp = list(layout.balance), layout.chunks, layout.dp
         checkpoint, dp_shard = layout.checkpoint, layout.dp_shard
@@ -258,6 +258,7 @@ def _auto_layout(
     device: torch.device | str | None,
     group: dist.ProcessGroup | None,
     runtime: RuntimeFit | None,
+    rules: Rules,
 ) -> Layout:
     """The layout every rank of ``group`` builds: chosen on group rank 0 and broadcast. The
     arguments are checked on every rank first, so a bad one fails each rank alike, before
@@ -271,7 +272,7 @@ def _auto_layout(
     failed: Exception | None = None
     if dist.get_rank(group) == 0:
         try:
-            found[0] = _search_here(model, sample, capacity, given, here, group, runtime)
+            found[0] = _search_here(model, sample, capacity, given, here, group, runtime, rules)
         except Exception as error:  # sent as text (it always pickles): every rank raises it
             failed, found[0] = error, (type(error).__name__, str(error))
     first = 0 if group is None else dist.get_global_rank(group, 0)  # torch 2.4 has no group_src
@@ -322,6 +323,7 @@ def _search_here(
     here: torch.device,
     group: dist.ProcessGroup | None,
     runtime: RuntimeFit | None,
+    rules: Rules,
 ) -> Layout:
     """The layout for the group's ranks, found on this rank: the model profiled on this
     rank's device, or on ``meta`` (times from FLOP counts) when it was built there."""
@@ -337,4 +339,5 @@ def _search_here(
         capacity=capacity_bytes(capacity, size, device_memory(here, per_node)),
         profile_device="meta" if on_meta else str(here),
         runtime=runtime,
+        rules=rules,
     )

@@ -38,6 +38,7 @@ from pipepar.planner.profile import Profile
 from pipepar.planner.runtime_fit import RuntimeFit, check_runtime
 from pipepar.planner.search_inputs import search_profile
 from pipepar.planner.step_time import Flops
+from pipepar.program.batch_rules import Rules
 
 __all__ = [
     "Given",
@@ -149,6 +150,7 @@ def choose_layout(
     capacity: int,
     profile_device: str = "meta",
     runtime: RuntimeFit | None = None,
+    rules: Rules | None = None,
 ) -> Layout:
     """The fastest layout of ``model`` on ``devices`` devices that fits ``capacity`` bytes
     each, within what ``given`` fixes; steps predicted with the ``runtime`` fit where given
@@ -178,6 +180,7 @@ def choose_layout(
         device=profile_device,
         flops=None,
         chunks=given.chunk_counts(),
+        rules=rules,
     )
     _check_given(given, devices, prof)
     layouts = _search(prof, flops, devices, given, cluster, capacity, runtime, runs)
@@ -316,6 +319,7 @@ def local_layout(
     chunks: int | None,
     checkpoint: str | None,
     runtime: RuntimeFit | None = None,
+    rules: Rules | None = None,
 ) -> Layout:
     """The layout of a pipe in this process over ``devices`` (one pipeline, ``dp=1``), the
     model profiled where its parameters are; ``schedule``, ``chunks`` and ``checkpoint`` are
@@ -347,6 +351,7 @@ def local_layout(
             capacity=capacity_bytes(capacity, count, default),
             profile_device=str(where),
             runtime=runtime,
+            rules=rules,
         )
 
 

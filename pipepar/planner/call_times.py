@@ -30,6 +30,7 @@ from typing import Any
 from torch import nn
 
 from pipepar.planner.profile import LayerProfile, Profile
+from pipepar.program.batch_rules import Rules
 from pipepar.program.calls import as_call, split_call
 
 __all__ = [
@@ -108,6 +109,7 @@ def profile_for_chunks(
     sample: Any,
     chunks: Sequence[int],
     model: nn.Module | None = None,
+    rules: Rules | None = None,
 ) -> tuple[Profile, list[int]]:
     """``profile_fn(sample)`` with call times fitted against the smallest micro-batch of the
     largest count in ``chunks`` whose micro-batches the model runs, and the counts of
@@ -137,7 +139,7 @@ def profile_for_chunks(
         if least in failed:
             continue
         try:
-            small = profile_fn(smallest_micro_batch(sample, count, model))
+            small = profile_fn(smallest_micro_batch(sample, count, model, rules))
         except Exception as error:  # any failure of the model on it
             failed[least] = error
             continue
@@ -157,17 +159,20 @@ def _too_many(chunks: int, rows: int, least: int, error: Exception) -> ValueErro
     )
 
 
-def smallest_micro_batch(sample: Any, chunks: int, model: nn.Module | None = None) -> Any:
+def smallest_micro_batch(
+    sample: Any, chunks: int, model: nn.Module | None = None, rules: Rules | None = None
+) -> Any:
     """The smallest (the last) of ``chunks`` micro-batches of ``sample``, in the sample's own
     form (a tensor, a tuple of positional arguments or a dict of keyword arguments), cut as
-    a pipe of ``model`` cuts it (:func:`pipepar.program.calls.split_call`).
+    a pipe of ``model`` with ``rules`` (``wrap``'s ``split_inputs``) cuts it
+    (:func:`pipepar.program.calls.split_call`).
 
     Example:
         >>> smallest_micro_batch(torch.zeros(10, 3), 4).shape
         torch.Size([2, 3])
     """
     args, kwargs = as_call(sample)
-    part = split_call(args, kwargs, chunks, model=model)[-1]
+    part = split_call(args, kwargs, chunks, rules, model)[-1]
     if isinstance(sample, dict):
         return part.kwargs
     return part.args if isinstance(sample, tuple) else part.args[0]

@@ -23,6 +23,7 @@ from pipepar.planner.flop_count import count_flops
 from pipepar.planner.plan_inputs import check_profile
 from pipepar.planner.profile import Profile
 from pipepar.planner.step_time import Flops
+from pipepar.program.batch_rules import Rules
 from pipepar.program.profile import profile
 
 __all__ = [
@@ -43,6 +44,7 @@ def search_profile(
     device: str,
     flops: object,
     chunks: Sequence[int] = (1,),
+    rules: Rules | None = None,
 ) -> tuple[Profile, Flops | None, list[int]]:
     """The checked profile, the FLOPs to time it by (None: it has measured times), and the
     counts of ``chunks`` to search.
@@ -68,6 +70,7 @@ def search_profile(
             sample,
             counts,
             model_or_profile,
+            rules,
         )
         if not prof.timed and flops is None:
             flops = count_flops(model_or_profile, sample, prof)

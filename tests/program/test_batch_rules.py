@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import pipepar
-from tests.program._packed_toy import PackedImages, packed_batch, patches_per_row
+from tests.program._packed_toy import IMAGE, PackedImages, packed_batch, patches_per_row
 
 
 def _pipe(model: nn.Module, **kwargs) -> pipepar.Pipe:
@@ -98,3 +98,33 @@ def test_bad_rules_name_the_argument() -> None:
     pipe = _pipe(_model(), split_inputs={"pixel_values": pipepar.Packed(lambda c: [1, 1, 1, 1])})
     with pytest.raises(ValueError, match="adding up to 4"):
         pipe(**packed_batch())
+
+
+class _Strict(PackedImages):
+    """Checks, as real vision-language models do, that it was given one patch per image
+    token."""
+
+    def forward(self, input_ids, pixel_values, labels=None, scale=None):
+        tokens = int((input_ids == IMAGE).sum())
+        if pixel_values.shape[0] != tokens:
+            raise ValueError(f"{pixel_values.shape[0]} patches for {tokens} image tokens")
+        return super().forward(input_ids, pixel_values, labels, scale)
+
+
+def test_planning_cuts_the_sample_by_the_declared_rules() -> None:
+    torch.manual_seed(0)
+    model, batch = _Strict(), packed_batch()
+    plain = copy.deepcopy(model)
+    pipe = pipepar.wrap(
+        model,
+        sample=batch,
+        devices=["cpu", "cpu"],
+        chunks=4,
+        split_inputs={"pixel_values": pipepar.Packed(patches_per_row)},
+    )
+    loss = pipe.step(**batch)
+    ref = plain(**batch)["loss"]
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
