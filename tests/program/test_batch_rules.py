@@ -20,6 +20,16 @@ def _pipe(model: nn.Module, **kwargs) -> pipepar.Pipe:
     )
 
 
+def _step_equals_plain(pipe: pipepar.Pipe, model: nn.Module, plain: nn.Module, batch) -> None:
+    """``pipe.step`` gives the plain model's loss on the whole batch, and its gradients."""
+    loss = pipe.step(**batch)
+    ref = plain(**batch)["loss"]
+    ref.backward()
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _model() -> nn.Module:
     torch.manual_seed(0)
     return PackedImages()
@@ -47,12 +57,7 @@ def test_packed_step_equals_the_plain_loss(schedule: str) -> None:
         schedule=schedule,
         split_inputs={"pixel_values": pipepar.Packed(patches_per_row)},
     )
-    loss = pipe.step(**batch)
-    ref = plain(**batch)["loss"]
-    ref.backward()
-    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    _step_equals_plain(pipe, model, plain, batch)
 
 
 def test_without_a_rule_the_patches_passed_whole_are_refused() -> None:
@@ -122,9 +127,4 @@ def test_planning_cuts_the_sample_by_the_declared_rules() -> None:
         chunks=4,
         split_inputs={"pixel_values": pipepar.Packed(patches_per_row)},
     )
-    loss = pipe.step(**batch)
-    ref = plain(**batch)["loss"]
-    ref.backward()
-    torch.testing.assert_close(loss, ref.detach(), rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    _step_equals_plain(pipe, model, plain, batch)
