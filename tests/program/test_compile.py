@@ -76,9 +76,7 @@ def test_blocks_compiled_before_wrap(schedule: str) -> None:
     plain = copy.deepcopy(model)
     for block in model.transformer.h:
         block.compile(backend=BACKEND)
-    pipe = pipepar.wrap(
-        model, split=["transformer.h.2"], devices=CPU2, chunks=4, schedule=schedule
-    )
+    pipe = pipepar.wrap(model, split=["transformer.h.2"], devices=CPU2, chunks=4, schedule=schedule)
     ids = _ids()
     losses = _steps(pipe, lambda: pipe.step(input_ids=ids, labels=ids))
     _check_plain(pipe, plain, losses)
