@@ -20,7 +20,7 @@ from pipepar.planner.auto_layout import keep_layout, local_layout, pipe_argument
 from pipepar.planner.runtime_fit import RuntimeFit
 from pipepar.program.batch_rules import InputRule, OutputRule
 from pipepar.program.split_points import torch_split
-from pipepar.program.units import layout as unit_layout
+from pipepar.program.units import modules_of
 
 __all__ = ["wrap"]
 
@@ -174,8 +174,7 @@ def wrap(
         gc_every=gc_every,
     )
     keep_layout(pipe, layout)
-    units = list(module.children()) if chain else [u.module for u in unit_layout(module).units]
-    compile_units(units, compilers, default_compiler, module)
+    compile_units(modules_of(module, chain), compilers, default_compiler, module)
     return pipe
 
 

@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 
 import pipepar
 from models import transformers_zoo as zoo
+from tests._ranks import spawn
 
 CPU2 = ["cpu", "cpu"]
 STEPS = 3
@@ -138,3 +139,34 @@ def test_compile_true_with_inductor_on_a_chain() -> None:
 def test_compile_option_of_a_wrong_type() -> None:
     with pytest.raises(TypeError, match="compile must be True, False or a dict"):
         pipepar.wrap(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), [1, 1], compile="yes")
+
+
+def _ranks_body(rank: int) -> dict[str, object]:
+    import pipepar.distributed as ppd
+
+    pipe = ppd.wrap(
+        _gpt2(), split=["transformer.h.2"], chunks=4, schedule="1f1b", compile={"backend": BACKEND}
+    )
+    ids = _ids()
+    losses = _steps(pipe, lambda: pipe.step(input_ids=ids, labels=ids))
+    grads = {k: p.grad.numpy().copy() for k, p in pipe.named_parameters() if p.grad is not None}
+    pipe.close()
+    return {"losses": losses, "grads": grads}
+
+
+@pytest.mark.slow
+def test_compile_option_across_ranks() -> None:
+    got = spawn(2, _ranks_body)
+    plain = _gpt2()
+    ids = _ids()
+    loss = plain(input_ids=ids, labels=ids).loss
+    loss.backward()
+    own = dict(plain.named_parameters())
+    for rank, result in got.items():
+        assert result["losses"] == pytest.approx([loss.item()] * STEPS, abs=1e-5), rank
+        grads = result["grads"]
+        assert isinstance(grads, dict) and grads, rank
+        for name, g in grads.items():
+            torch.testing.assert_close(
+                torch.from_numpy(g), STEPS * own[name].grad, atol=1e-5, rtol=1e-4
+            )
