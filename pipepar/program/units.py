@@ -28,7 +28,16 @@ from torch import nn
 from pipepar.core import validation
 from pipepar.core.untouched import untouched
 
-__all__ = ["Layout", "Unit", "layout", "modules_of", "sizes_of", "stage_of_units", "stages_from_split", "units"]
+__all__ = [
+    "Layout",
+    "Unit",
+    "layout",
+    "modules_of",
+    "sizes_of",
+    "stage_of_units",
+    "stages_from_split",
+    "units",
+]
 
 
 @dataclass(frozen=True)
