@@ -11,6 +11,7 @@ from typing import Any
 from torch import nn
 
 from pipepar.core import validation
+from pipepar.core.compiled_units import CompileOption, compile_units, compiler_of, take_compiled
 from pipepar.core.devices import DeviceSpec
 from pipepar.core.schedule import Schedule
 from pipepar.local.chain import is_chain
@@ -19,6 +20,7 @@ from pipepar.planner.auto_layout import keep_layout, local_layout, pipe_argument
 from pipepar.planner.runtime_fit import RuntimeFit
 from pipepar.program.batch_rules import InputRule, OutputRule, Rules
 from pipepar.program.split_points import torch_split
+from pipepar.program.units import modules_of
 
 __all__ = ["wrap"]
 
@@ -43,6 +45,7 @@ def wrap(
     trace: bool = False,
     runtime: RuntimeFit | None = None,
     gc_every: int | None = None,
+    compile: CompileOption = None,
 ) -> Pipe:
     """Split ``module`` into pipeline stages and return the pipe.
 
@@ -119,6 +122,11 @@ def wrap(
             as it is; ``N`` turns it off while a step runs, collects what the step left after
             it, and runs a full collection every ``N`` steps (e.g. 100), so its pauses come
             at known steps (:mod:`pipepar.core.garbage`).
+        compile: compile each unit's ``forward`` (a layer of an ``nn.Sequential``, a block):
+            True for ``torch.compile``'s defaults, or a dict of its keyword arguments
+            (``{"backend": "inductor", "mode": "max-autotune"}``). A model or its modules
+            compiled before ``wrap`` keep their own options, moved onto the units
+            (:mod:`pipepar.core.compiled_units`); ``compile=`` compiles the others.
 
     Example:
         >>> model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
@@ -129,6 +137,8 @@ def wrap(
         pp=2 dp=1 1f1b M=4 recompute=never: ...
     """
     layout = None
+    default_compiler = compiler_of(compile)
+    module, compilers = take_compiled(module)
     chain = is_chain(module, split, sample)
     split = (
         torch_split(module, balance, split, split_spec, sample, call_order=True, chain=chain)
@@ -165,6 +175,7 @@ def wrap(
         gc_every=gc_every,
     )
     keep_layout(pipe, layout)
+    compile_units(modules_of(module, chain), compilers, default_compiler, module)
     return pipe
 
 

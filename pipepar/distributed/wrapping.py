@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from pipepar.core.compiled_units import CompileOption, compile_units, compiler_of, take_compiled
 from pipepar.core.schedule import Schedule
 from pipepar.distributed.pipe import DistributedPipe
 from pipepar.local.chain import is_chain
@@ -28,6 +29,7 @@ from pipepar.planner.layout import Layout
 from pipepar.planner.runtime_fit import RuntimeFit
 from pipepar.program.batch_rules import InputRule, OutputRule, Rules
 from pipepar.program.split_points import torch_split
+from pipepar.program.units import modules_of
 from pipepar.ranks.process import ensure_process_group, resolve_device
 
 __all__ = ["wrap"]
@@ -58,6 +60,7 @@ def wrap(
     routes: bool = True,
     runtime: RuntimeFit | None = None,
     gc_every: int | None = None,
+    compile: CompileOption = None,
 ) -> DistributedPipe:
     """Split ``model`` over the ranks of ``group``: ``len(balance)`` stages x ``dp`` replicas.
 
@@ -163,6 +166,9 @@ def wrap(
             transformers) and the whole pipeline waits for it; left to Python, each rank
             pauses at a step of its own, so the stalls add up with the ranks
             (:mod:`pipepar.core.garbage`).
+        compile: compile each unit's ``forward`` as :func:`pipepar.wrap` does: True, or a dict
+            of ``torch.compile``'s keyword arguments; a model or modules compiled before keep
+            their options, moved onto the units (:mod:`pipepar.core.compiled_units`).
 
     Raises:
         ValueError, TypeError: for inconsistent arguments, before any pipeline group exists;
@@ -182,8 +188,10 @@ def wrap(
         >>> mine = x[pipe.dp_rank * rows : (pipe.dp_rank + 1) * rows]  # doctest: +SKIP
     """
     layout = None
+    default_compiler = compiler_of(compile)
+    model, compilers = take_compiled(model)
+    chain = is_chain(model, split, sample)
     if plan is None:
-        chain = is_chain(model, split, sample)
         split = (
             torch_split(model, balance, split, split_spec, sample, call_order=False, chain=chain)
             or split
@@ -227,6 +235,7 @@ def wrap(
         gc_every=gc_every,
     )
     keep_layout(pipe, layout)
+    compile_units(modules_of(model, chain), compilers, default_compiler, model)
     return pipe
 
 

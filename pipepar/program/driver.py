@@ -229,9 +229,9 @@ def watch_units(units: Sequence[Any], stage_of_unit: Sequence[int]) -> list[Remo
             if p is not None
         ]
         lock = unit_lock(u.module)
-        pre = _entering(k, s if u.has_parameters else None, weights, lock)
-        handles.append(u.module.register_forward_pre_hook(pre, with_kwargs=True))
         leave = _leaving(lock)
+        pre = _entering(k, s if u.has_parameters else None, weights, lock, leave)
+        handles.append(u.module.register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(u.module.register_forward_hook(leave, always_call=True))
     return handles
 
@@ -250,7 +250,11 @@ _LOCKS_GUARD = threading.Lock()
 
 
 def _entering(
-    unit: int, stage: int | None, weights: list[Weight], lock: threading.RLock
+    unit: int,
+    stage: int | None,
+    weights: list[Weight],
+    lock: threading.RLock,
+    leave: Callable[..., None],
 ) -> Callable[..., Any]:
     def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         driver = active()
@@ -264,8 +268,14 @@ def _entering(
         if follower.done():
             raise Finished
         lock.acquire()
-        _held().append(lock)  # released by the forward hook, which runs even if this raises
-        return follower.enter_unit(unit, weights, args, kwargs)
+        _held().append(lock)  # released by the forward hook, which runs even if forward raises
+        try:
+            return follower.enter_unit(unit, weights, args, kwargs)
+        except BaseException:
+            # Left here: torch skips the always-called hooks on an error while any thread
+            # compiles (torch.compiler.is_compiling() is one flag for every thread).
+            leave(module, args, None)
+            raise
 
     return hook
 

@@ -28,7 +28,16 @@ from torch import nn
 from pipepar.core import validation
 from pipepar.core.untouched import untouched
 
-__all__ = ["Layout", "Unit", "layout", "sizes_of", "stage_of_units", "stages_from_split", "units"]
+__all__ = [
+    "Layout",
+    "Unit",
+    "layout",
+    "modules_of",
+    "sizes_of",
+    "stage_of_units",
+    "stages_from_split",
+    "units",
+]
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,14 @@ def layout(model: nn.Module, order: Sequence[str] | None = None) -> Layout:
         rank = {path: k for k, path in enumerate(order)}
         units.sort(key=lambda u: rank.get(u.path, len(rank)))
     return Layout(units, loose)
+
+
+def modules_of(model: nn.Module, chain: bool) -> list[nn.Module]:
+    """The modules a pipe runs as its units: an ``nn.Sequential`` chain's layers, else the
+    units of :func:`layout`."""
+    if chain:
+        return list(model.children())
+    return [u.module for u in layout(model).units]
 
 
 def _descend(

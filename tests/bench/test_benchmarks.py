@@ -601,3 +601,15 @@ def test_loss_learning_quick_rows(tmp_path: Path) -> None:
     assert "## Loss shares: host time per step" in text
     assert [r["micro_batches"] for r in rows] == [1, 4, 8, 16]
     assert all(r["shares_us_median"] > 0 and r["plain_loss_us_median"] > 0 for r in rows)
+
+
+def test_compile_quick_table_shape(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import bench_compile
+
+    assert bench_compile.main(["--quick"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert len(lines) == 2 + len(bench_compile.SCHEDULES)
+    for line in lines[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[0] in bench_compile.SCHEDULES
+        assert all(float(c) > 0 for c in cells[1:])
