@@ -75,6 +75,8 @@ def take_compiled(model: nn.Module) -> tuple[nn.Module, dict[nn.Module, Compiler
     plainly again. :func:`compile_units` compiles the units with what this returns.
     """
     compilers: dict[nn.Module, Compiler] = {}
+    if not isinstance(model, nn.Module):  # the wrapper's own check names what it is
+        return model, compilers
     model = _unwrapped(model, compilers)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
