@@ -14,22 +14,9 @@ from torch import nn
 
 import pipepar.distributed as ppd
 from tests._ranks import spawn
+from tests.planner.test_planning_leaves_no_trace import _Cached
 
 WORLD = 2
-
-
-class _Cached(nn.Module):
-    """Keeps its first input's mean as a plain tensor attribute and adds it ever after."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Linear(4, 4)
-        self.offset: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.offset is None:
-            self.offset = x.detach().mean(0)
-        return self.layer(x + self.offset)
 
 
 class _Model(nn.Module):
