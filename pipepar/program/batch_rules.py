@@ -73,7 +73,6 @@ class Packed:
 
     lengths: Callable[[Mapping[str | int, Any]], Tensor | Sequence[int]]
     dim: int = 0
-    name: str = field(default="packed", init=False)
 
 
 @dataclass(frozen=True)
@@ -92,8 +91,6 @@ class Documents:
         >>> rules.input("position_ids").name
         'documents'
     """
-
-    name: str = field(default="documents", init=False)
 
 
 CustomSplit = Callable[[Any, Sequence[range]], Sequence[Any]]
