@@ -110,7 +110,6 @@ class ProgramRun(Run):
         self._lock = threading.Lock()
         self.out_sizes: list[int] = []
         self.parts = parts
-        self.rows = list(parts.rows)
 
     def _segment_context(self, stage: int, i: int) -> contextlib.AbstractContextManager[Any]:
         """What micro-batch ``i``'s driver enters while it computes ``stage``: that stage's
