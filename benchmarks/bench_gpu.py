@@ -228,7 +228,7 @@ def _profile(work: Job, x: Tensor) -> pipepar.Profile:
         if work.sequential:
             prof = pipepar.profile(model, x, device=DEVICE, optimizer=None)
         else:
-            from pipepar.program.profile import profile_model
+            from pipepar.planner.model_profile import profile_model
 
             prof = profile_model(model, {"input_ids": x, "labels": x}, device=DEVICE)
         _PROFILES[work.name] = prof

@@ -93,10 +93,10 @@ from pipepar.local import cpu_malloc
 from pipepar.planner.calibrate import Measured, fit_runtime
 from pipepar.planner.call_times import with_call_times
 from pipepar.planner.cluster import Cluster, Link, measure_local
+from pipepar.planner.model_profile import profile_model
 from pipepar.planner.profile import Profile
 from pipepar.planner.runtime_fit import RuntimeFit
 from pipepar.planner.step_time import StepPrediction, predict_step
-from pipepar.program.profile import profile_model
 
 TITLE = "Planner: predicted against measured step time"
 MODELS = ("mlp", "gpt2")

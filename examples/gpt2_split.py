@@ -30,7 +30,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     from models import transformers_zoo as zoo
 
 import pipepar
-from pipepar.program.profile import profile_model
+from pipepar.planner.model_profile import profile_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

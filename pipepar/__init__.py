@@ -14,15 +14,15 @@ from pipepar.core.losses import LossNotJoinable
 from pipepar.core.reductions import BatchCoupled
 from pipepar.core.schedule import Schedule
 from pipepar.core.sequential import sequentialize
-from pipepar.local.gpipe import GPipe, from_torchgpipe_state_dict
-from pipepar.local.pipe import Pipe
+from pipepar.gpipe import GPipe, from_torchgpipe_state_dict
+from pipepar.pipe import Pipe
 from pipepar.planner.layout import Layout
 from pipepar.planner.layout_search import search_layouts
+from pipepar.planner.model_profile import profile
 from pipepar.planner.partition import partition
 from pipepar.planner.plan import Plan, StagePlan, plan
 from pipepar.planner.profile import LayerProfile, Profile
 from pipepar.program.batch_rules import Documents, Packed
-from pipepar.program.profile import profile
 from pipepar.program.units import Unit, units
 from pipepar.tracing.tracer import Timeline, tracing
 from pipepar.version import installed_version

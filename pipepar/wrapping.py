@@ -1,4 +1,4 @@
-"""``pipepar.wrap``: any model becomes a :class:`~pipepar.local.pipe.Pipe`, its layout given
+"""``pipepar.wrap``: any model becomes a :class:`~pipepar.pipe.Pipe`, its layout given
 (``balance`` or ``split``) or chosen from a sample
 (:func:`pipepar.planner.auto_layout.local_layout`).
 """
@@ -15,11 +15,11 @@ from pipepar.core.compiled_units import CompileOption, compile_units, compiler_o
 from pipepar.core.devices import DeviceSpec
 from pipepar.core.schedule import Schedule
 from pipepar.local.chain import is_chain
-from pipepar.local.pipe import Pipe
+from pipepar.pipe import Pipe
 from pipepar.planner.auto_layout import keep_layout, local_layout, pipe_arguments
 from pipepar.planner.runtime_fit import RuntimeFit
+from pipepar.planner.split_points import torch_split
 from pipepar.program.batch_rules import InputRule, OutputRule, Rules
-from pipepar.program.split_points import torch_split
 from pipepar.program.units import modules_of
 
 __all__ = ["wrap"]

@@ -280,7 +280,7 @@ class _Options:
 
 def _plan_units(args: argparse.Namespace) -> int:
     """``pipepar plan``: any model, built as it is, profiled per unit, planned."""
-    from pipepar.program.profile import profile_model
+    from pipepar.planner.model_profile import profile_model
 
     options = _options(args)
     devices = _search_devices(args, options)

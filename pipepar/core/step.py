@@ -45,9 +45,11 @@ from pipepar.core.split_backward import (
 )
 from pipepar.core.stage import Stage
 
-__all__ = ["Autocast", "Grads", "Recorder", "StageStep", "check_output"]
+__all__ = ["LARGE_MATRIX", "Autocast", "Grads", "Recorder", "StageStep", "check_output"]
 
-_LARGE = 1 << 17
+LARGE_MATRIX = 1 << 17
+"""Elements from which a weight matrix's backward runs unsplit (input and weight gradients in
+one call): the planner reads the same threshold."""
 Grads = tuple[Tensor | None, ...]
 Recorder = Callable[[int, int, str, float, float], None]
 """``record(stage, microbatch, kind, start, end)``: told about each computation (tracing)."""
@@ -168,7 +170,7 @@ class StageStep:
         # An unsplit backward takes the direct route of split_backward (weight products summed
         # in place, no pass to add them) only where that saves more than the ~30 us of Python
         # per layer it costs to find them: with 2**17 weights in a matrix, it does.
-        self._large = any(p.dim() == 2 and p.numel() >= _LARGE for p in self.params)
+        self._large = any(p.dim() == 2 and p.numel() >= LARGE_MATRIX for p in self.params)
 
     # -- F ------------------------------------------------------------------------------------
     def forward(self, i: int, x: Value) -> Value:

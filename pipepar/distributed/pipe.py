@@ -2,7 +2,7 @@
 ``dp`` times (pp x dp), or with ``dp_shard=True`` sharded over the ``dp`` ranks of each position
 (:mod:`pipepar.ranks.sharding`).
 
-One class for every model, as :class:`~pipepar.local.pipe.Pipe` is in one process. A rank runs
+One class for every model, as :class:`~pipepar.pipe.Pipe` is in one process. A rank runs
 one stage, or several with the virtual-stage schedules (``"interleaved-1f1b"``, ``"zb-v"``:
 balance lists two stages per rank). How a micro-batch crosses the stages is the pipe's
 *compute*: an ``nn.Sequential`` split by ``balance`` is a chain of layers, each stage's output
@@ -275,12 +275,12 @@ class DistributedPipe(nn.Module):
         first for dropout off).
 
         ``scaler=`` (a ``torch.amp.GradScaler``, the same settings on every rank) scales the
-        loss as with the plain model (see :meth:`pipepar.local.pipe.Pipe.step`). A gradient
+        loss as with the plain model (see :meth:`pipepar.pipe.Pipe.step`). A gradient
         that overflows on any rank then counts on every rank (:mod:`pipepar.ranks.overflow`),
         so ``scaler.step(opt)`` skips on all of them or none, and every scale stays the same.
 
         ``microbatches=[mb0, mb1, ...]`` (with ``loss_fn=``, ``targets=[t0, t1, ...]``) runs
-        micro-batches you made, as :meth:`pipepar.local.pipe.Pipe.step` does; pass the same
+        micro-batches you made, as :meth:`pipepar.pipe.Pipe.step` does; pass the same
         lists on every rank of a pipeline (an ``nn.Sequential``'s stage 0 reads
         ``microbatches``, its last stage ``targets``). They may differ in rows and in other
         sizes (sequence lengths): every rank learns each micro-batch's shapes.

@@ -27,8 +27,8 @@ from pipepar.planner.auto_layout import (
 from pipepar.planner.cluster import cluster_for, device_memory
 from pipepar.planner.layout import Layout
 from pipepar.planner.runtime_fit import RuntimeFit
+from pipepar.planner.split_points import torch_split
 from pipepar.program.batch_rules import InputRule, OutputRule, Rules
-from pipepar.program.split_points import torch_split
 from pipepar.program.units import modules_of
 from pipepar.ranks.process import ensure_process_group, resolve_device
 

@@ -138,7 +138,7 @@ class ChainCompute:
     # -- pipe.step ------------------------------------------------------------------------------
     def step(self, pipe: PipeView, call: ChainCall) -> Tensor:
         """Forward and backward of one mini-batch in the schedule's order; the joined loss
-        (see :meth:`pipepar.local.pipe.Pipe.step`)."""
+        (see :meth:`pipepar.pipe.Pipe.step`)."""
         with committing(list(iter_layers(pipe._stages))):
             return _step(pipe, call)
 

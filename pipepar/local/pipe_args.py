@@ -1,5 +1,5 @@
 """A pipe's schedule and math threads from ``wrap``'s arguments
-(:class:`~pipepar.local.pipe.Pipe`).
+(:class:`~pipepar.pipe.Pipe`).
 
 A named schedule is built once for one micro-batch (its layout: stages per device) and again,
 cached, for each batch's micro-batch count; a :class:`~pipepar.core.schedule.Schedule` object

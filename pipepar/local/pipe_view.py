@@ -1,6 +1,6 @@
 """What a pipe's computes and helpers read of it, as a Protocol.
 
-:class:`~pipepar.local.pipe.Pipe` runs its micro-batches through a *compute*
+:class:`~pipepar.pipe.Pipe` runs its micro-batches through a *compute*
 (:class:`~pipepar.local.chain.ChainCompute` for an ``nn.Sequential``,
 :class:`~pipepar.program.compute.ProgramCompute` for any other model), which the pipe calls
 with itself; the autograd node of a model's call and ``generate`` get the pipe too. Naming the
@@ -26,7 +26,7 @@ __all__ = ["PipeView"]
 
 
 class PipeView(Protocol):
-    """A :class:`~pipepar.local.pipe.Pipe` as its compute, autograd nodes and ``generate`` see
+    """A :class:`~pipepar.pipe.Pipe` as its compute, autograd nodes and ``generate`` see
     it: the settings and stages it was built with, and its worker threads."""
 
     chunks: int

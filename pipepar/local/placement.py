@@ -1,7 +1,7 @@
 """``to(device)``, ``cuda()`` and ``cpu()`` on a pipe of one process: a pipe places its stages
 itself, so these are no-ops where every stage is on the target already (HF Trainer and
 accelerate call them on any model they get) and errors where a stage would move
-(:class:`~pipepar.local.pipe.Pipe`)."""
+(:class:`~pipepar.pipe.Pipe`)."""
 
 from __future__ import annotations
 

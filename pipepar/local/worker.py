@@ -10,7 +10,7 @@ caller's setting and that of its later threads stay what they were.
 Where the CPU workers each compute with one math thread and there are as many of them as
 cores the process may use, each worker is bound to a core of its own (Linux;
 :func:`worker_cores`). A model's micro-batch drivers follow the worker that hands them their turn
-onto its core (:mod:`pipepar.program.core_follow`); with the workers left to the operating
+onto its core (:mod:`pipepar.local.core_follow`); with the workers left to the operating
 system, two of them woken on the same core would bring their drivers there too, and those,
 bound, share that core while the other idles. ``PIPEPAR_PIN_WORKERS=0`` leaves the workers
 unbound.
@@ -34,7 +34,7 @@ import torch
 
 from pipepar.core import switches
 
-__all__ = ["IDLE", "Aborted", "Slots", "WorkerPool", "run_inline", "worker_cores"]
+__all__ = ["IDLE", "Aborted", "Slots", "WorkerPool", "init_thread", "run_inline", "worker_cores"]
 
 _log = logging.getLogger(__name__)
 _DEBUG = switches.debug()
@@ -113,7 +113,8 @@ class Slots:
 _DEFAULT_LOCK = threading.Lock()
 
 
-def _init_thread(threads: int, device: torch.device, core: int | None = None) -> None:
+def init_thread(threads: int, device: torch.device, core: int | None = None) -> None:
+    """Set up a new pipepar thread: its math threads, its CUDA device, and its core."""
     with _DEFAULT_LOCK:
         default = torch.get_num_threads()  # a new thread starts at the process default
         torch.set_num_threads(threads)
@@ -165,7 +166,7 @@ class WorkerPool:
     def __init__(self, devices: Sequence[torch.device], *, threads: Sequence[int]) -> None:
         cores = worker_cores(devices, threads)
         self._executors = [
-            ThreadPoolExecutor(1, f"pipepar-stage{j}", _init_thread, (n, d, c))
+            ThreadPoolExecutor(1, f"pipepar-stage{j}", init_thread, (n, d, c))
             for j, (d, n, c) in enumerate(zip(devices, threads, cores))
         ]
         self._finalizer = weakref.finalize(self, _shutdown, list(self._executors))

@@ -8,7 +8,7 @@ an ``nn.Sequential``, the unit's path for any model). FLOPs outside every layer 
 in the model's own ``forward``) count with the last layer. Only operators with a FLOP formula
 count (matrix products, convolutions, attention); elementwise work counts nothing.
 
-The pass runs under :func:`pipepar.program.meta_values.meta_modes`, as the profile of any model
+The pass runs under :func:`pipepar.meta.values.meta_modes`, as the profile of any model
 does: a model's reads of its token ids or masks are answered from the sample's values, and
 attention runs as the fused kernel does.
 """
@@ -24,8 +24,8 @@ from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from pipepar.core.untouched import untouched
+from pipepar.meta.values import SHADOW_LIMIT, meta_modes
 from pipepar.planner.profile import Profile
-from pipepar.program.meta_values import SHADOW_LIMIT, meta_modes
 
 __all__ = ["count_flops"]
 
@@ -148,7 +148,7 @@ def _attention_backward(
 
 
 _ATTENTION = {
-    # The fused kernel meta attention runs as (pipepar.program.meta_values), which the counter
+    # The fused kernel meta attention runs as (pipepar.meta.values), which the counter
     # has no formula for; it counts as the other fused kernels do.
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _attention,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _attention_backward,

@@ -24,10 +24,10 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten
 
+from pipepar.meta.attention import FusedAttention
 from pipepar.planner.allocator_log import AllocatorLog
 from pipepar.planner.backward_clock import BackwardClock, Points, lift
 from pipepar.planner.memory_tracker import MemoryTracker, storage_key
-from pipepar.planner.meta_attention import FusedAttention
 
 __all__ = ["StorageRecord", "LayerTrace", "trace_layers", "time_layers", "stand_ins"]
 

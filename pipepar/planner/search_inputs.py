@@ -20,11 +20,11 @@ from torch import nn
 from pipepar.planner.call_times import profile_for_chunks
 from pipepar.planner.cluster import Cluster
 from pipepar.planner.flop_count import count_flops
+from pipepar.planner.model_profile import profile
 from pipepar.planner.plan_inputs import check_profile
 from pipepar.planner.profile import Profile
 from pipepar.planner.step_time import Flops
 from pipepar.program.batch_rules import Rules
-from pipepar.program.profile import profile
 
 __all__ = [
     "check_choices",

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from pipepar.core.schedule import Schedule
-from pipepar.core.step import _LARGE  # the runtime's threshold for a direct unsplit backward
+from pipepar.core.step import LARGE_MATRIX
 from pipepar.planner.peak_moments import Moment, moments
 from pipepar.planner.profile import LayerProfile, Profile
 
@@ -208,7 +208,7 @@ class MemoryModel:
         self._o = _prefix([x.optimizer_bytes for x in layers])
         self._kept = _prefix([x.deferred_grad_bytes for x in layers])
         self._generic = _prefix([x.generic_params for x in layers])
-        self._large = _prefix([int(x.largest_matrix >= _LARGE) for x in layers])
+        self._large = _prefix([int(x.largest_matrix >= LARGE_MATRIX) for x in layers])
         self._direct = _prefix([x.direct_grad_bytes for x in layers])
         self._whole_direct = _prefix([x.whole_direct_grad_bytes for x in layers])
         self._saved_direct = _prefix([x.direct_saved_bytes for x in layers])

@@ -152,7 +152,7 @@ class ProgramCompute:
     # -- pipe.step ------------------------------------------------------------------------------
     def step(self, pipe: PipeView, call: StepCall) -> Tensor:
         """Forward and backward of one mini-batch in the schedule's order; the joined loss
-        (see :meth:`pipepar.local.pipe.Pipe.step`)."""
+        (see :meth:`pipepar.pipe.Pipe.step`)."""
         calls, targets = call.microbatches(pipe.chunks, self.rules, self.model)
         shares = step_shares(call.loss_fn, self.model, calls, targets, call.items, self._forms)
         shares = shares.scaled(call.scale)

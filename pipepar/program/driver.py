@@ -24,8 +24,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from pipepar.local.worker import Aborted, _init_thread
-from pipepar.program.core_follow import CoreFollower
+from pipepar.local.core_follow import CoreFollower
+from pipepar.local.worker import Aborted, init_thread
 
 __all__ = [
     "Driver",
@@ -315,4 +315,4 @@ def driver_pool(
         return pool
     if pool is not None:
         pool.shutdown(wait=False)
-    return ThreadPoolExecutor(m, "pipepar-microbatch", _init_thread, (threads, device))
+    return ThreadPoolExecutor(m, "pipepar-microbatch", init_thread, (threads, device))

@@ -28,6 +28,8 @@ from pipepar.core.batchnorm import committing, defer_statistics
 from pipepar.core.losses import joined_loss
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
+from pipepar.meta.shapes import MetaShapes
+from pipepar.meta.values import KnownValues, MetaScalars, forget_dead
 from pipepar.program import early_weights
 from pipepar.program import units as units_
 from pipepar.program.aliases import alias_leaves, of_stage, used_elsewhere
@@ -45,8 +47,6 @@ from pipepar.program.losses import (
     loss_head,
     step_shares,
 )
-from pipepar.program.meta_shapes import MetaShapes
-from pipepar.program.meta_values import KnownValues, MetaScalars, forget_dead
 from pipepar.program.rank_weights import holders, keep_only, tied_groups
 from pipepar.program.ranks import RankCut, RankStep, shadow_context
 from pipepar.program.recompute import checkpoint_units

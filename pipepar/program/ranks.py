@@ -5,7 +5,7 @@ driver thread, as in one process (:mod:`pipepar.program.driver`). Its own stages
 several under the virtual-stage schedules) compute for real; the other stages run *in shadow*
 on the ``meta`` device: no memory, no arithmetic, only shapes, dtypes and whether a value needs
 a gradient, so the rank holds only its own stages' weights. Token ids, masks and positions keep
-a small CPU copy of their value (:class:`~pipepar.program.meta_values.MetaScalars`), so the
+a small CPU copy of their value (:class:`~pipepar.meta.values.MetaScalars`), so the
 model's data-dependent checks ("is the mask all ones?") read what a real run reads and every
 rank takes the same path through the code (a fake-tensor mode would not: transformers treats
 fake tensors as tracing and builds other masks). :class:`RankCut` then knows, at the same point
@@ -42,10 +42,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from pipepar.meta.values import SHADOW_LIMIT, MetaScalars
 from pipepar.program.aliases import Aliases
 from pipepar.program.cut import Crossing, Cut, Ledger, tag_stage
 from pipepar.program.link import ACTIVATION, GRADIENT, Link
-from pipepar.program.meta_values import SHADOW_LIMIT, MetaScalars
 from pipepar.program.route import Routes, check_graphs
 from pipepar.program.shadow import ToMeta, from_template, on_meta, template
 from pipepar.program.step import SegmentContext, SegmentStep

@@ -14,7 +14,7 @@ import torchgpipe
 from torch import nn
 
 import pipepar
-import pipepar.local.gpipe
+import pipepar.gpipe
 from pipepar.core.stage import split_stages
 
 CPU2 = ["cpu", "cpu"]
@@ -464,7 +464,7 @@ def _part(name: str) -> int:
 def test_torchgpipe_checkpoint_file_converts_for_the_plain_model(tmp_path: Any) -> None:
     theirs = _trained_torchgpipe(deferred_batch_norm=True)  # with sum and sum_squares buffers
     torch.save(theirs.state_dict(), tmp_path / "gpipe.pt")
-    state = pipepar.local.gpipe.from_torchgpipe_state_dict(torch.load(tmp_path / "gpipe.pt"))
+    state = pipepar.gpipe.from_torchgpipe_state_dict(torch.load(tmp_path / "gpipe.pt"))
     plain = _other_init()
     assert list(state) == list(plain.state_dict())
     assert set(state._metadata) == {"", "0", "1", "2", "3", "4"}  # type: ignore[attr-defined]

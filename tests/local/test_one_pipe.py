@@ -14,7 +14,7 @@ from torch import nn
 
 import pipepar
 from pipepar.local.chain import ChainCompute
-from pipepar.local.pipe import Pipe, is_chain
+from pipepar.pipe import Pipe, is_chain
 from pipepar.program.compute import ProgramCompute
 
 

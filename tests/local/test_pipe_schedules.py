@@ -83,7 +83,7 @@ def test_step_runs_on_the_workers_where_a_calls_backward_takes_the_callers_threa
     and backwards on the stage workers there too. Simulated on the CPU: the pipe answers
     ``_workers(backward=True)`` with the caller's thread, and the step still runs every layer's
     forward on a worker and equals the plain model."""
-    from pipepar.local.pipe import Pipe
+    from pipepar.pipe import Pipe
 
     workers = Pipe._workers
     monkeypatch.setattr(

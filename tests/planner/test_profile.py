@@ -34,7 +34,7 @@ def _torchvision(name: str) -> nn.Sequential:
 
 
 def test_exported_names() -> None:
-    from pipepar.program.profile import profile as profile_any_model
+    from pipepar.planner.model_profile import profile as profile_any_model
 
     assert (pipepar.profile, pipepar.Profile, pipepar.LayerProfile) == (
         profile_any_model,
@@ -248,7 +248,7 @@ def test_each_kind_of_layer_is_stepped_once_and_arguments_tell_kinds_apart() -> 
 
 def test_any_model_profiles_by_its_units_and_plans() -> None:
     from models import transformers_zoo as zoo
-    from pipepar.program.profile import profile_model
+    from pipepar.planner.model_profile import profile_model
 
     model, sample = zoo.gpt2(layers=2), zoo.sample("gpt2", batch=4)
     prof = pipepar.profile(model, sample)  # meta and adam, as for an nn.Sequential

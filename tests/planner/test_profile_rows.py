@@ -10,8 +10,8 @@ import torch
 import models
 import pipepar
 from models import transformers_zoo
+from pipepar.planner.model_profile import profile_model
 from pipepar.planner.profile_rows import at_rows
-from pipepar.program.profile import profile_model
 
 
 def test_an_mlp_scaled_is_the_mlp_profiled_at_those_rows() -> None:

@@ -66,7 +66,7 @@ def test_a_70b_model_with_adam_fits_8_stages_once_sharded_over_8() -> None:
     replicas of a 64-device grid fits, with the state per rank about an eighth."""
     pytest.importorskip("transformers")
     from models import transformers_zoo as zoo
-    from pipepar.program.profile import profile_model
+    from pipepar.planner.model_profile import profile_model
 
     model = zoo.llama3_70b().to(torch.bfloat16)
     ids = torch.zeros(1, 4096, dtype=torch.long, device="meta")

@@ -322,7 +322,7 @@ def test_measure_local_returns_positive_finite_figures() -> None:
 def test_count_flops_of_any_model_on_meta() -> None:
     pytest.importorskip("transformers")
     from models import transformers_zoo as zoo
-    from pipepar.program.profile import profile_model
+    from pipepar.planner.model_profile import profile_model
 
     model, sample = zoo.gpt2(layers=2, hidden=64), zoo.sample("gpt2", batch=4, seq=16)
     prof = profile_model(model, sample, device="meta")

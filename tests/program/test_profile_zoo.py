@@ -30,8 +30,8 @@ from torchvision.models.vision_transformer import VisionTransformer
 import pipepar
 from pipepar.core.schedule import make
 from pipepar.planner.measure import measure_split
+from pipepar.planner.model_profile import profile_model
 from pipepar.planner.stage_memory import MemoryModel
-from pipepar.program.profile import profile_model
 
 CLASSES = 3
 RTOL = 1e-5

@@ -239,7 +239,7 @@ def test_backward_of_a_call_runs_on_the_callers_thread_where_the_pipe_asks_it(
     a stage worker's backward would queue behind it: the pipe asks for the caller's thread
     (``_workers(backward=True)`` is None there). The same walk on the CPU equals the plain
     model."""
-    from pipepar.local.pipe import Pipe
+    from pipepar.pipe import Pipe
 
     asked: list[bool] = []
     workers = Pipe._workers

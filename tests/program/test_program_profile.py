@@ -18,8 +18,8 @@ from torch import nn
 
 import pipepar
 from models import transformers_zoo as zoo
-from pipepar.program.meta_values import MetaScalars
-from pipepar.program.profile import profile_model
+from pipepar.meta.values import MetaScalars
+from pipepar.planner.model_profile import profile_model
 
 EXACT = (
     "params_bytes",

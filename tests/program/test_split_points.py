@@ -15,8 +15,8 @@ from torch import nn
 from torch.distributed.pipelining import SplitPoint
 
 import pipepar
-from pipepar.program.markers import find_markers
-from pipepar.program.split_points import spec_split, torch_split
+from pipepar.planner.markers import find_markers
+from pipepar.planner.split_points import spec_split, torch_split
 from tests.program._marked import Block, Marked, Normed, batch, loss_fn
 from tests.program._real import _close
 

@@ -1,9 +1,9 @@
 """How long each unit of any model takes on a real device, forward and backward.
 
-The units are timed over the pass :mod:`pipepar.program.unit_trace` traces: the model's own
+The units are timed over the pass :mod:`pipepar.planner.unit_trace` traces: the model's own
 ``forward`` cut at every unit, then the units' backwards one at a time in reverse
-(:func:`~pipepar.program.unit_trace.unit_forward`,
-:func:`~pipepar.program.unit_trace.unit_backward`), here with no tracker or hook beyond a clock.
+(:func:`~pipepar.planner.unit_trace.unit_forward`,
+:func:`~pipepar.planner.unit_trace.unit_backward`), here with no tracker or hook beyond a clock.
 A unit's forward time runs from its start to the next unit's (the code between two units counts
 with the one before); its backward time is that of its own backward. On CUDA the device is
 synchronised at every boundary, so a unit is charged for the kernels it launched.
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipepar.program.meta_values import meta_modes
-from pipepar.program.unit_trace import UnitCall, unit_backward, unit_forward
+from pipepar.meta.values import meta_modes
+from pipepar.planner.unit_trace import UnitCall, unit_backward, unit_forward
 
 __all__ = ["time_units"]
 

@@ -8,7 +8,7 @@ both as module paths where a stage begins (``split=``, :func:`pipepar.program.un
   must name a unit or a module holding units: one inside a unit (``layers.4.attn``) is refused,
   since pipepar moves whole units and moving the split to the unit's edge would place the
   stages elsewhere than asked;
-- ``pipe_split()`` calls in the forward (:mod:`pipepar.program.markers`), found by running the
+- ``pipe_split()`` calls in the forward (:mod:`pipepar.planner.markers`), found by running the
   model on ``sample`` as it is when neither ``balance``, ``split`` nor ``split_spec`` is given.
 """
 
@@ -20,10 +20,10 @@ from typing import Any
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from pipepar.planner.markers import find_markers, marker_split
+from pipepar.planner.model_profile import meta_forward
 from pipepar.program import units as units_
 from pipepar.program.calls import as_call
-from pipepar.program.markers import find_markers, marker_split
-from pipepar.program.profile import meta_forward
 
 __all__ = ["spec_split", "torch_split"]
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from pipepar.program.meta_fallback import MetaUnsupported, module_running
-from pipepar.program.meta_shapes import MetaShapes
-from pipepar.program.meta_values import MetaScalars
+from pipepar.meta.fallback import MetaUnsupported, module_running
+from pipepar.meta.shapes import MetaShapes
+from pipepar.meta.values import MetaScalars
 from tests.program._data_models import batch, build
 
 

@@ -15,7 +15,7 @@ module makes them agree with one:
   path.
 
 :func:`meta_modes` enters both for a pass on meta. The profile of any model
-(:mod:`pipepar.program.profile`) traces under them, and the shadow stages of a rank
+(:mod:`pipepar.planner.model_profile`) traces under them, and the shadow stages of a rank
 (:mod:`pipepar.program.ranks`) follow the others' code under :class:`MetaScalars`.
 """
 
@@ -32,9 +32,9 @@ from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipepar.planner.meta_attention import _fusable, _fused
-from pipepar.program.meta_fallback import without_meta_kernel
-from pipepar.program.meta_shapes import MetaShapes
+from pipepar.meta.attention import _fusable, _fused
+from pipepar.meta.fallback import without_meta_kernel
+from pipepar.meta.shapes import MetaShapes
 
 __all__ = [
     "SHADOW_LIMIT",
@@ -158,7 +158,7 @@ class MetaScalars(TorchDispatchMode):
     ) -> tuple[Any, bool]:
         """``func``'s outputs, and whether its meta kernel made them; where it cannot, they
         are made from the inputs' known values or another dtype
-        (:mod:`pipepar.program.meta_fallback`)."""
+        (:mod:`pipepar.meta.fallback`)."""
         try:
             return func(*args, **kwargs), True
         except Exception as error:
@@ -223,7 +223,7 @@ class MetaScalars(TorchDispatchMode):
 
 
 class FusedGroupedAttention(TorchFunctionMode):
-    """:class:`~pipepar.planner.meta_attention.FusedAttention` (whose routing it reuses), and
+    """:class:`~pipepar.meta.attention.FusedAttention` (whose routing it reuses), and
     grouped-query attention too: transformers calls ``scaled_dot_product_attention`` with
     ``enable_gqa=True`` for Llama when there is no mask, and the fused kernels (flash
     attention on CPU and CUDA) then keep keys and values with their own, fewer heads; torch's

@@ -18,9 +18,9 @@ measured per unit the way it is per layer of an ``nn.Sequential`` (:func:`trace_
 - the backward runs unit by unit in reverse, from the gradients later units handed back.
 
 :func:`deferred_units` measures, from the same graphs, what each unit's split backward keeps
-for W. On the meta device the pass runs under :func:`~pipepar.program.meta_values.meta_modes`,
+for W. On the meta device the pass runs under :func:`~pipepar.meta.values.meta_modes`,
 so data-dependent reads and attention go as on a real device; the times of the units on a real
-device are taken by :mod:`pipepar.program.unit_timing`, over the same pass.
+device are taken by :mod:`pipepar.planner.unit_timing`, over the same pass.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_leaves
 
+from pipepar.meta.values import meta_modes
 from pipepar.planner.allocator_log import AllocatorLog
 from pipepar.planner.backward_clock import BackwardClock, lift
 from pipepar.planner.deferred_grads import DeferredGrads, _split
@@ -49,7 +50,6 @@ from pipepar.planner.layer_trace import (
 )
 from pipepar.planner.memory_tracker import MemoryTracker, storage_key
 from pipepar.program.cut import Crossing, Cut, Ledger
-from pipepar.program.meta_values import meta_modes
 
 __all__ = [
     "Step",
@@ -75,7 +75,7 @@ class UnitCall:
         args / kwargs: the sample call, on the profiling device.
         device: the profiling device.
         values: on meta, the known values of the sample's meta tensors (for
-            :class:`~pipepar.program.meta_values.MetaScalars`).
+            :class:`~pipepar.meta.values.MetaScalars`).
     """
 
     model: nn.Module

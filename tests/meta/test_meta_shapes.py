@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pipepar.program.meta_shapes import MetaShapes
-from pipepar.program.meta_values import MetaScalars
+from pipepar.meta.shapes import MetaShapes
+from pipepar.meta.values import MetaScalars
 
 aten = torch.ops.aten
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipepar.program.meta_shapes import MetaShapes
-from pipepar.program.meta_values import MetaScalars
+from pipepar.meta.shapes import MetaShapes
+from pipepar.meta.values import MetaScalars
 
 
 def _ids(values: MetaScalars, value: torch.Tensor) -> torch.Tensor:

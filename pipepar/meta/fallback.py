@@ -6,7 +6,7 @@ them:
 
 - data-dependent ones (``nonzero``, ``masked_select``, indexing with a boolean mask, ``unique``):
   their outputs' shapes are their inputs' values. Where every input's value is known
-  (:class:`~pipepar.program.meta_values.MetaScalars` follows the values of token ids, masks,
+  (:class:`~pipepar.meta.values.MetaScalars` follows the values of token ids, masks,
   positions and constants), the operation runs on those values on the CPU and its outputs'
   shapes (and values) are theirs: masks built from the batch take the path a real run takes;
 - kernels whose meta version is stricter than the device's: ``grouped_mm`` (transformers'

@@ -1,4 +1,4 @@
-"""pipepar.program.core_follow: a driver thread computing with one math thread is pinned to the
+"""pipepar.local.core_follow: a driver thread computing with one math thread is pinned to the
 core of the thread that hands it its turn; one with several keeps every core it may use."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from pipepar.program import core_follow
-from pipepar.program.core_follow import CoreFollower
+from pipepar.local import core_follow
+from pipepar.local.core_follow import CoreFollower
 
 pytestmark = pytest.mark.skipif(
     core_follow._GETCPU is None, reason="pinning threads to cores needs Linux's sched_getcpu"

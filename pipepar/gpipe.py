@@ -1,4 +1,4 @@
-"""GPipe: torchgpipe's interface on a pipepar :class:`~pipepar.local.pipe.Pipe`.
+"""GPipe: torchgpipe's interface on a pipepar :class:`~pipepar.pipe.Pipe`.
 
 Code written for ``torchgpipe.GPipe`` (or for fairscale's Pipe, or the Pipe once in
 ``torch.distributed.pipeline.sync``) runs on pipepar by changing the import: the constructor
@@ -24,7 +24,7 @@ from torch import nn
 from pipepar.core import validation
 from pipepar.core.devices import to_device
 from pipepar.core.microbatch import Value, check_value
-from pipepar.local.pipe import Pipe
+from pipepar.pipe import Pipe
 
 __all__ = ["DeviceError", "GPipe", "from_torchgpipe_state_dict"]
 

@@ -10,7 +10,7 @@ shapes, dtypes and strides and given other arguments, and makes fresh outputs of
 directly the next time. Views and in-place operations always run (their outputs share an
 input's storage and version); so does any call with an argument it cannot describe exactly.
 
-It works below autograd (in :class:`~pipepar.program.meta_values.MetaScalars`' dispatch), so
+It works below autograd (in :class:`~pipepar.meta.values.MetaScalars`' dispatch), so
 whether an output requires a gradient is still autograd's answer.
 """
 

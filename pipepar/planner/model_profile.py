@@ -3,8 +3,8 @@
 :func:`profile_model` is :func:`pipepar.profile` for models that are not an ``nn.Sequential``:
 the units of :func:`pipepar.units` take the place of the layers, so :func:`pipepar.plan` of the
 result returns a balance over the units, which :func:`pipepar.wrap` takes as it is. The model's
-own ``forward`` runs once on the sample (:mod:`pipepar.program.unit_trace`, and
-:mod:`pipepar.program.unit_timing` for times on a real device): every figure is that of the
+own ``forward`` runs once on the sample (:mod:`pipepar.planner.unit_trace`, and
+:mod:`pipepar.planner.unit_timing` for times on a real device): every figure is that of the
 unit that was computing, code between two units counting with the one before.
 Activations count at the unit that created them (as :class:`~pipepar.planner.profile.
 LayerProfile` has it for layers); each storage once. A unit without parameters (a dropout, a
@@ -13,7 +13,7 @@ before it when a stage would begin there: a small difference, as such units are 
 
 On ``meta`` nothing is allocated and nothing is timed, so a model no machine here could hold
 plans in seconds; data-dependent checks a model makes (transformers' "is the mask all ones?")
-are answered as for a batch without padding (:class:`~pipepar.program.meta_values.MetaScalars`)
+are answered as for a batch without padding (:class:`~pipepar.meta.values.MetaScalars`)
 and attention is counted as the fused kernels keep it.
 
     >>> model = zoo.llama3_70b()                      # on meta
@@ -33,6 +33,8 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from pipepar.core.untouched import untouched
+from pipepar.meta.fallback import MetaUnsupported
+from pipepar.meta.values import SHADOW_LIMIT, meta_modes
 from pipepar.planner.deferred_grads import DeferredGrads
 from pipepar.planner.layer_trace import LayerTrace
 from pipepar.planner.optimizer_state import OptimizerSpec, optimizer_cost, resolve_optimizer
@@ -45,12 +47,10 @@ from pipepar.planner.profile import (
     usable,
 )
 from pipepar.planner.profile import profile as profile_layers
+from pipepar.planner.unit_timing import time_units
+from pipepar.planner.unit_trace import UnitCall, deferred_units, trace_units
 from pipepar.program import units as units_
 from pipepar.program.calls import as_call, batch_size
-from pipepar.program.meta_fallback import MetaUnsupported
-from pipepar.program.meta_values import SHADOW_LIMIT, meta_modes
-from pipepar.program.unit_timing import time_units
-from pipepar.program.unit_trace import UnitCall, deferred_units, trace_units
 
 __all__ = ["meta_forward", "profile", "profile_model"]
 
