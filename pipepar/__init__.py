@@ -9,24 +9,65 @@ plan the split from a memory profile.
     >>> loss_fn(pipe(x), y).backward()
 """
 
-from pipepar import io, report, timeline
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from pipepar import io
+from pipepar.batching.rules import Documents, Packed
 from pipepar.core.losses import LossNotJoinable
 from pipepar.core.reductions import BatchCoupled
 from pipepar.core.schedule import Schedule
 from pipepar.core.sequential import sequentialize
 from pipepar.gpipe import GPipe, from_torchgpipe_state_dict
 from pipepar.pipe import Pipe
-from pipepar.planner.layout import Layout
-from pipepar.planner.layout_search import search_layouts
-from pipepar.planner.model_profile import profile
-from pipepar.planner.partition import partition
-from pipepar.planner.plan import Plan, StagePlan, plan
-from pipepar.planner.profile import LayerProfile, Profile
-from pipepar.program.batch_rules import Documents, Packed
-from pipepar.program.units import Unit, units
-from pipepar.tracing.tracer import Timeline, tracing
+from pipepar.recording.tracer import Timeline, tracing
 from pipepar.version import installed_version
 from pipepar.wrapping import wrap
+
+if TYPE_CHECKING:
+    from pipepar import report, timeline
+    from pipepar.planner.layout import Layout
+    from pipepar.planner.layout_search import search_layouts
+    from pipepar.planner.model_profile import profile
+    from pipepar.planner.partition import partition
+    from pipepar.planner.plan import Plan, StagePlan, plan
+    from pipepar.planner.profile import LayerProfile, Profile
+    from pipepar.program.units import Unit, units
+
+_LOADED_ON_USE = {
+    "report": "pipepar.report",
+    "timeline": "pipepar.timeline",
+    "Layout": "pipepar.planner.layout",
+    "search_layouts": "pipepar.planner.layout_search",
+    "profile": "pipepar.planner.model_profile",
+    "partition": "pipepar.planner.partition",
+    "Plan": "pipepar.planner.plan",
+    "StagePlan": "pipepar.planner.plan",
+    "plan": "pipepar.planner.plan",
+    "LayerProfile": "pipepar.planner.profile",
+    "Profile": "pipepar.planner.profile",
+    "Unit": "pipepar.program.units",
+    "units": "pipepar.program.units",
+}
+"""Public names whose modules load on first use: the planner, the reports and the units of
+any model. A pipe of an ``nn.Sequential`` then loads neither the planner nor the code that
+cuts any model's forward (about half of pipepar's modules)."""
+
+
+def __getattr__(name: str) -> Any:
+    """A name of :data:`_LOADED_ON_USE`, from its module (once; then it is a global)."""
+    where = _LOADED_ON_USE.get(name)
+    if where is None:
+        raise AttributeError(f"module 'pipepar' has no attribute {name!r}")
+    module = importlib.import_module(where)
+    value = module if where == f"pipepar.{name}" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LOADED_ON_USE})
+
 
 ModelPipe = Pipe
 """The pipe of any model: the same class as :class:`Pipe` (one pipe for every model), kept

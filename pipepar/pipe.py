@@ -17,30 +17,31 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
+from pipepar.batching.calls import StepCall
+from pipepar.batching.rules import CHAIN_RULES, InputRule, OutputRule, Rules
 from pipepar.core import validation
 from pipepar.core.devices import DeviceSpec, resolve_devices
 from pipepar.core.garbage import StepCollector
 from pipepar.core.given import check_given
 from pipepar.core.loss_scale import LossScaler, loss_scale
-from pipepar.core.losses import Items
+from pipepar.core.losses import Items, LossFn
 from pipepar.core.randomness import DrawLog
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage, iter_layers
+from pipepar.hf import conventions as hf
 from pipepar.local.chain import ChainCompute, chain_step_arguments, is_chain
 from pipepar.local.pipe_args import check_threads, count_workers, schedule_for, schedule_of_batch
 from pipepar.local.placement import check_staying, cuda_device
 from pipepar.local.worker import WorkerPool
-from pipepar.program import generation, hf
-from pipepar.program.batch_rules import CHAIN_RULES, InputRule, OutputRule, Rules
-from pipepar.program.calls import StepCall
-from pipepar.program.compute import ProgramCompute
-from pipepar.program.losses import LossFn
-from pipepar.tracing.tracer import Tracer
+from pipepar.recording.tracer import Tracer
+
+if TYPE_CHECKING:
+    from pipepar.program.compute import ProgramCompute
 
 __all__ = ["Pipe"]
 
@@ -95,7 +96,7 @@ class Pipe(nn.Module):
     def __new__(cls, *args: Any, **kwargs: Any) -> Pipe:
         """The pipe of a model other than a chain is an instance of the Pipe subclass made for
         the model's class, named as it, whose ``forward`` shows the model's signature
-        (:func:`pipepar.program.hf.class_for`)."""
+        (:func:`pipepar.hf.conventions.class_for`)."""
         model = args[0] if args else kwargs.get("module")
         chain = is_chain(model, kwargs.get("split"), kwargs.get("sample"))
         if cls is Pipe and isinstance(model, nn.Module) and not chain:
@@ -135,15 +136,18 @@ class Pipe(nn.Module):
         rules = Rules.given(split_inputs, join_outputs)
         if chain and rules:
             raise TypeError(CHAIN_RULES)
-        compute: ChainCompute | ProgramCompute = (
-            ChainCompute(
+        compute: ChainCompute | ProgramCompute
+        if chain:
+            compute = ChainCompute(
                 module,
                 balance,
                 deferred_batch_norm=deferred_batch_norm,
                 batch_coupling=batch_coupling,
             )
-            if chain
-            else ProgramCompute(
+        else:  # the cut loads with the first model that is not a chain
+            from pipepar.program.compute import ProgramCompute
+
+            compute = ProgramCompute(
                 module,
                 balance,
                 split=split,
@@ -152,7 +156,6 @@ class Pipe(nn.Module):
                 batch_coupling=batch_coupling,
                 rules=rules,
             )
-        )
         self.checkpoint = checkpoint or compute.default_checkpoint
         workers = resolve_devices(devices, count_workers(schedule, compute.sizes, devices))
         # Built for one micro-batch to check the layout now; the real one per batch size.
@@ -375,13 +378,15 @@ class Pipe(nn.Module):
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The model's own ``generate`` (transformers' ``GenerationMixin``), every forward call
         of its loop (the prompt, then each new token) run by the pipe; takes and returns what
-        the model's ``generate`` does, without gradients. See :mod:`pipepar.program.generation`.
+        the model's ``generate`` does, without gradients. See :mod:`pipepar.hf.generation`.
 
         Example:
             >>> pipe.eval()
             >>> ids = pipe.generate(input_ids=prompt, attention_mask=mask, max_new_tokens=8)
         """
-        return generation.generate(self, *args, **kwargs)
+        from pipepar.hf.generation import generate
+
+        return generate(self, *args, **kwargs)
 
     def _schedule(self, m: int) -> Schedule:
         return schedule_of_batch(self._layout, m, self.chunks)

@@ -6,21 +6,21 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from pipepar.batching.rules import InputRule, OutputRule, Rules
 from pipepar.core import validation
 from pipepar.core.compiled_units import CompileOption, compile_units, compiler_of, take_compiled
 from pipepar.core.devices import DeviceSpec
 from pipepar.core.schedule import Schedule
 from pipepar.local.chain import is_chain
 from pipepar.pipe import Pipe
-from pipepar.planner.auto_layout import keep_layout, local_layout, pipe_arguments
-from pipepar.planner.runtime_fit import RuntimeFit
-from pipepar.planner.split_points import torch_split
-from pipepar.program.batch_rules import InputRule, OutputRule, Rules
-from pipepar.program.units import modules_of
+
+if TYPE_CHECKING:
+    from pipepar.planner.layout import Layout
+    from pipepar.planner.runtime_fit import RuntimeFit
 
 __all__ = ["wrap"]
 
@@ -136,27 +136,33 @@ def wrap(
         >>> print(pipe.layout)  # doctest: +SKIP
         pp=2 dp=1 1f1b M=4 recompute=never: ...
     """
-    layout = None
     default_compiler = compiler_of(compile)
     module, compilers = take_compiled(module)
     chain = is_chain(module, split, sample)
-    split = (
-        torch_split(module, balance, split, split_spec, sample, call_order=True, chain=chain)
-        or split
-    )
-    if balance is None and split is None:
-        layout = local_layout(
-            validation.check_model(module) if chain else module,
-            _sample_to_plan(sample, chain),
-            devices=devices,
-            capacity=capacity,
-            schedule=schedule,
-            chunks=chunks,
-            checkpoint=checkpoint,
-            runtime=runtime,
-            rules=Rules.given(split_inputs, join_outputs),
+    layout = None
+    if split_spec is not None or (balance is None and split is None):
+        # Only a layout to find loads the planner (and, for any model, the cut): a chain with
+        # its balance given runs without either.
+        from pipepar.planner.auto_layout import local_layout, pipe_arguments
+        from pipepar.planner.split_points import torch_split
+
+        split = (
+            torch_split(module, balance, split, split_spec, sample, call_order=True, chain=chain)
+            or split
         )
-        balance, chunks, checkpoint, schedule = pipe_arguments(layout, schedule)
+        if balance is None and split is None:
+            layout = local_layout(
+                validation.check_model(module) if chain else module,
+                _sample_to_plan(sample, chain),
+                devices=devices,
+                capacity=capacity,
+                schedule=schedule,
+                chunks=chunks,
+                checkpoint=checkpoint,
+                runtime=runtime,
+                rules=Rules.given(split_inputs, join_outputs),
+            )
+            balance, chunks, checkpoint, schedule = pipe_arguments(layout, schedule)
     pipe = Pipe(
         module,
         balance,
@@ -174,9 +180,14 @@ def wrap(
         trace=trace,
         gc_every=gc_every,
     )
-    keep_layout(pipe, layout)
-    compile_units(modules_of(module, chain), compilers, default_compiler, module)
+    _keep_layout(pipe, layout)
+    compile_units(list(pipe), compilers, default_compiler, module)
     return pipe
+
+
+def _keep_layout(pipe: Pipe, layout: Layout | None) -> None:
+    """``pipe.layout``: the layout chosen, or None (stages given by the user)."""
+    vars(pipe)["layout"] = layout  # data, not a parameter, buffer or submodule
 
 
 def _sample_to_plan(sample: Any, chain: bool) -> Any:

@@ -4,13 +4,15 @@ The order is the architecture read bottom-up:
 
 - ``core``: torch only. The schedule as data, a stage's F/B/W step, losses and the probe
   that learns what micro-batching may change. No threads, no process groups.
-- ``tracing``: recorded events, data only.
+- ``recording``: recorded events, data only.
+- ``batching``: how a call is cut into micro-batches and their outputs joined.
 - ``meta``: running a model on the ``meta`` device while small integer tensors keep their
   real values (the planner's profiles and the shadow stages of the ranks).
 - ``local``, ``ranks``: the two runtimes, threads of one process and ranks under
   torch.distributed: how values move between stages and how a worker waits.
 - ``program``: the compute of any model, its own forward cut while it runs, in both
   runtimes.
+- ``hf``: what transformers' Trainer and accelerate read from a model; generation.
 - ``planner``: profiles (the layers of a chain, the units of any model), memory and time
   models, the layout search.
 - ``render``, ``persist``, ``zoo``: reports drawn from data, files and checkpoints, example
@@ -26,14 +28,16 @@ no module takes one from another package, by ``from ... import _x`` or by ``modu
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
 from tests.test_import_graph import ROOT, _modules, import_graph
 
 FACADES = "facades"
-LAYERS = ["core", "tracing", "meta", "local", "ranks", "program", "planner", "render", "persist"]
-LAYERS += ["zoo", FACADES]
+LAYERS = ["core", "recording", "batching", "meta", "local", "ranks", "program", "hf", "planner"]
+LAYERS += ["render", "persist", "zoo", FACADES]
 """The packages bottom-up; a top-level module (``pipepar.pipe``, ``pipepar.wrapping``, ...),
 ``pipepar.distributed`` and ``pipepar.cli`` are the facades."""
 
@@ -143,3 +147,25 @@ def test_the_checks_see_what_they_must(tmp_path: Path) -> None:
         "pipepar.planner.p reads pipepar.core.a._x",
         "pipepar.planner.p reads pipepar.core.a._x",
     ]
+
+
+def test_a_chain_does_not_load_the_cut() -> None:
+    """Wrapping and training an ``nn.Sequential`` loads neither the compute of any model
+    (``pipepar.program``) nor the planner's profilers."""
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        from torch import nn
+        import pipepar
+        model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        pipe = pipepar.wrap(model, balance=[2, 1], devices=["cpu", "cpu"], chunks=2)
+        pipe(torch.randn(4, 4)).sum().backward()
+        pipe.step(torch.randn(4, 4), torch.randn(4, 2), nn.functional.mse_loss)
+        heavy = ("pipepar.program", "pipepar.meta", "pipepar.planner")
+        print(sorted({m for m in sys.modules if m.startswith(heavy)}))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT.parent
+    )
+    assert out.stdout.strip() == "[]"

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from pipepar.batching.calls import StepCall
+from pipepar.batching.rules import CHAIN_RULES, InputRule, OutputRule, Rules
 from pipepar.core import validation
 from pipepar.core.garbage import StepCollector
 from pipepar.core.given import check_given
@@ -41,8 +43,6 @@ from pipepar.core.losses import Items
 from pipepar.core.schedule import Schedule
 from pipepar.distributed.chain import RankChain
 from pipepar.local.chain import chain_step_arguments, is_chain, one_input
-from pipepar.program.batch_rules import CHAIN_RULES, InputRule, OutputRule, Rules
-from pipepar.program.calls import StepCall
 from pipepar.program.losses import LossFn
 from pipepar.program.rank_compute import RankProgram
 from pipepar.ranks import clipping, handshake

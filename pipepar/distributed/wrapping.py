@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from pipepar.batching.rules import InputRule, OutputRule, Rules
 from pipepar.core.compiled_units import CompileOption, compile_units, compiler_of, take_compiled
 from pipepar.core.schedule import Schedule
 from pipepar.distributed.pipe import DistributedPipe
@@ -28,7 +29,6 @@ from pipepar.planner.cluster import cluster_for, device_memory
 from pipepar.planner.layout import Layout
 from pipepar.planner.runtime_fit import RuntimeFit
 from pipepar.planner.split_points import torch_split
-from pipepar.program.batch_rules import InputRule, OutputRule, Rules
 from pipepar.program.units import modules_of
 from pipepar.ranks.process import ensure_process_group, resolve_device
 

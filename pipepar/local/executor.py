@@ -35,7 +35,7 @@ from pipepar.core.step import Grads, Head, StageStep
 from pipepar.local.transfer import move
 from pipepar.local.weights import WeightQueue, shared_stages
 from pipepar.local.worker import IDLE, Aborted, Slots, WorkerPool, run_inline
-from pipepar.tracing.tracer import Tracer
+from pipepar.recording.tracer import Tracer
 
 __all__ = ["Run"]
 

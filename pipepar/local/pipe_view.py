@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from pipepar.core.schedule import Schedule
     from pipepar.core.stage import Stage
     from pipepar.local.worker import WorkerPool
-    from pipepar.tracing.tracer import Tracer
+    from pipepar.recording.tracer import Tracer
 
 __all__ = ["PipeView"]
 

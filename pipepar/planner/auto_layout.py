@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipepar.batching.rules import Rules
 from pipepar.core import validation
 from pipepar.core.devices import DeviceSpec, resolve_devices
 from pipepar.core.schedule import NAMES, Schedule
@@ -38,7 +39,6 @@ from pipepar.planner.profile import Profile
 from pipepar.planner.runtime_fit import RuntimeFit, check_runtime
 from pipepar.planner.search_inputs import search_profile
 from pipepar.planner.step_time import Flops
-from pipepar.program.batch_rules import Rules
 
 __all__ = [
     "Given",

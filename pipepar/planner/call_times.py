@@ -29,9 +29,9 @@ from typing import Any
 
 from torch import nn
 
+from pipepar.batching.calls import as_call, split_call
+from pipepar.batching.rules import Rules
 from pipepar.planner.profile import LayerProfile, Profile
-from pipepar.program.batch_rules import Rules
-from pipepar.program.calls import as_call, split_call
 
 __all__ = [
     "at_share",
@@ -165,7 +165,7 @@ def smallest_micro_batch(
     """The smallest (the last) of ``chunks`` micro-batches of ``sample``, in the sample's own
     form (a tensor, a tuple of positional arguments or a dict of keyword arguments), cut as
     a pipe of ``model`` with ``rules`` (``wrap``'s ``split_inputs``) cuts it
-    (:func:`pipepar.program.calls.split_call`).
+    (:func:`pipepar.batching.calls.split_call`).
 
     Example:
         >>> smallest_micro_batch(torch.zeros(10, 3), 4).shape

@@ -32,6 +32,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from pipepar.batching.calls import as_call, batch_size
 from pipepar.core.untouched import untouched
 from pipepar.meta.fallback import MetaUnsupported
 from pipepar.meta.values import SHADOW_LIMIT, meta_modes
@@ -50,7 +51,6 @@ from pipepar.planner.profile import profile as profile_layers
 from pipepar.planner.unit_timing import time_units
 from pipepar.planner.unit_trace import UnitCall, deferred_units, trace_units
 from pipepar.program import units as units_
-from pipepar.program.calls import as_call, batch_size
 
 __all__ = ["meta_forward", "profile", "profile_model"]
 

@@ -4,7 +4,7 @@
 action of the slowest replica, and each data-parallel collective, becomes a
 :class:`PredictedAction`. They are data: :meth:`PredictedAction.to_dict` is what the plan's
 JSON holds, and the renderers draw them (:mod:`pipepar.planner.predicted_timeline` turns them
-into the :class:`~pipepar.tracing.tracer.Timeline` shape the measured timeline has).
+into the :class:`~pipepar.recording.tracer.Timeline` shape the measured timeline has).
 
     >>> pred = predict_step(prof, [4, 4], cluster="h100x8", chunks=8, dp=2, dp_shard=True)
     >>> [(a.worker, a.kind, a.start_ms) for a in pred.actions[:2]]

@@ -1,4 +1,4 @@
-"""A predicted step in the shape of a measured one: a :class:`~pipepar.tracing.tracer.Timeline`.
+"""A predicted step in the shape of a measured one: a :class:`~pipepar.recording.tracer.Timeline`.
 
 The renderers draw a run recorded with ``trace=True`` (:mod:`pipepar.render.timeline`,
 :func:`pipepar.render.timeline_html.section`); :func:`predicted_timeline` turns a
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pipepar.planner.predicted_actions import PredictedAction
-from pipepar.tracing.tracer import Event, Timeline
+from pipepar.recording.tracer import Event, Timeline
 
 if TYPE_CHECKING:
     from pipepar.planner.step_time import StepPrediction

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch import nn
 
+from pipepar.batching.rules import Rules
 from pipepar.planner.call_times import profile_for_chunks
 from pipepar.planner.cluster import Cluster
 from pipepar.planner.flop_count import count_flops
@@ -24,7 +25,6 @@ from pipepar.planner.model_profile import profile
 from pipepar.planner.plan_inputs import check_profile
 from pipepar.planner.profile import Profile
 from pipepar.planner.step_time import Flops
-from pipepar.program.batch_rules import Rules
 
 __all__ = [
     "check_choices",

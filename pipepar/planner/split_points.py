@@ -20,10 +20,10 @@ from typing import Any
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from pipepar.batching.calls import as_call
 from pipepar.planner.markers import find_markers, marker_split
 from pipepar.planner.model_profile import meta_forward
 from pipepar.program import units as units_
-from pipepar.program.calls import as_call
 
 __all__ = ["spec_split", "torch_split"]
 

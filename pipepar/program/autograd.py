@@ -14,13 +14,13 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from pipepar.batching import caches
+from pipepar.batching.calls import Parts
+from pipepar.batching.joins import LeafJoin, join, join_with
+from pipepar.batching.packed_inputs import aligned
 from pipepar.local.autograd import unalias as _unalias
 from pipepar.local.executor import BACKWARD, FORWARD
-from pipepar.program import caches
-from pipepar.program.calls import Parts
-from pipepar.program.joins import LeafJoin, join, join_with
 from pipepar.program.losses import ModelLoss
-from pipepar.program.packed_inputs import aligned
 from pipepar.program.run import ProgramRun
 
 if TYPE_CHECKING:

@@ -22,6 +22,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from pipepar.batching.calls import Call, StepCall, parts_of, split_call
+from pipepar.batching.rules import Rules
 from pipepar.core.batchnorm import committing, defer_statistics, reset_all
 from pipepar.core.losses import LossNotJoinable, joined_loss
 from pipepar.core.reductions import BatchCoupled
@@ -34,8 +36,6 @@ from pipepar.local.pipe_view import PipeView
 from pipepar.program import units as units_
 from pipepar.program.aliases import alias_leaves, of_stage, used_elsewhere
 from pipepar.program.autograd import ProgramFunction, as_tuple, joined
-from pipepar.program.batch_rules import Rules
-from pipepar.program.calls import Call, StepCall, parts_of, split_call
 from pipepar.program.cut import Cut, Ledger
 from pipepar.program.driver import driver_pool, watch_units
 from pipepar.program.losses import (

@@ -22,6 +22,8 @@ from typing import Any
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
+from pipepar.batching.calls import Call, Parts, parts_of
+from pipepar.batching.rules import argument_keys
 from pipepar.core.batch_dims import accepting
 from pipepar.core.document_mixing import DocumentWatch
 from pipepar.core.forms import Form, is_reduced
@@ -33,8 +35,6 @@ from pipepar.core.losses import (
     scalar_loss,
 )
 from pipepar.core.reductions import Probe
-from pipepar.program.batch_rules import argument_keys
-from pipepar.program.calls import Call, Parts, parts_of
 from pipepar.program.route import signature
 
 __all__ = [

@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 
+from pipepar.batching.calls import Call, StepCall, parts_of, split_call
+from pipepar.batching.rules import Rules
 from pipepar.core.batchnorm import committing, defer_statistics
 from pipepar.core.losses import joined_loss
 from pipepar.core.schedule import Schedule
@@ -34,8 +36,6 @@ from pipepar.program import early_weights
 from pipepar.program import units as units_
 from pipepar.program.aliases import alias_leaves, of_stage, used_elsewhere
 from pipepar.program.autograd import joined
-from pipepar.program.batch_rules import Rules
-from pipepar.program.calls import Call, StepCall, parts_of, split_call
 from pipepar.program.cut import Ledger
 from pipepar.program.driver import driver_pool, watch_units
 from pipepar.program.link import Link

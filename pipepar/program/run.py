@@ -18,15 +18,15 @@ from typing import Any, cast
 
 from torch import Tensor, nn
 
+from pipepar.batching.calls import Parts
 from pipepar.core.randomness import DrawLog, Randomness, Streams
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.local.executor import Phase, Run
 from pipepar.local.weights import shared_stages
 from pipepar.local.worker import Slots, WorkerPool
-from pipepar.program.calls import Parts
 from pipepar.program.step import Batch, SegmentContext, SegmentStep
-from pipepar.tracing.tracer import Tracer
+from pipepar.recording.tracer import Tracer
 
 __all__ = ["ProgramRun"]
 

@@ -294,7 +294,7 @@ def units(model: nn.Module, sample: Any = None) -> list[Unit]:
     """
     if sample is None:
         return layout(model).units
-    from pipepar.program.calls import as_call
+    from pipepar.batching.calls import as_call
 
     args, kwargs = as_call(sample)
     # Each buffer once, under its first name: functional_call ties the others to it.

@@ -22,7 +22,7 @@ from pipepar.render.report import prediction_text, shape_text
 
 if TYPE_CHECKING:
     from pipepar.planner.plan import Plan
-    from pipepar.tracing.tracer import Timeline, Tracer
+    from pipepar.recording.tracer import Timeline, Tracer
 
 __all__ = ["render_html", "write_html"]
 
@@ -72,7 +72,7 @@ def write_html(
         plan: the plan to show.
         path: the ``.html`` file to write (parents created).
         timeline: a run of the pipe recorded with ``trace=True`` (``pipe.tracer`` or a
-            :class:`~pipepar.tracing.tracer.Timeline`); its last mini-batch is drawn after the
+            :class:`~pipepar.recording.tracer.Timeline`); its last mini-batch is drawn after the
             stage table, with the measured bubble beside the predicted one.
 
     Returns:

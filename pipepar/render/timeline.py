@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
-from pipepar.tracing.tracer import Timeline, Tracer
+from pipepar.recording.tracer import Timeline, Tracer
 
 __all__ = [
     "COLLECTIVES",

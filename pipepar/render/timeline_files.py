@@ -13,9 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from pipepar.recording.tracer import Timeline, Tracer
 from pipepar.render.timeline import save_chrome_trace, save_png, save_svg
 from pipepar.render.timeline_html import save_html
-from pipepar.tracing.tracer import Timeline, Tracer
 
 __all__ = ["SUFFIXES", "save"]
 

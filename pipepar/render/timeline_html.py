@@ -18,8 +18,8 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
+from pipepar.recording.tracer import COMPUTE, Timeline, Tracer
 from pipepar.render.timeline import COLLECTIVES, as_timeline, to_svg
-from pipepar.tracing.tracer import COMPUTE, Timeline, Tracer
 
 __all__ = ["last_step", "page", "save_html", "section", "table"]
 

@@ -1,4 +1,4 @@
-"""Key-value caches over micro-batches (:mod:`pipepar.program.caches`): GPT-2, Llama and BERT
+"""Key-value caches over micro-batches (:mod:`pipepar.batching.caches`): GPT-2, Llama and BERT
 with their default configs (``use_cache`` left as it is) give the plain model's outputs, caches
 and gradients through a pipe, in train and eval mode; a cache passed in is updated in place."""
 
@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 import pipepar
-from pipepar.program import caches
+from pipepar.batching import caches
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""``pipe.generate`` (:mod:`pipepar.program.generation`): the model's own greedy generation,
+"""``pipe.generate`` (:mod:`pipepar.hf.generation`): the model's own greedy generation,
 every forward call of its loop run by the pipe, gives the plain model's tokens exactly."""
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipepar
-from pipepar.program.batch_rules import argument_keys
-from pipepar.program.packed_inputs import recognised
+from pipepar.batching.packed_inputs import recognised
+from pipepar.batching.rules import argument_keys
 from tests.program._vision_language import (
     SPLIT,
     assert_grads_equal,

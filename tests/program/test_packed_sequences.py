@@ -14,10 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipepar
+from pipepar.batching.calls import split_call
+from pipepar.batching.documents import balanced, lengths_of
+from pipepar.batching.rules import Rules
 from pipepar.core.document_mixing import DocumentsMixed
-from pipepar.program.batch_rules import Rules
-from pipepar.program.calls import split_call
-from pipepar.program.documents import balanced, lengths_of
 
 transformers = pytest.importorskip("transformers")
 

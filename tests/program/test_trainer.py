@@ -16,7 +16,7 @@ from torch import nn
 
 import pipepar
 from models import transformers_zoo as zoo
-from pipepar.program import hf
+from pipepar.hf import conventions as hf
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")

@@ -20,7 +20,7 @@ from torch import nn
 import pipepar
 from pipepar import timeline as drawing
 from pipepar.core.schedule import gpipe
-from pipepar.tracing.tracer import COMPUTE, Event, Timeline, tracing
+from pipepar.recording.tracer import COMPUTE, Event, Timeline, tracing
 
 MODES = ["always", "except_last", "never"]
 SVG = "{http://www.w3.org/2000/svg}"

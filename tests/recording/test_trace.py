@@ -10,7 +10,7 @@ from torch import nn
 
 import pipepar
 from pipepar.core.schedule import gpipe, one_f_one_b, simulate
-from pipepar.tracing.tracer import KINDS, Event, Timeline, Tracer, tracing
+from pipepar.recording.tracer import KINDS, Event, Timeline, Tracer, tracing
 
 
 def _pipe(*, trace: bool = False, chunks: int = 2) -> pipepar.Pipe:

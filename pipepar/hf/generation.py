@@ -4,7 +4,7 @@ transformers' ``GenerationMixin.generate`` calls the model (``self(...)``) once 
 (the prefill) and once per new token (a decode step), passing the key-value cache back in. While
 :func:`generate` runs, the model's ``forward`` is routed to the pipe: every call of the loop is
 split into micro-batches and run over the stages, its cache split and joined with it
-(:mod:`pipepar.program.caches`). The pipe's own micro-batch calls, which run on its drivers'
+(:mod:`pipepar.batching.caches`). The pipe's own micro-batch calls, which run on its drivers'
 threads, still reach the model's real ``forward``. Everything is restored afterwards, also
 on error.
 

@@ -1,15 +1,15 @@
 """Split a model call into micro-batch calls (their outputs are joined by
-:mod:`pipepar.program.joins`).
+:mod:`pipepar.batching.joins`).
 
 A call is the positional and keyword arguments a model takes (``input_ids=..., labels=...``).
 Every tensor argument whose dimension 0 has the batch size is split into ``m`` row views; every
 other argument (a flag, a config, a tensor without the batch) goes unchanged to each
 micro-batch. The batch size is dimension 0 of the first tensor argument. A transformers
 key-value cache, passed in or returned, is split and joined like a tensor of the batch
-(:mod:`pipepar.program.caches`).
+(:mod:`pipepar.batching.caches`).
 
 A one-row batch of packed documents (restarting position ids, ``cu_seqlens``) is cut at
-document boundaries instead (:mod:`pipepar.program.documents`): its units are documents, the
+document boundaries instead (:mod:`pipepar.batching.documents`): its units are documents, the
 micro-batches' sizes are tokens, on dimension 1.
 """
 
@@ -24,16 +24,16 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from pipepar.core.given import Given
-from pipepar.core.losses import Items, split_target
-from pipepar.program import caches, documents, packed_inputs
-from pipepar.program.batch_rules import (
+from pipepar.batching import caches, documents, packed_inputs
+from pipepar.batching.rules import (
     Rule,
     Rules,
     argument_keys,
     packed_pieces,
     row_lengths,
 )
+from pipepar.core.given import Given
+from pipepar.core.losses import Items, split_target
 
 __all__ = [
     "Call",
@@ -78,7 +78,7 @@ class Call:
     parts: Parts | None = None
     absent: tuple[tuple[int, Tensor], ...] = ()
     """Leaves passed as ``None`` (a recognised packed input this micro-batch holds no item
-    of, :mod:`pipepar.program.packed_inputs`): their index and the empty part they stand for."""
+    of, :mod:`pipepar.batching.packed_inputs`): their index and the empty part they stand for."""
 
     def _leaves(self) -> list[Any]:
         leaves = pytree.tree_leaves((self.args, self.kwargs))
@@ -167,12 +167,12 @@ def split_call(
     Args:
         args, kwargs: the batch's call.
         chunks: the micro-batches to cut it into.
-        rules: how each argument is cut (:mod:`pipepar.program.batch_rules`); without one, a
+        rules: how each argument is cut (:mod:`pipepar.batching.rules`); without one, a
             tensor with the batch's rows on dimension 0 is cut into row blocks and anything
             else goes whole to every micro-batch.
         model: whose parameter names the rules use (positions without it); its config's
             placeholder tokens recognise the packed inputs of a multimodal model
-            (:mod:`pipepar.program.packed_inputs`).
+            (:mod:`pipepar.batching.packed_inputs`).
 
     Example:
         >>> calls = split_call((torch.zeros(5, 2),), {"flag": True}, 2)
@@ -255,7 +255,7 @@ def _split_by_documents(
     key: str | int, value: Any, rule: Rule | None, cut: documents.DocumentCut, pieces: list[range]
 ) -> _Split:
     """One argument under a document cut: whole, by its function of the documents' ranges, or
-    leaf by leaf as :func:`pipepar.program.documents.split_value` says."""
+    leaf by leaf as :func:`pipepar.batching.documents.split_value` says."""
     m = len(pieces)
     if rule is not None and rule.name in ("rows", "packed"):
         raise ValueError(

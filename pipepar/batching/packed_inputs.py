@@ -43,7 +43,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from pipepar.program.batch_rules import Packed, Rule
+from pipepar.batching.rules import Packed, Rule
 
 __all__ = ["Recognised", "aligned", "placeholders", "recognised"]
 

@@ -10,7 +10,7 @@ offsets are rebased to the micro-batch's first token and a longest length is rec
 
 The layout is read from the values of the call, never from names: an integer ``(1, T)`` tensor
 whose values count ``0, 1, 2, ...`` and restart at 0 (at least twice), or a 1-D integer tensor
-of increasing offsets from 0 to ``T``. :class:`~pipepar.program.batch_rules.Documents`
+of increasing offsets from 0 to ``T``. :class:`~pipepar.batching.rules.Documents`
 declares the argument to read them from, and an int declared so is the longest document's
 length, recomputed per micro-batch. An int is never taken for that length by its value (it
 could be another number equal to it by chance); left whole, it is the batch's longest, an upper
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipepar.program.batch_rules import Packed, Rule, packed_pieces
+from pipepar.batching.rules import Packed, Rule, packed_pieces
 
 __all__ = ["DocumentCut", "balanced", "find", "lengths_of", "split_value"]
 

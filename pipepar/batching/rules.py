@@ -10,7 +10,7 @@ name of the model's parameter (or its position):
   all images of a batch (``lengths`` gives each row's share of that dimension);
 * :class:`Documents`: the argument delimits the documents packed in one row (restarting
   position ids, or ``cu_seqlens`` offsets) or is their longest length: the batch is cut at
-  document boundaries (:mod:`pipepar.program.documents`, which also recognises the layout);
+  document boundaries (:mod:`pipepar.batching.documents`, which also recognises the layout);
 * a function ``fn(value, pieces) -> [value of micro-batch 0, value of micro-batch 1, ...]``
   given the rows (or, cut by documents, the documents) of each micro-batch as ``range``\\ s.
 

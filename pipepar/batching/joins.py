@@ -22,10 +22,10 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor
 
+from pipepar.batching import caches, packed_inputs
+from pipepar.batching.calls import Parts
+from pipepar.batching.rules import first_key
 from pipepar.core.losses import weighted_sum
-from pipepar.program import caches, packed_inputs
-from pipepar.program.batch_rules import first_key
-from pipepar.program.calls import Parts
 
 __all__ = ["LeafJoin", "join", "join_with"]
 
