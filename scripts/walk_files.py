@@ -78,6 +78,7 @@ def main() -> None:
     parser.add_argument("--list", action="store_true", help="print the files too")
     args = parser.parse_args()
     import pipepar  # noqa: F401  (imported before the walks: following starts at wrap)
+
     for name, walk in (("chain", chain_walk), ("transformers", transformers_walk)):
         files = files_run(walk)
         lines = sum(len(f.read_text().splitlines()) for f in files)
