@@ -136,8 +136,9 @@ def wrap(
             whole mini-batch, once per step (:mod:`pipepar.core.batchnorm`).
         batch_coupling: ``"error"`` (default) or ``"per-micro-batch"``, as in
             :func:`pipepar.wrap`.
-        split_inputs, join_outputs: how a call is cut into micro-batches and its output
-            joined, as in :func:`pipepar.wrap`.
+        split_inputs: how a call's arguments are cut into micro-batches, as in
+            :func:`pipepar.wrap`.
+        join_outputs: how the micro-batches' outputs are joined, as in :func:`pipepar.wrap`.
         device: this rank's device; default ``cuda:LOCAL_RANK`` on NCCL, else CPU.
         group: parent process group (default: the world); initialized from torchrun's
             environment if no process group exists yet.
