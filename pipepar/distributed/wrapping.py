@@ -153,7 +153,7 @@ def wrap(
             the rank logged where it stands.
         routes: for a model other than an ``nn.Sequential``: after the first call of a kind,
             each rank runs its own stage without per-operation interception and skips the
-            other stages' units (see README, "Learned once, then free"). A model whose units
+            other stages' units (see the guide "Real models", "Learned once, then free"). A model whose units
             run in an order that depends on the data (skipping a block for some inputs) ends
             the step with :class:`PipelineError` naming the change: pass ``False`` to run
             every call under the cut's mode.
