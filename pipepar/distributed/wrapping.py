@@ -153,10 +153,10 @@ def wrap(
             the rank logged where it stands.
         routes: for a model other than an ``nn.Sequential``: after the first call of a kind,
             each rank runs its own stage without per-operation interception and skips the
-            other stages' units (see the guide "Real models", "Learned once, then free"). A model whose units
-            run in an order that depends on the data (skipping a block for some inputs) ends
-            the step with :class:`PipelineError` naming the change: pass ``False`` to run
-            every call under the cut's mode.
+            other stages' units (the guide "Real models", "Learned once, then free"). A model
+            whose units run in an order that depends on the data (skipping a block for some
+            inputs) ends the step with :class:`PipelineError` naming the change: pass
+            ``False`` to run every call under the cut's mode.
         runtime: with ``plan="auto"``: what the runtime adds to each action on these
             machines, fitted to steps you measured (:func:`pipepar.planner.fit_runtime`);
             group rank 0's is the one used. Default: the profile's times.
@@ -170,6 +170,10 @@ def wrap(
         compile: compile each unit's ``forward`` as :func:`pipepar.wrap` does: True, or a dict
             of ``torch.compile``'s keyword arguments; a model or modules compiled before keep
             their options, moved onto the units (:mod:`pipepar.core.compiled_units`).
+
+    Returns:
+        This rank's :class:`~pipepar.distributed.pipe.DistributedPipe`: its stages' weights
+        under the model's names, trained with ``pipe.step(...)`` on every rank.
 
     Raises:
         ValueError, TypeError: for inconsistent arguments, before any pipeline group exists;

@@ -54,3 +54,17 @@ def test_every_environment_switch_is_documented() -> None:
     }
     guide = (ROOT / "docs" / "guides" / "troubleshooting.md").read_text(encoding="utf-8")
     assert read and all(f"| `{name}` |" in guide for name in read), sorted(read)
+
+
+def test_docstrings_read_as_markdown() -> None:
+    """The griffe extension renames ``Example:`` and turns Sphinx roles into code spans."""
+    spec = importlib.util.spec_from_file_location(
+        "griffe_markdown", ROOT / "scripts" / "griffe_markdown.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = "See :class:`~pipepar.Plan` and :func:`pipepar.wrap`.\n\n    Example:\n        >>> 1\n"
+    assert (
+        module.markdown(text) == "See `Plan` and `pipepar.wrap`.\n\n    Examples:\n        >>> 1\n"
+    )
