@@ -163,6 +163,9 @@ def from_torchgpipe_state_dict(state_dict: Mapping[str, Any]) -> OrderedDict[str
     Args:
         state_dict: what ``torchgpipe.GPipe.state_dict()`` returned (or a file of it).
 
+    Returns:
+        A new state dict under the plain model's keys, the tensors themselves (not copies).
+
     Raises:
         ValueError: a key and torchgpipe's key of the same tensor are both there.
 

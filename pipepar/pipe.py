@@ -85,6 +85,14 @@ class Pipe(nn.Module):
         gc_every: Python's cycle collector during :meth:`step`: ``None`` leaves it as it is;
             ``N`` turns it off while a step runs, collects what the step left after it and
             runs a full collection every ``N`` steps (:mod:`pipepar.core.garbage`).
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+        >>> pipe = pipepar.wrap(model, [2, 2], devices=["cpu", "cpu"], chunks=2)
+        >>> pipe.balance, len(pipe), list(pipe.state_dict())[:2]
+        ([2, 2], 4, ['0.weight', '0.bias'])
+        >>> pipe(torch.randn(4, 8)).sum().backward()  # GPipe order, like the plain model
+        >>> loss = pipe.step(torch.randn(4, 8), torch.randn(4, 8), nn.functional.mse_loss)
     """
 
     _model: nn.Module  # not a child: its children are the pipe's
@@ -352,6 +360,33 @@ class Pipe(nn.Module):
         and gradients are those of one loss over all of them, joined as above: a mean over
         tokens is the mean over every micro-batch's tokens. Without ``microbatches=``,
         ``targets=`` is the model's own keyword argument (nanoGPT's ``forward(idx, targets)``).
+
+        Args:
+            *args: the batch: an ``nn.Sequential``'s ``(input, target, loss_fn)``, or the
+                model's own positional arguments.
+            loss_fn: ``loss_fn(output, target)`` for each micro-batch; None for the model's
+                own loss.
+            target: the whole batch's target, cut into micro-batches like the input.
+            items: ``items(target_i)``: what a custom ``loss_fn`` averages over in one
+                micro-batch (e.g. its real tokens), when the probe cannot learn it.
+            scaler: a ``torch.amp.GradScaler`` whose scale every backward starts from.
+            microbatches: micro-batches you made, instead of a batch to cut.
+            targets: with ``microbatches`` and ``loss_fn``: each micro-batch's target.
+            **kwargs: the model's own keyword arguments (``input_ids=..., labels=...``).
+
+        Returns:
+            The loss of the whole batch, as the plain model's loss on that batch; the
+            gradients are accumulated into ``.grad``.
+
+        Raises:
+            LossNotJoinable: the loss is neither a sum nor a mean over a count of the batch
+                (found on micro-batch 0, before any gradient).
+            BatchCoupled: the model mixes rows of the batch (found on the first call of a
+                kind, before any gradient).
+            TypeError: arguments that do not go together (``microbatches`` and a batch,
+                ``targets`` without ``loss_fn``); the message names them and the fix.
+            ValueError: a batch that does not fit the pipe (a Schedule object built for
+                another number of micro-batches, fewer rows than micro-batches it needs).
 
         Example:
             >>> loss = pipe.step(x, y, nn.functional.mse_loss)  # an nn.Sequential

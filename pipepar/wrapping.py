@@ -128,6 +128,28 @@ def wrap(
             compiled before ``wrap`` keep their own options, moved onto the units
             (:mod:`pipepar.core.compiled_units`); ``compile=`` compiles the others.
 
+    Returns:
+        The :class:`Pipe`: called like the model (``pipe(x)``, ``pipe(**batch)``), trained
+        with :meth:`Pipe.step` or ``backward()`` on what it returns, with the model's
+        ``named_parameters()`` and ``state_dict()`` keys; ``pipe.layout`` is the searched
+        layout (None when ``balance`` or ``split`` is given).
+
+    Raises:
+        TypeError: ``module`` is not an ``nn.Module``; ``schedule`` is neither a name nor a
+            :class:`~pipepar.core.schedule.Schedule`; ``split_inputs``/``join_outputs``
+            given for an ``nn.Sequential`` split by ``balance``.
+        ValueError: an argument that does not fit the model or the others (a ``balance``
+            that does not sum to the layers or units, a ``split`` path that is not where a
+            unit begins, ``chunks``, ``checkpoint`` or ``threads`` out of range, no
+            ``balance``, ``split`` or ``sample`` for a model without ``pipe_split()``
+            markers, no layout that fits ``capacity``); the message names the argument,
+            both values and a fix.
+        DeviceError: a device torch does not know, or CUDA where there is none.
+
+    A model's first call of a kind can raise :class:`~pipepar.BatchCoupled` or
+    :class:`~pipepar.LossNotJoinable` (before any gradient) where micro-batching would
+    change the result.
+
     Example:
         >>> model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
         >>> pipe = pipepar.wrap(model, [4, 4], devices=["cpu", "cpu"], chunks=4)

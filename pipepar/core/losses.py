@@ -73,7 +73,14 @@ Globalize = Callable[[float], float]
 
 
 class LossNotJoinable(ValueError):
-    """A loss whose micro-batch values cannot be joined into the whole batch's by shares."""
+    """A loss whose micro-batch values cannot be joined into the whole batch's by shares.
+
+    Example:
+        >>> log_mse = lambda out, y: torch.log(F.mse_loss(out, y))  # a log of a mean
+        >>> pipe.step(x, y, log_mse)  # doctest: +SKIP
+        Traceback (most recent call last):
+        pipepar.core.losses.LossNotJoinable: loss_fn's value cannot be joined over micro-batches...
+    """
 
 
 class LossShares(Sequence[float]):

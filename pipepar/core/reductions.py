@@ -56,7 +56,18 @@ __all__ = ["BatchCoupled", "Probe"]
 
 class BatchCoupled(ValueError):
     """An operation that mixes rows of the batch, which micro-batches would compute on their
-    own rows only: refused at the first call, before any gradient."""
+    own rows only: refused at the first call, before any gradient.
+
+    Example:
+        >>> class Centered(nn.Module):
+        ...     def forward(self, x):
+        ...         return x - x.mean(0)  # a mean over the rows of the batch
+        >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), Centered())
+        >>> pipe = pipepar.wrap(model, [2, 2], devices=["cpu", "cpu"], chunks=2)
+        >>> pipe(torch.randn(4, 8))  # doctest: +SKIP
+        Traceback (most recent call last):
+        pipepar.core.reductions.BatchCoupled: mean() in module layer 3 mixes rows of the batch...
+    """
 
 
 def _coupled(coupling: Coupling, where: str) -> str:

@@ -73,6 +73,25 @@ class Action:
 class Schedule:
     """Per-worker action lists for ``n_stages`` stages and ``n_microbatches`` micro-batches.
 
+    A schedule is data: ``actions[w]`` is worker ``w``'s ordered list of :class:`Action`
+    (``F``: forward of a stage on a micro-batch; ``B``: its backward, or only the input
+    gradient when the schedule also lists a ``W``; ``W``: the deferred weight gradient).
+    The named schedules are built by :func:`gpipe`, :func:`one_f_one_b`, :func:`zb_h1`,
+    :func:`interleaved_1f1b` and :func:`zb_v` (:func:`make` by name), your own by
+    :func:`parse`; :func:`validate` checks that every dependency can be met without a
+    deadlock. Pass a name or a Schedule as ``schedule=`` to :func:`pipepar.wrap` and
+    :func:`pipepar.distributed.wrap`; ``print(pipe.schedule)`` shows the grid.
+
+    Args:
+        name: a human-readable name, e.g. ``"gpipe"``.
+        n_stages: the number of (virtual) stages.
+        n_microbatches: micro-batches per mini-batch (M).
+        actions: per worker, its ordered actions.
+        placement: ``placement[s]`` is the worker of stage ``s`` (default: stage ``s`` on
+            worker ``s``).
+        max_in_flight: per worker, a bound on the micro-batches it holds, checked by
+            :func:`validate`; None for no bound.
+
     Example:
         >>> s = gpipe(2, 2)
         >>> print(s)  # doctest: +NORMALIZE_WHITESPACE
@@ -83,6 +102,9 @@ class Schedule:
            3  .        B1
            4  B1       B0
            5  B0       .
+        >>> custom = parse("F0 F1 B0 B1 | F0 B0 F1 B1")  # one line per worker, "|" between
+        >>> custom.n_workers, custom.bubble() > 0
+        (2, True)
     """
 
     name: str

@@ -70,6 +70,19 @@ class DistributedPipe(nn.Module):
     rank's own weights under the model's names; :meth:`full_state_dict` gathers the whole
     model. With ``dp_shard=True`` they are this replica's ``DTensor`` shards of them, and so
     are their gradients (see :mod:`pipepar.ranks.sharding`).
+
+    Attributes beside those of :class:`~pipepar.local.pipe.Pipe` (``balance``, ``chunks``,
+    ``checkpoint``, ``schedule``, ``layout``): ``stages`` (the stage indices this rank runs),
+    ``stage_index`` (its first), ``dp_rank`` (its replica) and ``device``.
+
+    Example:
+        >>> # under torchrun --nproc-per-node 4: two stages x two replicas
+        >>> import pipepar.distributed as ppd
+        >>> pipe = ppd.wrap(model, [4, 4], chunks=8, schedule="1f1b", dp=2)  # doctest: +SKIP
+        >>> opt = torch.optim.AdamW(pipe.parameters())  # this rank's weights  # doctest: +SKIP
+        >>> loss = pipe.step(x, y, nn.functional.mse_loss)  # every rank  # doctest: +SKIP
+        >>> opt.step(); opt.zero_grad()  # doctest: +SKIP
+        >>> ppd.save_checkpoint("run/ckpt", pipe, opt)  # sharded, atomic  # doctest: +SKIP
     """
 
     _model: nn.Module  # not a child: its children (this rank's stages' modules) are the pipe's

@@ -320,6 +320,9 @@ def load_checkpoint(
         module: where the weights go (keys as in the plain model).
         optimizer: where the optimizer state goes; ``None`` to load weights only.
 
+    Returns:
+        The ``extra`` dict the checkpoint was saved with (empty when none was given).
+
     Raises:
         FileNotFoundError: nothing at ``path`` (the message names what an interrupted save left).
         ValueError: when the checkpoint lacks optimizer state, or names parameters that differ.

@@ -136,8 +136,9 @@ def wrap(
             whole mini-batch, once per step (:mod:`pipepar.core.batchnorm`).
         batch_coupling: ``"error"`` (default) or ``"per-micro-batch"``, as in
             :func:`pipepar.wrap`.
-        split_inputs, join_outputs: how a call is cut into micro-batches and its output
-            joined, as in :func:`pipepar.wrap`.
+        split_inputs: how a call's arguments are cut into micro-batches, as in
+            :func:`pipepar.wrap`.
+        join_outputs: how the micro-batches' outputs are joined, as in :func:`pipepar.wrap`.
         device: this rank's device; default ``cuda:LOCAL_RANK`` on NCCL, else CPU.
         group: parent process group (default: the world); initialized from torchrun's
             environment if no process group exists yet.
@@ -152,10 +153,10 @@ def wrap(
             the rank logged where it stands.
         routes: for a model other than an ``nn.Sequential``: after the first call of a kind,
             each rank runs its own stage without per-operation interception and skips the
-            other stages' units (see README, "Learned once, then free"). A model whose units
-            run in an order that depends on the data (skipping a block for some inputs) ends
-            the step with :class:`PipelineError` naming the change: pass ``False`` to run
-            every call under the cut's mode.
+            other stages' units (the guide "Real models", "Learned once, then free"). A model
+            whose units run in an order that depends on the data (skipping a block for some
+            inputs) ends the step with :class:`PipelineError` naming the change: pass
+            ``False`` to run every call under the cut's mode.
         runtime: with ``plan="auto"``: what the runtime adds to each action on these
             machines, fitted to steps you measured (:func:`pipepar.planner.fit_runtime`);
             group rank 0's is the one used. Default: the profile's times.
@@ -169,6 +170,10 @@ def wrap(
         compile: compile each unit's ``forward`` as :func:`pipepar.wrap` does: True, or a dict
             of ``torch.compile``'s keyword arguments; a model or modules compiled before keep
             their options, moved onto the units (:mod:`pipepar.core.compiled_units`).
+
+    Returns:
+        This rank's :class:`~pipepar.distributed.pipe.DistributedPipe`: its stages' weights
+        under the model's names, trained with ``pipe.step(...)`` on every rank.
 
     Raises:
         ValueError, TypeError: for inconsistent arguments, before any pipeline group exists;

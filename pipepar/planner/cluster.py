@@ -257,6 +257,10 @@ def measure_local(device: str | torch.device = "cpu", *, seconds: float = 1.0) -
         device: ``"cpu"`` or a CUDA device.
         seconds: the time to spend, split between the measurements.
 
+    Returns:
+        A :class:`Cluster` describing this machine, for ``predict_step`` and
+        ``search_layouts`` (``cluster=``).
+
     Raises:
         ValueError: for a device that is not here or ``seconds`` not > 0.
 

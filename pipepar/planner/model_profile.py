@@ -83,10 +83,19 @@ def profile(
         The :class:`~pipepar.planner.profile.Profile` of the whole sample batch, ready for
         :func:`pipepar.plan` and :mod:`pipepar.report`.
 
+    Raises:
+        ValueError: a forward that writes a weight in place, an uninitialized lazy module,
+            or an ``optimizer`` name it does not know.
+        RuntimeError: on ``meta``, an operation whose output shapes depend on values the
+            ``meta`` device does not have (a router's choice of experts read as a shape),
+            naming the operation and the module: profile on a real device.
+
     Example:
-        >>> prof = pipepar.profile(zoo.gpt2(layers=2), zoo.sample("gpt2", batch=4))
+        >>> ids = torch.randint(1, 128, (4, 16))
+        >>> prof = pipepar.profile(zoo.llama(layers=2), dict(input_ids=ids, labels=ids))
         >>> [layer.name for layer in prof.layers][:3]
-        ['transformer.wte', 'transformer.wpe', 'transformer.drop']
+        ['model.embed_tokens', 'model.rotary_emb', 'model.layers.0']
+        >>> plan = pipepar.plan(prof, devices=2, capacity="1GiB")
     """
     if isinstance(model, nn.Sequential):
         return profile_layers(model, sample, device=device, optimizer=optimizer)

@@ -92,6 +92,11 @@ class StagePlan:
         worker: index of the device running the stage; a virtual-stage schedule puts several
             stages on one device, which share its capacity.
         device_peak_bytes: the device's predicted peak: the sum of its stages' ``peak_bytes``.
+
+    Example:
+        >>> plan = pipepar.plan(prof, devices=2, capacity="1GiB", chunks=4)
+        >>> [(s.index, s.layers, s.peak_bytes <= s.capacity_bytes) for s in plan.stages]
+        [(0, range(0, 2), True), (1, range(2, 4), True)]
     """
 
     index: int
@@ -165,6 +170,13 @@ class Plan:
         prediction: the predicted step on a cluster
             (:func:`~pipepar.planner.step_time.predict_step`), when one was made (a layout
             search makes one for every layout); None otherwise.
+
+    Example:
+        >>> plan = pipepar.plan(prof, devices=4, capacity="16GiB", chunks=8, schedule="1f1b")
+        >>> plan.balance  # doctest: +SKIP
+        [3, 3, 3, 2]
+        >>> print(pipepar.report.table(plan))  # doctest: +SKIP
+        >>> data = plan.to_json()  # the plan as data, with the unit of every field
     """
 
     balance: list[int]

@@ -98,6 +98,12 @@ class LayerProfile:
         whole_direct_grad_bytes: ``direct_grad_bytes`` of an unsplit backward.
         largest_matrix: elements of the layer's largest weight matrix; with ``2**17`` or more
             a stage's unsplit backward takes that direct route too.
+
+    Example:
+        >>> prof = pipepar.profile(zoo.mlp(depth=2, width=16), torch.randn(8, 16))
+        >>> layer = prof.layers[0]
+        >>> layer.name, layer.params_bytes  # 16 x 16 weights and 16 biases, float32
+        ('0', 1088)
     """
 
     index: int
@@ -161,6 +167,13 @@ class Profile:
             (what crosses a stage boundary is held on both sides).
         shard: the data-parallel ranks each stage's state is split over (1: not split; see
             :func:`pipepar.planner.sharded_state.sharded`).
+
+    Example:
+        >>> prof = pipepar.profile(zoo.mlp(depth=2, width=16), torch.randn(8, 16))
+        >>> len(prof.layers)
+        4
+        >>> pipepar.plan(prof, devices=2).balance
+        [2, 2]
     """
 
     layers: list[LayerProfile]

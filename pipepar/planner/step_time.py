@@ -93,7 +93,14 @@ Flops = Sequence[tuple[float, float]]
 
 @dataclass(frozen=True)
 class StageTime:
-    """What one stage spends over a step (all its micro-batches), in milliseconds."""
+    """What one stage spends over a step (all its micro-batches), in milliseconds.
+
+    Example:
+        >>> prediction = predict_step(prof, [2, 2], cluster="h100x8", schedule="1f1b", chunks=4)
+        >>> stage = prediction.stages[0]
+        >>> stage.index, stage.forward_ms > 0
+        (0, True)
+    """
 
     index: int
     """Stage number j."""
@@ -124,7 +131,14 @@ class StageTime:
 
 @dataclass(frozen=True)
 class StepPrediction:
-    """The predicted step: its time, where the time goes, and the simulated timeline."""
+    """The predicted step: its time, where the time goes, and the simulated timeline.
+
+    Example:
+        >>> prof = pipepar.profile(zoo.mlp(depth=2, width=16), torch.randn(8, 16), device="cpu")
+        >>> prediction = predict_step(prof, [2, 2], cluster="h100x8", schedule="1f1b", chunks=4)
+        >>> prediction.step_ms > 0, 0 <= prediction.bubble < 1, len(prediction.stages)
+        (True, True, 2)
+    """
 
     step_ms: float
     """One training step, from the first forward to the last gradient all-reduce's end."""

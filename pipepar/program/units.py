@@ -42,7 +42,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Unit:
-    """One unit: its module path in the model and the module."""
+    """One unit: its module path in the model and the module.
+
+    Example:
+        >>> [(u.path, type(u.module).__name__) for u in units(zoo.mlp(depth=1, width=4))]
+        [('0', 'Linear'), ('1', 'ReLU')]
+    """
 
     path: str
     module: nn.Module
@@ -291,6 +296,10 @@ def units(model: nn.Module, sample: Any = None) -> list[Unit]:
     Example:
         >>> [u.path for u in units(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))]
         ['0', '1']
+
+    Returns:
+        The units in the order the model runs them, each a :class:`Unit` with its module
+        path (``"transformer.h.3"``) and module.
     """
     if sample is None:
         return layout(model).units

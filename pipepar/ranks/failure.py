@@ -95,6 +95,13 @@ class PipelineError(RuntimeError):
 
     Attributes:
         report: the failing rank's message, starting with ``"rank R (stage J, replica D)"``.
+
+    Example:
+        >>> try:  # on every rank
+        ...     loss = pipe.step(x, y, loss_fn)
+        ... except PipelineError as error:
+        ...     print(error.report)  # doctest: +SKIP
+        rank 1 (stage 1, replica 0) ...
     """
 
     def __init__(self, report: str, *, here: Where | None = None) -> None:

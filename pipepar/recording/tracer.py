@@ -144,10 +144,16 @@ def tracing(pipe: Any) -> Iterator[Tracer]:
         pipe: a :class:`pipepar.Pipe` (anything with a ``tracer`` attribute the engine reads).
 
     Example:
-        >>> with pipepar.trace.tracing(pipe) as tracer:
+        >>> with pipepar.tracing(pipe) as tracer:
         ...     pipe(x).sum().backward()
-        >>> tracer.timeline().bubble
+        >>> tracer.timeline().bubble  # doctest: +SKIP
         0.21
+
+    Yields:
+        The :class:`Tracer` recording the block; ``tracer.timeline()`` reads it.
+
+    Raises:
+        TypeError: ``pipe`` is not a pipe (it has no ``tracer``).
     """
     if not hasattr(pipe, "tracer"):
         raise TypeError(

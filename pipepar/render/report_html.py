@@ -77,6 +77,11 @@ def write_html(
 
     Returns:
         The path written.
+
+    Example:
+        >>> plan = pipepar.plan(prof, devices=2, chunks=4, schedule="1f1b")
+        >>> pipepar.report.save_html(plan, "plan.html", timeline=pipe.tracer)
+        PosixPath('plan.html')
     """
     page = render_html(plan, timeline=timeline)  # before touching the file: errors leave it
     path = Path(path)
@@ -87,6 +92,16 @@ def write_html(
 
 def render_html(plan: Plan, *, timeline: Timeline | Tracer | None = None) -> str:
     """The whole report as an HTML string; with ``timeline``, a measured run beside the plan.
+
+    Users call it as :func:`pipepar.report.html`.
+
+    Args:
+        plan: the plan to show.
+        timeline: a run of the pipe recorded with ``trace=True`` (``pipe.tracer`` or a
+            :class:`~pipepar.Timeline`), drawn after the stage table.
+
+    Returns:
+        A self-contained HTML page (inline SVG charts, no scripts).
 
     Example:
         >>> render_html(plan).startswith("<!DOCTYPE html>")

@@ -27,10 +27,18 @@ def save(source: Timeline | Tracer, path: str | Path, **options: Any) -> Path:
     """Write the timeline in the format its suffix names: .svg, .png, .html or .json.
 
     Args:
-        source: a :class:`~pipepar.trace.Timeline` or the pipe's :class:`~pipepar.trace.Tracer`.
+        source: a :class:`~pipepar.Timeline` or the pipe's
+            :class:`~pipepar.tracing.tracer.Tracer`.
         path: where to write; ``.json`` is a Chrome trace (Perfetto), ``.html`` a page with the
             last mini-batch's chart and a table per stage, the others a Gantt chart.
         **options: ``width=`` and ``title=`` for the charts and the page.
+
+    Returns:
+        The path written.
+
+    Raises:
+        ValueError: a suffix not in :data:`SUFFIXES`.
+        TypeError: drawing options given for a ``.json`` Chrome trace.
 
     Example:
         >>> save(pipe.tracer, "out.png")

@@ -1,4 +1,4 @@
-"""Example models that come with pipepar, for the README and the command line.
+"""Example models that come with pipepar, for the documentation and the command line.
 
 Each builder makes a model with random weights from sizes alone (nothing is downloaded) and
 takes ``device=`` (``"meta"`` builds without memory):
