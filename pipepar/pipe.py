@@ -166,9 +166,11 @@ class Pipe(nn.Module):
             )
         self.checkpoint = checkpoint or compute.default_checkpoint
         workers = resolve_devices(devices, count_workers(schedule, compute.sizes, devices))
-        # Built for one micro-batch to check the layout now; the real one per batch size.
-        self._layout = schedule_for(schedule, len(compute.sizes), self.chunks, len(workers))
-        placed = [workers[w] for w in self._layout.placement]
+        # The schedule asked for (a name's built for one micro-batch): where the stages are
+        # placed, checked now; each batch's is rebuilt for its count (``_schedule``).
+        asked = schedule_for(schedule, len(compute.sizes), self.chunks, len(workers))
+        self._asked_schedule = asked
+        placed = [workers[w] for w in self._asked_schedule.placement]
         stages = compute.place(placed, self.checkpoint)
         # The model's children first: a layer may have the name of a property that reads the
         # stages (``partitions``), which ``add_module`` must not find yet.
@@ -242,7 +244,7 @@ class Pipe(nn.Module):
         starts = [paths[0] for paths in self.stage_paths if paths]
         return (
             f"balance={self.balance}, stages start at {starts}, chunks={self.chunks}, "
-            f"checkpoint={self.checkpoint!r}, schedule={self._layout.name!r}"
+            f"checkpoint={self.checkpoint!r}, schedule={self._asked_schedule.name!r}"
         )
 
     def train(self, mode: bool = True) -> Pipe:
@@ -424,7 +426,7 @@ class Pipe(nn.Module):
         return generate(self, *args, **kwargs)
 
     def _schedule(self, m: int) -> Schedule:
-        return schedule_of_batch(self._layout, m, self.chunks)
+        return schedule_of_batch(self._asked_schedule, m, self.chunks)
 
     # -- workers ------------------------------------------------------------------------------
     def _workers(self, *, backward: bool = False) -> WorkerPool | None:

@@ -40,7 +40,7 @@ def schedule_of_batch(layout: Schedule, m: int, chunks: int) -> Schedule:
 
 
 def schedule_for(schedule: object, n_stages: int, chunks: int, n_workers: int) -> Schedule:
-    """The pipe's schedule layout from ``wrap(schedule=...)``: a name (built for one
+    """The pipe's schedule from ``wrap(schedule=...)``: a name (built for one
     micro-batch, rebuilt per batch by :func:`schedule_of_batch`) or a Schedule object."""
     if not isinstance(schedule, (str, Schedule)):
         raise TypeError(
