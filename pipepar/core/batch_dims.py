@@ -122,6 +122,19 @@ def _transposed(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched])
     return b if d == a else a if d == b else d
 
 
+def _dims_reversed(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
+    """``x.T`` and ``x.H``: every dimension in reverse order."""
+    t, d = batched[0]
+    return t.dim() - 1 - d
+
+
+def _last_two_swapped(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
+    """``x.mT`` and ``x.mH``: the last two dimensions swapped."""
+    t, d = batched[0]
+    n = t.dim()
+    return n - 1 if d == n - 2 else n - 2 if d == n - 1 else d
+
+
 def _permuted(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
     t, d = batched[0]
     order = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
@@ -308,6 +321,8 @@ _RULES: dict[str, _Rule] = {
     **dict.fromkeys(("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"), _viewed),
     **dict.fromkeys(("transpose", "swapaxes", "swapdims", "t"), _transposed),
     **dict.fromkeys(("permute",), _permuted),
+    **dict.fromkeys(("T", "H"), _dims_reversed),
+    **dict.fromkeys(("mT", "mH"), _last_two_swapped),
     "unsqueeze": _unsqueezed,
     "squeeze": _squeezed,
     **dict.fromkeys(("matmul", "mm", "bmm", "rmatmul"), _matmul),

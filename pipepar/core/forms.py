@@ -341,6 +341,8 @@ def _scaled(a: Form, b: Form, *, name: str, where: str) -> Form:
 def op_name(func: Callable[..., Any]) -> str:
     """A torch operation's name without its in-place, reflected or dunder spelling."""
     name: str = getattr(func, "__name__", "")
+    if name == "__get__":  # a property read (``x.T``, ``x.mT``): the property's name
+        return str(getattr(getattr(func, "__self__", None), "__name__", "get"))
     if name.startswith("__") and name.endswith("__"):
         name = name[2:-2]
         if name.startswith("i") and name[1:] in ADDITIVE | SCALING | {"truediv"}:

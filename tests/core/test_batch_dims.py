@@ -22,6 +22,9 @@ COUPLED = {
     "pairwise-distances": lambda x: (x[:, None] - x[None]).pow(2).sum(-1),
     "a-row-by-position": lambda x: x[0] * 2,
     "gram-matrix": lambda x: x.t() @ x,
+    "gram-of-rows-by-property": lambda x: x @ x.T,
+    "pairs-by-matrix-transpose": lambda x: x @ x.mT,
+    "pairs-by-adjoint": lambda x: x.H.T @ x.H,
     "einsum-pairs": lambda x: torch.einsum("bi,ci->bc", x, x),
     "router-statistics": lambda x: F.one_hot(x.argmax(-1), 8).float().view(-1, 8).mean(0),
 }
@@ -36,6 +39,8 @@ ROW_WISE = {
     "einsum": lambda x: torch.einsum("bi,ij->bj", x, W),
     "routing-counts": lambda x: (x > 0).long().sum(0),  # an integer count of the batch: dispatch
     "cat-on-rows": lambda x: torch.cat([x, x]).relu(),
+    "transposed-by-property": lambda x: (W @ x.T).T.softmax(-1),
+    "batched-transpose": lambda x: (x.view(4, 2, 4).mT @ x.view(4, 2, 4)).softmax(-1),
 }
 
 

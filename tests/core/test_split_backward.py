@@ -27,7 +27,7 @@ M = 3
 @pytest.fixture(autouse=True)
 def _direct_for_small_weights(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Small test layers take the whole-backward direct route too (it is size-gated)."""
-    monkeypatch.setattr(step_module, "_LARGE", 1)
+    monkeypatch.setattr(step_module, "LARGE_MATRIX", 1)
     yield
 
 
