@@ -17,34 +17,32 @@ norm in training, a normalisation over it, picking a row by its position.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from pipepar.core.batch_dim_families import ALL, FAMILIES, Rule, along, batch_first, named
+from pipepar.core.batch_indexing import indexed, written
+from pipepar.core.batch_outcome import (
+    Batched,
+    Coupling,
+    Outcome,
+    aligned,
+    norm,
+    unfollowed,
+)
+from pipepar.core.batch_products import PRODUCTS, linear
+
 __all__ = ["COUPLING_CHOICES", "Coupling", "accepting", "batch_dim_after", "reduced_dims"]
 
 COUPLING_CHOICES = ("error", "per-micro-batch")
 """What a pipe does with an operation mixing rows: refuse it, or let each micro-batch compute
 it on its own rows."""
-
-Batched = tuple[Tensor, int]
-"""An operand holding rows of the batch and the dimension they are on."""
-
-
-@dataclass(frozen=True)
-class Coupling:
-    """An operation that mixes rows of the batch: what it is and why."""
-
-    op: str
-    why: str
-
-
-Outcome = int | None | Coupling
 
 
 def batch_dim_after(
@@ -54,15 +52,33 @@ def batch_dim_after(
     kwargs: dict[str, Any],
     out: Tensor,
     batched: Sequence[Batched],
+    loose: Sequence[Tensor] = (),
 ) -> Outcome:
     """The dimension of ``out`` that holds the batch after ``func`` (named ``name``) ran on
-    ``args`` of which ``batched`` hold rows; None when unknown; a :class:`Coupling`."""
-    rule = _RULES.get(name)
+    ``args`` of which ``batched`` hold rows (one for each tensor of a result that holds them
+    on different dimensions); None when it holds no rows to follow; a :class:`Coupling`,
+    not ``certain`` for an operation whose effect on the rows is not known. ``loose``: values
+    of the batch whose rows are not followed (a router's indices), trusted as indices."""
+    if name == "getitem":
+        return indexed(args[0], args[1], batched, loose)
+    if name == "setitem":
+        return written(args[0], args[1], args[2], batched, loose)
+    rule = _FUNCTIONAL.get(func) or _RULES.get(name) or FAMILIES.get(name)
     if rule is not None:
         return rule(args, kwargs, out, batched)
-    if func in _FUNCTIONAL:
-        return _FUNCTIONAL[func](args, kwargs, out, batched)
-    return _aligned(out, batched, name)
+    if name in _ELEMENTWISE or _pointwise(name):
+        return aligned(out, batched, name)
+    return unfollowed(name)
+
+
+@functools.cache
+def _pointwise(name: str) -> bool:
+    """Whether ATen tags the operation ``name`` element-wise (every overload of it)."""
+    op = getattr(torch.ops.aten, name, None)
+    if not isinstance(op, torch._ops.OpOverloadPacket):
+        return False
+    overloads = [getattr(op, o) for o in op.overloads()]
+    return bool(overloads) and any(torch.Tag.pointwise in o.tags for o in overloads)
 
 
 def accepting(batch_coupling: str, deferred_batch_norm: bool) -> Callable[[Coupling], bool]:
@@ -83,21 +99,6 @@ def accepting(batch_coupling: str, deferred_batch_norm: bool) -> Callable[[Coupl
     return lambda coupling: deferred_batch_norm and coupling.op == "batch_norm"
 
 
-# -- broadcasting, the default -----------------------------------------------------------------
-def _aligned(out: Tensor, batched: Sequence[Batched], name: str) -> Outcome:
-    """Element-wise with broadcasting: each operand's batch dimension, aligned from the right,
-    must land on one dimension of the result; two different ones pair rows."""
-    dims = set()
-    for t, d in batched:
-        e = d + out.dim() - t.dim()
-        if not 0 <= e < out.dim() or out.shape[e] != t.shape[d]:
-            return None
-        dims.add(e)
-    if len(dims) > 1 and all(out.shape[e] > 1 for e in dims):
-        return Coupling(name, "it pairs every row of the batch with every other")
-    return dims.pop() if len(dims) == 1 else None
-
-
 # -- views -------------------------------------------------------------------------------------
 def _viewed(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
     """A view or reshape: the dimension starting where the batch started (the same elements
@@ -110,15 +111,18 @@ def _viewed(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> 
             n = out.shape[e]
             merged = n % size == 0 and n >= size  # the rows and what followed them
             leading = size % n == 0 and n > 1  # the rows' leading factor (rows x tokens split)
-            return e if merged or leading else None
-    return None
+            return e if merged or leading else unfollowed("view", _MOVED)
+    return unfollowed("view", _MOVED)
+
+
+_MOVED = "its result holds the rows' elements apart or in another order"
 
 
 def _transposed(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
     t, d = batched[0]
     if len(args) < 3:  # .t(): a matrix
         return 1 - d if t.dim() == 2 else d
-    a, b = (_norm(args[1], t.dim()), _norm(args[2], t.dim()))
+    a, b = (norm(args[1], t.dim()), norm(args[2], t.dim()))
     return b if d == a else a if d == b else d
 
 
@@ -139,78 +143,31 @@ def _permuted(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -
     t, d = batched[0]
     order = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list)) else args[1:]
     order = kwargs.get("dims", order)
-    return [_norm(k, t.dim()) for k in order].index(d)
+    return [norm(k, t.dim()) for k in order].index(d)
 
 
 def _unsqueezed(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
     d = batched[0][1]
-    k = _norm(args[1] if len(args) > 1 else kwargs["dim"], out.dim())
+    k = norm(args[1] if len(args) > 1 else kwargs["dim"], out.dim())
     return d + 1 if k <= d else d
 
 
 def _squeezed(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
     t, d = batched[0]
     if t.shape[d] == 1:
-        return None
+        return None  # one row: nothing to mix
     kept = [k for k in range(t.dim()) if not (t.shape[k] == 1 and out.dim() < t.dim())]
-    return kept.index(d) if len(kept) == out.dim() else _aligned(out, batched, "squeeze")
-
-
-# -- matrix products ---------------------------------------------------------------------------
-def _matmul(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
-    a, b = args[0], args[1]
-    if not (isinstance(a, Tensor) and isinstance(b, Tensor)) or a.dim() < 2 or b.dim() < 2:
-        return None
-    da, db = _dim_of(a, batched), _dim_of(b, batched)
-    rows_a = da is not None and da == a.dim() - 2
-    cols_b = db is not None and db == b.dim() - 1
-    if (da is not None and da == a.dim() - 1) or (db is not None and db == b.dim() - 2):
-        return Coupling("matmul", "it sums products over the rows of the batch")
-    if rows_a and cols_b and out.shape[-1] > 1 and out.shape[-2] > 1:
-        return Coupling("matmul", "it pairs every row of the batch with every other")
-    if rows_a:
-        return out.dim() - 2
-    if cols_b:
-        return out.dim() - 1
-    leading = [t for t in ((a, da), (b, db)) if t[1] is not None]
-    return _aligned(out, leading, "matmul")  # type: ignore[arg-type]
-
-
-def _linear(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
-    x = args[0]
-    d = _dim_of(x, batched)
-    if d is None:
-        return None  # rows in the weight: not a layer's use
-    if d == x.dim() - 1:
-        return Coupling("linear", "it sums products over the rows of the batch")
-    return d
-
-
-def _einsum(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
-    equation = args[0].replace(" ", "")
-    operands = args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:]
-    if "..." in equation or "->" not in equation:
-        return None
-    inputs, output = equation.split("->")
-    letters = set()
-    for spec, t in zip(inputs.split(","), operands):
-        d = _dim_of(t, batched)
-        if d is not None:
-            letters.add(spec[d])
-    if any(letter not in output for letter in letters):
-        return Coupling("einsum", "it sums products over the rows of the batch")
-    if len(letters) > 1:
-        return Coupling("einsum", "it pairs every row of the batch with every other")
-    return output.index(letters.pop()) if letters else None
+    return kept.index(d) if len(kept) == out.dim() else aligned(out, batched, "squeeze")
 
 
 # -- reductions and normalisations along a dimension -------------------------------------------
 def _along(what: str) -> Callable[..., Outcome]:
     def rule(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
         t, d = batched[0]
-        if t is not args[0]:
-            return _aligned(out, batched, what)
-        dims = reduced_dims(args, kwargs, t.dim())
+        other = args[1] if len(args) > 1 else kwargs.get("other")
+        if t is not args[0] or isinstance(other, Tensor):  # max(x, y): element-wise
+            return aligned(out, batched, what)
+        dims = reduced_dims(args, kwargs, t.dim(), 2 if what == "norm" else 1)
         if dims is None or out.dim() == 0:
             return None  # over every element: the loss's business (forms)
         if d in dims and t.shape[d] > 1:
@@ -221,24 +178,24 @@ def _along(what: str) -> Callable[..., Outcome]:
     return rule
 
 
-def reduced_dims(args: Any, kwargs: Any, n: int) -> set[int] | None:
-    """The dimensions a reduction's ``dim`` argument names, of a tensor of ``n``; None when
-    it names none (every element)."""
-    dim = kwargs.get("dim", args[1] if len(args) > 1 else None)
-    if dim is None or isinstance(dim, torch.dtype):
+def reduced_dims(args: Any, kwargs: Any, n: int, at: int = 1) -> set[int] | None:
+    """The dimensions a reduction's ``dim`` argument (positional ``at``) names, of a tensor of
+    ``n``; None when it names none (every element)."""
+    dim = kwargs.get("dim", args[at] if len(args) > at else None)
+    if dim is None or isinstance(dim, (torch.dtype, bool, str, float)):
         return None
     dims = dim if isinstance(dim, (tuple, list)) else [dim]
-    return {_norm(k, n) for k in dims} if dims else None
+    return {norm(k, n) for k in dims} if dims else None
 
 
 def _batch_norm(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
     training = kwargs.get("training", args[5] if len(args) > 5 else False)
     t, d = batched[0]
-    if training and t is args[0] and d == 0 and t.shape[0] > 1:
+    if training and t is args[0] and d != 1 and t.shape[d] > 1:  # channels: each on its own
         return Coupling(
             "batch_norm", "in training it normalises each row with statistics of the batch"
         )
-    return _aligned(out, batched, "batch_norm")
+    return aligned(out, batched, "batch_norm")
 
 
 def _normalized_shape(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
@@ -246,78 +203,54 @@ def _normalized_shape(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Bat
     shape = args[1] if len(args) > 1 else kwargs.get("normalized_shape", ())
     if t is args[0] and d >= t.dim() - len(shape):
         return Coupling("layer_norm", "it normalises over the rows of the batch")
-    return d if t is args[0] else _aligned(out, batched, "layer_norm")
+    return d if t is args[0] else aligned(out, batched, "layer_norm")
 
 
 # -- joining and indexing ----------------------------------------------------------------------
 def _cat(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
     dims = {d + out.dim() - t.dim() for t, d in batched}
-    return dims.pop() if len(dims) == 1 else None
+    return dims.pop() if len(dims) == 1 else unfollowed("cat", "it joins rows from two places")
 
 
 def _stack(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
-    k = _norm(kwargs.get("dim", args[1] if len(args) > 1 else 0), out.dim())
+    k = norm(kwargs.get("dim", args[1] if len(args) > 1 else 0), out.dim())
     dims = {d + 1 if k <= d else d for _, d in batched}
-    return dims.pop() if len(dims) == 1 else None
-
-
-def _getitem(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
-    t, d = batched[0]
-    if t is not args[0]:
-        return None  # rows used as an index
-    index = args[1] if isinstance(args[1], tuple) else (args[1],)
-    if d == 0 and index and _row_by_row(index[0], t.shape[0]) and out.shape[:1] == t.shape[:1]:
-        return 0  # x[torch.arange(len(x)), idx]: one element of each row, in order
-    if any(isinstance(i, (Tensor, list)) for i in index) or index.count(Ellipsis) > 1:
-        return None
-    return _basic_index(t, d, index)
-
-
-def _row_by_row(index: Any, rows: int) -> bool:
-    """Whether ``index`` takes the rows in their order: ``torch.arange(rows)``."""
-    if not isinstance(index, Tensor) or index.dim() != 1 or index.shape[0] != rows:
-        return False
-    if index.device.type == "meta" or index.is_floating_point() or index.dtype == torch.bool:
-        return False
-    return bool(torch.equal(index.cpu(), torch.arange(rows)))
-
-
-def _basic_index(t: Tensor, d: int, index: tuple[Any, ...]) -> Outcome:
-    if Ellipsis in index:
-        k = index.index(Ellipsis)
-        taken = sum(1 for i in index if i is not None and i is not Ellipsis)
-        index = index[:k] + (slice(None),) * (t.dim() - taken) + index[k + 1 :]
-    dim_in, dim_out = 0, 0
-    for i in index:
-        if i is None:
-            dim_out += 1
-            continue
-        if dim_in == d:
-            if isinstance(i, int):
-                return Coupling("getitem", "it picks a row of the batch by its position")
-            return dim_out if i == slice(None) else None
-        dim_in += 1
-        dim_out += 0 if isinstance(i, int) else 1
-    return dim_out + (d - dim_in)
+    return dims.pop() if len(dims) == 1 else unfollowed("stack", "it joins rows from two places")
 
 
 # -- helpers -----------------------------------------------------------------------------------
-def _dim_of(t: Any, batched: Sequence[Batched]) -> int | None:
-    return next((d for b, d in batched if b is t), None)
-
-
-def _norm(k: int, n: int) -> int:
-    return k + n if k < 0 else k
-
-
 def _first_only(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
     """An operation that keeps its first operand's dimensions (dropout, activations...)."""
     t, d = batched[0]
-    return d if t is args[0] and out.dim() == t.dim() else _aligned(out, batched, "op")
+    return d if t is args[0] and out.dim() == t.dim() else aligned(out, batched, "op")
 
 
-_Rule = Callable[[Any, Any, Tensor, Sequence[Batched]], Outcome]
-_RULES: dict[str, _Rule] = {
+def _first_dims(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
+    """``view_as_complex``/``view_as_real``: the last dimension taken in or made; the others
+    stay."""
+    t, d = batched[0]
+    return (
+        d
+        if d < min(t.dim(), out.dim()) - (1 if out.dim() < t.dim() else 0)
+        else unfollowed("view_as_complex", "the rows are the real and imaginary parts")
+    )
+
+
+def _masked_select(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
+    """The selected elements in order, flat: the rows' elements one row after another when
+    the rows lead (after broadcasting)."""
+    n = max(t.dim() for t, _ in batched)
+    if all(d + n - t.dim() == 0 for t, d in batched):
+        return 0
+    return unfollowed("masked_select", "it flattens the rows' elements out of their order")
+
+
+_REDUCTIONS = (
+    "sum", "mean", "amax", "amin", "max", "min", "logsumexp", "var", "std", "prod", "argmax",
+    "argmin", "norm", "median", "nansum", "nanmean", "var_mean", "std_mean", "any", "all",
+    "count_nonzero", "nanmedian", "aminmax",
+)  # fmt: skip
+_RULES: dict[str, Rule] = {
     **dict.fromkeys(("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"), _viewed),
     **dict.fromkeys(("transpose", "swapaxes", "swapdims", "t"), _transposed),
     **dict.fromkeys(("permute",), _permuted),
@@ -325,35 +258,43 @@ _RULES: dict[str, _Rule] = {
     **dict.fromkeys(("mT", "mH"), _last_two_swapped),
     "unsqueeze": _unsqueezed,
     "squeeze": _squeezed,
-    **dict.fromkeys(("matmul", "mm", "bmm", "rmatmul"), _matmul),
-    "einsum": _einsum,
+    **PRODUCTS,
     "cat": _cat,
     "concat": _cat,
     "concatenate": _cat,
     "stack": _stack,
-    "getitem": _getitem,
+    **dict.fromkeys(("view_as_complex", "view_as_real"), _first_dims),
+    "masked_select": _masked_select,
     "one_hot": lambda args, kwargs, out, batched: batched[0][1],  # a new last dimension
-    **{
-        name: _along(name)
-        for name in (
-            "sum", "mean", "amax", "amin", "max", "min", "logsumexp", "var", "std", "prod",
-            "argmax", "argmin", "norm", "cumsum", "cumprod", "softmax", "log_softmax", "sort",
-            "topk", "median", "nansum", "nanmean", "var_mean", "std_mean", "any", "all",
-            "count_nonzero",
-        )
-    },
+    **{name: _along(name) for name in _REDUCTIONS},
+    **named(along(1, ALL), "cumsum", "cumprod", "softmax", "log_softmax"),
+    **named(along(1, -1, ("dim",)), "sort"),
+    **named(along(2, -1, ("dim",)), "topk"),
 }
-_FUNCTIONAL: dict[Callable[..., Any], _Rule] = {
-    F.linear: _linear,
+_FUNCTIONAL: dict[Callable[..., Any], Rule] = {
+    F.linear: linear,
     F.batch_norm: _batch_norm,
     F.layer_norm: _normalized_shape,
-    F.softmax: _along("softmax"),
-    F.log_softmax: _along("log_softmax"),
-    F.normalize: lambda args, kwargs, out, batched: _along("normalize")(
-        (args[0], kwargs.get("dim", args[2] if len(args) > 2 else 1)), {}, out, batched
-    ),
+    F.rms_norm: _normalized_shape,
     F.dropout: _first_only,
-    F.embedding: lambda args, kwargs, out, batched: batched[0][1]
-    if batched[0][0] is args[0]
-    else None,
+    F.unfold: batch_first("unfold", 4),
+    F.fold: batch_first("fold", 3),
+    F.embedding: lambda args, kwargs, out, batched: (
+        batched[0][1] if batched[0][0] is args[0] else None
+    ),
 }
+_ELEMENTWISE = (
+    # Not tagged element-wise by ATen: casts, copies, Python's operators, composite activations,
+    # losses without a reduction
+    "to", "type", "type_as", "contiguous", "detach", "clone", "float", "double", "half",
+    "bfloat16", "int", "long", "bool", "byte", "short", "char", "cpu", "cuda", "data",
+    "requires_grad", "retain_grad", "pin_memory", "zeros_like", "ones_like", "empty_like",
+    "full_like", "rand_like", "randn_like", "copy", "fill", "zero", "real", "imag", "conj",
+    "resolve_conj", "resolve_neg", "complex", "polar", "hardswish", "softsign", "tanhshrink",
+    "logsigmoid", "and", "or", "xor", "invert", "lshift", "rshift", "rand", "ror", "rxor", "radd",
+    "rmul", "rdiv", "rpow", "rfloordiv", "rmod", "mod", "pos", "abs", "dropout", "alpha_dropout",
+    "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "expand", "expand_as",
+    "broadcast_to", "masked_fill", "where", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
+    "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss",
+    "gaussian_nll_loss", "margin_ranking_loss", "hinge_embedding_loss", "soft_margin_loss",
+)  # fmt: skip

@@ -71,8 +71,9 @@ class BatchCoupled(ValueError):
 
 
 def _coupled(coupling: Coupling, where: str) -> str:
+    mixes = "mixes" if coupling.certain else "may mix"
     return (
-        f"{coupling.op}() in {where} mixes rows of the batch: {coupling.why}. Split into "
+        f"{coupling.op}() in {where} {mixes} rows of the batch: {coupling.why}. Split into "
         "micro-batches, each would compute it on its own rows only, and the result would not "
         "be the plain model's. Ways out: chunks=1 (no micro-batches); deferred_batch_norm=True "
         "for batch norm (statistics per micro-batch, running statistics over the batch); or "
@@ -269,6 +270,9 @@ class Probe(TorchFunctionMode):
             form = arithmetic(name, forms, _where(self._default_where))
             self._set(out, form)
             return number(out, form)
+        if name == "setitem":
+            self._written(func, args, kwargs, operands, forms)
+            return out
         if not isinstance(out, (Tensor, tuple, list)):
             return out  # a number read off per-row values
         reduced = self._reduction(func, name, args, kwargs, operands, forms, out)
@@ -277,12 +281,28 @@ class Probe(TorchFunctionMode):
             return out
         replay = self._replay(func, args, kwargs, forms)
         dim = self._batch_dim(name, func, args, kwargs, out, operands, forms)
-        if isinstance(out, (tuple, list)) and replay is not None:
+        if isinstance(out, (tuple, list)) and (replay is not None or isinstance(dim, tuple)):
             for k, part in enumerate(out):  # each part replays as its item of the whole
-                self._set(part, Rows(Replay(operator.getitem, (Ref(replay), k), {}), dim))
+                again = Replay(operator.getitem, (Ref(replay), k), {}) if replay else None
+                self._set(part, Rows(again, _part(dim, k)))
         else:
-            self._set(out, Rows(replay, dim))
+            self._set(out, Rows(replay, _part(dim, 0)))
         return out
+
+    def _written(
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        operands: list[Any],
+        forms: list[Form],
+    ) -> None:
+        """``x[index] = value``: refused where it writes rows by their position; ``x`` holds
+        rows where ``value`` put them."""
+        target = args[0]
+        dim = self._batch_dim("setitem", func, args, kwargs, target, operands, forms)
+        if isinstance(self.form_of(target), Const) and any(isinstance(f, Rows) for f in forms):
+            self._set(target, Rows(None, _part(dim, 0)))
 
     def _batch_dim(
         self,
@@ -293,18 +313,16 @@ class Probe(TorchFunctionMode):
         out: Any,
         operands: list[Any],
         forms: list[Form],
-    ) -> int | None:
-        """Where the rows are in ``out``; an operation mixing them is refused here, at the
-        first call, unless accepted."""
-        batched = [
-            (v, f.dim)
-            for v, f in zip(operands, forms)
-            if isinstance(f, Rows) and f.dim is not None and isinstance(v, Tensor)
-        ]
+    ) -> int | tuple[int | None, ...] | None:
+        """Where the rows are in ``out`` (in each of its parts); an operation mixing them is
+        refused here, at the first call, unless accepted."""
+        rows = [(v, f.dim) for v, f in zip(operands, forms) if isinstance(f, Rows)]
+        batched = [(v, d) for v, d in rows if d is not None and isinstance(v, Tensor)]
+        loose = [v for v, d in rows if d is None and isinstance(v, Tensor)]
         first = out[0] if isinstance(out, (tuple, list)) and out else out
         if not batched or not isinstance(first, Tensor) or self.rows < 2:
             return None
-        outcome = batch_dim_after(name, func, args, kwargs, first, batched)
+        outcome = batch_dim_after(name, func, args, kwargs, first, batched, loose)
         if not isinstance(outcome, Coupling):
             return outcome
         if not any(t.is_floating_point() for t, _ in batched) or self._accepts(outcome):
@@ -451,7 +469,6 @@ class Probe(TorchFunctionMode):
             "is not known before each micro-batch's forward",
         )
 
-
     def _real_targets(self, bound: dict[str, Any], name: str) -> Count | None:
         """The count of a class loss's real targets in any micro-batch, when its class-index
         target is replayed from the inputs."""
@@ -467,6 +484,13 @@ class Probe(TorchFunctionMode):
 
 
 _MOVES = {"to", "cuda", "cpu"}
+
+
+def _part(dim: int | tuple[int | None, ...] | None, k: int) -> int | None:
+    """The rows' dimension in part ``k`` of a result (the last one given for the rest)."""
+    if isinstance(dim, tuple):
+        return dim[min(k, len(dim) - 1)] if dim else None
+    return dim
 
 
 def _cast_only(t: Tensor, *args: Any, **kwargs: Any) -> Tensor:

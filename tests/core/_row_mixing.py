@@ -1,0 +1,106 @@
+"""Whether an operation mixes rows of the batch, decided from its numbers, and what the probe says.
+
+A pipe runs each micro-batch on its own rows. An operation ``f`` is row-wise when ``f`` on the
+whole batch equals the results of ``f`` on each half of it, joined along one dimension of the
+result; otherwise it mixes rows (its result on a micro-batch is not a part of the whole's). The
+probe (:class:`pipepar.core.reductions.Probe`) must say the same: an operation that mixes rows is
+refused (:class:`pipepar.BatchCoupled`), a row-wise one is followed (the probe knows which
+dimension of its result holds the rows) and not refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from pipepar.core.forms import Rows
+from pipepar.core.reductions import BatchCoupled, Probe
+
+Op = Callable[[Tensor], Any]
+
+
+def _leaves(value: Any) -> list[Tensor]:
+    """The tensors of a result (a tensor, a tuple of them, a named tuple, a packed sequence)."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _leaves(v)]
+    return []
+
+
+def row_dims(whole: Tensor, halves: list[Tensor]) -> list[int]:
+    """The dimensions of ``whole`` along which the halves' results join into it."""
+    found = []
+    for k in range(whole.dim()):
+        if any(h.dim() != whole.dim() for h in halves):
+            break
+        if any(
+            h.shape[:k] + h.shape[k + 1 :] != whole.shape[:k] + whole.shape[k + 1 :] for h in halves
+        ):
+            continue
+        joined = torch.cat(halves, k)
+        if joined.shape == whole.shape and torch.allclose(joined, whole, atol=1e-5, equal_nan=True):
+            found.append(k)
+    return found
+
+
+def mixes_rows(f: Op, x: Tensor) -> bool:
+    """Whether ``f`` on the whole of ``x`` differs from ``f`` on each half of its rows, joined."""
+    whole = _leaves(f(x.clone()))
+    try:
+        parts = [_leaves(f(h.clone())) for h in x.chunk(2, 0)]
+    except (RuntimeError, IndexError, ValueError):
+        return True  # a micro-batch cannot even compute it: it needs rows of the others
+    if any(len(p) != len(whole) for p in parts):
+        return True
+    for k, w in enumerate(whole):
+        halves = [p[k] for p in parts]
+        if w.dim() == 0 or not row_dims(w, halves):
+            return True
+    return False
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the probe said about ``f``: refused (and why), or the rows' dimension in each
+    tensor of its result (None where it lost them)."""
+
+    refused: str | None
+    dims: list[int | None]
+
+
+def probe(f: Op, x: Tensor) -> Verdict:
+    """Run ``f`` on ``x`` under a probe watching ``x``'s rows."""
+    x = x.clone()
+    try:
+        with Probe([x], rows=x.shape[0]) as watching:
+            out = f(x)
+    except BatchCoupled as error:
+        return Verdict(str(error), [])
+    dims = []
+    for t in _leaves(out):
+        form = watching.form_of(t)
+        dims.append(form.dim if isinstance(form, Rows) else None)
+    return Verdict(None, dims)
+
+
+def disagreement(f: Op, x: Tensor) -> str | None:
+    """Why the probe and the numbers disagree on ``f`` (None when they agree)."""
+    verdict = probe(f, x)
+    if mixes_rows(f, x):
+        if verdict.refused is None:
+            return f"mixes rows, but the probe followed it (rows at {verdict.dims})"
+        return None
+    if verdict.refused is not None:
+        return f"row-wise, but the probe refused it: {verdict.refused[:200]}"
+    whole = _leaves(f(x.clone()))
+    parts = [_leaves(f(h.clone())) for h in x.chunk(2, 0)]
+    for k, (w, d) in enumerate(zip(whole, verdict.dims)):
+        right = row_dims(w, [p[k] for p in parts])
+        if d not in right:
+            return f"row-wise, but the probe put the rows of result {k} on {d}, not {right}"
+    return None
