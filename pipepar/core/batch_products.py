@@ -159,14 +159,15 @@ def _listed(value: Any) -> list[int]:
 
 def _cdist(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
     """``cdist(x1, x2)``: every row of ``x1`` with every row of ``x2``, over the features:
-    ``x1 @ x2.mT``'s rows."""
+    ``x1 @ x2.mT``'s rows (``x1`` and ``x2`` may be one tensor)."""
     a, b = args[0], args[1]
     bt, n = b.mT, b.dim()
-    swapped = [
-        (bt, n - 1 if d == n - 2 else n - 2 if d == n - 1 else d) if t is b else (t, d)
-        for t, d in batched
-    ]
-    return _matmul((a, bt), {}, out, swapped)  # type: ignore[arg-type]
+    da, db = dim_of(a, batched), dim_of(b, batched)
+    swapped = [(a, da)] if da is not None else []
+    if db is not None:
+        swapped.append((bt, n - 1 if db == n - 2 else n - 2 if db == n - 1 else db))
+    outcome = _matmul((a, bt), {}, out, swapped)
+    return Coupling("cdist", outcome.why) if isinstance(outcome, Coupling) else outcome
 
 
 PRODUCTS: dict[str, Rule] = {

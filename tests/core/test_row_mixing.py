@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import pipepar
 from tests.core._row_mixing import disagreement, mixes_rows
 
 torch.manual_seed(0)
@@ -129,7 +130,8 @@ ROW_WISE = {
     "embedding": lambda x: EMB((x[:, :, 0] > 0).long()),
 }
 COUPLED = {
-    "cdist": lambda x: torch.cdist(_flat(x), _flat(x)),
+    "cdist": lambda x: torch.cdist(_flat(x), _flat(x).exp()),
+    "cdist-to-itself": lambda x: (lambda rows: torch.cdist(rows, rows))(_flat(x)),
     "pdist": lambda x: F.pdist(_flat(x)),
     "cov": lambda x: torch.cov(_flat(x)),
     "corrcoef": lambda x: torch.corrcoef(_flat(x)),
@@ -246,3 +248,92 @@ def test_what_the_probe_cannot_follow_is_refused_by_name(name: str) -> None:
     assert not mixes_rows(REFUSED_THOUGH_ROW_WISE[name], x)
     problem = disagreement(REFUSED_THOUGH_ROW_WISE[name], x)
     assert problem is not None and "cannot follow" in problem
+
+
+# -- in a pipe: the plain model's numbers, or a refusal before any step -----------------------
+class _Op(nn.Module):
+    """One operation of the tables on (rows, 3, 8) activations, summed per row after."""
+
+    def __init__(self, op) -> None:
+        super().__init__()
+        self.op = op
+
+    def forward(self, x):
+        out = self.op(x.view(-1, 3, 8))
+        out = out[0] if isinstance(out, tuple) else out
+        return out.reshape(len(x), -1).sum(-1, keepdim=True)
+
+
+def _chain(op) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(24, 24), nn.Tanh(), _Op(op), nn.Linear(1, 2))
+
+
+PIPED = {
+    "cdist-to-constants": (ROW_WISE, False),
+    "matrix-vector": (ROW_WISE, False),
+    "lstm-batch-first": (ROW_WISE, False),
+    "getitem-one-per-row": (ROW_WISE, False),
+    "flip-rows": (COUPLED, True),
+    "cummax-on-rows": (COUPLED, True),
+    "sdpa-rows-as-sequence": (COUPLED, True),
+    "lstm-rows-as-time": (COUPLED, True),
+    "in-place-row": (COUPLED, True),
+    "getitem-row-slice": (COUPLED, True),
+}
+
+
+@pytest.mark.parametrize("name", list(PIPED))
+def test_a_pipe_gives_the_plain_models_numbers_or_refuses_before_any_step(name: str) -> None:
+    table, refused = PIPED[name]
+    x, y = torch.randn(8, 24), torch.randn(8, 2)
+    plain = _chain(table[name])
+    pipe = pipepar.wrap(_chain(table[name]), [2, 2], devices=["cpu", "cpu"], chunks=2)
+    if refused:
+        with pytest.raises(pipepar.BatchCoupled, match=r"mix rows of the batch|mixes rows"):
+            pipe(x)
+        with pytest.raises(pipepar.BatchCoupled):
+            pipe.step(x, y, F.mse_loss)
+        assert all(p.grad is None for p in pipe.parameters())
+        return
+    torch.testing.assert_close(pipe(x), plain(x))
+    loss = pipe.step(x, y, F.mse_loss)
+    expected = F.mse_loss(plain(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for a, b in zip(pipe.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+class _Ranked(nn.Module):
+    """A model with its own forward whose scores compare every row with every other through
+    ``torch.cdist``: the pipe cuts its forward into stages as it runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return torch.cdist(x, x).softmax(-1).sum(-1)
+
+
+def test_a_cut_model_refuses_distances_between_rows_or_steps_exactly() -> None:
+    torch.manual_seed(0)
+    model, plain = _Ranked(), _Ranked()
+    plain.load_state_dict(model.state_dict())
+    x = torch.randn(8, 8)
+    pipe = pipepar.wrap(model, split=["layers.1"], devices=["cpu", "cpu"], chunks=2)
+    with pytest.raises(pipepar.BatchCoupled, match=r"cdist\(\).*mixes rows"):
+        pipe(x)
+    try:
+        loss = pipe.step(x, loss_fn=lambda out, target: out.pow(2).mean(), target=None)
+    except pipepar.BatchCoupled:
+        assert all(p.grad is None for p in model.parameters())
+        return
+    expected = plain(x).pow(2).mean()
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for a, b in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
