@@ -61,8 +61,10 @@ def batch_dim_after(
     of the batch whose rows are not followed (a router's indices), trusted as indices."""
     if name == "getitem":
         return indexed(args[0], args[1], batched, loose)
-    if name == "setitem":
+    if name in ("setitem", "index_put"):
         return written(args[0], args[1], args[2], batched, loose)
+    if name == "masked_scatter":
+        return _masked_scatter(args, batched, loose)
     rule = _FUNCTIONAL.get(func) or _RULES.get(name) or FAMILIES.get(name)
     if rule is not None:
         return rule(args, kwargs, out, batched)
@@ -237,12 +239,26 @@ def _first_dims(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched])
 
 
 def _masked_select(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
-    """The selected elements in order, flat: the rows' elements one row after another when
-    the rows lead (after broadcasting)."""
-    n = max(t.dim() for t, _ in batched)
+    """The selected elements in order, flat: the rows' elements one row after another when the
+    rows lead (after broadcasting)."""
+    n = max(args[0].dim(), args[1].dim())
     if all(d + n - t.dim() == 0 for t, d in batched):
         return 0
     return unfollowed("masked_select", "it flattens the rows' elements out of their order")
+
+
+def _masked_scatter(args: Any, batched: Sequence[Batched], loose: Sequence[Tensor]) -> Outcome:
+    """``x.masked_scatter(mask, source)``: the masked places take the source's elements in
+    order, which each micro-batch takes from the start of its own part of the source: right for
+    a source cut with the micro-batch (image features of its own patches: ``loose``), not for
+    one whose elements are not the micro-batch's alone."""
+    x, mask, source = args[0], args[1], args[2]
+    if not any(source is t for t in loose):
+        return Coupling("masked_scatter", "each micro-batch would take the source from its start")
+    n = max(x.dim(), mask.dim())
+    if all(d + n - t.dim() == 0 for t, d in batched):
+        return 0
+    return unfollowed("masked_scatter", "its rows are not the mask's first dimension")
 
 
 _REDUCTIONS = (
