@@ -299,9 +299,9 @@ _FUNCTIONAL: dict[Callable[..., Any], Rule] = {
         batched[0][1] if batched[0][0] is args[0] else None
     ),
 }
-_ELEMENTWISE = (
+_ELEMENTWISE_NAMES = (
     # Not tagged element-wise by ATen: casts, copies, Python's operators, composite activations,
-    # losses without a reduction
+    # losses without a reduction, random draws shaped as their operand
     "to", "type", "type_as", "contiguous", "detach", "clone", "float", "double", "half",
     "bfloat16", "int", "long", "bool", "byte", "short", "char", "cpu", "cuda", "data",
     "requires_grad", "retain_grad", "pin_memory", "zeros_like", "ones_like", "empty_like",
@@ -313,4 +313,8 @@ _ELEMENTWISE = (
     "broadcast_to", "masked_fill", "where", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
     "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss",
     "gaussian_nll_loss", "margin_ranking_loss", "hinge_embedding_loss", "soft_margin_loss",
+    "bernoulli", "uniform", "normal", "random", "exponential", "geometric", "cauchy", "log_normal",
+    "poisson", "multinomial", "native_dropout", "rrelu_with_noise", "broadcast_tensors", "isin",
+    "bucketize", "searchsorted",
 )  # fmt: skip
+_ELEMENTWISE = frozenset(_ELEMENTWISE_NAMES)

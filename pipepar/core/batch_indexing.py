@@ -86,7 +86,7 @@ def _full(s: slice, size: int) -> bool:
 
 def _arange_dim(t: Tensor, rows: int) -> int | None:
     """The dimension of ``t`` along which it counts 0, 1, ... rows-1 (and is that alone)."""
-    if t.is_floating_point() or t.dtype == torch.bool or t.device.type == "meta":
+    if t.is_floating_point() or t.dtype == torch.bool:
         return None
     long = [k for k, n in enumerate(t.shape) if n != 1]
     if len(long) != 1 or t.shape[long[0]] != rows:
@@ -122,6 +122,8 @@ def indexed(
         elif isinstance(value, Tensor) and value.dtype == torch.bool:
             if dim_of(value, batched) != 0 or d != item.first:
                 return _POSITION  # a constant mask, or one not cut along the rows
+        elif isinstance(value, Tensor) and value.device.type == "meta":
+            return None  # a shadow's index: its values are not there to read
         elif isinstance(value, Tensor) and dim_of(value, batched) is None:
             a = _arange_dim(value, x.shape[d])
             if a is None:

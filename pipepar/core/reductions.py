@@ -554,7 +554,8 @@ def _operands(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Any]:
             yield value
 
 
-_FACTORIES = {"arange", "zeros", "ones", "empty", "eye", "randperm"}
+_FACTORIES = {"arange", "zeros", "ones", "empty", "eye", "randperm", "new_zeros", "new_ones"}
+_FACTORIES |= {"new_empty", "new_full", "new_tensor"}
 """Operations whose tensor operands are sizes: what they make holds no value of the batch."""
 _SHAPE = torch.Tensor.shape.__get__  # type: ignore[attr-defined]
 _SIZES = {"size", "numel", "len"}
