@@ -33,6 +33,8 @@ __all__ = ["ALL", "FAMILIES", "Rule", "along", "batch_first", "named"]
 Rule = Callable[[Any, Any, Tensor, Sequence[Batched]], Outcome]
 ALL = "all"
 """The default of a dimension argument that, left out, means every dimension."""
+SPATIAL = "spatial"
+"""The default of an operation on images or sequences: every dimension after (batch, channels)."""
 
 
 def _arg(args: Any, kwargs: Any, at: int, keys: Sequence[str], default: Any) -> Any:
@@ -43,9 +45,12 @@ def _arg(args: Any, kwargs: Any, at: int, keys: Sequence[str], default: Any) -> 
 
 
 def _dims(value: Any, n: int) -> set[int]:
-    """The dimensions a dimension argument names, of a tensor of ``n``: ALL or None is all."""
+    """The dimensions a dimension argument names, of a tensor of ``n``: ALL or None is all,
+    SPATIAL all but the first two (batch, channels)."""
     if value is None or value == ALL:
         return set(range(n))
+    if value == SPATIAL:
+        return set(range(2, n))
     values = value if isinstance(value, (tuple, list)) else [value]
     return {norm(int(k), n) for k in values}
 
@@ -115,14 +120,49 @@ def rot90(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Ou
     return b if d == a else a
 
 
-def diagonal(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
-    """The diagonal of two dimensions (``dim1``, ``dim2``), as a new last one."""
+def diagonal(first: int, second: int) -> Rule:
+    """The diagonal of two dimensions (``dim1``, ``dim2``, by default ``first`` and
+    ``second``), as a new last one."""
+
+    def rule(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
+        t, d = batched[0]
+        pair = {norm(_arg(args, kwargs, 2, ("dim1",), first), t.dim())}
+        pair.add(norm(_arg(args, kwargs, 3, ("dim2",), second), t.dim()))
+        if d in pair:
+            return Coupling("diagonal", "it takes the rows of the batch by their position")
+        return d - sum(1 for k in pair if k < d)
+
+    return rule
+
+
+def diag_embed(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
+    """Each vector along the last dimension made the diagonal of a matrix on two new last
+    dimensions (by default): rows on the last dimension are placed by their position."""
     t, d = batched[0]
-    pair = {norm(_arg(args, kwargs, 2, ("dim1",), 0), t.dim())}
-    pair.add(norm(_arg(args, kwargs, 3, ("dim2",), 1), t.dim()))
-    if d in pair:
-        return Coupling("diagonal", "it takes the rows of the batch by their position")
-    return d - sum(1 for k in pair if k < d)
+    last_two = _arg(args, kwargs, 2, ("dim1",), -2) in (-2, out.dim() - 2) and _arg(
+        args, kwargs, 3, ("dim2",), -1
+    ) in (-1, out.dim() - 1)
+    if d == t.dim() - 1:
+        return Coupling("diag_embed", "it places the rows of the batch by their position")
+    return d if last_two else unfollowed("diag_embed")
+
+
+def spatial(what: str) -> Rule:
+    """Pooling and resizing: over the last 1, 2 or 3 dimensions (the ``1d``/``2d``/``3d`` in
+    the name; every one after (batch, channels) without it), each channel on its own."""
+    k = int(what[-2]) if what[-2:] in ("1d", "2d", "3d") else None
+    rule = along(99, SPATIAL if k is None else tuple(range(-k, 0)), ())
+    return named(rule, what)[what]
+
+
+def fftn(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
+    """``fftn(x, s, dim)``: over ``dim``; without it, the last ``len(s)`` dimensions, or all."""
+    sizes = _arg(args, kwargs, 1, ("s",), None)
+    dims = _arg(args, kwargs, 2, ("dim",), None)
+    if dims is None and sizes is not None:
+        count = len(sizes) if isinstance(sizes, (tuple, list)) else 1
+        dims = tuple(range(-count, 0))
+    return along(99, ALL if dims is None else dims, ())(args, kwargs, out, batched)
 
 
 # -- batch-first -------------------------------------------------------------------------------
@@ -247,12 +287,12 @@ def positions(at: int, what: str, puts: bool = False) -> Rule:
     return rule
 
 
-def parts(at: int, keys: Sequence[str] = ("dim",)) -> Rule:
+def parts(at: int, keys: Sequence[str] = ("dim",), default: int = 0) -> Rule:
     """Cuts along a dimension (split, chunk, unbind): parts of the rows are rows by position."""
 
     def rule(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
         t, d = batched[0]
-        dim = norm(_arg(args, kwargs, at, keys, 0), t.dim())
+        dim = norm(_arg(args, kwargs, at, keys, default), t.dim())
         if d != dim:
             return d if out.dim() == t.dim() else d - (1 if dim < d else 0)
         if out.dim() == t.dim() and out.shape[d] == t.shape[d]:
@@ -295,12 +335,16 @@ def every_element(what: str) -> Rule:
     return rule
 
 
-_BATCH_FIRST = (
-    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
+_SPATIAL = (
     "max_pool1d", "max_pool2d", "max_pool3d", "avg_pool1d", "avg_pool2d", "avg_pool3d",
     "adaptive_avg_pool1d", "adaptive_avg_pool2d", "adaptive_avg_pool3d", "adaptive_max_pool1d",
     "adaptive_max_pool2d", "adaptive_max_pool3d", "lp_pool1d", "lp_pool2d",
     "max_pool1d_with_indices", "max_pool2d_with_indices", "interpolate", "upsample",
+    "upsample_nearest1d", "upsample_nearest2d", "upsample_bilinear2d", "max_unpool1d",
+    "max_unpool2d", "max_unpool3d",
+)  # fmt: skip
+_BATCH_FIRST = (
+    "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
     "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "grid_sample", "grid_sampler",
     "affine_grid", "instance_norm", "group_norm", "fold", "im2col", "col2im",
 )  # fmt: skip
@@ -327,7 +371,7 @@ FAMILIES: dict[str, Rule] = {
     **named(along(2, -1), "fft_hfft", "fft_ihfft", "linalg_cross"),
     **named(along(2, 1), "cosine_similarity"),
     **named(along(2, (-2, -1)), "fft_fft2", "fft_ifft2", "fft_rfft2", "fft_irfft2"),
-    **named(along(2, ALL), "fft_fftn", "fft_ifftn", "fft_rfftn", "fft_irfftn", "roll"),
+    **named(along(2, ALL), "roll"),
     **named(along(1, ALL), "fft_fftshift", "fft_ifftshift"),
     **named(along(99, ALL), "histc", "bincount"),
     **named(along(2, ALL, ("dim",)), "quantile", "nanquantile", "linalg_vector_norm"),
@@ -342,7 +386,17 @@ FAMILIES: dict[str, Rule] = {
     "rot90": rot90,
     **named(along(2, ALL), "cross"),  # without a dimension: the first of size 3
     **named(along(99, (-2, -1)), "triu", "tril", "trace"),
-    "diagonal": diagonal,
+    "diagonal": diagonal(0, 1),
+    "linalg_diagonal": diagonal(-2, -1),
+    "diag_embed": diag_embed,
+    **dict.fromkeys(("fft_fftn", "fft_ifftn", "fft_rfftn", "fft_irfftn"), fftn),
+    **dict.fromkeys(("fft_hfftn", "fft_ihfftn"), fftn),
+    **named(along(2, (-2, -1)), "fft_hfft2", "fft_ihfft2"),
+    **named(along(99, -1, ("dim",)), "cumulative_trapezoid", "trapezoid", "trapz"),
+    **named(along(1, ALL), "frobenius_norm", "special_logsumexp"),
+    **named(along(1, ALL), "special_softmax", "special_log_softmax"),
+    **named(along(2, 0, ("dim",), keeps=True), "norm_except_dim"),
+    **{name: spatial(name) for name in _SPATIAL},
     **named(along(99, ALL), "diag", "take", "pdist", "cov", "corrcoef", "kron"),
     **named(every_element("unique"), "unique", "unique_dim", "unique_consecutive"),
     **{name: batch_first(name) for name in _BATCH_FIRST},
@@ -350,6 +404,7 @@ FAMILIES: dict[str, Rule] = {
     **{name: per_sample(name) for name in _PER_SAMPLE},
     "pad": padded,
     **{name: matrices(name) for name in ("inverse", "det", "logdet", "slogdet", "cholesky")},
+    **{name: matrices(name) for name in ("nuclear_norm", "geqrf", "matrix_power")},
     **{name: matrices(name, 2) for name in _MATRICES},
     "scaled_dot_product_attention": attention,
     "multi_head_attention_forward": multi_head_attention,
@@ -357,7 +412,11 @@ FAMILIES: dict[str, Rule] = {
     **{name: positions(1, name) for name in ("index_select", "gather", "narrow", "select")},
     **{name: positions(1, name, puts=True) for name in _PUTS},
     "take_along_dim": positions(2, "take_along_dim"),
-    **named(parts(2), "split", "split_with_sizes", "chunk", "tensor_split"),
+    **named(parts(2), "split", "split_with_sizes", "chunk", "tensor_split", "unsafe_split"),
+    **named(parts(2), "unsafe_chunk", "unsafe_split_with_sizes"),
+    **named(parts(99, (), 0), "vsplit"),
+    **named(parts(99, (), 1), "hsplit"),
+    **named(parts(99, (), 2), "dsplit"),
     **named(parts(1), "unbind"),
     **dict.fromkeys(("repeat", "tile"), copies),
     "repeat_interleave": interleaved,

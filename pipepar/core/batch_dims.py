@@ -17,7 +17,6 @@ norm in training, a normalisation over it, picking a row by its position.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -37,6 +36,7 @@ from pipepar.core.batch_outcome import (
     unfollowed,
 )
 from pipepar.core.batch_products import PRODUCTS, linear
+from pipepar.core.elementwise import elementwise
 
 __all__ = ["COUPLING_CHOICES", "Coupling", "accepting", "batch_dim_after", "reduced_dims"]
 
@@ -65,22 +65,18 @@ def batch_dim_after(
         return written(args[0], args[1], args[2], batched, loose)
     if name == "masked_scatter":
         return _masked_scatter(args, batched, loose)
-    rule = _FUNCTIONAL.get(func) or _RULES.get(name) or FAMILIES.get(name)
+    rule = _FUNCTIONAL.get(func) or _rule(name)
+    if rule is None and name.endswith("_copy"):  # squeeze_copy: squeeze's result, copied
+        rule = _rule(name[: -len("_copy")])
     if rule is not None:
         return rule(args, kwargs, out, batched)
-    if name in _ELEMENTWISE or _pointwise(name):
+    if elementwise(name.removesuffix("_copy"), func, args, kwargs):
         return aligned(out, batched, name)
     return unfollowed(name)
 
 
-@functools.cache
-def _pointwise(name: str) -> bool:
-    """Whether ATen tags the operation ``name`` element-wise (every overload of it)."""
-    op = getattr(torch.ops.aten, name, None)
-    if not isinstance(op, torch._ops.OpOverloadPacket):
-        return False
-    overloads = [getattr(op, o) for o in op.overloads()]
-    return bool(overloads) and any(torch.Tag.pointwise in o.tags for o in overloads)
+def _rule(name: str) -> Rule | None:
+    return _RULES.get(name) or FAMILIES.get(name)
 
 
 def accepting(batch_coupling: str, deferred_batch_norm: bool) -> Callable[[Coupling], bool]:
@@ -268,10 +264,11 @@ _REDUCTIONS = (
 )  # fmt: skip
 _RULES: dict[str, Rule] = {
     **dict.fromkeys(("view", "reshape", "flatten", "unflatten", "view_as", "reshape_as"), _viewed),
+    "ravel": _viewed,
     **dict.fromkeys(("transpose", "swapaxes", "swapdims", "t"), _transposed),
     **dict.fromkeys(("permute",), _permuted),
     **dict.fromkeys(("T", "H"), _dims_reversed),
-    **dict.fromkeys(("mT", "mH"), _last_two_swapped),
+    **dict.fromkeys(("mT", "mH", "adjoint"), _last_two_swapped),
     "unsqueeze": _unsqueezed,
     "squeeze": _squeezed,
     **PRODUCTS,
@@ -299,22 +296,3 @@ _FUNCTIONAL: dict[Callable[..., Any], Rule] = {
         batched[0][1] if batched[0][0] is args[0] else None
     ),
 }
-_ELEMENTWISE_NAMES = (
-    # Not tagged element-wise by ATen: casts, copies, Python's operators, composite activations,
-    # losses without a reduction, random draws shaped as their operand
-    "to", "type", "type_as", "contiguous", "detach", "clone", "float", "double", "half",
-    "bfloat16", "int", "long", "bool", "byte", "short", "char", "cpu", "cuda", "data",
-    "requires_grad", "retain_grad", "pin_memory", "zeros_like", "ones_like", "empty_like",
-    "full_like", "rand_like", "randn_like", "copy", "fill", "zero", "real", "imag", "conj",
-    "resolve_conj", "resolve_neg", "complex", "polar", "hardswish", "softsign", "tanhshrink",
-    "logsigmoid", "and", "or", "xor", "invert", "lshift", "rshift", "rand", "ror", "rxor", "radd",
-    "rmul", "rdiv", "rpow", "rfloordiv", "rmod", "mod", "pos", "abs", "dropout", "alpha_dropout",
-    "feature_alpha_dropout", "dropout1d", "dropout2d", "dropout3d", "expand", "expand_as",
-    "broadcast_to", "masked_fill", "where", "mse_loss", "l1_loss", "smooth_l1_loss", "huber_loss",
-    "binary_cross_entropy", "binary_cross_entropy_with_logits", "kl_div", "poisson_nll_loss",
-    "gaussian_nll_loss", "margin_ranking_loss", "hinge_embedding_loss", "soft_margin_loss",
-    "bernoulli", "uniform", "normal", "random", "exponential", "geometric", "cauchy", "log_normal",
-    "poisson", "multinomial", "native_dropout", "rrelu_with_noise", "broadcast_tensors", "isin",
-    "bucketize", "searchsorted",
-)  # fmt: skip
-_ELEMENTWISE = frozenset(_ELEMENTWISE_NAMES)

@@ -407,8 +407,11 @@ class Probe(TorchFunctionMode):
         forms: list[Form],
         out: Any,
     ) -> Form | None:
-        """The form of ``out`` if the operation reduces a value of the batch to one number."""
+        """The form of ``out`` if the operation reduces a value of the batch to one number (or
+        to several: ``var_mean``, ``aminmax``)."""
         first = operands[0] if operands else None
+        if _several_numbers(out) and name in _OTHER_REDUCTIONS and _holds_rows(first):
+            return Unknown(f"{name}()", _where(self._default_where), "it reduces the batch")
         if not isinstance(out, Tensor) or out.dim() != 0 or not isinstance(first, Tensor):
             return None
         if first.dim() == 0:
@@ -484,6 +487,16 @@ class Probe(TorchFunctionMode):
 
 
 _MOVES = {"to", "cuda", "cpu"}
+
+
+def _several_numbers(out: Any) -> bool:
+    """A tuple of one-element results (``var_mean``, ``aminmax`` over every element)."""
+    parts = out if isinstance(out, (tuple, list)) else ()
+    return bool(parts) and all(isinstance(t, Tensor) and t.dim() == 0 for t in parts)
+
+
+def _holds_rows(value: Any) -> bool:
+    return isinstance(value, Tensor) and value.dim() > 0
 
 
 def _part(dim: int | tuple[int | None, ...] | None, k: int) -> int | None:

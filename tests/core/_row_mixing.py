@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipepar.core.forms import Rows
+from pipepar.core.forms import Rows, is_reduced
 from pipepar.core.reductions import BatchCoupled, Probe
 
 Op = Callable[[Tensor], Any]
@@ -67,10 +67,12 @@ def mixes_rows(f: Op, x: Tensor) -> bool:
 @dataclass(frozen=True)
 class Verdict:
     """What the probe said about ``f``: refused (and why), or the rows' dimension in each
-    tensor of its result (None where it lost them)."""
+    tensor of its result (None where it lost them), and whether the result is one value
+    reduced over the batch (a loss: how micro-batches join it is the forms' business)."""
 
     refused: str | None
     dims: list[int | None]
+    reduced: bool = False
 
 
 def probe(f: Op, x: Tensor) -> Verdict:
@@ -81,18 +83,16 @@ def probe(f: Op, x: Tensor) -> Verdict:
             out = f(x)
     except BatchCoupled as error:
         return Verdict(str(error), [])
-    dims = []
-    for t in _leaves(out):
-        form = watching.form_of(t)
-        dims.append(form.dim if isinstance(form, Rows) else None)
-    return Verdict(None, dims)
+    forms = [watching.form_of(t) for t in _leaves(out)]
+    dims = [form.dim if isinstance(form, Rows) else None for form in forms]
+    return Verdict(None, dims, reduced=any(is_reduced(form) for form in forms))
 
 
 def disagreement(f: Op, x: Tensor) -> str | None:
     """Why the probe and the numbers disagree on ``f`` (None when they agree)."""
     verdict = probe(f, x)
     if mixes_rows(f, x):
-        if verdict.refused is None:
+        if verdict.refused is None and not verdict.reduced:
             return f"mixes rows, but the probe followed it (rows at {verdict.dims})"
         return None
     if verdict.refused is not None:
