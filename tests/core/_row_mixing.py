@@ -104,3 +104,55 @@ def disagreement(f: Op, x: Tensor) -> str | None:
         if d not in right:
             return f"row-wise, but the probe put the rows of result {k} on {d}, not {right}"
     return None
+
+
+# -- every function torch lets a mode see, on one operand ---------------------------------------
+_DRAWS = ("rand", "dropout", "bernoulli", "normal", "poisson", "multinomial", "gumbel", "uniform")
+_UNSAFE = ("as_strided", "empty", "fractional_max_pool", "exponential", "set_", "resize_")
+
+
+def _one_operand_calls() -> list[tuple[str, Op]]:
+    """``f(x)`` and ``f(x, k)`` (k: 0, -1, 1) for every public function torch lets a
+    torch-function mode see (``torch.overrides.get_testing_overrides``), random ones left out."""
+    calls = []
+    for f in torch.overrides.get_testing_overrides():
+        name = getattr(f, "__name__", "")
+        if not name or name.startswith("_") or name.endswith("_"):
+            continue
+        if any(w in name for w in _DRAWS + _UNSAFE):
+            continue
+        where = getattr(f, "__module__", None) or "Tensor"
+        for extra in [(), (0,), (-1,), (1,)]:
+            calls.append((f"{where}.{name}{extra}", _with(f, extra)))
+    return calls
+
+
+def _with(f: Callable[..., Any], extra: tuple[int, ...]) -> Op:
+    return lambda t: f(t, *extra)
+
+
+def _runs_on_floats(f: Op, x: Tensor) -> bool:
+    """Whether ``f(x)`` runs, gives floating tensors, and gives them twice the same."""
+    try:
+        with torch.no_grad():
+            first, again = _leaves(f(x.clone())), _leaves(f(x.clone()))
+    except Exception:  # most functions do not take these arguments
+        return False
+    if not first or not all(t.is_floating_point() or t.is_complex() for t in first):
+        return False
+    if any(t.layout != torch.strided for t in first):
+        return False  # sparse: compared by other means
+    return all(
+        a.shape == b.shape and torch.allclose(a, b, equal_nan=True) for a, b in zip(first, again)
+    )
+
+
+def sweep(x: Tensor) -> dict[str, str]:
+    """Every disagreement between the probe and the numbers over the one-operand calls."""
+    found = {}
+    for label, f in _one_operand_calls():
+        if _runs_on_floats(f, x):
+            problem = disagreement(f, x)
+            if problem is not None:
+                found[label] = problem
+    return found
