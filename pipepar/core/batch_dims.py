@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pipepar.core.batch_dim_families import ALL, FAMILIES, Rule, along, batch_first, named
+from pipepar.core.batch_dim_families import ALL, FAMILIES, Rule, along, named
 from pipepar.core.batch_indexing import indexed, written
+from pipepar.core.batch_layers import LAYERS, batch_first
 from pipepar.core.batch_outcome import (
     Batched,
     Coupling,
@@ -76,7 +77,7 @@ def batch_dim_after(
 
 
 def _rule(name: str) -> Rule | None:
-    return _RULES.get(name) or FAMILIES.get(name)
+    return _RULES.get(name) or FAMILIES.get(name) or LAYERS.get(name)
 
 
 def accepting(batch_coupling: str, deferred_batch_norm: bool) -> Callable[[Coupling], bool]:
