@@ -264,6 +264,7 @@ FAMILIES: dict[str, Rule] = {
     **named(along(99, 0), "flipud"),
     **named(along(1, 0, ("dimension",)), "unfold"),
     **named(along(99, -1), "pairwise_distance"),
+    **named(along(99, -1, ("dim",)), "linalg_vecdot"),
     "rot90": rot90,
     **named(along(2, ALL), "cross"),  # without a dimension: the first of size 3
     **named(along(99, (-2, -1)), "triu", "tril", "trace"),

@@ -23,17 +23,21 @@ from pipepar.core.batch_outcome import Batched, Coupling, Outcome, unfollowed
 __all__ = ["LAYERS", "batch_first"]
 
 
-def batch_first(what: str, rank: int | None = None) -> Rule:
+def batch_first(what: str, rank: int | None = None, samples: int = 1) -> Rule:
     """The first operand's first dimension is a batch of independent samples (when it has
     ``rank`` dimensions: the ``1d``/``2d``/``3d`` in the name and two more; with one fewer, it
-    is one sample, without that batch dimension)."""
+    is one sample, without that batch dimension); so is the next operands' up to ``samples``
+    (``grid_sample``'s grid). Rows in any other operand (a convolution's weights) pair every
+    row with every other."""
     if rank is None and what[-2:] in ("1d", "2d", "3d"):
         rank = int(what[-2]) + 2
 
     def rule(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
         x = args[0] if args else None
-        first = isinstance(x, Tensor) and any(t is x for t, _ in batched)
-        batch = first and (rank is None or args[0].dim() == rank)
+        per_sample = [a for a in args[:samples] if isinstance(a, Tensor)]
+        if any(not any(t is a for a in per_sample) for t, _ in batched):
+            return Coupling(what, "the rows of the batch are in its weights")
+        batch = isinstance(x, Tensor) and (rank is None or x.dim() == rank)
         if batch and all(d == 0 for _, d in batched) and out.dim() > 0:
             return 0
         return Coupling(what, "it mixes every dimension but the first, which holds no rows")
@@ -127,7 +131,7 @@ def recurrent(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -
 
 _BATCH_FIRST = (
     "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-    "pixel_shuffle", "pixel_unshuffle", "channel_shuffle", "grid_sample", "grid_sampler",
+    "pixel_shuffle", "pixel_unshuffle", "channel_shuffle",
     "affine_grid", "instance_norm", "group_norm", "fold", "im2col", "col2im",
 )  # fmt: skip
 _PER_SAMPLE = (
@@ -143,6 +147,7 @@ _MATRICES = (
 )  # fmt: skip
 LAYERS: dict[str, Rule] = {
     **{name: batch_first(name) for name in _BATCH_FIRST},
+    **{name: batch_first(name, samples=2) for name in ("grid_sample", "grid_sampler")},
     "embedding_bag": embedding_bag,
     **{name: per_sample(name) for name in _PER_SAMPLE},
     "pad": padded,

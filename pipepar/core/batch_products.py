@@ -171,7 +171,7 @@ def _cdist(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> O
 
 
 PRODUCTS: dict[str, Rule] = {
-    **dict.fromkeys(["matmul", "mm", "bmm", "mv", "dot", "vdot"], _matmul),
+    **dict.fromkeys(("matmul", "linalg_matmul", "mm", "bmm", "mv", "dot", "vdot"), _matmul),
     "rmatmul": _rmatmul,
     **dict.fromkeys(["addmm", "baddbmm", "addmv"], _addmm),
     "addbmm": _over_batches,

@@ -107,24 +107,54 @@ def disagreement(f: Op, x: Tensor) -> str | None:
 
 
 # -- every function torch lets a mode see, on one operand ---------------------------------------
-_DRAWS = ("rand", "dropout", "bernoulli", "normal", "poisson", "multinomial", "gumbel", "uniform")
+_DRAWS = (
+    "rand",
+    "dropout",
+    "bernoulli",
+    "normal",
+    "poisson",
+    "multinomial",
+    "gumbel",
+    "uniform",
+    "binomial",
+)
 _UNSAFE = ("as_strided", "empty", "fractional_max_pool", "exponential", "set_", "resize_")
 
 
-def _one_operand_calls() -> list[tuple[str, Op]]:
-    """``f(x)`` and ``f(x, k)`` (k: 0, -1, 1) for every public function torch lets a
-    torch-function mode see (``torch.overrides.get_testing_overrides``), random ones left out."""
-    calls = []
+def _public_functions() -> list[tuple[str, Callable[..., Any]]]:
+    """Every public function torch lets a torch-function mode see
+    (``torch.overrides.get_testing_overrides``), random ones left out, with a label."""
+    found = []
     for f in torch.overrides.get_testing_overrides():
         name = getattr(f, "__name__", "")
         if not name or name.startswith("_") or name.endswith("_"):
             continue
-        if any(w in name for w in _DRAWS + _UNSAFE):
-            continue
         where = getattr(f, "__module__", None) or "Tensor"
-        for extra in [(), (0,), (-1,), (1,)]:
-            calls.append((f"{where}.{name}{extra}", _with(f, extra)))
+        if not any(w in name for w in _DRAWS + _UNSAFE) and "distributed" not in where:
+            found.append((f"{where}.{name}", f))
+    return found
+
+
+def _one_operand_calls() -> list[tuple[str, Op]]:
+    """``f(x)`` and ``f(x, k)`` (k: 0, -1, 1) for every public function."""
+    extras: list[tuple[int, ...]] = [(), (0,), (-1,), (1,)]
+    return [(f"{label}{e}", _with(f, e)) for label, f in _public_functions() for e in extras]
+
+
+def _two_operand_calls() -> list[tuple[str, Op]]:
+    """``f(x, y)`` and ``f(x, y, k)`` (``y`` another value of the rows, k: 0, -1), and
+    ``f(x, w)`` (``w`` a constant vector) for every public function."""
+    w = torch.randn(8)
+    calls = []
+    for label, f in _public_functions():
+        for e in [(), (0,), (-1,)]:
+            calls.append((f"{label}(x, y, *{e})", _paired(f, lambda t: t.exp() * 0.5 + 0.1, e)))
+        calls.append((f"{label}(x, w)", _paired(f, lambda t: w, ())))
     return calls
+
+
+def _paired(f: Callable[..., Any], other: Callable[[Tensor], Any], extra: tuple[int, ...]) -> Op:
+    return lambda t: f(t, other(t), *extra)
 
 
 def _with(f: Callable[..., Any], extra: tuple[int, ...]) -> Op:
@@ -147,10 +177,11 @@ def _runs_on_floats(f: Op, x: Tensor) -> bool:
     )
 
 
-def sweep(x: Tensor) -> dict[str, str]:
-    """Every disagreement between the probe and the numbers over the one-operand calls."""
+def sweep(x: Tensor, operands: int = 1) -> dict[str, str]:
+    """Every disagreement between the probe and the numbers over the calls of every public
+    torch function on one operand holding rows (and an argument) or two."""
     found = {}
-    for label, f in _one_operand_calls():
+    for label, f in _one_operand_calls() if operands == 1 else _two_operand_calls():
         if _runs_on_floats(f, x):
             problem = disagreement(f, x)
             if problem is not None:
