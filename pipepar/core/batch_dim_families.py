@@ -20,6 +20,7 @@ have roles (batch-first, matrices, attention, recurrence) are in
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -63,7 +64,11 @@ def broadcast_dims(batched: Sequence[Batched]) -> tuple[int, list[int]]:
 
 # -- along some dimensions ---------------------------------------------------------------------
 def along(
-    at: int, default: Any, keys: Sequence[str] = ("dim", "dims"), keeps: bool = False
+    at: int,
+    default: Any,
+    keys: Sequence[str] = ("dim", "dims"),
+    keeps: bool = False,
+    reduces: bool = False,
 ) -> Rule:
     """Computes along the dimension(s) its argument ``at`` (or keyword ``keys``) names,
     ``default`` when left out; ``keeps``: the argument names the one dimension left alone.
@@ -81,7 +86,11 @@ def along(
         dims = set(range(n)) - named if keeps else named
         mixed = [e for (t, d), e in zip(batched, rows) if e in dims and t.shape[d] > 1]
         if mixed:
-            return Coupling(name, "it computes over the rows of the batch, along their dimension")
+            return Coupling(
+                name,
+                "it computes over the rows of the batch, along their dimension",
+                reduces=reduces,
+            )
         if len(set(rows)) > 1:
             return aligned(out, batched, name)
         e = rows[0]
@@ -99,7 +108,7 @@ def named(rule: Rule, *names: str) -> dict[str, Rule]:
         def each(args: Any, kwargs: Any, out: Tensor, batched: Sequence[Batched]) -> Outcome:
             outcome = rule(args, kwargs, out, batched)
             if isinstance(outcome, Coupling):
-                return Coupling(name, outcome.why, outcome.certain)
+                return dataclasses.replace(outcome, op=name)
             return outcome
 
         return each
@@ -254,7 +263,7 @@ FAMILIES: dict[str, Rule] = {
     **named(along(2, (-2, -1)), "fft_fft2", "fft_ifft2", "fft_rfft2", "fft_irfft2"),
     **named(along(2, ALL), "roll"),
     **named(along(1, ALL), "fft_fftshift", "fft_ifftshift"),
-    **named(along(99, ALL), "histc", "bincount"),
+    **named(along(99, ALL, reduces=True), "histc", "bincount"),
     **named(along(2, ALL, ("dim",)), "quantile", "nanquantile", "linalg_vector_norm"),
     **named(along(2, (-2, -1), ("dim",)), "linalg_matrix_norm"),
     **named(along(2, 1, ("dim",)), "normalize"),

@@ -170,11 +170,14 @@ def _along(what: str) -> Callable[..., Outcome]:
         if dims is None or out.dim() == 0:
             return None  # over every element: the loss's business (forms)
         if d in dims and t.shape[d] > 1:
-            return Coupling(what, "it computes over the rows of the batch, along their dimension")
+            return Coupling(what, _OVER_ROWS, reduces=True)
         keep = bool(kwargs.get("keepdim", False))
         return d if keep or out.dim() == t.dim() else d - sum(1 for k in dims if k < d)
 
     return rule
+
+
+_OVER_ROWS = "it computes over the rows of the batch, along their dimension"
 
 
 def reduced_dims(args: Any, kwargs: Any, n: int, at: int = 1) -> set[int] | None:

@@ -29,6 +29,9 @@ class Coupling:
     op: str
     why: str
     certain: bool = True
+    reduces: bool = False
+    """A reduction over the rows (a sum, a count, ``any``): on integers, a count of the batch
+    that routing may use, until it reaches floating-point values."""
 
 
 Outcome = int | None | Coupling | tuple[int | None, ...]

@@ -123,6 +123,9 @@ class Rows:
 
     replay: Replay | None = None
     dim: int | None = None
+    mixed: Any = None
+    """The reduction over the rows that made these integer values (a count of the batch), a
+    ``Coupling``: refused where they reach floating-point values."""
 
 
 @dataclass(frozen=True)

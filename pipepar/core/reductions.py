@@ -175,6 +175,7 @@ class Probe(TorchFunctionMode):
     ) -> None:
         super().__init__()
         self._whole = WholeInputs(whole)
+        self._counted: Coupling | None = None
         self._accepts = accepts
         self.rows, self._rows_dim = rows, rows_dim
         self._forms: dict[int, tuple[Any, Form]] = {}
@@ -280,14 +281,30 @@ class Probe(TorchFunctionMode):
             self._set(out, reduced)
             return out
         replay = self._replay(func, args, kwargs, forms)
+        self._counted = None
         dim = self._batch_dim(name, func, args, kwargs, out, operands, forms)
+        mixed = self._mixed(name, out, forms)
         if isinstance(out, (tuple, list)) and (replay is not None or isinstance(dim, tuple)):
             for k, part in enumerate(out):  # each part replays as its item of the whole
                 again = Replay(operator.getitem, (Ref(replay), k), {}) if replay else None
-                self._set(part, Rows(again, _part(dim, k)))
+                self._set(part, Rows(again, _part(dim, k), mixed))
         else:
-            self._set(out, Rows(replay, _part(dim, 0)))
+            self._set(out, Rows(replay, _part(dim, 0), mixed))
         return out
+
+    def _mixed(self, name: str, out: Any, forms: list[Form]) -> Coupling | None:
+        """The reduction over the rows that made an operand a count of the batch (or the one
+        just let through); refused when the result is floating-point: the count reaches the
+        numbers."""
+        inherited = (f.mixed for f in forms if isinstance(f, Rows) and f.mixed is not None)
+        mixed = self._counted or next(inherited, None)
+        if mixed is not None and _floating(out) and not self._accepts(mixed):
+            where = _where(self._default_where)
+            raise BatchCoupled(
+                _coupled(mixed, where) + f"; its integer result reaches floating-point values "
+                f"in {name}()"
+            )
+        return mixed
 
     def _written(
         self,
@@ -300,7 +317,9 @@ class Probe(TorchFunctionMode):
         """``x[index] = value``: refused where it writes rows by their position; ``x`` holds
         rows where ``value`` put them."""
         target = args[0]
+        self._counted = None
         dim = self._batch_dim("setitem", func, args, kwargs, target, operands, forms)
+        self._mixed("setitem", target, forms)
         if isinstance(self.form_of(target), Const) and any(isinstance(f, Rows) for f in forms):
             self._set(target, Rows(None, _part(dim, 0)))
 
@@ -325,8 +344,11 @@ class Probe(TorchFunctionMode):
         outcome = batch_dim_after(name, func, args, kwargs, first, batched, loose)
         if not isinstance(outcome, Coupling):
             return outcome
-        if not any(t.is_floating_point() for t, _ in batched) or self._accepts(outcome):
-            return None  # an index or a count of the batch (routing), or accepted
+        if self._accepts(outcome):
+            return None
+        if not any(t.is_floating_point() for t, _ in batched):  # an index or a count (routing)
+            self._counted = outcome if outcome.reduces else None
+            return None
         raise BatchCoupled(_coupled(outcome, _where(self._default_where)))
 
     def _replay(
@@ -497,6 +519,12 @@ def _several_numbers(out: Any) -> bool:
 
 def _holds_rows(value: Any) -> bool:
     return isinstance(value, Tensor) and value.dim() > 0
+
+
+def _floating(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return any(_floating(v) for v in value)
+    return isinstance(value, Tensor) and (value.is_floating_point() or value.is_complex())
 
 
 def _part(dim: int | tuple[int | None, ...] | None, k: int) -> int | None:
