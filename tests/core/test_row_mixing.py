@@ -193,6 +193,9 @@ COUPLED = {
     "unbind-rows": lambda x: x.unbind(0)[1],
     "transpose-then-reshape": lambda x: x.transpose(0, 2).reshape(-1, 3, 8),
     "flatten-then-softmax": lambda x: x.flatten().softmax(0),
+    "sum-of-everything": lambda x: x.sum(),  # one value of the batch: the loss's business
+    "max-of-everything": lambda x: x.max(),
+    "statistics-of-everything": lambda x: torch.var_mean(x),
     "view-then-softmax-over-rows": lambda x: x.view(-1, 8).softmax(0),
     "in-place-row": lambda x: _set(x, 0),
     "in-place-row-slice": lambda x: _set(x, slice(1, None)),
@@ -294,6 +297,9 @@ PIPED = {
     "lstm-rows-as-time": (COUPLED, True),
     "in-place-row": (COUPLED, True),
     "getitem-row-slice": (COUPLED, True),
+    "any-over-rows-as-a-mask": (COUPLED, True),
+    "mha-rows-as-sequence": (COUPLED, True),
+    "mha-batch-first": (ROW_WISE, False),
 }
 
 
