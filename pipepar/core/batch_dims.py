@@ -33,6 +33,7 @@ from pipepar.core.batch_outcome import (
     Coupling,
     Outcome,
     aligned,
+    dim_of,
     norm,
     unfollowed,
 )
@@ -66,6 +67,8 @@ def batch_dim_after(
         return written(args[0], args[1], args[2], batched, loose)
     if name == "masked_scatter":
         return _masked_scatter(args, batched, loose)
+    if name in _ROUTED and _routed(name, args, kwargs, batched, loose):
+        return dim_of(args[0], batched) if name in _PUTS else None
     rule = _FUNCTIONAL.get(func) or _rule(name)
     if rule is None and name.endswith("_copy"):  # squeeze_copy: squeeze's result, copied
         rule = _rule(name[: -len("_copy")])
@@ -74,6 +77,30 @@ def batch_dim_after(
     if elementwise(name.removesuffix("_copy"), func, args, kwargs):
         return aligned(out, batched, name)
     return unfollowed(name)
+
+
+def _routed(
+    name: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    batched: Sequence[Batched],
+    loose: Sequence[Tensor],
+) -> bool:
+    """Whether ``x.index_add_(0, idx, ...)`` (and its kin) reaches rows of the batch at indices
+    that are themselves values of the batch (a router's tokens): each micro-batch's own rows,
+    trusted as indexing does (:mod:`pipepar.core.batch_indexing`)."""
+    at = _ROUTED[name]
+    index = args[at] if len(args) > at else kwargs.get("index", kwargs.get("indices"))
+    of_batch = any(index is t for t in loose) or dim_of(index, batched) is not None
+    d = dim_of(args[0], batched)
+    dim = args[1] if at == 2 and len(args) > 1 else kwargs.get("dim", args[2] if at == 1 else 0)
+    return of_batch and (d is None or (isinstance(dim, int) and norm(dim, args[0].dim()) == d))
+
+
+_PUTS = {"index_add", "index_copy", "index_fill", "index_reduce", "scatter", "scatter_add"}
+_PUTS |= {"scatter_reduce"}
+_ROUTED = {**dict.fromkeys(_PUTS | {"index_select", "gather"}, 2), "take_along_dim": 1}
+"""Operations at indices, by the position of their index among the arguments."""
 
 
 def _rule(name: str) -> Rule | None:

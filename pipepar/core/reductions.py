@@ -283,7 +283,7 @@ class Probe(TorchFunctionMode):
         replay = self._replay(func, args, kwargs, forms)
         self._counted = None
         dim = self._batch_dim(name, func, args, kwargs, out, operands, forms)
-        mixed = self._mixed(name, out, forms)
+        mixed = self._mixed(name, args, out, operands, forms)
         if isinstance(out, (tuple, list)) and (replay is not None or isinstance(dim, tuple)):
             for k, part in enumerate(out):  # each part replays as its item of the whole
                 again = Replay(operator.getitem, (Ref(replay), k), {}) if replay else None
@@ -292,10 +292,22 @@ class Probe(TorchFunctionMode):
             self._set(out, Rows(replay, _part(dim, 0), mixed))
         return out
 
-    def _mixed(self, name: str, out: Any, forms: list[Form]) -> Coupling | None:
+    def _mixed(
+        self, name: str, args: tuple[Any, ...], out: Any, operands: list[Any], forms: list[Form]
+    ) -> Coupling | None:
         """The reduction over the rows that made an operand a count of the batch (or the one
         just let through); refused when the result is floating-point: the count reaches the
-        numbers."""
+        numbers. A count used as an index routes (a mixture of experts picks the experts the
+        batch hits): trusted, unless it picks among a value of the batch's own floats
+        (``x[:, mask.all(0)]``)."""
+        table = _TABLES.get(name)
+        if table is not None and len(args) > table and isinstance(args[table], Tensor):
+            of_rows = self.form_of(args[table])
+            per_row = isinstance(of_rows, Rows) and of_rows.dim is not None
+            keep = [(v, f) for v, f in zip(operands, forms) if v is args[table]]
+            if per_row and _floating(args[table]):
+                keep = list(zip(operands, forms))
+            forms = [f for _, f in keep]
         inherited = (f.mixed for f in forms if isinstance(f, Rows) and f.mixed is not None)
         mixed = self._counted or next(inherited, None)
         if mixed is not None and _floating(out) and not self._accepts(mixed):
@@ -319,7 +331,7 @@ class Probe(TorchFunctionMode):
         target = args[0]
         self._counted = None
         dim = self._batch_dim("setitem", func, args, kwargs, target, operands, forms)
-        self._mixed("setitem", target, forms)
+        self._mixed("setitem", args, target, operands, forms)
         if isinstance(self.form_of(target), Const) and any(isinstance(f, Rows) for f in forms):
             self._set(target, Rows(None, _part(dim, 0)))
 
@@ -509,6 +521,13 @@ class Probe(TorchFunctionMode):
 
 
 _MOVES = {"to", "cuda", "cpu"}
+_TABLES = {
+    **dict.fromkeys(("getitem", "setitem", "index_put", "index_select", "gather"), 0),
+    **dict.fromkeys(("take_along_dim", "index_add", "index_copy", "index_fill", "scatter"), 0),
+    **dict.fromkeys(("scatter_add", "scatter_reduce", "masked_select", "masked_scatter"), 0),
+    "embedding": 1,
+}
+"""Operations that look up a table (by its position among the arguments) at indices."""
 
 
 def _several_numbers(out: Any) -> bool:

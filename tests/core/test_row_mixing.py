@@ -357,3 +357,19 @@ def test_a_cut_model_refuses_distances_between_rows_or_steps_exactly() -> None:
     torch.testing.assert_close(loss, expected.detach())
     for a, b in zip(model.parameters(), plain.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_experts_picked_by_counts_of_the_batch_step_exactly() -> None:
+    """transformers' eager experts loop over the experts the batch hits (a count over its
+    tokens, ``nonzero``) and scatter the tokens back with ``index_add_``: routing, each token
+    computed from itself, so the counts reach no number and the step is the plain model's."""
+    from tests.program._data_models import batch, build
+
+    plain, model = build("mixtral", experts="eager"), build("mixtral", experts="eager")
+    pipe = pipepar.wrap(model, split=["model.layers.1"], devices=["cpu", "cpu"], chunks=2)
+    loss = pipe.step(**batch())
+    expected = plain(**batch()).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach())
+    for a, b in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad)
