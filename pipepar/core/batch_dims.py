@@ -9,10 +9,15 @@ nothing to say so.
 
 :func:`batch_dim_after` follows the batch's dimension through one torch operation (a view, a
 transpose, a matrix product, a reduction, indexing, broadcasting...) and returns the dimension
-of the result that holds the rows, ``None`` when it cannot tell (it then stops following that
-value, never guessing), or a :class:`Coupling` when the operation mixes rows: a product
-contracting or pairing the batch, a reduction along it that keeps other dimensions, a batch
-norm in training, a normalisation over it, picking a row by its position.
+of the result that holds the rows, ``None`` where no rows are left to follow (a reduction to one
+value, indices a router computed), or a :class:`Coupling` when the operation mixes rows: a
+product contracting or pairing the batch, a reduction along it that keeps other dimensions, a
+batch norm in training, a normalisation over it, picking a row by its position. An operation it
+has no rule for and that is not element-wise (:mod:`pipepar.core.elementwise`) is a coupling
+that is not ``certain``: refused by name, never guessed row-wise. The rules live by kind: views,
+reductions and joins here; :mod:`~pipepar.core.batch_dim_families` (by what a dimension
+argument means), :mod:`~pipepar.core.batch_layers`, :mod:`~pipepar.core.batch_products`,
+:mod:`~pipepar.core.batch_indexing`.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from pipepar.core.batch_dim_families import ALL, FAMILIES, Rule, along, named
+from pipepar.core.batch_dim_families import ALL, FAMILIES, Rule, along, argument, named
 from pipepar.core.batch_indexing import indexed, written
 from pipepar.core.batch_layers import LAYERS, batch_first
 from pipepar.core.batch_outcome import (
@@ -93,7 +98,7 @@ def _routed(
     index = args[at] if len(args) > at else kwargs.get("index", kwargs.get("indices"))
     of_batch = any(index is t for t in loose) or dim_of(index, batched) is not None
     d = dim_of(args[0], batched)
-    dim = args[1] if at == 2 and len(args) > 1 else kwargs.get("dim", args[2] if at == 1 else 0)
+    dim = argument(args, kwargs, 1 if at == 2 else 2, ("dim",), None)
     return of_batch and (d is None or (isinstance(dim, int) and norm(dim, args[0].dim()) == d))
 
 
