@@ -184,7 +184,7 @@ def even_balance(n_layers: int, n_stages: int) -> list[int]:
 
 def pipepar_balance(schedule: str, n_layers: int, workers: int) -> list[int]:
     """One stage per worker, or two for pipepar's virtual-stage schedules."""
-    from pipepar.core.schedule import VIRTUAL
+    from pipepar.core.named_schedules import VIRTUAL
 
     return even_balance(n_layers, workers * (2 if schedule in VIRTUAL else 1))
 

@@ -36,7 +36,7 @@ import models
 import pipepar
 from benchmarks import _common as common
 from benchmarks._results import markdown_table, record
-from pipepar.core.schedule import VIRTUAL, make
+from pipepar.core.named_schedules import VIRTUAL, make
 from pipepar.core.units import format_bytes, parse_bytes
 from pipepar.planner.measure import measure_device, measure_split
 from pipepar.planner.stage_memory import MemoryModel

@@ -14,7 +14,8 @@ from functools import lru_cache
 import torch
 
 from pipepar.core.devices import DeviceSpec
-from pipepar.core.schedule import NAMES, VIRTUAL, Schedule, make, n_workers
+from pipepar.core.named_schedules import NAMES, VIRTUAL, make, n_workers
+from pipepar.core.schedule import Schedule
 
 __all__ = ["check_threads", "count_workers", "schedule_for", "schedule_of_batch"]
 

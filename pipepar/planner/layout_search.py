@@ -53,7 +53,8 @@ from typing import Any
 
 from torch import nn
 
-from pipepar.core.schedule import NAMES, VIRTUAL, Schedule
+from pipepar.core.named_schedules import NAMES, VIRTUAL
+from pipepar.core.schedule import Schedule
 from pipepar.core.units import format_bytes, parse_bytes
 from pipepar.planner.cluster import Cluster
 from pipepar.planner.layout import Layout

@@ -31,8 +31,9 @@ from torch import Tensor
 
 from pipepar.core.losses import Items, LossFn, LossShares, loss_shares
 from pipepar.core.microbatch import Value, scatter, tensors
+from pipepar.core.named_schedules import NAMES, make
 from pipepar.core.randomness import Recorded
-from pipepar.core.schedule import NAMES, Action, Schedule, make
+from pipepar.core.schedule import Action, Schedule
 from pipepar.core.stage import Stage
 from pipepar.core.step import StageStep
 from pipepar.ranks.mesh import Mesh

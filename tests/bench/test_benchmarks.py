@@ -555,7 +555,7 @@ def test_walk_quick_times_the_pipe_on_one_thread_and_on_its_workers(tmp_path: Pa
 
 def test_walk_schedule_bound_is_the_critical_path_of_the_listed_order() -> None:
     from benchmarks.bench_walk import schedule_bound
-    from pipepar.core.schedule import make
+    from pipepar.core.named_schedules import make
 
     one_f_one_b = make("1f1b", 2, 2, n_workers=2)
     every = {(a.stage, a.kind, a.microbatch): 1.0 for w in one_f_one_b.actions for a in w}

@@ -8,20 +8,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipepar.core.schedule import (
+from pipepar.core.named_schedules import (
     NAMES,
-    Action,
-    Schedule,
     gpipe,
     interleaved_1f1b,
     make,
     one_f_one_b,
-    parse,
-    simulate,
-    validate,
     zb_h1,
     zb_v,
 )
+from pipepar.core.schedule import Action, Schedule, parse, simulate, validate
 
 sizes = st.tuples(st.integers(1, 6), st.integers(1, 12))
 

@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import pipepar.distributed as ppd
-from pipepar.core.schedule import NAMES, VIRTUAL, parse
+from pipepar.core.named_schedules import NAMES, VIRTUAL
+from pipepar.core.schedule import parse
 from pipepar.distributed.stage import build_stage, load_local_state
 from pipepar.ranks import replicas
 from pipepar.ranks.arguments import check_schedule

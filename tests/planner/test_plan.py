@@ -15,7 +15,7 @@ from torch import nn
 
 import models
 import pipepar
-from pipepar.core.schedule import NAMES, VIRTUAL, make
+from pipepar.core.named_schedules import NAMES, VIRTUAL, make
 from pipepar.planner.measure import measure_split, stage_order
 from pipepar.planner.plan import Plan, StagePlan, plan
 from pipepar.planner.plan_targets import resolve_targets

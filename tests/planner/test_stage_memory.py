@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import models
-from pipepar.core.schedule import NAMES, VIRTUAL, make, parse
+from pipepar.core.named_schedules import NAMES, VIRTUAL, make
+from pipepar.core.schedule import parse
 from pipepar.planner.deferred_grads import deferred_grads
 from pipepar.planner.measure import measure_device, measure_split
 from pipepar.planner.peak_moments import moments, schedule_for

@@ -517,7 +517,8 @@ def test_gradients_are_awaited_early_only_where_backwards_keep_the_forwards_orde
     peer's send finds it waiting; the messages of a pair of stages then meet those receives in
     the order they were posted, which holds where every stage runs its backwards in the order
     of its forwards (not under GPipe, whose backwards run last micro-batch first)."""
-    from pipepar.core.schedule import gpipe, make, parse
+    from pipepar.core.named_schedules import gpipe, make
+    from pipepar.core.schedule import parse
     from pipepar.program.rank_compute import _in_order
 
     assert not _in_order(gpipe(2, 4))

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import pipepar
-from pipepar.core.schedule import NAMES, VIRTUAL
+from pipepar.core.named_schedules import NAMES, VIRTUAL
 
 
 class SkipNet(nn.Module):
