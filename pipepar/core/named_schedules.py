@@ -258,8 +258,6 @@ def _check_given(schedule: Schedule, n: int, m: int, k: int) -> Schedule:
     return schedule
 
 
-
-
 def _greedy(
     name: str,
     placement: tuple[int, ...],
