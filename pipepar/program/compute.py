@@ -140,7 +140,7 @@ class ProgramCompute:
         )
         run = self._run(pipe, calls, grad=needs_grad, shares=shares)
         if not needs_grad:
-            run.execute(pipe._workers(), FORWARD)
+            run.execute(pipe.workers(), FORWARD)
             return joined(run.results(), run.parts, shares)
         holder: dict[str, Any] = {}
         outs = ProgramFunction.apply(pipe, run, holder, shares, len(flat_in), *flat_in, *params)
@@ -194,14 +194,14 @@ class ProgramCompute:
         head = loss_head(shares, targets, loss_fn)
         run = self._run(pipe, calls, grad=grad, head=head, shares=shares)
         if not grad:  # evaluation: the schedule's forward actions only, no graph kept
-            run.execute(pipe._workers(), FORWARD)
+            run.execute(pipe.workers(), FORWARD)
             return joined_loss(run.results(), shares.weights)
         params = [p for held in self._params for p in held]
         flat_in = [t for c in calls for t in c.tensors()]
 
         def step_all() -> Tensor:
             run.open_backward()
-            run.execute(pipe._workers(), EVERY)
+            run.execute(pipe.workers(), EVERY)
             return joined_loss(run.results(), shares.weights)
 
         loss = StepFunction.apply(step_all, run, *flat_in, *params)
@@ -264,16 +264,16 @@ class ProgramCompute:
         if any(d.type == "cpu" for d in pipe.devices) and grad:
             cpu_malloc.tune()
         return ProgramRun(
-            pipe._stages,
+            pipe.stages,
             self._params,
-            pipe._schedule(len(calls)),
+            pipe.schedule(len(calls)),
             batch,
             self._driver_threads(pipe, len(calls)),
             inputs,
             parts_of(calls),
             grad=grad,
             tracer=pipe.tracer,
-            draws=pipe._draws,
+            draws=pipe.draws,
             checkpoint=pipe.checkpoint,
             aliases=[of_stage(self._uses, aliases, s) for s in range(len(self.sizes))],
         )

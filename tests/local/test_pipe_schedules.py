@@ -79,15 +79,15 @@ def test_step_runs_on_the_workers_where_a_calls_backward_takes_the_callers_threa
     schedule: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On CUDA only the backward of ``pipe(...)`` must run on the caller's thread (it runs on the
-    autograd engine's device thread, see ``Pipe._workers``); ``pipe.step`` runs its forwards
+    autograd engine's device thread, see ``PipeView.workers``); ``pipe.step`` runs its forwards
     and backwards on the stage workers there too. Simulated on the CPU: the pipe answers
-    ``_workers(backward=True)`` with the caller's thread, and the step still runs every layer's
+    ``workers(backward=True)`` with the caller's thread, and the step still runs every layer's
     forward on a worker and equals the plain model."""
-    from pipepar.pipe import Pipe
+    from pipepar.local.pipe_view import PipeView
 
-    workers = Pipe._workers
+    workers = PipeView.workers
     monkeypatch.setattr(
-        Pipe, "_workers", lambda self, *, backward=False: None if backward else workers(self)
+        PipeView, "workers", lambda self, *, backward=False: None if backward else workers(self)
     )
     rng = random.Random(schedule)
     plain = random_stack(rng, 10)
