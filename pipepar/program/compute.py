@@ -91,7 +91,7 @@ class ProgramCompute:
         self.rules = rules or Rules()
         """How a call is cut into micro-batches and its output joined (said in wrap)."""
         order = [u.path for u in units_.units(model, sample)] if sample is not None else None
-        self._units = units_.layout(model, order)
+        self._units = units_.model_units(model, order)
         self.sizes = units_.sizes_of(self._units, balance, split)
         self.model = model
         self.paths = [u.path for u in self._units.units]
@@ -310,7 +310,7 @@ def _on(calls: list[Call], device: torch.device) -> list[Call]:
 # -- building -------------------------------------------------------------------------------
 def _place(
     model: nn.Module,
-    lay: units_.Layout,
+    lay: units_.ModelUnits,
     stage_of_unit: Sequence[int],
     owner: dict[int, int],
     devices: Sequence[torch.device],
@@ -328,7 +328,7 @@ def _place(
 
 
 def _stages(
-    lay: units_.Layout, stage_of_unit: Sequence[int], devices: Sequence[torch.device]
+    lay: units_.ModelUnits, stage_of_unit: Sequence[int], devices: Sequence[torch.device]
 ) -> list[Stage]:
     stages: list[Stage] = []
     start = 0

@@ -85,7 +85,7 @@ class RankProgram:
         """How a call is cut into micro-batches and its output joined (said in wrap)."""
         self._forms = Forms(model, batch_coupling, deferred_batch_norm)  # outputs, by kind
         self.model = model
-        self.sizes = units_.sizes_of(units_.layout(model), balance, split)
+        self.sizes = units_.sizes_of(units_.model_units(model), balance, split)
         self.stage_of_unit = units_.stage_of_units(self.sizes)
         """Each unit's stage, in the model's unit order."""
         self._drivers: ThreadPoolExecutor | None = None
@@ -106,10 +106,10 @@ class RankProgram:
         self._ctx = ctx
         model, mesh, schedule, pipe = self.model, ctx.mesh, ctx.schedule, ctx.module
         self._mine = mine = schedule.stages_of(mesh.stage)
-        lay = units_.layout(model)
+        lay = units_.model_units(model)
         held = [p for p, _ in holders(lay, self.stage_of_unit, mine)]
         self._held = keep_only(model, held, ctx.device, state_dict)
-        lay = units_.layout(model)  # the same units, with the new parameters
+        lay = units_.model_units(model)  # the same units, with the new parameters
         # The own stage holding each of this rank's weights (the others are on meta).
         self._owner = {id(p): s for p, s in holders(lay, self.stage_of_unit, mine)}
         for name, child in model.named_children():
@@ -462,7 +462,9 @@ class RankProgram:
             self._sync.drop()
 
 
-def _stage(lay: units_.Layout, stage_of_unit: Sequence[int], s: int, device: torch.device) -> Stage:
+def _stage(
+    lay: units_.ModelUnits, stage_of_unit: Sequence[int], s: int, device: torch.device
+) -> Stage:
     """Stage ``s``: its units, named by their module paths."""
     units = list(units_.iter_stage_units(lay, stage_of_unit, s))
     start = sum(1 for t in stage_of_unit if t < s)
