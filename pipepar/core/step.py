@@ -20,6 +20,7 @@ first one on when that is safe), and handed over by :meth:`StageStep.param_grads
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -122,13 +123,26 @@ class _Sums:
         self.hooked = False
 
     def add(self, grads: Iterable[tuple[Tensor, Tensor | None]]) -> None:
-        """Sum the pass's (parameter, gradient) pairs, unless hooks summed them already."""
+        """Sum the pass's (parameter, gradient) pairs, unless hooks summed them already: those
+        into sums of their own in one call (``torch._foreach_add_``, each sum and gradient
+        added as ``add_`` adds them), the others one by one."""
         if self.hooked:
             return
-        index = self.step._index
+        step, index = self.step, self.step._index
+        totals: list[Tensor] = []
+        parts: list[Tensor] = []
         for param, g in grads:
-            if g is not None:
-                self.step._add(index[id(param)], g, self)
+            if g is None:
+                continue
+            k = index[id(param)]
+            total = step._sums[k]
+            if total is not None and step._owned[k] and self.final is None and _dense(g):
+                totals.append(total)
+                parts.append(g)
+            else:
+                step._add(k, g, self)
+        if totals:
+            torch._foreach_add_(totals, parts)
 
 
 class StageStep:
@@ -195,8 +209,13 @@ class StageStep:
         # in place, no pass to add them) only where that saves more than the ~30 us of Python
         # per layer it costs to find them: with 2**17 weights in a matrix, it does.
         self._large = any(p.dim() == 2 and p.numel() >= _LARGE for p in self.params)
-        self._small = sum(p.numel() * p.element_size() for p in self.params) <= _CACHED
-        """Whether the gradient sums fit in a core's cache: summed after a pass, not in hooks."""
+
+    @functools.cached_property
+    def _small(self) -> bool:
+        """Whether the gradient sums fit in a core's cache: summed after a pass, not in hooks
+        (see :meth:`_summing`). Asked first by a backward, after a subclass chose its
+        :attr:`params`."""
+        return sum(p.numel() * p.element_size() for p in self.params) <= _CACHED
 
     # -- F ------------------------------------------------------------------------------------
     def forward(self, i: int, x: Value) -> Value:
@@ -517,6 +536,10 @@ def _leaf(value: Value, requires_grad: bool) -> Value:
         return d.requires_grad_() if requires_grad and d.is_floating_point() else d
 
     return map_tensors(value, detach)
+
+
+def _dense(g: Tensor) -> bool:
+    return g.layout == torch.strided
 
 
 def _whole(g: Tensor) -> bool:
