@@ -49,6 +49,8 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
 
+from pipepar.core import engine
+
 __all__ = [
     "CAST",
     "TRANSPOSE",
@@ -675,12 +677,11 @@ def run_input(
         pairs = [(t, g) for t, g in zip(outputs, grads) if t.grad_fn in plan.on_path]
         result: Sequence[Tensor | None] = [None] * (len(inputs) + len(edges))
         if pairs and (inputs or edges):
-            result = torch.autograd.grad(
+            result = engine.grad(
                 [t for t, _ in pairs],
                 _targets(inputs, edges),
                 [g for _, g in pairs],
                 retain_graph=retain,
-                allow_unused=True,
             )
     finally:
         for h in handles:
@@ -715,12 +716,8 @@ def backward_whole(
     ]
     edges = [GradientEdge(work.junctions[k][0], 0) for k in plan.captured]
     try:
-        result = torch.autograd.grad(
-            list(outputs),
-            _targets(inputs, edges, generic),
-            list(grads),
-            retain_graph=retain,
-            allow_unused=True,
+        result = engine.grad(
+            list(outputs), _targets(inputs, edges, generic), list(grads), retain_graph=retain
         )
     finally:
         for h in handles:
