@@ -183,7 +183,8 @@ class ThreadCarrier:
                 break
             self._idle_weight(self.schedule.placement[s])
         got = time.perf_counter()
-        self.trace(s, i, "wait", start, got)
+        if self.tracer is not None:
+            self.trace(s, i, "wait", start, got)
         device = self._devices[s]
         if _off_device(value, device):
             value = _to(value, device)
@@ -201,6 +202,8 @@ def _items(value: object) -> tuple[Any, ...]:
 
 
 def _off_device(value: object, device: torch.device) -> bool:
+    if isinstance(value, Tensor):  # the common case, without a generator
+        return value.device != device
     return any(t is not None and t.device != device for t in _items(value))
 
 

@@ -99,8 +99,8 @@ class Runtime:
     def forward(self, x: Value | None) -> list[Value] | None:
         """The forward actions only, with no loss: on the last stage's rank, that stage's
         output of each micro-batch; None on the other ranks."""
-        batch = self._walk(x, None, None, None, None, False)
-        return [batch.outputs[i] for i in range(self.m)] if self.last in self.stages else None
+        carrier = self._walk(x, None, None, None, None, False)
+        return [carrier.outputs[i] for i in range(self.m)] if self.last in self.stages else None
 
     def _walk(
         self,
@@ -111,7 +111,8 @@ class Runtime:
         spread: Callable[[LossShares], LossShares] | None,
         grad: bool,
     ) -> ChainCarrier:
-        """This rank's actions of one mini-batch (the forward ones only without ``grad``)."""
+        """This rank's actions of one mini-batch (the forward ones only without ``grad``); the
+        carrier keeps what the mini-batch gave (the loss, or the last stage's outputs)."""
         self.mesh.progress.begin("start of the mini-batch")
         self._reported: set[int] = set()  # parameters whose final gradient went out
         first = 0 in self.stages
