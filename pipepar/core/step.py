@@ -36,9 +36,9 @@ from pipepar.core.randomness import Randomness
 from pipepar.core.recompute import recomputing, should_checkpoint
 from pipepar.core.split_backward import (
     Adder,
+    BackwardWalk,
     Direct,
-    Known,
-    Plan,
+    NextNodes,
     WeightWork,
     backward_whole,
     by_id,
@@ -108,7 +108,7 @@ class _Later:
 
     outputs: list[Tensor]
     grads: list[Tensor]
-    known: Known | None = None  # the graph as a walk in the forward read it (W plans with it)
+    known: NextNodes | None = None  # the graph as a walk in the forward read it (W plans with it)
 
 
 class _Sums:
@@ -303,14 +303,14 @@ class StageStep:
         inputs: list[Tensor],
         *,
         reach: bool = False,
-        known: Known | None = None,
-    ) -> Plan:
+        known: NextNodes | None = None,
+    ) -> BackwardWalk:
         """:func:`plan_backward` over the stage's parameters (found by ``id`` once a step)."""
         if self._params_by_id is None:
             self._params_by_id = by_id(self.params)
         return plan_backward(outs, gouts, inputs, self._params_by_id, reach=reach, known=known)
 
-    def _walked(self, i: int) -> Known | None:
+    def _walked(self, i: int) -> NextNodes | None:
         """Micro-batch ``i``'s graph on this stage as an earlier walk read it, if one did
         (handed over once): its planning need not read it again."""
         return None
@@ -331,7 +331,7 @@ class StageStep:
         last: bool,
         retain: bool = False,
         readable: bool = True,
-        known: Known | None = None,
+        known: NextNodes | None = None,
     ) -> list[Tensor | None]:
         """The whole backward in one engine pass, parameter gradients summed as they come;
         a large stage's weight products are direct terms (:func:`backward_whole`) where what

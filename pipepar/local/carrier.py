@@ -67,7 +67,7 @@ class ThreadCarrier:
         devices = {schedule.placement[s]: st.device for s, st in enumerate(stages)}
         workers = [devices[w] for w in range(schedule.n_workers)]
         self.weights = WeightQueue(schedule.placement, workers, shared, m)
-        self._thief = threading.local()  # .worker: who runs another worker's W right now
+        self._helper = threading.local()  # .worker: who runs another worker's W right now
         # Per stage, made once: the device its inputs go to, and the question its worker
         # asks while it waits (is there a W to run instead?).
         self._devices = [st.device for st in stages]
@@ -126,14 +126,14 @@ class ThreadCarrier:
         if claimed is None:
             return
         s, i = claimed
-        self._thief.worker = None if self.schedule.placement[s] == worker else worker
+        self._helper.worker = None if self.schedule.placement[s] == worker else worker
         try:
             self._steps[s].weight(i)
         except Exception as error:
             self.failed(Action(s, "W", i), error)
             raise
         finally:
-            self._thief.worker = None
+            self._helper.worker = None
             self.weights.release(s)
 
     # -- the carrier seam (pipepar.core.executor.Carrier) ---------------------------------------
@@ -194,7 +194,7 @@ class ThreadCarrier:
     def trace(self, s: int, i: int, kind: str, start: float, end: float) -> None:
         """Record an event, with the worker running it when it runs another worker's W."""
         if self.tracer is not None:
-            self.tracer.record(s, i, kind, start, end, getattr(self._thief, "worker", None))
+            self.tracer.record(s, i, kind, start, end, getattr(self._helper, "worker", None))
 
 
 def _items(value: object) -> tuple[Any, ...]:

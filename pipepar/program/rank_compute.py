@@ -39,7 +39,6 @@ from pipepar.program.aliases import alias_leaves, of_stage, used_elsewhere
 from pipepar.program.autograd import joined
 from pipepar.program.cut import Ledger
 from pipepar.program.driver import driver_pool, watch_units
-from pipepar.program.link import Link
 from pipepar.program.losses import (
     Forms,
     ModelLoss,
@@ -49,6 +48,7 @@ from pipepar.program.losses import (
     step_shares,
 )
 from pipepar.program.rank_carrier import ProgramCarrier
+from pipepar.program.rank_messages import RankMessages
 from pipepar.program.rank_weights import holders, keep_only, tied_groups
 from pipepar.program.ranks import RankCut, RankStep, shadow_context
 from pipepar.program.recompute import checkpoint_units
@@ -128,7 +128,7 @@ class RankProgram:
         ranks = [mesh.pipeline_ranks[w] for w in schedule.placement]
         self._tied = tied_groups(lay, self.stage_of_unit, ranks)
         self._stages = [_stage(lay, self.stage_of_unit, s, ctx.device) for s in mine]
-        self._link = Link(mesh, ctx.device, schedule.placement)
+        self._link = RankMessages(mesh, ctx.device, schedule.placement)
         if state_dict is None:  # replicas start from replica 0's weights
             ctx.guard(lambda: broadcast_from_first([p.data for p in self._held], mesh))
         self._shards = list(self._held)
