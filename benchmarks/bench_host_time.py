@@ -45,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import _common as common
 from benchmarks import bench_schedules as schedules
 from benchmarks._results import markdown_table, record
-from pipepar.core import schedule as pipepar_schedules
+from pipepar.core import named_schedules as pipepar_schedules
 from pipepar.local import cpu_malloc
 
 TITLE = "Host time per action: tiny layers (8 x Linear(64), batch 64, M=16, 2 cores)"

@@ -17,6 +17,7 @@ is taken as it is.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Protocol
@@ -77,7 +78,9 @@ class PipeView:
     def __init__(
         self, pipe: PipeSettings, stages: list[Stage], asked: Schedule, workers: list[torch.device]
     ) -> None:
-        self.pipe = pipe
+        # Weakly: the pipe owns its view, and a cycle would keep the pipe, and its worker
+        # threads, alive until the cycle collector ran.
+        self._pipe = weakref.ref(pipe)
         self.stages = stages
         self.asked = asked
         self.draws = DrawLog()  # which stages draw random numbers, across mini-batches
@@ -85,6 +88,14 @@ class PipeView:
         self._pool: WorkerPool | None = None
 
     # -- the pipe's settings, as they are now -------------------------------------------------
+    @property
+    def pipe(self) -> PipeSettings:
+        """The pipe this view is of."""
+        pipe = self._pipe()
+        if pipe is None:
+            raise RuntimeError("pipepar: the pipe of this view has been garbage-collected")
+        return pipe
+
     @property
     def chunks(self) -> int:
         return self.pipe.chunks
@@ -140,7 +151,13 @@ class PipeView:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_pool"] = None  # threads do not pickle: a copy starts its own
+        state["_pipe"] = self.pipe  # a copy of the pipe copies it (set back to a weak one)
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        pipe = state.pop("_pipe")
+        self.__dict__.update(state)
+        self._pipe = weakref.ref(pipe)
 
 
 # -- from wrap's arguments ----------------------------------------------------------------------
