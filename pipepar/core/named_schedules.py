@@ -108,32 +108,40 @@ def zb_v(n_stages: int, n_microbatches: int) -> Schedule:
 
 
 def v_half(n_stages: int, n_microbatches: int) -> Schedule:
-    """V-Half (Qi et al. 2024): ZB-V's V over K workers, each worker holding at most
-    ``max(K + 1, v_min's bound)`` half-stage micro-batches (1F1B's first stage holds ``2K``:
-    about half as much activation memory), at about 1F1B's step time.
+    """V-Half (Qi et al. 2024): ZB-V's V over K workers (worker ``w`` holds stages ``w`` and
+    ``2K-1-w``), backward split into B and W, each worker holding at most ``K + 2`` half-stage
+    micro-batches: ``K/2 + 1`` full-stage ones where 1F1B's first stage holds ``K``, half as
+    much as K grows (3/4 on 4 workers; on 2, as much as 1F1B), at about 1F1B's step time.
 
-    The faster (timed as the runtime meets F, B and W) of the building blocks that fit the
-    bound and list scheduling under it.
+    The fastest (timed as the runtime meets F, B and W) of the building blocks within the bound
+    (:mod:`pipepar.core.schedule_blocks`) and list scheduling under it.
 
     Example:
         >>> s = v_half(8, 16)
         >>> s.max_in_flight, max(one_f_one_b(4, 16).max_in_flight or ())
-        ((5, 5, 5, 5), 4)
+        ((6, 6, 6, 6), 4)
+        >>> max(s.worker_in_flight(w) for w in range(4))
+        6
     """
     n, m = _check_sizes(n_stages, n_microbatches)
     k = _workers_for(n, 2, "v-half", "a V of 2 stages per worker")
-    return _v_bounded("v-half", k, m, max(k + 1, _least_held(k)))
+    return _v_bounded("v-half", k, m, k + 2)
 
 
 def v_min(n_stages: int, n_microbatches: int) -> Schedule:
-    """V-Min (Qi et al. 2024): ZB-V's V over K workers, each worker holding the fewest
-    half-stage micro-batches a building block repeated without idle slots reaches (with
-    F = B = W): ``2 * ((K + 4) // 3)`` for K >= 3, about a third of 1F1B's ``2K``; 3 on 2
-    workers. At most a few percent slower than 1F1B, faster with few micro-batches.
+    """V-Min (Qi et al. 2024): ZB-V's V over K workers, backward split into B and W, each
+    worker holding the fewest half-stage micro-batches that a building block repeated without
+    idle slots reaches here (with F = B = W): ``2 * ((K + 4) // 3)`` for K >= 3, i.e.
+    ``(K + 4) // 3`` full-stage ones against 1F1B's ``K`` (a third as K grows, half on 4 to 8
+    workers); 3 on 2 workers (3/4). About 1F1B's step time: a little faster with few
+    micro-batches, a few percent slower with many (the block assumes F = B = W).
 
     Example:
         >>> [v_min(2 * k, 16).max_in_flight[0] for k in (2, 3, 4, 6, 8)]
         [3, 4, 4, 6, 8]
+        >>> s = v_min(8, 16)
+        >>> max(s.worker_in_flight(w) for w in range(4)), s.stages_of(0)
+        (4, [0, 7])
     """
     n, m = _check_sizes(n_stages, n_microbatches)
     k = _workers_for(n, 2, "v-min", "a V of 2 stages per worker")

@@ -46,5 +46,3 @@ class Rerun:
 
     def start(self) -> Start:
         return Start(self._cuda, self._norms)
-
-
