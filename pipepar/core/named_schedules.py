@@ -13,6 +13,8 @@ under their memory bound.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from pipepar.core.schedule import Action, Schedule, timed, validate
 from pipepar.core.schedule_blocks import STYLES, held, repeated, v_block
 from pipepar.core.schedule_greedy import Cost, greedy_orders, unit_cost
@@ -152,6 +154,7 @@ def _least_held(k: int) -> int:
     return min(held(v_block(k, style), k) for style in STYLES)
 
 
+@lru_cache(maxsize=256)  # a search asks again for each layout; the build times many orders
 def _v_bounded(name: str, k: int, m: int, bound: int) -> Schedule:
     """The fastest V schedule found with every worker holding at most ``bound`` half-stage
     micro-batches: the building blocks within it, and list scheduling under it."""
