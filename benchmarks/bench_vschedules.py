@@ -47,6 +47,7 @@ from pipepar.planner.stage_memory import MemoryModel
 
 TITLE = "V-Half and V-Min vs 1F1B: activation peak and rate (GPT, one process)"
 SCHEDULES = ("1f1b", "zb-v", "v-half", "v-min")
+QUICK = ("1f1b", "v-min")
 OPTIMIZER = "adam"
 
 
@@ -101,20 +102,20 @@ def rates(
     """Samples/s of every timed step of each schedule, blocks alternating over rounds."""
     block = math.ceil(args.steps / args.rounds)
     steps, pipes = {}, []
-    for name in SCHEDULES:
+    for name in args.schedules:
         step, pipe = _step(work, k, m, name)
         step()  # warm-up (and worker start)
         steps[name], pipes = common.local_block(step, block, 1), [*pipes, pipe]
     runs = common.alternate(steps, args.rounds)
     for pipe in pipes:
         pipe.close()
-    return {name: [work.batch / t for r in runs[name] for t in r] for name in SCHEDULES}
+    return {name: [work.batch / t for r in runs[name] for t in r] for name in args.schedules}
 
 
 def measure(work: common.Workload, k: int, m: int, args: argparse.Namespace) -> list[dict]:
     """One row per schedule: memory and rate, and both against 1F1B's."""
     prof = pipepar.profile(work.model, work.x, device="meta", optimizer=OPTIMIZER)
-    rows = [memory_row(work, prof, k, m, name) for name in SCHEDULES]
+    rows = [memory_row(work, prof, k, m, name) for name in args.schedules]
     per_step = rates(work, k, m, args)
     ref_mem, ref_rate = max(rows[0]["measured"]), per_step["1f1b"]
     for row in rows:
@@ -186,6 +187,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--write", action="store_true", help="write the section (--results)")
     args = parser.parse_args(argv)
+    args.schedules = QUICK if args.quick else SCHEDULES
     if args.quick:
         args.rounds, args.steps, args.workers, args.chunks = 1, 2, [2], 4
     return args
