@@ -22,6 +22,7 @@ stages ``w`` and ``2K-1-w``).
 
     python benchmarks/bench_vschedules.py --write         # K = 2 and 4, writes RESULTS.md
     python benchmarks/bench_vschedules.py --workers 2 --rounds 4 --steps 8
+    python benchmarks/bench_vschedules.py --ranks --workers 2 --write   # across 2 ranks
     python benchmarks/bench_vschedules.py --quick         # seconds; CI smoke test
 """
 
@@ -32,6 +33,7 @@ import copy
 import math
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pipepar
 from benchmarks import _common as common
+from benchmarks._procs import ProcessGroup
 from benchmarks._results import markdown_table, record
 from pipepar.core.named_schedules import VIRTUAL, make
 from pipepar.core.units import format_bytes
@@ -46,6 +49,7 @@ from pipepar.planner.measure import measure_device
 from pipepar.planner.stage_memory import MemoryModel
 
 TITLE = "V-Half and V-Min vs 1F1B: activation peak and rate (GPT, one process)"
+TITLE_RANKS = "V-Half and V-Min vs 1F1B: rate across ranks (GPT, pipepar.distributed)"
 SCHEDULES = ("1f1b", "zb-v", "v-half", "v-min")
 QUICK = ("1f1b", "v-min")
 OPTIMIZER = "adam"
@@ -112,25 +116,90 @@ def rates(
     return {name: [work.batch / t for r in runs[name] for t in r] for name in args.schedules}
 
 
+def rank_builder(spec: dict[str, Any], rank: int, world: int) -> Callable[[str, int], Any]:
+    """Factory run on every rank: ``build("pipepar.distributed:<name>", m) -> step``, the GPT
+    balanced by forward FLOPs as in one process."""
+    from pipepar.local import cpu_malloc
+
+    cpu_malloc.tune()
+    work = common.workload("gpt", quick=spec["quick"])
+
+    def build(contender: str, m: int) -> Callable[[], None]:
+        import pipepar.distributed as ppd
+
+        name = contender.partition(":")[2]
+        model = copy.deepcopy(work.model)
+        n = 2 * world if name in VIRTUAL else world
+        pipe = ppd.wrap(model, common.balance(work, n), chunks=m, schedule=name,
+                        checkpoint="never")  # fmt: skip
+
+        def step() -> None:
+            pipe.step(work.x, work.y, work.loss)
+            pipe.zero_grad(set_to_none=True)
+
+        return step
+
+    return build
+
+
+def rank_rates(k: int, m: int, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Samples/s of every timed step of each schedule on ``k`` spawned gloo ranks (a step's
+    time is the slowest rank's, every step started after a barrier), blocks alternating."""
+    block = math.ceil(args.steps / args.rounds)
+    spec = {"workload": "gpt", "quick": args.quick}
+    group = ProcessGroup(k, "benchmarks.bench_vschedules:rank_builder", spec)
+    try:
+        timers = {n: common.remote_block(group, f"pipepar.distributed:{n}", m, block, 1)
+                  for n in args.schedules}  # fmt: skip
+        runs = common.alternate(timers, args.rounds)
+    finally:
+        group.close()
+    batch = common.workload("gpt", quick=args.quick).batch
+    return {name: [batch / t for r in runs[name] for t in r] for name in args.schedules}
+
+
+def against_1f1b(per_step: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
+    """Each schedule's median rate, spread and ratio to 1F1B's median (bootstrap interval)."""
+    ref = per_step["1f1b"]
+    out = {}
+    for name, got in per_step.items():
+        q = common.Quantiles.of(got)
+        out[name] = {
+            "median": q.median,
+            "spread": q.spread(),
+            "of_1f1b_rate": q.median / statistics.median(ref),
+            "rate_interval": common.ratio_interval(got, ref, stat=statistics.median),
+        }
+    return out
+
+
 def measure(work: common.Workload, k: int, m: int, args: argparse.Namespace) -> list[dict]:
     """One row per schedule: memory and rate, and both against 1F1B's."""
     prof = pipepar.profile(work.model, work.x, device="meta", optimizer=OPTIMIZER)
     rows = [memory_row(work, prof, k, m, name) for name in args.schedules]
-    per_step = rates(work, k, m, args)
-    ref_mem, ref_rate = max(rows[0]["measured"]), per_step["1f1b"]
+    speed = against_1f1b(rates(work, k, m, args))
+    ref_mem = max(rows[0]["measured"])
     for row in rows:
-        got, q = per_step[row["schedule"]], common.Quantiles.of(per_step[row["schedule"]])
         top = max(range(k), key=lambda w: row["measured"][w])
         row |= {
             "peak": row["measured"][top],
             "peak_predicted": row["predicted"][top],
             "of_1f1b_memory": row["measured"][top] / ref_mem,
-            "median": q.median,
-            "spread": q.spread(),
-            "of_1f1b_rate": q.median / statistics.median(ref_rate),
-            "rate_interval": common.ratio_interval(got, ref_rate, stat=statistics.median),
+            **speed[row["schedule"]],
         }
     return rows
+
+
+def rank_table(k: int, m: int, speed: dict[str, dict[str, Any]]) -> str:
+    """One line per schedule: the rate across ranks against 1F1B's."""
+    lines = [
+        [k, m, name, f"{r['median']:.1f}", f"{r['spread']:.0%}",
+         f"{r['of_1f1b_rate']:.2f}x ({r['rate_interval'][0]:.2f}-{r['rate_interval'][1]:.2f})"]
+        for name, r in speed.items()
+    ]  # fmt: skip
+    headers = ["ranks K", "M", "schedule", "samples/s median", "spread p10-p90",
+               "x 1F1B rate (90% interval)"]  # fmt: skip
+    return markdown_table(headers, lines)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -154,6 +223,8 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Measure, print the table; write it to RESULTS.md with --write. 0 on success."""
     args = _parse(argv)
+    if args.ranks:
+        return _main_ranks(args)
     before = common.load()
     work = common.workload("gpt", quick=args.quick)
     rows = [r for k in args.workers for r in measure(work, k, args.chunks, args)]
@@ -176,6 +247,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _main_ranks(args: argparse.Namespace) -> int:
+    """The rates across ranks: one table per run, each K of --workers its rows."""
+    before = common.load()
+    work = common.workload("gpt", quick=args.quick)
+    parts = [rank_table(k, args.chunks, against_1f1b(rank_rates(k, args.chunks, args)))
+             for k in args.workers]  # fmt: skip
+    text = "\n\n".join(parts)
+    note = (
+        f"Job: {work.description}, cross-entropy, no optimizer, checkpoint='never', "
+        f"M={args.chunks}; pipepar.distributed.wrap on K spawned gloo ranks (one stage per "
+        "rank for 1F1B, two for the V schedules), balance by forward FLOPs. "
+        f"{args.rounds} rounds x {math.ceil(args.steps / args.rounds)} timed steps per "
+        "schedule after one untimed step per block, order rotating; a step's time is the "
+        "slowest rank's, every step started after a barrier. The 2-core machine is shared "
+        f"with other jobs: machine load before {before}; after {common.load()}."
+    )
+    print(text, note, sep="\n\n")
+    if args.write:
+        record(TITLE_RANKS, text, notes=note, path=common.results_path(args, "vschedules"))
+    return 0
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_options(parser, rounds=6)
@@ -186,6 +279,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="devices K, comma-separated (default 2,4)",
     )  # fmt: skip
     parser.add_argument("--write", action="store_true", help="write the section (--results)")
+    parser.add_argument("--ranks", action="store_true", help="rates across spawned ranks only")
     args = parser.parse_args(argv)
     args.schedules = QUICK if args.quick else SCHEDULES
     if args.quick:
