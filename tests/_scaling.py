@@ -44,7 +44,9 @@ def tilted(seed: int = 0) -> nn.Sequential:
     (:func:`tilted_batch`) are 1e3 times: its activations are as usual, its weight gradients
     about 1e3 times the other layers'."""
     torch.manual_seed(seed)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+    model = nn.Sequential(
+        nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)
+    )
     with torch.no_grad():
         model[0].weight.mul_(1e-3)
     return model
@@ -124,7 +126,9 @@ def plain_clip(model: nn.Module) -> Callable[[float], Any]:
 def differences(ours: Record, theirs: Record) -> dict[str, float]:
     """The largest difference of the losses and of any parameter after any step."""
     params = max(
-        (a[n] - b[n]).abs().max().item() for a, b in zip(ours.params, theirs.params) for n in a
+        (a[n] - b[n]).abs().max().item()
+        for a, b in zip(ours.params, theirs.params)
+        for n in a
     )
     losses = max(abs(a - b) for a, b in zip(ours.losses, theirs.losses))
     return {"losses": losses, "params": params}

@@ -346,7 +346,9 @@ def _arguments(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
 
 def _batched_leaves(leaves: list[Any], n: int, spec: pytree.TreeSpec) -> frozenset[int]:
     """Positions, among the plain leaves of a micro-batch's call, of the split batch tensors."""
-    marks = pytree.tree_leaves(pytree.tree_unflatten([_batched(leaf, n) for leaf in leaves], spec))
+    marks = pytree.tree_leaves(
+        pytree.tree_unflatten([_batched(leaf, n) for leaf in leaves], spec)
+    )
     return frozenset(k for k, mark in enumerate(marks) if mark is True)
 
 

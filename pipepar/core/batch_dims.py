@@ -336,32 +336,9 @@ _RULES: dict[str, _Rule] = {
     **{
         name: _along(name)
         for name in (
-            "sum",
-            "mean",
-            "amax",
-            "amin",
-            "max",
-            "min",
-            "logsumexp",
-            "var",
-            "std",
-            "prod",
-            "argmax",
-            "argmin",
-            "norm",
-            "cumsum",
-            "cumprod",
-            "softmax",
-            "log_softmax",
-            "sort",
-            "topk",
-            "median",
-            "nansum",
-            "nanmean",
-            "var_mean",
-            "std_mean",
-            "any",
-            "all",
+            "sum", "mean", "amax", "amin", "max", "min", "logsumexp", "var", "std", "prod",
+            "argmax", "argmin", "norm", "cumsum", "cumprod", "softmax", "log_softmax", "sort",
+            "topk", "median", "nansum", "nanmean", "var_mean", "std_mean", "any", "all",
             "count_nonzero",
         )
     },
@@ -376,7 +353,7 @@ _FUNCTIONAL: dict[Callable[..., Any], _Rule] = {
         (args[0], kwargs.get("dim", args[2] if len(args) > 2 else 1)), {}, out, batched
     ),
     F.dropout: _first_only,
-    F.embedding: lambda args, kwargs, out, batched: (
-        batched[0][1] if batched[0][0] is args[0] else None
-    ),
+    F.embedding: lambda args, kwargs, out, batched: batched[0][1]
+    if batched[0][0] is args[0]
+    else None,
 }

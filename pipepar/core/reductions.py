@@ -451,6 +451,7 @@ class Probe(TorchFunctionMode):
             "is not known before each micro-batch's forward",
         )
 
+
     def _real_targets(self, bound: dict[str, Any], name: str) -> Count | None:
         """The count of a class loss's real targets in any micro-batch, when its class-index
         target is replayed from the inputs."""

@@ -46,3 +46,5 @@ class Rerun:
 
     def start(self) -> Start:
         return Start(self._cuda, self._norms)
+
+

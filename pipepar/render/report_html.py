@@ -61,7 +61,9 @@ _CSS = (
 )
 
 
-def write_html(plan: Plan, path: str | Path, *, timeline: Timeline | Tracer | None = None) -> Path:
+def write_html(
+    plan: Plan, path: str | Path, *, timeline: Timeline | Tracer | None = None
+) -> Path:
     """Write a self-contained HTML report (inline SVG charts, no scripts) to ``path``.
 
     Users call it as :func:`pipepar.report.save_html`.

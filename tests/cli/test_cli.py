@@ -229,21 +229,8 @@ def test_plan_any_model_over_its_units(tmp_path: Path, capsys: pytest.CaptureFix
     and plans over its units, fed token ids as input_ids= and labels=."""
     js = tmp_path / "plan.json"
     code, out, err = _run(
-        capsys,
-        "plan",
-        "models.transformers_zoo:gpt2",
-        "--tokens",
-        "4,16",
-        "--devices",
-        "2",
-        "--capacity",
-        "1GiB",
-        "--chunks",
-        "2",
-        "--schedule",
-        "1f1b",
-        "--json",
-        str(js),
+        capsys, "plan", "models.transformers_zoo:gpt2", "--tokens", "4,16", "--devices", "2",
+        "--capacity", "1GiB", "--chunks", "2", "--schedule", "1f1b", "--json", str(js),
     )
     assert code == 0, err
     data = json.loads(js.read_text())
@@ -255,30 +242,16 @@ def test_plan_any_model_over_its_units(tmp_path: Path, capsys: pytest.CaptureFix
     config.write_text(
         json.dumps(
             {
-                "model_type": "llama",
-                "architectures": ["LlamaForCausalLM"],
-                "hidden_size": 32,
-                "intermediate_size": 64,
-                "num_hidden_layers": 3,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "vocab_size": 128,
+                "model_type": "llama", "architectures": ["LlamaForCausalLM"],
+                "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128,
                 "dtype": "bfloat16",
             }
         )
     )
     code, out, err = _run(
-        capsys,
-        "plan",
-        "--hf-config",
-        str(config),
-        "--tokens",
-        "2,32",
-        "--devices",
-        "2",
-        "--json",
-        "-",
-        "--quiet",
+        capsys, "plan", "--hf-config", str(config), "--tokens", "2,32", "--devices", "2",
+        "--json", "-", "--quiet",
     )
     assert code == 0, err
     data = json.loads(out)
@@ -325,16 +298,8 @@ def test_own_model_from_the_current_directory(
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     code, out, err = _run(
-        capsys,
-        "profile",
-        "cli_own_net:build",
-        "--input-shape",
-        "8,16",
-        "--devices",
-        "2",
-        "--json",
-        "-",
-        "--quiet",
+        capsys, "profile", "cli_own_net:build", "--input-shape", "8,16", "--devices", "2",
+        "--json", "-", "--quiet",
     )
     assert code == 0, err
     assert json.loads(out)["balance"] == [1, 1]

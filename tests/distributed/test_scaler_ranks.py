@@ -124,9 +124,8 @@ def test_every_stage_skips_an_overflowed_step_together() -> None:
     for out in results.values():
         for how in ("chain", "program"):
             _check(out[how])
-        assert (
-            "the loss scaler's scale differs over the ranks (1024.0 to 2048.0"
-            in (out["scales_differ"])
+        assert "the loss scaler's scale differs over the ranks (1024.0 to 2048.0" in (
+            out["scales_differ"]
         )
 
 

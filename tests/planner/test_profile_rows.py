@@ -35,9 +35,7 @@ def test_times_scale_and_parameters_stay() -> None:
     for x, y in zip(prof.layers, scaled.layers):
         assert y.forward_ms == pytest.approx(3 * x.forward_ms)  # type: ignore[operator]
         assert (y.params_bytes, y.grads_bytes, y.optimizer_bytes) == (
-            x.params_bytes,
-            x.grads_bytes,
-            x.optimizer_bytes,
+            x.params_bytes, x.grads_bytes, x.optimizer_bytes,
         )
         assert [g for _, g in y.backward_points] == [g for _, g in x.backward_points]
     assert at_rows(prof, 8) is prof

@@ -54,3 +54,5 @@ def packed_batch(rows: int = 4, seq: int = 6) -> dict[str, torch.Tensor]:
 def patches_per_row(call: dict[str, Any]) -> torch.Tensor:
     """Each row's patches: its image tokens."""
     return (call["input_ids"] == IMAGE).sum(1)
+
+

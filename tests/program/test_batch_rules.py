@@ -15,7 +15,9 @@ from tests.program._packed_toy import IMAGE, PackedImages, packed_batch, patches
 
 
 def _pipe(model: nn.Module, **kwargs) -> pipepar.Pipe:
-    return pipepar.wrap(model, balance=[3, 2, 2], devices=["cpu", "cpu", "cpu"], chunks=4, **kwargs)
+    return pipepar.wrap(
+        model, balance=[3, 2, 2], devices=["cpu", "cpu", "cpu"], chunks=4, **kwargs
+    )
 
 
 def _step_equals_plain(pipe: pipepar.Pipe, model: nn.Module, plain: nn.Module, batch) -> None:

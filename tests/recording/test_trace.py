@@ -181,4 +181,6 @@ def test_by_worker_puts_virtual_stages_on_their_device_lane() -> None:
     mine = [e for s in (0, 3) for e in per_stage.of_stage(s) if e.worker in (None, 0)]
     taken = [e for s in (1, 2) for e in per_stage.of_stage(s) if e.worker == 0]
     assert all(e.kind == "weight" for e in taken)
-    assert sorted(e.label for e in per_worker.of_stage(0)) == sorted(e.label for e in mine + taken)
+    assert sorted(e.label for e in per_worker.of_stage(0)) == sorted(
+        e.label for e in mine + taken
+    )
