@@ -1,8 +1,8 @@
 """Real models under ``pipepar.distributed`` with the virtual-stage schedules: four stages on
 two gloo ranks (``"interleaved-1f1b"``: stages 0 and 2 on rank 0; ``"zb-v"``, ``"v-half"`` and
 ``"v-min"``: stages 0 and 3, so GPT-2's tied embedding and head on one rank, and 1 and 2,
-handed over on rank 1), and a pp=2 x dp=2 grid on four. Over three steps (the first learns the route, the others follow it)
-the loss and every gradient equal the plain model's."""
+handed over on rank 1), and a pp=2 x dp=2 grid on four. Over three steps (the first learns
+the route, the others follow it) the loss and every gradient equal the plain model's."""
 
 from __future__ import annotations
 
