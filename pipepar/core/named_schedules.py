@@ -136,7 +136,8 @@ def v_min(n_stages: int, n_microbatches: int) -> Schedule:
     idle slots reaches here (with F = B = W): ``2 * ((K + 4) // 3)`` for K >= 3, i.e.
     ``(K + 4) // 3`` full-stage ones against 1F1B's ``K`` (a third as K grows, half on 4 to 8
     workers); 3 on 2 workers (3/4). About 1F1B's step time: a little faster with few
-    micro-batches, a few percent slower with many (the block assumes F = B = W).
+    micro-batches, a few percent slower with many (the block assumes F = B = W). The faster of
+    that block and list scheduling under the same bound (it wins only with few micro-batches).
 
     Example:
         >>> [v_min(2 * k, 16).max_in_flight[0] for k in (2, 3, 4, 6, 8)]
