@@ -34,8 +34,7 @@ from pipepar.core.schedule import Schedule
 from pipepar.core.stage import iter_layers
 from pipepar.hf import conventions as hf
 from pipepar.local.chain import ChainCompute, chain_step_arguments, is_chain
-from pipepar.local.pipe_args import check_threads, count_workers, schedule_for
-from pipepar.local.pipe_view import PipeView
+from pipepar.local.pipe_view import PipeView, check_threads, count_workers, schedule_for
 from pipepar.local.placement import check_staying, cuda_device
 from pipepar.recording.tracer import Tracer
 

@@ -625,3 +625,34 @@ def test_compile_quick_table_shape(capsys: pytest.CaptureFixture[str]) -> None:
         cells = [c.strip() for c in line.strip("|").split("|")]
         assert cells[0] in bench_compile.SCHEDULES
         assert all(float(c) > 0 for c in cells[1:])
+
+
+def test_host_time_counts_each_schedules_actions_and_divides_by_them() -> None:
+    # The quick run spawns the limit's two ranks: ~50 s on 2 shared cores, too slow for the
+    # smoke tests; its arithmetic is checked here on made-up rows instead.
+    from benchmarks import bench_host_time as host
+
+    assert host.actions("pipepar:1f1b", 16) == 2 * 2 * 16  # two stages, F and B
+    assert host.actions("pipepar:zb-h1", 16) == 2 * 3 * 16  # W apart
+    assert host.actions("pipepar.distributed:zb-v", 16) == 4 * 3 * 16  # four stages
+    assert host.actions("torch:ZBVZeroBubble", 16) == 4 * 3 * 16
+    assert host.actions("torch:1F1B", 16) == host.actions("hand:gpipe", 16) == 64
+    assert host.actions("limit:", 16) is None and host.actions("pipepar:no-such", 16) is None
+
+    def row(key: str, p90: float) -> dict[str, Any]:
+        return {"key": key, "error": None, "p90": p90}
+
+    batch = 64
+    rows = host.host_rows(
+        [row("limit:", 2 * batch / 0.010), row("pipepar:1f1b", batch / 0.020)]
+        + [row("pipepar:zb-v", batch / 0.030)],
+        batch,
+        16,
+    )
+    by = {r["key"]: r for r in rows}
+    assert by["pipepar:1f1b"]["us_per_action"] == pytest.approx(20_000 / 32)
+    assert by["pipepar:1f1b"]["beyond_limit_us"] == pytest.approx((20_000 - 5_000) / 32)
+    assert by["pipepar:zb-v"]["us_per_action"] == pytest.approx(30_000 / 96)
+    assert by["pipepar:zb-v"]["step_x_1f1b"] == pytest.approx(1.5)
+    assert by["pipepar:zb-v"]["x_1f1b"] == pytest.approx((30_000 / 96) / (20_000 / 32))
+    assert by["limit:"]["us_per_action"] is None and by["limit:"]["x_1f1b"] is None

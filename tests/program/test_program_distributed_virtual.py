@@ -127,21 +127,21 @@ def _following(
 @contextlib.contextmanager
 def _counting_messages() -> Iterator[Counter[tuple[int, int]]]:
     """Count the activation messages this rank sends, by (producer, consumer) stage."""
-    from pipepar.program.link import ACTIVATION, Link
+    from pipepar.program.rank_messages import ACTIVATION, RankMessages
 
     counts: Counter[tuple[int, int]] = Counter()
-    send = Link._send
+    send = RankMessages._send
 
-    def counted(self: Link, buffer: Any, value: str, kind: int, *stages: int) -> None:
+    def counted(self: RankMessages, buffer: Any, value: str, kind: int, *stages: int) -> None:
         if kind == ACTIVATION:
             counts[stages] += 1
         send(self, buffer, value, kind, *stages)
 
-    Link._send = counted  # type: ignore[method-assign]
+    RankMessages._send = counted  # type: ignore[method-assign]
     try:
         yield counts
     finally:
-        Link._send = send  # type: ignore[method-assign]
+        RankMessages._send = send  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
