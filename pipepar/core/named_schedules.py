@@ -1,9 +1,11 @@
-"""The named schedules: GPipe, 1F1B, ZB-H1, ZB-V and interleaved 1F1B, built for a number of
-stages and micro-batches, and :func:`make`, which builds one by its name.
+"""The named schedules: GPipe, 1F1B, ZB-H1, ZB-V, V-Half, V-Min and interleaved 1F1B, built for
+a number of stages and micro-batches, and :func:`make`, which builds one by its name.
 
 Each builder returns a :class:`~pipepar.core.schedule.Schedule` (the action lists as data); the
 zero-bubble ones and interleaved 1F1B with a micro-batch count that is not a multiple of the
-workers are list-scheduled (:mod:`pipepar.core.schedule_greedy`).
+workers are list-scheduled (:mod:`pipepar.core.schedule_greedy`); V-Half and V-Min take the
+faster of a repeated building block (:mod:`pipepar.core.schedule_blocks`) and list scheduling
+under their memory bound.
 
     >>> [str(a) for a in one_f_one_b(3, 4).stage(0)]
     ['F0', 'F1', 'F2', 'B0', 'F3', 'B1', 'B2', 'B3']
@@ -11,7 +13,10 @@ workers are list-scheduled (:mod:`pipepar.core.schedule_greedy`).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from pipepar.core.schedule import Action, Schedule, timed, validate
+from pipepar.core.schedule_blocks import STYLES, held, repeated, v_block
 from pipepar.core.schedule_greedy import Cost, greedy_orders, unit_cost
 
 __all__ = [
@@ -22,6 +27,8 @@ __all__ = [
     "make",
     "n_workers",
     "one_f_one_b",
+    "v_half",
+    "v_min",
     "zb_h1",
     "zb_v",
 ]
@@ -102,6 +109,72 @@ def zb_v(n_stages: int, n_microbatches: int) -> Schedule:
     return min(built, key=lambda s: max(timed(s, _first_free).values()))
 
 
+def v_half(n_stages: int, n_microbatches: int) -> Schedule:
+    """V-Half (Qi et al. 2024): ZB-V's V over K workers (worker ``w`` holds stages ``w`` and
+    ``2K-1-w``), backward split into B and W, each worker holding at most ``K + 2`` half-stage
+    micro-batches: ``K/2 + 1`` full-stage ones where 1F1B's first stage holds ``K``, half as
+    much as K grows (3/4 on 4 workers; on 2, as much as 1F1B), at about 1F1B's step time.
+
+    The fastest (timed as the runtime meets F, B and W) of the building blocks within the bound
+    (:mod:`pipepar.core.schedule_blocks`) and list scheduling under it.
+
+    Example:
+        >>> s = v_half(8, 16)
+        >>> s.max_in_flight, max(one_f_one_b(4, 16).max_in_flight or ())
+        ((6, 6, 6, 6), 4)
+        >>> max(s.worker_in_flight(w) for w in range(4))
+        6
+    """
+    n, m = _check_sizes(n_stages, n_microbatches)
+    k = _workers_for(n, 2, "v-half", "a V of 2 stages per worker")
+    return _v_bounded("v-half", k, m, k + 2)
+
+
+def v_min(n_stages: int, n_microbatches: int) -> Schedule:
+    """V-Min (Qi et al. 2024): ZB-V's V over K workers, backward split into B and W, each
+    worker holding the fewest half-stage micro-batches that a building block repeated without
+    idle slots reaches here (with F = B = W): ``2 * ((K + 4) // 3)`` for K >= 3, i.e.
+    ``(K + 4) // 3`` full-stage ones against 1F1B's ``K`` (a third as K grows, half on 4 to 8
+    workers); 3 on 2 workers (3/4). About 1F1B's step time: a little faster with few
+    micro-batches, a few percent slower with many (the block assumes F = B = W). The faster of
+    that block and list scheduling under the same bound (it wins only with few micro-batches).
+
+    Example:
+        >>> [v_min(2 * k, 16).max_in_flight[0] for k in (2, 3, 4, 6, 8)]
+        [3, 4, 4, 6, 8]
+        >>> s = v_min(8, 16)
+        >>> max(s.worker_in_flight(w) for w in range(4)), s.stages_of(0)
+        (4, [0, 7])
+    """
+    n, m = _check_sizes(n_stages, n_microbatches)
+    k = _workers_for(n, 2, "v-min", "a V of 2 stages per worker")
+    return _v_bounded("v-min", k, m, _least_held(k))
+
+
+def _least_held(k: int) -> int:
+    return min(held(v_block(k, style), k) for style in STYLES)
+
+
+@lru_cache(maxsize=256)  # a search asks again for each layout; the build times many orders
+def _v_bounded(name: str, k: int, m: int, bound: int) -> Schedule:
+    """The fastest V schedule found with every worker holding at most ``bound`` half-stage
+    micro-batches: the building blocks within it, and list scheduling under it."""
+    placement = tuple(s if s < k else 2 * k - 1 - s for s in range(2 * k))
+    bounds = (bound,) * k
+    built = [
+        _from_orders(name, placement, m, repeated(v_block(k, style), k, m), bounds)
+        for style in STYLES
+        if held(v_block(k, style), k) <= bound
+    ]
+    for cost in _ZB_V_COSTS:
+        try:
+            orders = greedy_orders(placement, k, m, bounds, split=True, cost=cost, reserve=True)
+        except ValueError:  # this cost model's order cannot progress under the bound
+            continue
+        built.append(_from_orders(name, placement, m, orders, bounds))
+    return min(built, key=lambda s: max(timed(s, _first_free).values()))
+
+
 def _first_free(a: Action, split: bool) -> float:
     """Costs as the runtime meets them with matrix-product layers: F, B and W one product per
     layer, W a bit cheaper (no elementwise backward); the first stage's input needs no gradient,
@@ -168,10 +241,10 @@ def _looped_order(w: int, k: int, v: int, m: int) -> list[Action]:
     return order + bwd[len(fwd) - warmup :]  # cool-down
 
 
-NAMES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
+NAMES = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v", "v-half", "v-min")
 """Schedule names that :func:`make`, ``pipepar.wrap`` and ``pipepar.distributed.wrap`` accept."""
 
-VIRTUAL = ("interleaved-1f1b", "zb-v")
+VIRTUAL = ("interleaved-1f1b", "zb-v", "v-half", "v-min")
 """Names whose balance lists several stages per worker."""
 
 
@@ -225,15 +298,10 @@ def make(name: str | Schedule, n_stages: int, n_microbatches: int, *, n_workers:
             f"schedule must be one of {list(NAMES)} or a pipepar Schedule, but got {name!r}; "
             "'1f1b' holds fewer activations than 'gpipe', 'zb-v' leaves the smallest bubble"
         )
-    if name in VIRTUAL:
-        schedule = (
-            zb_v(n_stages, n_microbatches)
-            if name == "zb-v"
-            else interleaved_1f1b(n_stages, n_microbatches, n_workers=n_workers)
-        )
+    if name == "interleaved-1f1b":
+        schedule = interleaved_1f1b(n_stages, n_microbatches, n_workers=n_workers)
     else:
-        builders = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zb_h1}
-        schedule = builders[name](n_stages, n_microbatches)
+        schedule = _BUILDERS[name](n_stages, n_microbatches)
     if schedule.n_workers != n_workers:
         raise ValueError(
             f"schedule {name!r} with {n_stages} stages runs on {schedule.n_workers} workers but "
@@ -245,6 +313,16 @@ def make(name: str | Schedule, n_stages: int, n_microbatches: int, *, n_workers:
             )
         )
     return schedule
+
+
+_BUILDERS = {
+    "gpipe": gpipe,
+    "1f1b": one_f_one_b,
+    "zb-h1": zb_h1,
+    "zb-v": zb_v,
+    "v-half": v_half,
+    "v-min": v_min,
+}
 
 
 def _check_given(schedule: Schedule, n: int, m: int, k: int) -> Schedule:
@@ -269,6 +347,16 @@ def _greedy(
     cost: Cost = unit_cost,
 ) -> Schedule:
     orders = greedy_orders(placement, k, m, bound, split=split, cost=cost)
+    return _from_orders(name, placement, m, orders, bound)
+
+
+def _from_orders(
+    name: str,
+    placement: tuple[int, ...],
+    m: int,
+    orders: list[list[tuple[int, str, int]]],
+    bound: tuple[int, ...],
+) -> Schedule:
     actions = tuple(tuple(Action(s, kind, i) for s, kind, i in work) for work in orders)  # type: ignore[arg-type]
     return Schedule(name, len(placement), m, actions, placement, max_in_flight=bound)
 

@@ -213,6 +213,18 @@ def test_memory_quick(tmp_path: Path) -> None:
         assert f"({verdict})" in text
 
 
+def test_vschedules_quick_measures_memory_beside_the_prediction(tmp_path: Path) -> None:
+    rows, text = _run("bench_vschedules.py", tmp_path, "--write")
+    assert "## V-Half and V-Min vs 1F1B: activation peak and rate" in text
+    assert [(r["schedule"], r["held"]) for r in rows] == [("1f1b", 2), ("v-min", 3)]
+    for row in rows:
+        assert len(row["measured"]) == len(row["predicted"]) == row["k"] == 2
+        for got, want in zip(row["measured"], row["predicted"]):
+            assert abs(want / got - 1) < 0.1, row
+        assert row["median"] > 0 and row["rate_interval"][0] <= row["rate_interval"][1]
+    assert rows[0]["of_1f1b_memory"] == rows[0]["of_1f1b_rate"] == 1.0
+
+
 def test_quick_mode_never_writes_the_real_results(tmp_path: Path) -> None:
     import argparse
 

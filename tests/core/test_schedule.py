@@ -10,10 +10,13 @@ from hypothesis import strategies as st
 
 from pipepar.core.named_schedules import (
     NAMES,
+    VIRTUAL,
     gpipe,
     interleaved_1f1b,
     make,
     one_f_one_b,
+    v_half,
+    v_min,
     zb_h1,
     zb_v,
 )
@@ -154,6 +157,8 @@ def _all(k: int, m: int) -> list[Schedule]:
         zb_h1(k, m),
         interleaved_1f1b(2 * k, m, n_workers=k),
         zb_v(2 * k, m),
+        v_half(2 * k, m),
+        v_min(2 * k, m),
     ]
 
 
@@ -201,7 +206,7 @@ def test_interleaved_loops_stages_over_workers() -> None:
 
 def test_make_builds_every_name_and_lists_them_for_a_typo() -> None:
     for name in NAMES:
-        n = 4 if name in ("interleaved-1f1b", "zb-v") else 2
+        n = 4 if name in VIRTUAL else 2
         assert make(name, n, 4, n_workers=2).name == name
     with pytest.raises(ValueError, match=r"one of \['gpipe', '1f1b', 'zb-h1'"):
         make("zero-bubble", 2, 4, n_workers=2)

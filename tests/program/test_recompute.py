@@ -18,6 +18,7 @@ from torchvision.models.resnet import BasicBlock
 
 import pipepar
 from models import transformers_zoo as zoo
+from pipepar.core.named_schedules import VIRTUAL
 from tests.program._real import (
     SPLITS,
     _batch,
@@ -30,11 +31,15 @@ from tests.program._real import (
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v"]
 MODES = ["always", "except_last"]
-CASES = list(itertools.product(SPLITS, SCHEDULES))  # the five real models x every schedule
+CASES = [  # the five real models x every schedule, and the two V schedules of less memory
+    *itertools.product(SPLITS, SCHEDULES),
+    ("gpt2", "v-min"),
+    ("llama", "v-half"),
+]
 
 
 def _wrap(model: nn.Module, name: str, schedule: str, checkpoint: str) -> nn.Module:
-    virtual = schedule in ("interleaved-1f1b", "zb-v")
+    virtual = schedule in VIRTUAL
     return pipepar.wrap(
         model,
         split=SPLITS[name] if virtual else SPLITS[name][1:2],
