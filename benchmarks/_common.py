@@ -429,3 +429,12 @@ def write_json(path: Path | None, rows: list[dict[str, object]]) -> None:
     """Write rows as a JSON list (nothing when ``path`` is None)."""
     if path is not None:
         Path(path).write_text(json.dumps(rows, indent=1))
+
+
+def stage_ranges(balance: list[int]) -> list[tuple[int, int]]:
+    """(first, last) layer index of each stage, inclusive."""
+    out, start = [], 0
+    for n in balance:
+        out.append((start, start + n - 1))
+        start += n
+    return out

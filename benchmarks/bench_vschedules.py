@@ -55,14 +55,6 @@ QUICK = ("1f1b", "v-min")
 OPTIMIZER = "adam"
 
 
-def _ranges(balance: list[int]) -> list[tuple[int, int]]:
-    out, start = [], 0
-    for n in balance:
-        out.append((start, start + n - 1))
-        start += n
-    return out
-
-
 def memory_row(
     work: common.Workload, prof: pipepar.Profile, k: int, m: int, name: str
 ) -> dict[str, Any]:
@@ -71,7 +63,7 @@ def memory_row(
     bal = common.balance(work, n)
     order = make(name, n, m, n_workers=k)
     model = MemoryModel(prof, order, checkpoint="never", foreach=[False] * k)
-    ranges = _ranges(bal)
+    ranges = common.stage_ranges(bal)
     measured, predicted = [], []
     for w in range(k):
         mine = [ranges[s] for s in order.stages_of(w)]
