@@ -36,6 +36,8 @@ Loss = Callable[[Tensor, Tensor], Tensor]
 Step = Callable[[], None]
 T = TypeVar("T")
 WORKLOADS = ("mlp", "alexnet", "gpt")
+TINY = "tiny"
+"""A workload outside WORKLOADS: so little to compute per action that host time decides."""
 
 
 @dataclass
@@ -103,12 +105,18 @@ def _gpt_loss(out: Tensor, y: Tensor) -> Tensor:
 
 
 def workload(name: str, *, quick: bool = False, seed: int = 0) -> Workload:
-    """Build the named workload (``"mlp"``, ``"alexnet"`` or ``"gpt"``), seeded, on the CPU.
+    """Build the named workload (``"mlp"``, ``"alexnet"``, ``"gpt"`` or ``"tiny"``), seeded, on
+    the CPU.
 
     ``quick`` shrinks every size so one step takes milliseconds (for CI).
     """
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed + 1)
+    if name == TINY:  # the same sizes in quick mode: already tiny
+        model, width, batch = _mlp_inline(8, 64), 64, 64
+        x, y = torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen)
+        text = f"8 x (Linear({width}, {width}) + ReLU), batch {batch}"
+        return Workload(name, model, x, y, F.mse_loss, text)
     if name == "mlp":
         depth, width, batch = (4, 64, 32) if quick else (8, 1024, 256)
         try:
@@ -138,7 +146,7 @@ def workload(name: str, *, quick: bool = False, seed: int = 0) -> Workload:
         y = torch.randint(vocab, (batch, seq), generator=gen)
         text = f"GPT {depth} blocks x {width} wide, vocab {vocab}, {batch} x {seq} tokens"
         return Workload(name, model, x, y, _gpt_loss, text)
-    raise ValueError(f"workload {name!r} is not one of {WORKLOADS}; pass e.g. 'mlp'")
+    raise ValueError(f"workload {name!r} is not one of {(*WORKLOADS, TINY)}; pass e.g. 'mlp'")
 
 
 def layer_flops(model: nn.Sequential, sample: Tensor) -> list[int]:
@@ -421,3 +429,12 @@ def write_json(path: Path | None, rows: list[dict[str, object]]) -> None:
     """Write rows as a JSON list (nothing when ``path`` is None)."""
     if path is not None:
         Path(path).write_text(json.dumps(rows, indent=1))
+
+
+def stage_ranges(balance: list[int]) -> list[tuple[int, int]]:
+    """(first, last) layer index of each stage, inclusive."""
+    out, start = [], 0
+    for n in balance:
+        out.append((start, start + n - 1))
+        start += n
+    return out

@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import models
-from pipepar.core.schedule import make
+from pipepar.core.named_schedules import make
 from pipepar.planner.measure import measure_device
 from pipepar.planner.profile import Profile, profile
 from pipepar.planner.stage_memory import MemoryModel

@@ -68,7 +68,7 @@ import models
 import pipepar
 from benchmarks import _common as common
 from benchmarks._results import RESULTS, markdown_table, record
-from pipepar.core.schedule import VIRTUAL, make
+from pipepar.core.named_schedules import VIRTUAL, make
 from pipepar.planner.stage_memory import MemoryModel
 
 TITLE = "One GPU, several stages: pipepar against the plain model (CUDA)"

@@ -36,7 +36,7 @@ import models
 import pipepar
 from benchmarks import _common as common
 from benchmarks._results import markdown_table, record
-from pipepar.core.schedule import VIRTUAL, make
+from pipepar.core.named_schedules import VIRTUAL, make
 from pipepar.core.units import format_bytes, parse_bytes
 from pipepar.planner.measure import measure_device, measure_split
 from pipepar.planner.stage_memory import MemoryModel
@@ -73,15 +73,6 @@ def _gpt(depth: int, quick: bool, device: str = "cpu") -> tuple[nn.Sequential, T
     return model, ids.to(device)
 
 
-def _ranges(balance: list[int]) -> list[tuple[int, int]]:
-    """(first, last) layer index of each stage, inclusive."""
-    out, start = [], 0
-    for n in balance:
-        out.append((start, start + n - 1))
-        start += n
-    return out
-
-
 def predicted(
     prof: pipepar.Profile, balance: list[int], m: int, schedule: str, checkpoint: str
 ) -> list[int]:
@@ -92,7 +83,7 @@ def predicted(
     mm = MemoryModel(
         prof, make(schedule, k, m, n_workers=workers), checkpoint=checkpoint, foreach=[False] * k
     )
-    return [mm.stage(j, a, b).peak_bytes for j, (a, b) in enumerate(_ranges(balance))]
+    return [mm.stage(j, a, b).peak_bytes for j, (a, b) in enumerate(common.stage_ranges(balance))]
 
 
 def mode_rows(quick: bool) -> list[dict[str, Any]]:
@@ -132,7 +123,7 @@ def virtual_rows(quick: bool) -> list[dict[str, Any]]:
         n = 2 * k if schedule in VIRTUAL else k
         bal, order = common.balance(work, n), make(schedule, n, m, n_workers=k)
         mm = MemoryModel(prof, order, checkpoint=checkpoint, foreach=[False] * k)
-        ranges = _ranges(bal)
+        ranges = common.stage_ranges(bal)
         peaks = [
             sum(p.peak_bytes for p in mm.device(w, [ranges[s] for s in order.stages_of(w)]))
             for w in range(k)

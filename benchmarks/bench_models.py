@@ -213,7 +213,7 @@ def job(name: str, *, quick: bool = False) -> Job:
 
 def stages(schedule: str) -> int:
     """Stages of a two-worker pipe: two, or four for the virtual-stage schedules."""
-    from pipepar.core.schedule import VIRTUAL
+    from pipepar.core.named_schedules import VIRTUAL
 
     return 4 if schedule in VIRTUAL else 2
 

@@ -88,7 +88,7 @@ from benchmarks import bench_models
 from benchmarks._contenders import pipepar_balance
 from benchmarks._procs import ProcessGroup
 from benchmarks._results import markdown_table, record
-from pipepar.core.schedule import NAMES as SCHEDULES
+from pipepar.core.named_schedules import NAMES as SCHEDULES
 from pipepar.local import cpu_malloc
 from pipepar.planner.calibrate import Measured, fit_runtime
 from pipepar.planner.call_times import with_call_times
@@ -126,7 +126,7 @@ class Layout:
     model: str
     """``"mlp"`` or ``"gpt2"``."""
     schedule: str
-    """A name of :data:`pipepar.core.schedule.NAMES`."""
+    """A name of :data:`pipepar.core.named_schedules.NAMES`."""
     chunks: int
     """Micro-batches M."""
     checkpoint: str

@@ -64,9 +64,10 @@ LIBRARIES = {  # library: (label, processes, notes)
     "torchgpipe": ("torchgpipe.GPipe", 1, "both 'cpu' stages on one thread (one per device)"),
     "pipepar.distributed": ("pipepar.distributed", 2, "gloo, stage messages through shared memory"),
     "torch": ("torch.distributed.pipelining", 2, "gloo"),
+    "hand": ("hand-written pipeline", 2, "gloo send/recv, plain backward (gpipe only)"),
 }
-REMOTE = ("limit", "pipepar.distributed", "torch")
-CHOSEN_BY_USER = ("pipepar", "pipepar-call", "torchgpipe", "pipepar.distributed", "torch")
+REMOTE = ("limit", "pipepar.distributed", "torch", "hand")
+CHOSEN_BY_USER = ("pipepar", "pipepar-call", "torchgpipe", "pipepar.distributed", "torch", "hand")
 CONTENDERS = (
     *(f"pipepar:{s}" for s in PIPEPAR),
     "pipepar-call:gpipe",
@@ -114,7 +115,7 @@ _why = common.why
 
 def measure(work: common.Workload, args: argparse.Namespace) -> dict[str, list[float] | str]:
     """Per contender: the seconds of every timed step, or why it has none."""
-    spec = {"workload": "mlp", "quick": args.quick}
+    spec = {"workload": work.name, "quick": args.quick}
     wanted = {LIMIT.rstrip(":")} | {k.partition(":")[0] for k in args.contenders}
     groups = library_groups(
         (lib for lib in REMOTE if lib in wanted),

@@ -130,14 +130,28 @@ def _os_threads() -> int:
         return threading.active_count()
 
 
-def _sample(step: int, pipe: pipepar.Pipe) -> Sample:
+def _earlier_threads() -> set[int | None]:
+    """The pipepar threads of pipes made before the soak (in a test suite, other tests'):
+    those whose pipe is gone are let finish; the others are left out of the counts."""
+    gc.collect()
+    deadline = time.monotonic() + 5.0
+    for t in threading.enumerate():
+        if t.name.startswith("pipepar-"):
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+    return {t.ident for t in threading.enumerate() if t.name.startswith("pipepar-")}
+
+
+def _sample(step: int, pipe: pipepar.Pipe, earlier: set[int | None]) -> Sample:
     gc.collect()
     first = pipe[0]
     return Sample(
         step=step,
         rss=_rss(),
         os_threads=_os_threads(),
-        pipe_threads=sum(t.name.startswith("pipepar-stage") for t in threading.enumerate()),
+        pipe_threads=sum(
+            t.name.startswith("pipepar-stage") and t.ident not in earlier
+            for t in threading.enumerate()
+        ),
         # this pipe's runs only (type(), not isinstance: some torch objects warn on __class__)
         live_runs=sum(type(o) is Run and o.stages[0].layers[0] is first for o in gc.get_objects()),
     )
@@ -175,6 +189,7 @@ def soak(steps: int, *, every: int = 50, warmup: int = 100) -> Soak:
         >>> result.thread_growth
         0
     """
+    earlier = _earlier_threads()
     torch.manual_seed(0)
     pipe = pipepar.wrap(
         _model(),
@@ -189,7 +204,7 @@ def soak(steps: int, *, every: int = 50, warmup: int = 100) -> Soak:
     start = time.perf_counter()
     for step in range(steps + 1):
         if step % every == 0 or step == steps:
-            result.samples.append(_sample(step, pipe))
+            result.samples.append(_sample(step, pipe, earlier))
         if step < steps and not _step(pipe, opt, step):
             result.failed_steps += 1
     result.seconds = time.perf_counter() - start

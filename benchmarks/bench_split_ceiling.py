@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import bench_models as bm
 from benchmarks._results import record
+from pipepar.core import named_schedules
 from pipepar.core import schedule as schedules
 
 TITLE = "Real models: what the split allows (analysis)"
@@ -75,7 +76,7 @@ def stage_times(work: bm.Job, n: int, m: int, repeats: int) -> tuple[list[float]
 
 def ceiling(name: str, f: list[float], b: list[float], m: int) -> float:
     """The fraction of the limit schedule ``name`` reaches on two workers with these times."""
-    sched = schedules.make(name, len(f), m, n_workers=2)
+    sched = named_schedules.make(name, len(f), m, n_workers=2)
 
     def cost(a: schedules.Action, split: bool) -> float:
         if a.kind == "F":

@@ -98,7 +98,7 @@ def _pipe(
     library = "pipepar-chain" if chain else "pipepar"
     step, pipe = models.one_process(library, schedule, work, 8)
     if one_thread:  # every action on the caller's thread, as the pipe does with one worker
-        pipe._workers = lambda backward=False: None
+        pipe._view.workers = lambda backward=False: None
     return pipe, step
 
 

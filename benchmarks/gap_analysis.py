@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pipepar
 from benchmarks._common import accumulation_step, load, step_times, workload
 from benchmarks._results import markdown_table, record
-from pipepar.core.schedule import VIRTUAL
+from pipepar.core.named_schedules import VIRTUAL
 
 KINDS = ("forward", "backward", "weight", "recompute", "wait", "transfer")
 

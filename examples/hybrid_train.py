@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `models` lives a
 
 import models
 import pipepar.distributed as ppd
-from pipepar.core.schedule import VIRTUAL
+from pipepar.core.named_schedules import VIRTUAL
 from pipepar.persist.directories import readable
 
 

@@ -18,7 +18,7 @@ from torch import nn
 
 import pipepar
 from pipepar import timeline
-from pipepar.core.schedule import NAMES, VIRTUAL
+from pipepar.core.named_schedules import NAMES, VIRTUAL
 from pipepar.zoo import mlp
 
 

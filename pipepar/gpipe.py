@@ -101,7 +101,7 @@ class GPipe(Pipe):
             nn.Sequential(nn.Identity()), [1], devices=["cpu"], chunks=chunks, checkpoint=checkpoint
         )
         delattr(self, "0")
-        self._stages = []
+        self._view.stages = []
 
     def forward(self, input: Value) -> Value:
         """Run the batch through the partitions; an empty model returns ``input`` itself."""

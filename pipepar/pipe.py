@@ -30,14 +30,12 @@ from pipepar.core.garbage import StepCollector
 from pipepar.core.given import check_given
 from pipepar.core.loss_scale import LossScaler, loss_scale
 from pipepar.core.losses import Items, LossFn
-from pipepar.core.randomness import DrawLog
 from pipepar.core.schedule import Schedule
-from pipepar.core.stage import Stage, iter_layers
+from pipepar.core.stage import iter_layers
 from pipepar.hf import conventions as hf
 from pipepar.local.chain import ChainCompute, chain_step_arguments, is_chain
-from pipepar.local.pipe_args import check_threads, count_workers, schedule_for, schedule_of_batch
+from pipepar.local.pipe_view import PipeView, check_threads, count_workers, schedule_for
 from pipepar.local.placement import check_staying, cuda_device
-from pipepar.local.worker import WorkerPool
 from pipepar.recording.tracer import Tracer
 
 if TYPE_CHECKING:
@@ -169,21 +167,18 @@ class Pipe(nn.Module):
         # The schedule asked for (a name's built for one micro-batch): where the stages are
         # placed, checked now; each batch's is rebuilt for its count (``_schedule``).
         asked = schedule_for(schedule, len(compute.sizes), self.chunks, len(workers))
-        self._asked_schedule = asked
-        placed = [workers[w] for w in self._asked_schedule.placement]
+        placed = [workers[w] for w in asked.placement]
         stages = compute.place(placed, self.checkpoint)
         # The model's children first: a layer may have the name of a property that reads the
         # stages (``partitions``), which ``add_module`` must not find yet.
         self._adopt(compute.model)
-        self._stages: list[Stage] = stages
         self._compute = compute
-        self._workers_devices = workers
-        self._draws = DrawLog()  # which stages draw random numbers, across mini-batches
         self.threads = check_threads(threads, workers, self.chunks)
         self.tracer: Tracer | None = Tracer() if trace else None
-        self._pool: WorkerPool | None = None
+        # What the compute runs on: the stages, the workers, each batch's schedule.
+        self._view = PipeView(self, stages, asked, workers)
         # Placed already, across devices or not: Trainer and accelerate leave it where it is.
-        where = [s.device for s in self._stages for _ in s.layers]
+        where = [s.device for s in self._view.stages for _ in s.layers]
         self.hf_device_map = hf.device_map(compute.paths, where)
         self.is_parallelizable = self.model_parallel = hf.spans_devices(placed)
 
@@ -207,29 +202,29 @@ class Pipe(nn.Module):
     @property
     def balance(self) -> list[int]:
         """Units (an ``nn.Sequential``'s layers) per stage."""
-        return [len(s.layers) for s in self._stages]
+        return [len(s.layers) for s in self._view.stages]
 
     @property
     def devices(self) -> list[torch.device]:
         """Each stage's device."""
-        return [s.device for s in self._stages]
+        return [s.device for s in self._view.stages]
 
     @property
     def stage_paths(self) -> list[list[str]]:
         """The names (module paths) of each stage's units."""
-        return [[n.replace("/", ".") for n in s.names or []] for s in self._stages]
+        return [[n.replace("/", ".") for n in s.names or []] for s in self._view.stages]
 
     @property
     def partitions(self) -> nn.ModuleList:
         """The stage modules that run (hooks on them fire); not children of the pipe, so the
         state_dict keys stay the plain model's."""
-        return nn.ModuleList([s.module for s in self._stages])
+        return nn.ModuleList([s.module for s in self._view.stages])
 
     def __len__(self) -> int:
-        return sum(len(s.layers) for s in self._stages)
+        return sum(len(s.layers) for s in self._view.stages)
 
     def __iter__(self) -> Iterator[nn.Module]:
-        yield from iter_layers(self._stages)
+        yield from iter_layers(self._view.stages)
 
     def __getitem__(self, index: int | slice) -> nn.Module:
         layers = list(self)
@@ -238,13 +233,13 @@ class Pipe(nn.Module):
     @property
     def schedule(self) -> Schedule:
         """The schedule of a full mini-batch (``chunks`` micro-batches)."""
-        return self._schedule(self.chunks)
+        return self._view.schedule(self.chunks)
 
     def extra_repr(self) -> str:
         starts = [paths[0] for paths in self.stage_paths if paths]
         return (
             f"balance={self.balance}, stages start at {starts}, chunks={self.chunks}, "
-            f"checkpoint={self.checkpoint!r}, schedule={self._asked_schedule.name!r}"
+            f"checkpoint={self.checkpoint!r}, schedule={self._view.asked.name!r}"
         )
 
     def train(self, mode: bool = True) -> Pipe:
@@ -307,7 +302,7 @@ class Pipe(nn.Module):
         the schedule's order): the activations of every micro-batch are held in between, as
         under GPipe. Use :meth:`step` for a schedule's own memory bound.
         """
-        return self._compute.forward(self, args, kwargs)
+        return self._compute.forward(self._view, args, kwargs)
 
     def step(
         self,
@@ -404,13 +399,13 @@ class Pipe(nn.Module):
         given, kwargs = check_given(
             microbatches, targets, loss_fn=loss_fn, target=target, args=args, kwargs=kwargs
         )
-        scale = loss_scale(scaler, self._stages[-1].device)
+        scale = loss_scale(scaler, self._view.stages[-1].device)
         with self._collector.step():
             if isinstance(self._compute, ChainCompute):
                 call = chain_step_arguments(args, kwargs, target, loss_fn, items, given=given)
-                return self._compute.step(self, replace(call, scale=scale))
+                return self._compute.step(self._view, replace(call, scale=scale))
             step_call = StepCall(args, kwargs, loss_fn, target, items, scale, given)
-            return self._compute.step(self, step_call)
+            return self._compute.step(self._view, step_call)
 
     def generate(self, *args: Any, **kwargs: Any) -> Any:
         """The model's own ``generate`` (transformers' ``GenerationMixin``), every forward call
@@ -424,22 +419,6 @@ class Pipe(nn.Module):
         from pipepar.hf.generation import generate
 
         return generate(self, *args, **kwargs)
-
-    def _schedule(self, m: int) -> Schedule:
-        return schedule_of_batch(self._asked_schedule, m, self.chunks)
-
-    # -- workers ------------------------------------------------------------------------------
-    def _workers(self, *, backward: bool = False) -> WorkerPool | None:
-        """The worker threads, or None to run on the caller's thread: with one worker, and for
-        backward work on CUDA. The backward of ``pipe(...)`` runs on the autograd engine's
-        thread of the output's device; a worker's backward on that device would queue behind
-        it and wait forever. Kernels are asynchronous, so devices still overlap."""
-        cuda = backward and any(d.type == "cuda" for d in self.devices)
-        if len(self._workers_devices) == 1 or cuda:
-            return None
-        if self._pool is None:
-            self._pool = WorkerPool(self._workers_devices, threads=self.threads)
-        return self._pool
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -460,15 +439,8 @@ class Pipe(nn.Module):
     def close(self) -> None:
         """Stop the worker (and driver) threads now; they also stop when the pipe is
         garbage-collected."""
-        if self._pool is not None:
-            self._pool.close()
-            self._pool = None
+        self._view.close()
         self._compute.close()
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_pool"] = None
-        return state
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         # The class made for a model class is found again from it (pickle cannot by name).

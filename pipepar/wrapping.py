@@ -108,8 +108,9 @@ def wrap(
             this machine's memory shared among the CPU stages.
         threads: math threads per CPU stage; default: ``torch.get_num_threads()`` shared among
             the CPU stages that compute at once on average (``round(K*M/(M+K-1))``).
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"zb-h1"``, ``"interleaved-1f1b"``, ``"zb-v"`` or a
-            :class:`~pipepar.core.schedule.Schedule`. The last two place several stages on
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"zb-h1"``, ``"interleaved-1f1b"``, ``"zb-v"``,
+            ``"v-half"``, ``"v-min"`` or a :class:`~pipepar.core.schedule.Schedule`. The
+            virtual-stage ones (all from ``"interleaved-1f1b"`` on) place several stages on
             each device: ``balance`` then lists 2 (or more) stages per device. Their memory
             bound and bubble apply to :meth:`Pipe.step`; ``pipe(x)`` runs all forwards first.
             ``None``: chosen by the search, or ``"gpipe"`` when ``balance`` or ``split`` is

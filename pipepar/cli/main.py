@@ -41,7 +41,7 @@ from typing import Any, NoReturn, TypeVar
 import torch
 
 from pipepar.cli.model_loader import load_hf_config, load_model, load_module
-from pipepar.core.schedule import NAMES
+from pipepar.core.named_schedules import NAMES
 from pipepar.core.units import parse_bytes
 from pipepar.planner.optimizer_state import resolve_optimizer
 from pipepar.planner.plan_targets import resolve_targets

@@ -7,7 +7,10 @@ give its own); whenever a worker is free it starts, among the actions whose inpu
 
 1. a backward B (it unblocks the previous stage: the critical path), earliest micro-batch first;
 2. else a forward F if the worker holds fewer micro-batches than its bound (memory), the
-   deepest stage first (it reaches the backward sooner);
+   deepest stage first (it reaches the backward sooner); with ``reserve``, a micro-batch enters
+   a worker (F on its first stage there) only if the bound has room for it on every stage of the
+   worker it will pass, so that a V's way back always finds room (a worker full of micro-batches
+   on its first stage would wait forever for room on its last);
 3. else a deferred weight-gradient W (filling time that would be idle).
 
 The result is a plain order per worker; :mod:`pipepar.core.schedule` wraps it as a Schedule.
@@ -46,6 +49,7 @@ class _State:
     m: int
     split: bool
     cost: Cost = unit_cost
+    reserve: bool = False
     finish: dict[Op, float] = field(default_factory=dict)
     next_f: dict[int, int] = field(default_factory=dict)  # stage -> next micro-batch forward
     next_b: dict[int, int] = field(default_factory=dict)  # stage -> next micro-batch backward
@@ -62,6 +66,7 @@ def greedy_orders(
     *,
     split: bool,
     cost: Cost = unit_cost,
+    reserve: bool = False,
 ) -> list[list[Op]]:
     """Per-worker orders of ``(stage, kind, micro-batch)`` for stages placed by ``placement``.
 
@@ -72,6 +77,7 @@ def greedy_orders(
         bound: per worker, the most stage micro-batches held between F and last backward.
         split: split every backward into B (input gradient) and a deferred W.
         cost: the time each action takes on the simulated clock (default :func:`unit_cost`).
+        reserve: count a micro-batch on all the worker's stages from its first F there.
 
     Example:
         >>> first, last = greedy_orders((0, 1), 2, 2, (2, 1), split=False)
@@ -80,7 +86,7 @@ def greedy_orders(
         >>> last
         [(1, 'F', 0), (1, 'B', 0), (1, 'F', 1), (1, 'B', 1)]
     """
-    state = _State(placement, m, split, cost)
+    state = _State(placement, m, split, cost, reserve)
     workers = [
         _Worker([s for s, w in enumerate(placement) if w == j], max(1, bound[j])) for j in range(k)
     ]
@@ -115,15 +121,28 @@ def _pick(worker: _Worker, state: _State) -> Op | None:
                 backs.append((i, -s, (s, "B", i)))
     if backs:
         return min(backs)[2]
-    if worker.held < worker.bound:
-        fwds = []
-        for s in worker.stages:
-            i = state.next_f.get(s, 0)
-            if i < state.m and (s == 0 or state.ready((s - 1, "F", i), t)):
-                fwds.append((-s, i, (s, "F", i)))
-        if fwds:
-            return min(fwds)[2]
+    fwds = []
+    for s in worker.stages:
+        i = state.next_f.get(s, 0)
+        if i < state.m and (s == 0 or state.ready((s - 1, "F", i), t)) and _room(worker, s, state):
+            fwds.append((-s, i, (s, "F", i)))
+    if fwds:
+        return min(fwds)[2]
     return worker.weights[0] if worker.weights else None
+
+
+def _room(worker: _Worker, s: int, state: _State) -> bool:
+    """Whether the bound lets stage ``s`` of the worker take a micro-batch in."""
+    if not state.reserve:
+        return worker.held < worker.bound
+    return s != worker.stages[0] or worker.held + len(worker.stages) <= worker.bound
+
+
+def _taken(worker: _Worker, s: int, state: _State) -> int:
+    """Micro-batches an F on stage ``s`` adds to the worker's count."""
+    if not state.reserve:
+        return 1
+    return len(worker.stages) if s == worker.stages[0] else 0
 
 
 def _run(worker: _Worker, op: Op, state: _State) -> None:
@@ -132,7 +151,7 @@ def _run(worker: _Worker, op: Op, state: _State) -> None:
     state.finish[op] = worker.clock
     worker.order.append(op)
     if kind == "F":
-        worker.held += 1
+        worker.held += _taken(worker, s, state)
         state.next_f[s] = i + 1
     elif kind == "B":
         state.next_b[s] = i + 1

@@ -49,14 +49,16 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
 
+from pipepar.core import engine
+
 __all__ = [
     "CAST",
     "TRANSPOSE",
     "Adder",
     "Direct",
-    "Known",
+    "NextNodes",
     "Params",
-    "Plan",
+    "BackwardWalk",
     "WeightWork",
     "backward_input",
     "backward_whole",
@@ -190,7 +192,7 @@ Adder = Callable[[Direct, Tensor | None], None]
 Params = Sequence[Tensor] | dict[int, Tensor]
 """The parameters of a backward: as they are, or :func:`by_id`."""
 
-Known = dict[Node, list[Node | None]]
+NextNodes = dict[Node, list[Node | None]]
 """Nodes of a graph with their next nodes, as an earlier walk of the same graph read them
 (``[n for n, _ in node.next_functions]``; a node's next edges never change once it exists)."""
 
@@ -255,7 +257,7 @@ def _grad(outputs: Sequence[Any], params: Sequence[Tensor], grads: Sequence[Tens
 
 
 @dataclass
-class Plan:
+class BackwardWalk:
     """The graph walk of one micro-batch's backward: what B and W (or one pass) do.
 
     Attributes:
@@ -285,8 +287,8 @@ def plan_backward(
     params: Params,
     *,
     reach: bool = False,
-    known: Known | None = None,
-) -> Plan:
+    known: NextNodes | None = None,
+) -> BackwardWalk:
     """Walk the graph from ``outputs`` (with incoming ``grads``): junctions, direct terms,
     roots (see the module docstring). Runs nothing. ``params``: the parameters whose
     gradients are wanted, or :func:`by_id` of them (a caller planning every micro-batch's
@@ -329,7 +331,7 @@ def plan_backward(
         generic.add(id(p))
     _settle(work, pending, generic)
     captured = [k for k, (node, _) in enumerate(work.junctions) if node not in needed]
-    return Plan(work, on_path, captured, any(n > 1 for n in routes.values()))
+    return BackwardWalk(work, on_path, captured, any(n > 1 for n in routes.values()))
 
 
 class _Graph:
@@ -344,7 +346,7 @@ class _Graph:
         outputs: Sequence[Tensor],
         inputs: Sequence[Tensor],
         params: Params,
-        known: Known | None = None,
+        known: NextNodes | None = None,
     ) -> None:
         self.inputs: set[Node] = {t.grad_fn for t in inputs if t.grad_fn is not None}
         self.params: dict[Node, Tensor] = {}
@@ -356,7 +358,7 @@ class _Graph:
         self._walk(starts, params, inputs, known if known is not None else {})
 
     def _walk(
-        self, starts: list[Node], params: Params, inputs: Sequence[Tensor], known: Known
+        self, starts: list[Node], params: Params, inputs: Sequence[Tensor], known: NextNodes
     ) -> None:
         """Visit every node reachable from ``starts`` once, depth first and each node's next
         nodes last to first (the order of a stack they are all pushed onto), appending each
@@ -381,7 +383,7 @@ class _Graph:
                     order.append(node)
 
     def _visitor(
-        self, param_ids: dict[int, Tensor], input_ids: set[int], known: Known
+        self, param_ids: dict[int, Tensor], input_ids: set[int], known: NextNodes
     ) -> Callable[[Node], list[Node | None]]:
         """``visit(node)``: read ``node``'s next nodes (unless ``known``) and name (once);
         note a parameter's or an input's accumulator and a matrix product. (A closure over
@@ -657,7 +659,7 @@ def backward_input(
 
 
 def run_input(
-    plan: Plan, outputs: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor]
+    plan: BackwardWalk, outputs: Sequence[Tensor], grads: Sequence[Tensor], inputs: Sequence[Tensor]
 ) -> tuple[list[Tensor | None], WeightWork | None]:
     """B of a :func:`plan_backward` plan (see :func:`backward_input`)."""
     if plan.conflict:
@@ -675,12 +677,11 @@ def run_input(
         pairs = [(t, g) for t, g in zip(outputs, grads) if t.grad_fn in plan.on_path]
         result: Sequence[Tensor | None] = [None] * (len(inputs) + len(edges))
         if pairs and (inputs or edges):
-            result = torch.autograd.grad(
+            result = engine.grad(
                 [t for t, _ in pairs],
                 _targets(inputs, edges),
                 [g for _, g in pairs],
                 retain_graph=retain,
-                allow_unused=True,
             )
     finally:
         for h in handles:
@@ -691,7 +692,7 @@ def run_input(
 
 
 def backward_whole(
-    plan: Plan,
+    plan: BackwardWalk,
     outputs: Sequence[Tensor],
     grads: Sequence[Tensor],
     inputs: Sequence[Tensor],
@@ -715,12 +716,8 @@ def backward_whole(
     ]
     edges = [GradientEdge(work.junctions[k][0], 0) for k in plan.captured]
     try:
-        result = torch.autograd.grad(
-            list(outputs),
-            _targets(inputs, edges, generic),
-            list(grads),
-            retain_graph=retain,
-            allow_unused=True,
+        result = engine.grad(
+            list(outputs), _targets(inputs, edges, generic), list(grads), retain_graph=retain
         )
     finally:
         for h in handles:

@@ -20,23 +20,25 @@ first one on when that is safe), and handed over by :meth:`StageStep.param_grads
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from pipepar.core import engine
 from pipepar.core.microbatch import Value, check_rows, map_tensors, tensors
 from pipepar.core.randomness import Randomness
 from pipepar.core.recompute import recomputing, should_checkpoint
 from pipepar.core.split_backward import (
     Adder,
+    BackwardWalk,
     Direct,
-    Known,
-    Plan,
+    NextNodes,
     WeightWork,
     backward_whole,
     by_id,
@@ -50,6 +52,8 @@ __all__ = ["LARGE_MATRIX", "Autocast", "Grads", "Recorder", "StageStep", "check_
 LARGE_MATRIX = 1 << 17
 """Elements from which a weight matrix's backward runs unsplit (input and weight gradients in
 one call): the planner reads the same threshold."""
+_CACHED = 1 << 20
+"""Bytes of gradient sums that stay in a core's cache over a pass (see StageStep._summing)."""
 Grads = tuple[Tensor | None, ...]
 Recorder = Callable[[int, int, str, float, float], None]
 """``record(stage, microbatch, kind, start, end)``: told about each computation (tracing)."""
@@ -104,7 +108,43 @@ class _Later:
 
     outputs: list[Tensor]
     grads: list[Tensor]
-    known: Known | None = None  # the graph as a walk in the forward read it (W plans with it)
+    known: NextNodes | None = None  # the graph as a walk in the forward read it (W plans with it)
+
+
+class _Sums:
+    """One backward pass's side of the gradient sums (see :meth:`StageStep._summing`)."""
+
+    def __init__(
+        self,
+        step: StageStep,
+        keep: set[int],
+        final: Callable[[int, Tensor], None] | None,
+    ) -> None:
+        self.step, self.keep, self.final = step, keep, final
+        self.fresh: list[int] = []
+        self.hooked = False
+
+    def add(self, grads: Iterable[tuple[Tensor, Tensor | None]]) -> None:
+        """Sum the pass's (parameter, gradient) pairs, unless hooks summed them already: those
+        into sums of their own in one call (``torch._foreach_add_``, each sum and gradient
+        added as ``add_`` adds them), the others one by one."""
+        if self.hooked:
+            return
+        step, index = self.step, self.step._index
+        totals: list[Tensor] = []
+        parts: list[Tensor] = []
+        for param, g in grads:
+            if g is None:
+                continue
+            k = index[id(param)]
+            total = step._sums[k]
+            if total is not None and step._owned[k] and self.final is None and _dense(g):
+                totals.append(total)
+                parts.append(g)
+            else:
+                step._add(k, g, self)
+        if totals:
+            torch._foreach_add_(totals, parts)
 
 
 class StageStep:
@@ -171,6 +211,13 @@ class StageStep:
         # in place, no pass to add them) only where that saves more than the ~30 us of Python
         # per layer it costs to find them: with 2**17 weights in a matrix, it does.
         self._large = any(p.dim() == 2 and p.numel() >= LARGE_MATRIX for p in self.params)
+
+    @functools.cached_property
+    def _small(self) -> bool:
+        """Whether the gradient sums fit in a core's cache: summed after a pass, not in hooks
+        (see :meth:`_summing`). Asked first by a backward, after a subclass chose its
+        :attr:`params`."""
+        return sum(p.numel() * p.element_size() for p in self.params) <= _CACHED
 
     # -- F ------------------------------------------------------------------------------------
     def forward(self, i: int, x: Value) -> Value:
@@ -256,14 +303,14 @@ class StageStep:
         inputs: list[Tensor],
         *,
         reach: bool = False,
-        known: Known | None = None,
-    ) -> Plan:
+        known: NextNodes | None = None,
+    ) -> BackwardWalk:
         """:func:`plan_backward` over the stage's parameters (found by ``id`` once a step)."""
         if self._params_by_id is None:
             self._params_by_id = by_id(self.params)
         return plan_backward(outs, gouts, inputs, self._params_by_id, reach=reach, known=known)
 
-    def _walked(self, i: int) -> Known | None:
+    def _walked(self, i: int) -> NextNodes | None:
         """Micro-batch ``i``'s graph on this stage as an earlier walk read it, if one did
         (handed over once): its planning need not read it again."""
         return None
@@ -284,7 +331,7 @@ class StageStep:
         last: bool,
         retain: bool = False,
         readable: bool = True,
-        known: Known | None = None,
+        known: NextNodes | None = None,
     ) -> list[Tensor | None]:
         """The whole backward in one engine pass, parameter gradients summed as they come;
         a large stage's weight products are direct terms (:func:`backward_whole`) where what
@@ -294,16 +341,16 @@ class StageStep:
         plan = self._plan(outs, gouts, inputs, reach=True, known=known) if large else None
         direct = {id(p) for p in plan.direct_params()} if plan is not None else set()
         generic = [p for p in self.params if id(p) not in direct]
-        with self._summing(gouts, last=last, params=generic) as fresh:
+        after = plan is None or not direct  # the pass returns every gradient it computes
+        with self._summing(gouts, last=last, params=generic, after=after) as sums:
             if plan is not None and direct:
                 adder = self._direct_adder(plan.work.direct, last)
                 grads_in = backward_whole(plan, outs, gouts, inputs, generic, adder, retain=retain)
             else:
-                result = torch.autograd.grad(
-                    outs, [*inputs, *self.params], gouts, retain_graph=retain, allow_unused=True
-                )
+                result = engine.grad(outs, [*inputs, *self.params], gouts, retain_graph=retain)
                 grads_in = list(result[: len(inputs)])
-        self._disown(fresh, [g for g in grads_in if g is not None])
+                sums.add(zip(self.params, result[len(inputs) :]))
+        self._disown(sums.fresh, [g for g in grads_in if g is not None])
         return grads_in
 
     def _closing(self) -> bool:
@@ -346,9 +393,10 @@ class StageStep:
         if work.generic():
             shared = [g for gs in work.grads.values() for g in gs if g is not None]
             shared += [g for _, g in work.roots]
-            with self._summing(shared, last=last, params=work.generic_params()) as fresh:
-                work.run()
-            self._disown(fresh, [])
+            params = work.generic_params()
+            with self._summing(shared, last=last, params=params, after=True) as sums:
+                sums.add(work.run())
+            self._disown(sums.fresh, [])
         work.run_direct(self._direct_adder(work.direct, last))
 
     # -- gradient sums ------------------------------------------------------------------------
@@ -366,50 +414,64 @@ class StageStep:
 
     @contextlib.contextmanager
     def _summing(
-        self, shared: Sequence[Tensor], *, last: bool, params: Sequence[Tensor]
-    ) -> Iterator[list[int]]:
-        """Add each gradient of ``params`` (those the pass computes) into its sum as soon as
-        autograd computes it, while it is still in cache (hooks on the parameters, removed
-        afterwards), and on the ``last`` pass hand each final sum to :attr:`on_final`. Yields
-        the indices of the sums that took a gradient of this pass as their buffer."""
+        self, shared: Sequence[Tensor], *, last: bool, params: Sequence[Tensor], after: bool
+    ) -> Iterator[_Sums]:
+        """Add each gradient of ``params`` (those the pass computes) into its sum, and on the
+        ``last`` pass hand each final sum to :attr:`on_final`. Yields a :class:`_Sums` whose
+        ``fresh`` lists the indices of the sums that took a gradient of this pass as their
+        buffer.
+
+        ``after``: the pass returns every gradient it computes, and the caller hands them to
+        :meth:`_Sums.add` (in any order: each parameter's sum takes its micro-batches in the
+        same order either way). A small stage then sums them after the pass; hooks on the
+        parameters instead (removed afterwards) sum each one as soon as autograd computes it,
+        while it is still in cache, where the sums are larger than a cache, and on a last
+        pass with :attr:`on_final` (a final sum handed over while the pass still runs), or
+        where the caller cannot see the gradients (``after=False``). Registering and
+        removing a hook per parameter and pass is Python of the order of the arithmetic of
+        a small stage's whole backward."""
         keep = {t.untyped_storage().data_ptr() for t in shared}
-        fresh: list[int] = []
         final = self.on_final if last else None
+        sums = _Sums(self, keep, final)
+        if after and final is None and self._small:
+            yield sums
+            return
         index = self._index
-        handles = [p.register_hook(self._adder(index[id(p)], keep, fresh, final)) for p in params]
+        handles = [p.register_hook(self._adder(index[id(p)], sums)) for p in params]
+        sums.hooked = True
         try:
-            yield fresh
+            yield sums
         finally:
             for handle in handles:
                 handle.remove()
 
-    def _adder(
-        self,
-        k: int,
-        keep: set[int],
-        fresh: list[int],
-        final: Callable[[int, Tensor], None] | None,
-    ) -> Callable[[Tensor], None]:
+    def _adder(self, k: int, sums: _Sums) -> Callable[[Tensor], None]:
         def add(g: Tensor) -> None:
-            total = self._sums[k]
-            if total is None:
-                # A fresh, dense gradient that nothing else of this pass uses is summed into in
-                # place later on (no new buffer per micro-batch); one that shares its storage
-                # is replaced by a new sum, never written to.
-                self._sums[k] = g
-                self._owned[k] = g.untyped_storage().data_ptr() not in keep and _whole(g)
-                fresh.append(k)
-            elif self._owned[k]:
-                total.add_(g)
-            else:
-                self._sums[k], self._owned[k] = total + g, True
-            if final is not None:
-                done = self._sums[k]
-                # A buffer taken in this very pass may alias another gradient of it: copy.
-                final(k, done.clone() if k in fresh else done)  # type: ignore[union-attr, arg-type]
-                self._sums[k] = None
+            self._add(k, g, sums)
 
         return add
+
+    def _add(self, k: int, g: Tensor, sums: _Sums) -> None:
+        """Add ``g``, a gradient of parameter ``k`` computed by the pass of ``sums``, into
+        the parameter's sum (see :meth:`_summing`)."""
+        total = self._sums[k]
+        if total is None:
+            # A fresh, dense gradient that nothing else of this pass uses is summed into in
+            # place later on (no new buffer per micro-batch); one that shares its storage
+            # is replaced by a new sum, never written to.
+            self._sums[k] = g
+            self._owned[k] = g.untyped_storage().data_ptr() not in sums.keep and _whole(g)
+            sums.fresh.append(k)
+        elif self._owned[k]:
+            total.add_(g)
+        else:
+            self._sums[k], self._owned[k] = total + g, True
+        final = sums.final
+        if final is not None:
+            done = self._sums[k]
+            # A buffer taken in this very pass may alias another gradient of it: copy.
+            final(k, done.clone() if k in sums.fresh else done)  # type: ignore[union-attr, arg-type]
+            self._sums[k] = None
 
     def _direct_adder(self, terms: Sequence[Direct], last: bool) -> Adder:
         """Sum direct terms (:mod:`pipepar.core.split_backward`) into the sums, the product
@@ -476,6 +538,10 @@ def _leaf(value: Value, requires_grad: bool) -> Value:
         return d.requires_grad_() if requires_grad and d.is_floating_point() else d
 
     return map_tensors(value, detach)
+
+
+def _dense(g: Tensor) -> bool:
+    return g.layout == torch.strided
 
 
 def _whole(g: Tensor) -> bool:

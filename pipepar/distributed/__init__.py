@@ -17,11 +17,29 @@ sync, failures, progress and the guard; :func:`bind_cores` keeps each rank of a 
 cores of its own.
 """
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from pipepar.distributed.pipe import SCHEDULES, DistributedPipe
-from pipepar.distributed.snapshot import load_checkpoint, save_checkpoint
 from pipepar.distributed.wrapping import wrap
 from pipepar.ranks.cores import bind_cores
 from pipepar.ranks.failure import PipelineError
+
+if TYPE_CHECKING:
+    from pipepar.distributed.snapshot import load_checkpoint, save_checkpoint
+
+_CHECKPOINTS = ("load_checkpoint", "save_checkpoint")
+"""Loaded on first use, with torch.distributed.checkpoint (and DTensor, FSDP2): seconds of
+every rank's start that a run saving no sharded checkpoint need not pay."""
+
+
+def __getattr__(name: str) -> Any:
+    """``save_checkpoint`` and ``load_checkpoint``, from :mod:`pipepar.distributed.snapshot`."""
+    if name not in _CHECKPOINTS:
+        raise AttributeError(f"module 'pipepar.distributed' has no attribute {name!r}")
+    value = getattr(importlib.import_module("pipepar.distributed.snapshot"), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "SCHEDULES",

@@ -3,12 +3,13 @@
 (:mod:`pipepar.ranks.sharding`).
 
 One class for every model, as :class:`~pipepar.pipe.Pipe` is in one process. A rank runs
-one stage, or several with the virtual-stage schedules (``"interleaved-1f1b"``, ``"zb-v"``:
-balance lists two stages per rank). How a micro-batch crosses the stages is the pipe's
-*compute*: an ``nn.Sequential`` split by ``balance`` is a chain of layers, each stage's output
-sent to the next rank (:class:`~pipepar.distributed.chain.RankChain`); any other model runs its
-own ``forward`` on every rank, its own stages for real (:class:`~pipepar.program.rank_compute.
-RankProgram`). Launched with ``torchrun --nproc-per-node 4 train.py``, where train.py does::
+one stage, or several with the virtual-stage schedules (``"interleaved-1f1b"``, ``"zb-v"``,
+``"v-half"``, ``"v-min"``: balance lists two stages per rank). How a micro-batch crosses the
+stages is the pipe's *compute*: an ``nn.Sequential`` split by ``balance`` is a chain of layers,
+each stage's output sent to the next rank (:class:`~pipepar.distributed.chain.RankChain`); any
+other model runs its own ``forward`` on every rank, its own stages for real
+(:class:`~pipepar.program.rank_compute.RankProgram`). Launched with
+``torchrun --nproc-per-node 4 train.py``, where train.py does::
 
     import pipepar.distributed as ppd
 
@@ -228,7 +229,7 @@ class DistributedPipe(nn.Module):
         It is the rank's stage when ranks run one stage each; under the virtual-stage
         schedules a rank runs several stages, listed by :attr:`stages` (position ``w`` runs
         stages ``w`` and ``w + pp`` with ``"interleaved-1f1b"``, ``w`` and ``2 * pp - 1 - w``
-        with ``"zb-v"``)."""
+        with ``"zb-v"``, ``"v-half"`` and ``"v-min"``)."""
         return self.mesh.stage
 
     @property

@@ -45,7 +45,6 @@ from typing import Any, TypeGuard
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 
 import pipepar.persist.files
 from pipepar.distributed.pipe import DistributedPipe
@@ -62,7 +61,7 @@ from pipepar.persist.outcome import NotSaved
 from pipepar.program.rank_compute import RankProgram
 from pipepar.ranks.failure import comm
 from pipepar.ranks.mesh import Mesh
-from pipepar.ranks.sharding import full_tensors, shard_like, shard_state
+from pipepar.ranks.sharding import full_tensors, is_dtensor, shard_like, shard_state
 
 __all__ = [
     "load_checkpoint",
@@ -280,7 +279,7 @@ def _share(module: nn.Module) -> tuple[dict[str, Tensor], dict[str, str]]:
     if isinstance(module, DistributedPipe) and module.mesh.where.replica != 0:
         if not _sharded(module):
             return {}, {}
-        entries, aliases = {k: t for k, t in entries.items() if isinstance(t, DTensor)}, {}
+        entries, aliases = {k: t for k, t in entries.items() if is_dtensor(t)}, {}
     if isinstance(module, DistributedPipe):  # each entry from the one stage computing it
         entries = module.compute.own_state(entries)
     return entries, aliases

@@ -114,9 +114,10 @@ def wrap(
             rank, of which the smallest); default: a CUDA device's memory, or this machine's
             memory shared among the ranks on it (``LOCAL_WORLD_SIZE``).
         chunks: micro-batches per mini-batch (M); ``None``: 1, or chosen with ``plan="auto"``.
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"zb-h1"``, ``"interleaved-1f1b"``, ``"zb-v"`` or a
-            :class:`~pipepar.core.schedule.Schedule`; for the last two, ``balance`` lists two
-            stages per rank (``len(balance) // 2`` ranks per pipeline). ``None``: ``"gpipe"``,
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"zb-h1"``, ``"interleaved-1f1b"``, ``"zb-v"``,
+            ``"v-half"``, ``"v-min"`` or a :class:`~pipepar.core.schedule.Schedule`; for the
+            virtual-stage ones (from ``"interleaved-1f1b"`` on), ``balance`` lists two stages
+            per rank (``len(balance) // 2`` ranks per pipeline). ``None``: ``"gpipe"``,
             or chosen with ``plan="auto"``.
         dp: data-parallel replicas; the group must have ``pp * dp`` ranks (pp: ranks per
             pipeline). ``None``: 1, or chosen with ``plan="auto"``.

@@ -24,14 +24,14 @@ from torch import nn
 from pipepar.program import driver
 
 if TYPE_CHECKING:
-    from pipepar.local.pipe_view import PipeView
+    from pipepar.local.pipe_view import PipeSettings
 
 __all__ = ["generate", "routed"]
 
 _ABSENT = object()
 
 
-def generate(pipe: PipeView, *args: Any, **kwargs: Any) -> Any:
+def generate(pipe: PipeSettings, *args: Any, **kwargs: Any) -> Any:
     """Run the wrapped model's own ``generate`` with every forward call going through ``pipe``.
 
     Takes the model's ``generate`` arguments (``input_ids``, ``attention_mask``,

@@ -116,7 +116,7 @@ class ChainCompute:
         input = one_input(args, kwargs)
         # Deferred batch norms commit the mini-batch's statistics once its forwards ran; if
         # they fail, the micro-batches that got through do not count towards the next.
-        with committing(list(iter_layers(pipe._stages))):
+        with committing(list(iter_layers(pipe.stages))):
             return self._forward_batch(pipe, input)
 
     def _forward_batch(self, pipe: PipeView, input: Value) -> Value:
@@ -124,7 +124,7 @@ class ChainCompute:
         microbatches = scatter(input, pipe.chunks)
         if runs_directly(pipe, len(microbatches)):
             return _forward_direct(pipe, microbatches)
-        params = [p for s in pipe._stages for p in s.trainable()]
+        params = [p for s in pipe.stages for p in s.trainable()]
         needs_grad = torch.is_grad_enabled() and (
             any(t.requires_grad for t in tensors(input)) or bool(params)
         )
@@ -139,7 +139,7 @@ class ChainCompute:
     def step(self, pipe: PipeView, call: ChainCall) -> Tensor:
         """Forward and backward of one mini-batch in the schedule's order; the joined loss
         (see :meth:`pipepar.pipe.Pipe.step`)."""
-        with committing(list(iter_layers(pipe._stages))):
+        with committing(list(iter_layers(pipe.stages))):
             return _step(pipe, call)
 
     def close(self) -> None:
@@ -201,29 +201,29 @@ def chain_step_arguments(
 # -- running ------------------------------------------------------------------------------------
 def _run(pipe: PipeView, microbatches: list[Value], *, grad: bool, head: Any = None) -> Run:
     return Run(
-        pipe._stages,
-        pipe._schedule(len(microbatches)),
+        pipe.stages,
+        pipe.schedule(len(microbatches)),
         microbatches,
         checkpoint=pipe.checkpoint,
         grad=grad,
         input_requires_grad=any(t.requires_grad for x in microbatches for t in tensors(x)),
         head=head,
         tracer=pipe.tracer,
-        draws=pipe._draws,
+        draws=pipe.draws,
     )
 
 
 def runs_directly(pipe: PipeView, m: int) -> bool:
     """Whether a batch of ``m`` micro-batches runs on plain autograd, on the caller's thread,
     with no overhead: one stage, no timeline, and nothing to recompute."""
-    if len(pipe._stages) > 1 or pipe.tracer is not None:
+    if len(pipe.stages) > 1 or pipe.tracer is not None:
         return False
     recompute = torch.is_grad_enabled() and pipe.training
     return not (recompute and any(should_checkpoint(pipe.checkpoint, i, m) for i in range(m)))
 
 
 def _forward_direct(pipe: PipeView, microbatches: list[Value]) -> Value:
-    stage, m = pipe._stages[0], len(microbatches)
+    stage, m = pipe.stages[0], len(microbatches)
     outputs = []
     for i, x in enumerate(microbatches):
         x = move(x, stage.device)
@@ -235,7 +235,7 @@ def _forward_direct(pipe: PipeView, microbatches: list[Value]) -> Value:
 
 def forward_all(pipe: PipeView, run: Run) -> Value:
     """Every micro-batch's forward through the stages: the joined output."""
-    run.execute(pipe._workers(), FORWARD)
+    run.execute(pipe.workers(), FORWARD)
     return gather(run.outputs())
 
 
@@ -260,9 +260,9 @@ def _step(pipe: PipeView, call: ChainCall) -> Tensor:
 
     run = _run(pipe, microbatches, grad=grad, head=head)
     if not grad:  # evaluation: the schedule's forward actions only, no graph kept
-        run.execute(pipe._workers(), FORWARD)
+        run.execute(pipe.workers(), FORWARD)
         return joined_loss(run.outputs(), shares.weights)
-    params = [p for s in pipe._stages for p in s.trainable()]
+    params = [p for s in pipe.stages for p in s.trainable()]
     _tune_heap(pipe)
     xs = [t for x in microbatches for t in tensors(x)]  # their gradients: micro-batch by one
     seeded.append(run)
@@ -272,7 +272,7 @@ def _step(pipe: PipeView, call: ChainCall) -> Tensor:
 
 
 def _step_all(pipe: PipeView, run: Run, weights: Sequence[float]) -> Tensor:
-    run.execute(pipe._workers(), EVERY)
+    run.execute(pipe.workers(), EVERY)
     return joined_loss(run.outputs(), weights)
 
 
@@ -299,5 +299,5 @@ class _PipeFunction(torch.autograd.Function):
         if run is None:
             raise RuntimeError("pipepar: backward through a pipe output twice is not supported")
         run.seed_gradients(grads)
-        run.execute(pipe._workers(backward=True), BACKWARD)
+        run.execute(pipe.workers(backward=True), BACKWARD)
         return (None, None, None, *run.input_grads(), *run.take_param_grads())

@@ -1,52 +1,99 @@
 """Run a schedule in one process: a worker thread per device walks its action list.
 
 The schedule (:mod:`pipepar.core.schedule`) says what each worker does and in which order; the
-step (:mod:`pipepar.core.step`) computes each action; this module only moves values. A worker
-takes an action's input from a :class:`~pipepar.local.worker.Slots` hand-off point (waiting for
-the neighbouring stage if it is not there yet), brings it to its device, calls the step, and
-hands the result on under the next stage's key:
-
-* ``F(s, i)`` takes ``(F, s, i)`` and puts ``(F, s+1, i)``;
-* ``B(s, i)`` takes ``(B, s, i)`` and puts ``(B, s-1, i)``;
-* ``W(s, i)`` needs nothing from elsewhere.
-
-:class:`Run` holds one mini-batch: the inputs of stage 0 are put before the workers start; the
-last stage's outputs (``(F, n, i)``) and the first stage's input gradients (``(B, -1, i)``)
-are what the pipe gives back.
+step (:mod:`pipepar.core.step`) computes each action; :func:`pipepar.core.executor.walk` walks
+each worker's list, and :class:`~pipepar.local.carrier.ThreadCarrier` hands the values on
+between the workers. :class:`ThreadRun` is what every compute of one process shares (the
+carrier, running a phase of the schedule, the parameter gradients); :class:`Run` is a chain's
+mini-batch: the inputs of stage 0 are put before the workers start; the last stage's outputs
+(``(F, n, i)``) and the first stage's input gradients (``(B, -1, i)``) are what the pipe gives
+back. A model cut while it runs has its own (:class:`pipepar.program.run.ProgramRun`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import threading
-import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
 
-from pipepar.core.errors import add_note
 from pipepar.core.microbatch import Value, tensors
 from pipepar.core.randomness import DrawLog, Randomness, Recorded, Streams
-from pipepar.core.schedule import Action, Schedule, simulate
+from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.core.step import Grads, Head, StageStep
-from pipepar.local.transfer import move
-from pipepar.local.weights import WeightQueue, shared_stages
-from pipepar.local.worker import IDLE, Aborted, Slots, WorkerPool, run_inline
+from pipepar.local.carrier import Phase, ThreadCarrier
+from pipepar.local.weights import shared_stages
+from pipepar.local.worker import WorkerPool
 from pipepar.recording.tracer import Tracer
 
-__all__ = ["Run"]
+__all__ = ["Run", "ThreadRun"]
 
-Phase = Callable[[Action], bool]
 EVERY: Phase = lambda a: True  # noqa: E731
 FORWARD: Phase = lambda a: a.kind == "F"  # noqa: E731
 BACKWARD: Phase = lambda a: a.kind != "F"  # noqa: E731
 
 
-class Run:
-    """One mini-batch of a pipe: the steps of its stages and the hand-offs between them.
+class ThreadRun:
+    """One mini-batch on the worker threads: its steps (made by the subclass, the compute)
+    and the carrier between them.
+
+    Args:
+        stages: the pipe's stages (stage ``s`` runs on worker ``schedule.placement[s]``).
+        schedule: what each worker runs.
+        m: micro-batches.
+        shared: the stages whose W an idle worker may run early
+            (:func:`~pipepar.local.weights.shared_stages`).
+        tracer: where to record a timeline, if any.
+    """
+
+    steps: Sequence[StageStep]
+
+    def __init__(
+        self,
+        stages: Sequence[Stage],
+        schedule: Schedule,
+        m: int,
+        shared: set[int],
+        tracer: Tracer | None,
+    ) -> None:
+        self.stages, self.schedule, self.m = list(stages), schedule, m
+        self.tracer = tracer
+        self.carrier = ThreadCarrier(self.stages, schedule, shared, m, tracer)
+        self.slots = self.carrier.slots
+        self.training = any(layer.training for s in stages for layer in s.layers)
+        self.out_sizes: list[int] = []
+
+    @property
+    def record(self) -> Callable[[int, int, str, float, float], None] | None:
+        """What the steps record their events with (None without a tracer)."""
+        return self.carrier.trace if self.tracer is not None else None
+
+    def execute(self, pool: WorkerPool | None, phase: Phase) -> None:
+        """Run the schedule's actions that ``phase`` selects: on the workers of ``pool``, or
+        with ``pool=None`` on the calling thread, in an order that never waits; then let the
+        random streams check the blocks that ran (:meth:`Randomness.close`)."""
+        try:
+            autocast = self.steps[0].autocast if self.steps else _no_autocast
+            self.carrier.execute(self.steps, pool, phase, autocast)
+        finally:
+            streams = self.steps[0].streams if self.steps else None
+            if streams is not None:
+                streams.close()
+
+    def take_param_grads(self) -> list[Tensor | None]:
+        """Per-parameter gradient sums, stage by stage, in ``stage.trainable()`` order; the
+        steps forget them (so they can become ``.grad`` without a copy)."""
+        grads = [g for step in self.steps for g in step.param_grads()]
+        for step in self.steps:
+            step.release()
+        return grads
+
+
+class Run(ThreadRun):
+    """One mini-batch of a chain: the steps of its stages and the hand-offs between them.
 
     Args:
         stages: the pipe's stages (stage ``s`` runs on worker ``schedule.placement[s]``).
@@ -74,13 +121,11 @@ class Run:
         tracer: Tracer | None = None,
         draws: DrawLog | None = None,
     ) -> None:
-        self.stages, self.schedule, self.m = list(stages), schedule, len(microbatches)
-        self.tracer = tracer
-        training = any(layer.training for s in stages for layer in s.layers)
+        super().__init__(stages, schedule, len(microbatches), shared_stages(schedule), tracer)
         # Several workers race for the generator: a stream per (stage, micro-batch) keeps runs
         # repeatable. One worker draws in order, as the plain model does; it only needs to
         # remember its draws if it will recompute.
-        recompute = grad and training and checkpoint != "never"
+        recompute = grad and self.training and checkpoint != "never"
         flags = {s.index: tuple(layer.training for layer in s.layers) for s in stages}
         streams: Randomness | None = (
             Streams(log=draws, flags=flags)
@@ -89,7 +134,6 @@ class Run:
             if recompute
             else None
         )
-        record = self._trace if tracer is not None else None
         n = len(self.stages)
         self.steps = [
             StageStep(
@@ -101,142 +145,12 @@ class Run:
                 streams=streams,
                 split=functools.partial(schedule.splits_backward, stage.index),
                 head=head if stage.index == n - 1 else None,
-                record=record,
+                record=self.record,
             )
             for stage in self.stages
         ]
-        self.training = training
-        self._queue_weights(shared_stages(schedule))
-        self.slots = Slots()
         for i, x in enumerate(microbatches):
             self.slots.put(("F", 0, i), x)
-        self.out_sizes: list[int] = []
-
-    def _queue_weights(self, shared: set[int]) -> None:
-        """Make the queue of runnable W (:mod:`pipepar.local.weights`): the W of the ``shared``
-        stages may run early, on any idle worker computing on the same device."""
-        devices = {self.schedule.placement[s]: st.device for s, st in enumerate(self.stages)}
-        workers = [devices[w] for w in range(self.schedule.n_workers)]
-        self.weights = WeightQueue(self.schedule.placement, workers, shared, self.m)
-        self._thief = threading.local()  # .worker: who runs another worker's W right now
-
-    # -- running ------------------------------------------------------------------------------
-    def execute(self, pool: WorkerPool | None, phase: Phase) -> None:
-        """Run the schedule's actions that ``phase`` selects: on the workers of ``pool``, or
-        with ``pool=None`` on the calling thread, in an order that never waits; then let the
-        random streams check the blocks that ran (:meth:`Randomness.close`)."""
-        try:
-            self._execute(pool, phase)
-        finally:
-            streams = self.steps[0].streams if self.steps else None
-            if streams is not None:
-                streams.close()
-
-    def _execute(self, pool: WorkerPool | None, phase: Phase) -> None:
-        if pool is None:
-            order = [a for row in simulate(self.schedule) for a in row if a is not None]
-            run_inline([self._bound(a) for a in order if phase(a)])
-            return
-        lists = [[a for a in work if phase(a)] for work in self.schedule.actions]
-        drain = any(a.kind == "W" for work in lists for a in work)
-        pool.run([self._job(w, work, drain) for w, work in enumerate(lists)], self.slots)
-
-    def _job(self, worker: int, work: list[Action], drain: bool) -> Callable[[], None]:
-        def job() -> None:
-            # The caller's autocast held for the whole job, as a plain loop under one autocast
-            # holds it: the worker casts each weight once, and every micro-batch's graph saves
-            # that one copy (an autocast entered per action would cast, and keep, one each).
-            with self.steps[0].autocast():
-                for action in work:
-                    self.slots.check()
-                    if action.kind != "W":
-                        self.act(action)
-                    elif self.weights.claim(action.stage, action.microbatch):
-                        self._weight(action)
-                if drain:
-                    self._drain(worker)
-
-        return job
-
-    def _drain(self, worker: int) -> None:
-        """After its list, a worker runs the W still to come that it may run (on a shared
-        device: the other worker's, which is still busy)."""
-        q = self.weights
-        while q.unfinished(worker):
-            self.slots.wait_until(lambda: q.runnable(worker) or not q.unfinished(worker), 1e-3)
-            self._idle_weight(worker)
-
-    def _weight(self, action: Action) -> None:
-        """Run a claimed W, then let the next W of its stage be claimed."""
-        try:
-            self.act(action)
-        finally:
-            self.weights.release(action.stage)
-
-    def _idle_weight(self, worker: int) -> None:
-        """Instead of waiting for an input, run a runnable W (see :mod:`.weights`)."""
-        claimed = self.weights.claim_any(worker)
-        if claimed is None:
-            return
-        own = self.schedule.placement[claimed[0]] == worker
-        self._thief.worker = None if own else worker
-        try:
-            self._weight(Action(claimed[0], "W", claimed[1]))
-        finally:
-            self._thief.worker = None
-
-    def _bound(self, action: Action) -> Callable[[], None]:
-        return lambda: self.act(action)
-
-    def act(self, action: Action) -> None:
-        """Run one action; a failure is annotated with the stage, micro-batch and phase."""
-        try:
-            self._dispatch(action)
-        except Exception as error:
-            if not isinstance(error, Aborted) and not getattr(error, "_pipepar_noted", False):
-                phase = {"F": "forward", "B": "backward", "W": "weight gradients"}[action.kind]
-                where = self.stages[action.stage].describe()
-                add_note(
-                    error, f"pipepar: raised in {where}, micro-batch {action.microbatch}, {phase}"
-                )
-                error._pipepar_noted = True  # type: ignore[attr-defined]
-            raise
-
-    def _dispatch(self, action: Action) -> None:
-        s, i = action.stage, action.microbatch
-        step = self.steps[s]
-        if action.kind == "F":
-            x = self._receive("F", s, i)
-            self.slots.put(("F", s + 1, i), step.forward(i, x))  # type: ignore[arg-type]
-        elif action.kind == "B":
-            g = self._receive("B", s, i)
-            grads = step.backward(i, g)  # type: ignore[arg-type]
-            self.weights.ready(s, i)
-            self.slots.put(("B", s - 1, i), grads)
-        else:
-            step.weight(i)
-
-    def _receive(self, kind: str, s: int, i: int) -> object:
-        """Wait for stage ``s``'s input of micro-batch ``i`` and bring it to its device."""
-        device, worker = self.stages[s].device, self.schedule.placement[s]
-        idle = functools.partial(self.weights.runnable, worker)
-        while True:
-            start = time.perf_counter()
-            value = self.slots.take((kind, s, i), idle)
-            if value is not IDLE:
-                break
-            self._idle_weight(worker)
-        got = time.perf_counter()
-        self._trace(s, i, "wait", start, got)
-        if _off_device(value, device):
-            value = _to(value, device)
-            self._trace(s, i, "transfer", got, time.perf_counter())
-        return value
-
-    def _trace(self, s: int, i: int, kind: str, start: float, end: float) -> None:
-        """Record an event, with the worker running it when it runs another worker's W."""
-        if self.tracer is not None:
-            self.tracer.record(s, i, kind, start, end, getattr(self._thief, "worker", None))
 
     # -- what goes in and out -----------------------------------------------------------------
     def outputs(self) -> list[Value]:
@@ -270,25 +184,6 @@ class Run:
     def _each_input_grads(self) -> list[Grads]:
         return [self.slots.take(("B", -1, i)) for i in range(self.m)]  # type: ignore[misc]
 
-    def take_param_grads(self) -> list[Tensor | None]:
-        """Per-parameter gradient sums, stage by stage, in ``stage.trainable()`` order; the
-        steps forget them (so they can become ``.grad`` without a copy)."""
-        grads = [g for step in self.steps for g in step.param_grads()]
-        for step in self.steps:
-            step.release()
-        return grads
 
-
-def _items(value: object) -> tuple[Any, ...]:
-    return (value,) if isinstance(value, Tensor) else value  # type: ignore[return-value]
-
-
-def _off_device(value: object, device: torch.device) -> bool:
-    return any(t is not None and t.device != device for t in _items(value))
-
-
-def _to(value: object, device: torch.device) -> object:
-    """Move a value (or a tuple of gradients, some None) to ``device``."""
-    if isinstance(value, Tensor):
-        return move(value, device)
-    return tuple(None if t is None else move(t, device) for t in _items(value))
+def _no_autocast() -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()

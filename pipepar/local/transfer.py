@@ -13,13 +13,13 @@ import logging
 import torch
 from torch import Tensor
 
-from pipepar.core import switches
+from pipepar.core.logs import debug_enabled
 from pipepar.core.microbatch import Value, map_tensors
 
 __all__ = ["move"]
 
 _log = logging.getLogger(__name__)
-_DEBUG = switches.debug()
+_DEBUG = debug_enabled()
 
 
 def _move_tensor(t: Tensor, device: torch.device) -> Tensor:

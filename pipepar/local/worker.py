@@ -33,11 +33,12 @@ from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 import torch
 
 from pipepar.core import switches
+from pipepar.core.logs import debug_enabled
 
 __all__ = ["IDLE", "Aborted", "Slots", "WorkerPool", "init_thread", "run_inline", "worker_cores"]
 
 _log = logging.getLogger(__name__)
-_DEBUG = switches.debug()
+_DEBUG = debug_enabled()
 
 
 class Aborted(Exception):

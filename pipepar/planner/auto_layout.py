@@ -29,7 +29,8 @@ from torch import nn
 from pipepar.batching.rules import Rules
 from pipepar.core import validation
 from pipepar.core.devices import DeviceSpec, resolve_devices
-from pipepar.core.schedule import NAMES, Schedule
+from pipepar.core.named_schedules import NAMES
+from pipepar.core.schedule import Schedule
 from pipepar.core.units import format_bytes, parse_bytes
 from pipepar.planner.cluster import Cluster, cluster_for, device_memory
 from pipepar.planner.layout import Layout
@@ -61,7 +62,7 @@ class Given:
     """
 
     schedule: str | None = None
-    """A schedule name of :data:`pipepar.core.schedule.NAMES`."""
+    """A schedule name of :data:`pipepar.core.named_schedules.NAMES`."""
     chunks: int | None = None
     """Micro-batches per replica and step."""
     checkpoint: str | None = None

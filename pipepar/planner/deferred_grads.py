@@ -35,7 +35,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten
 
-from pipepar.core.split_backward import Plan, plan_backward, run_input
+from pipepar.core.split_backward import BackwardWalk, plan_backward, run_input
 from pipepar.planner.layer_trace import stand_ins
 from pipepar.planner.memory_tracker import storage_key
 
@@ -143,14 +143,14 @@ def _split(
     )
 
 
-def _in_place(plan: Plan) -> int:
+def _in_place(plan: BackwardWalk) -> int:
     """Gradient bytes of the parameters whose every direct term is a matrix product: once
     their sum exists, the product adds into it and no temporary is made."""
     bias = {id(t.param) for t in plan.work.direct if t.saved is None}
     return sum(_nbytes(p) for p in plan.direct_params() if id(p) not in bias)
 
 
-def _saved(plan: Plan) -> dict[int, int]:
+def _saved(plan: BackwardWalk) -> dict[int, int]:
     """What the direct terms read of the forward (products' saved inputs, norms' inputs and
     statistics): storage -> bytes."""
     return {

@@ -53,7 +53,8 @@ from typing import Any
 
 from torch import nn
 
-from pipepar.core.schedule import NAMES, VIRTUAL, Schedule
+from pipepar.core.named_schedules import NAMES, VIRTUAL
+from pipepar.core.schedule import Schedule
 from pipepar.core.units import format_bytes, parse_bytes
 from pipepar.planner.cluster import Cluster
 from pipepar.planner.layout import Layout
@@ -84,8 +85,9 @@ CHUNKS = (1, 2, 4, 8, 16, 32, 64)
 _FRUGAL = ("never", "except_last", "always")
 """Recompute policies from the fastest to the one needing the least memory."""
 
-_LEAN = ("1f1b", "gpipe", "zb-h1", "interleaved-1f1b", "zb-v")
-"""Schedules from the one holding the least activations at once (for what nothing fits)."""
+_LEAN = ("1f1b", "gpipe", "zb-h1", "interleaved-1f1b", "zb-v", "v-min", "v-half")
+"""Schedules whose need is told when nothing fits, the first of them searched: 1F1B's (the
+usual yardstick), else the rest's (v-min and v-half hold less, with two stages per device)."""
 
 
 def search_layouts(

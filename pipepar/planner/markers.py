@@ -69,7 +69,7 @@ def find_markers(model: nn.Module, run: Callable[[], object]) -> Markers | None:
     """
     if not markers_defined():
         return None
-    units = units_.layout(model).units
+    units = units_.model_units(model).units
     seen = _Watch()
     handles = [
         h
@@ -87,7 +87,7 @@ def find_markers(model: nn.Module, run: Callable[[], object]) -> Markers | None:
             h.remove()
     if not seen.markers.lines:
         return None
-    _check_between(seen.markers, units_.layout(model, seen.markers.order).paths())
+    _check_between(seen.markers, units_.model_units(model, seen.markers.order).paths())
     return seen.markers
 
 

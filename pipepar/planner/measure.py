@@ -2,10 +2,10 @@
 
 :func:`measure_stage` runs one stage's actions for one mini-batch with the pipeline's own step
 (:class:`pipepar.core.step.StageStep`), in the order the schedule gives that stage
-(:func:`pipepar.core.schedule.make`): forwards that keep the input and, unless checkpointed, the
-graph; backwards (recomputing checkpointed micro-batches, or only the input gradient when the
-schedule defers W); weight gradients summed across micro-batches; then the gradients go to
-``.grad`` and the optimizer steps.
+(:func:`pipepar.core.named_schedules.make`): forwards that keep the input and, unless
+checkpointed, the graph; backwards (recomputing checkpointed micro-batches, or only the input
+gradient when the schedule defers W); weight gradients summed across micro-batches; then the
+gradients go to ``.grad`` and the optimizer steps.
 
 :func:`measure_device` does the same for all stages placed on one device (two with the
 virtual-stage schedules interleaved 1F1B and ZB-V), running their actions interleaved in that
@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from pipepar.core.schedule import VIRTUAL, Action, Schedule, make
+from pipepar.core.named_schedules import VIRTUAL, make
+from pipepar.core.schedule import Action, Schedule
 from pipepar.core.stage import Stage
 from pipepar.core.step import StageStep
 from pipepar.planner.allocator_log import AllocatorLog
@@ -78,7 +79,7 @@ def measure_stage(
         chunks: micro-batches M.
         optimizer: as for :func:`pipepar.profile`.
         checkpoint: "always", "except_last" or "never".
-        schedule: a schedule name (see :data:`pipepar.core.schedule.NAMES`) or a Schedule.
+        schedule: a schedule name (see :data:`pipepar.core.named_schedules.NAMES`) or a Schedule.
         stage: the stage's index j (the 1F1B warm-up depends on it).
         stages: the number of stages K.
 
@@ -122,8 +123,8 @@ def measure_device(
         chunks: micro-batches M.
         optimizer: as for :func:`pipepar.profile`.
         checkpoint: "always", "except_last" or "never".
-        schedule: a schedule name (see :data:`pipepar.core.schedule.NAMES`) or a Schedule over
-            ``len(balance)`` stages.
+        schedule: a schedule name (see :data:`pipepar.core.named_schedules.NAMES`) or a
+            Schedule over ``len(balance)`` stages.
 
     Returns:
         Parameters + optimizer state of the device's stages (+ the batch if stage 0 is there)

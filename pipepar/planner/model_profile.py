@@ -149,7 +149,7 @@ def profile_model(
     with training_step(), untouched(model) as passed:
         args, kwargs = pytree.tree_map(usable, (args, kwargs))
         call = _unit_call(model, args, kwargs, target)
-        lay = units_.layout(model, _call_order(call))
+        lay = units_.model_units(model, _call_order(call))
         passed.restore()
         call = _with_layout(call, model, lay)
         traces, records = _checked(lambda: trace_units(call), model, call)
@@ -228,7 +228,7 @@ def _known_value(t: Tensor) -> Tensor | None:
     return torch.ones(t.shape, dtype=t.dtype)
 
 
-def _with_layout(call: UnitCall, model: nn.Module, lay: units_.Layout) -> UnitCall:
+def _with_layout(call: UnitCall, model: nn.Module, lay: units_.ModelUnits) -> UnitCall:
     """``call`` with the units and the unit holding each stand-in parameter."""
     holder = units_.owners(lay, list(range(len(lay.units))))
     owner = {}
@@ -241,7 +241,7 @@ def _with_layout(call: UnitCall, model: nn.Module, lay: units_.Layout) -> UnitCa
 def _deferred(
     call: UnitCall,
     model: nn.Module,
-    lay: units_.Layout,
+    lay: units_.ModelUnits,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     fresh: Callable[[], None],
@@ -290,7 +290,7 @@ def _call_order(call: UnitCall) -> list[str]:
     its answers to data-dependent reads)."""
     from torch.func import functional_call
 
-    units = units_.layout(call.model).units
+    units = units_.model_units(call.model).units
 
     def run() -> None:
         with meta_modes(call.device, call.values):
@@ -317,7 +317,7 @@ def _checked(fn: Any, model: nn.Module, call: UnitCall) -> Any:
 
 
 def _parameter_costs(
-    model: nn.Module, lay: units_.Layout, spec: OptimizerSpec
+    model: nn.Module, lay: units_.ModelUnits, spec: OptimizerSpec
 ) -> tuple[list[dict[str, int]], list[list[ParamSpec]]]:
     """Parameter, gradient and optimizer bytes per unit, each parameter at the unit that holds
     it (:func:`pipepar.program.units.owners`: a tied one at the first unit using it, a loose

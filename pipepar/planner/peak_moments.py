@@ -35,8 +35,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pipepar.core.named_schedules import VIRTUAL, make
 from pipepar.core.recompute import should_checkpoint
-from pipepar.core.schedule import VIRTUAL, Action, Schedule, make
+from pipepar.core.schedule import Action, Schedule
 
 __all__ = ["KINDS", "Moment", "moments", "schedule_for"]
 

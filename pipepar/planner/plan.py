@@ -312,11 +312,12 @@ def plan(
             device, or None (a CUDA device's total memory when it exists here, else unlimited).
         optimizer: whose state to count (see :func:`pipepar.profile`); None for none.
         chunks: micro-batches per mini-batch, M.
-        schedule: a name of :data:`pipepar.core.schedule.NAMES` or a
+        schedule: a name of :data:`pipepar.core.named_schedules.NAMES` or a
             :class:`~pipepar.core.schedule.Schedule` for ``len(devices)`` workers and ``chunks``
-            micro-batches. The virtual-stage names (``"interleaved-1f1b"``, ``"zb-v"``) plan two
-            stages per device (a balance twice as long); each stage is planned within half its
-            device's capacity, a safe bound, and the device's exact peak is reported.
+            micro-batches. The virtual-stage names (``"interleaved-1f1b"``, ``"zb-v"``,
+            ``"v-half"``, ``"v-min"``) plan two stages per device (a balance twice as long);
+            each stage is planned within half its device's capacity, a safe bound, and the
+            device's exact peak is reported.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         profile_device: where to profile a model (``"meta"``: no memory, no times; a real
             device also measures times, and the balance then minimizes time).

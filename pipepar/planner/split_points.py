@@ -60,7 +60,8 @@ def torch_split(
     found = find_markers(model, _forward(model, sample, chain))
     if found is None:
         return None
-    return marker_split(found, units_.layout(model, found.order if call_order else None).paths())
+    order = found.order if call_order else None
+    return marker_split(found, units_.model_units(model, order).paths())
 
 
 def _forward(model: nn.Module, sample: Any, chain: bool) -> Callable[[], object]:

@@ -180,7 +180,7 @@ class MemoryModel:
 
     Args:
         prof: the profile (whole-batch figures).
-        schedule: the schedule (:func:`pipepar.core.schedule.make`); its micro-batches are M.
+        schedule: the schedule (:func:`pipepar.core.named_schedules.make`); its micro-batches are M.
         checkpoint: "always", "except_last" or "never".
         foreach: per worker, whether the optimizer step runs its multi-tensor kernels.
 

@@ -77,7 +77,8 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from pipepar.core import validation
-from pipepar.core.schedule import Action, Schedule, make, n_workers, timed
+from pipepar.core.named_schedules import make, n_workers
+from pipepar.core.schedule import Action, Schedule, timed
 from pipepar.planner.action_costs import StepModel
 from pipepar.planner.cluster import Cluster
 from pipepar.planner.dp_comm import position, reduce_spans, ring_ms
@@ -200,7 +201,7 @@ def predict_step(
             with ``flops``.
         balance: layers per stage; the virtual-stage schedules take two stages per worker.
         cluster: the machines (a :class:`~pipepar.planner.cluster.Cluster` or a preset name).
-        schedule: a name of :data:`pipepar.core.schedule.NAMES` or a Schedule.
+        schedule: a name of :data:`pipepar.core.named_schedules.NAMES` or a Schedule.
         chunks: micro-batches per mini-batch M.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
         dp: data-parallel replicas of the pipeline, on devices after the first's.

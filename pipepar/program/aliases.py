@@ -25,7 +25,7 @@ from collections.abc import Collection, Mapping, Sequence
 import torch
 from torch import Tensor, nn
 
-from pipepar.program.units import Layout
+from pipepar.program.units import ModelUnits
 
 __all__ = ["Aliases", "alias_leaves", "of_stage", "used_elsewhere"]
 
@@ -34,7 +34,7 @@ Aliases = Mapping[tuple[int, int], Tensor]
 
 
 def used_elsewhere(
-    lay: Layout, stage_of_unit: Sequence[int], owner: Mapping[int, int], stages: Collection[int]
+    lay: ModelUnits, stage_of_unit: Sequence[int], owner: Mapping[int, int], stages: Collection[int]
 ) -> dict[int, list[nn.Parameter]]:
     """Per stage of ``stages``, the weights its units use that another stage holds (``owner``:
     the holding stage of each weight, by ``id``), each once."""

@@ -91,7 +91,7 @@ class ProgramCompute:
         self.rules = rules or Rules()
         """How a call is cut into micro-batches and its output joined (said in wrap)."""
         order = [u.path for u in units_.units(model, sample)] if sample is not None else None
-        self._units = units_.layout(model, order)
+        self._units = units_.model_units(model, order)
         self.sizes = units_.sizes_of(self._units, balance, split)
         self.model = model
         self.paths = [u.path for u in self._units.units]
@@ -140,7 +140,7 @@ class ProgramCompute:
         )
         run = self._run(pipe, calls, grad=needs_grad, shares=shares)
         if not needs_grad:
-            run.execute(pipe._workers(), FORWARD)
+            run.execute(pipe.workers(), FORWARD)
             return joined(run.results(), run.parts, shares)
         holder: dict[str, Any] = {}
         outs = ProgramFunction.apply(pipe, run, holder, shares, len(flat_in), *flat_in, *params)
@@ -194,14 +194,14 @@ class ProgramCompute:
         head = loss_head(shares, targets, loss_fn)
         run = self._run(pipe, calls, grad=grad, head=head, shares=shares)
         if not grad:  # evaluation: the schedule's forward actions only, no graph kept
-            run.execute(pipe._workers(), FORWARD)
+            run.execute(pipe.workers(), FORWARD)
             return joined_loss(run.results(), shares.weights)
         params = [p for held in self._params for p in held]
         flat_in = [t for c in calls for t in c.tensors()]
 
         def step_all() -> Tensor:
             run.open_backward()
-            run.execute(pipe._workers(), EVERY)
+            run.execute(pipe.workers(), EVERY)
             return joined_loss(run.results(), shares.weights)
 
         loss = StepFunction.apply(step_all, run, *flat_in, *params)
@@ -264,16 +264,16 @@ class ProgramCompute:
         if any(d.type == "cpu" for d in pipe.devices) and grad:
             cpu_malloc.tune()
         return ProgramRun(
-            pipe._stages,
+            pipe.stages,
             self._params,
-            pipe._schedule(len(calls)),
+            pipe.schedule(len(calls)),
             batch,
             self._driver_threads(pipe, len(calls)),
             inputs,
             parts_of(calls),
             grad=grad,
             tracer=pipe.tracer,
-            draws=pipe._draws,
+            draws=pipe.draws,
             checkpoint=pipe.checkpoint,
             aliases=[of_stage(self._uses, aliases, s) for s in range(len(self.sizes))],
         )
@@ -310,7 +310,7 @@ def _on(calls: list[Call], device: torch.device) -> list[Call]:
 # -- building -------------------------------------------------------------------------------
 def _place(
     model: nn.Module,
-    lay: units_.Layout,
+    lay: units_.ModelUnits,
     stage_of_unit: Sequence[int],
     owner: dict[int, int],
     devices: Sequence[torch.device],
@@ -328,7 +328,7 @@ def _place(
 
 
 def _stages(
-    lay: units_.Layout, stage_of_unit: Sequence[int], devices: Sequence[torch.device]
+    lay: units_.ModelUnits, stage_of_unit: Sequence[int], devices: Sequence[torch.device]
 ) -> list[Stage]:
     stages: list[Stage] = []
     start = 0

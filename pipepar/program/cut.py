@@ -37,7 +37,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from pipepar.core.split_backward import Known
+from pipepar.core.split_backward import NextNodes
 from pipepar.program.aliases import Aliases
 from pipepar.program.driver import Weight
 from pipepar.program.route import (
@@ -80,14 +80,14 @@ class Ledger:
     # by their crossing, so ids stay valid).
     grads: dict[int, Tensor] = field(default_factory=dict)
     outputs: list[tuple[int, Tensor]] = field(default_factory=list)
-    walked: dict[int, Known] = field(default_factory=dict)
+    walked: dict[int, NextNodes] = field(default_factory=dict)
     """Per stage, its graph's nodes as the route's check walked them (with their next nodes),
     for the stage's backward planning to take (:meth:`take_walked`) instead of reading again."""
     _releasing: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     """Two stages of the micro-batch may end their backward at once, on two workers (an idle
     worker runs another stage's W): their releases take turns."""
 
-    def take_walked(self, stage: int) -> Known | None:
+    def take_walked(self, stage: int) -> NextNodes | None:
         """Stage ``stage``'s walked nodes, handed over once (they are let go of with the plan
         that reads them, not kept to the mini-batch's end)."""
         return self.walked.pop(stage, None)

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from pipepar.batching.calls import Call, StepCall, parts_of, split_call
 from pipepar.batching.rules import Rules
 from pipepar.core.batchnorm import committing, defer_statistics
+from pipepar.core.executor import walk
 from pipepar.core.losses import joined_loss
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
@@ -38,7 +39,6 @@ from pipepar.program.aliases import alias_leaves, of_stage, used_elsewhere
 from pipepar.program.autograd import joined
 from pipepar.program.cut import Ledger
 from pipepar.program.driver import driver_pool, watch_units
-from pipepar.program.link import Link
 from pipepar.program.losses import (
     Forms,
     ModelLoss,
@@ -47,6 +47,8 @@ from pipepar.program.losses import (
     loss_head,
     step_shares,
 )
+from pipepar.program.rank_carrier import ProgramCarrier
+from pipepar.program.rank_messages import RankMessages
 from pipepar.program.rank_weights import holders, keep_only, tied_groups
 from pipepar.program.ranks import RankCut, RankStep, shadow_context
 from pipepar.program.recompute import checkpoint_units
@@ -54,7 +56,6 @@ from pipepar.program.route import Routes, signature
 from pipepar.program.shadow import skip_elsewhere
 from pipepar.program.step import Batch
 from pipepar.ranks.pipe_context import PipeContext
-from pipepar.ranks.progress import describe
 from pipepar.ranks.replicas import broadcast_from_first, spread_over_replicas
 from pipepar.ranks.runtime import fewer_microbatches
 from pipepar.ranks.sharding import ShardedSync, shard_like
@@ -85,7 +86,7 @@ class RankProgram:
         """How a call is cut into micro-batches and its output joined (said in wrap)."""
         self._forms = Forms(model, batch_coupling, deferred_batch_norm)  # outputs, by kind
         self.model = model
-        self.sizes = units_.sizes_of(units_.layout(model), balance, split)
+        self.sizes = units_.sizes_of(units_.model_units(model), balance, split)
         self.stage_of_unit = units_.stage_of_units(self.sizes)
         """Each unit's stage, in the model's unit order."""
         self._drivers: ThreadPoolExecutor | None = None
@@ -106,10 +107,10 @@ class RankProgram:
         self._ctx = ctx
         model, mesh, schedule, pipe = self.model, ctx.mesh, ctx.schedule, ctx.module
         self._mine = mine = schedule.stages_of(mesh.stage)
-        lay = units_.layout(model)
+        lay = units_.model_units(model)
         held = [p for p, _ in holders(lay, self.stage_of_unit, mine)]
         self._held = keep_only(model, held, ctx.device, state_dict)
-        lay = units_.layout(model)  # the same units, with the new parameters
+        lay = units_.model_units(model)  # the same units, with the new parameters
         # The own stage holding each of this rank's weights (the others are on meta).
         self._owner = {id(p): s for p, s in holders(lay, self.stage_of_unit, mine)}
         for name, child in model.named_children():
@@ -127,7 +128,7 @@ class RankProgram:
         ranks = [mesh.pipeline_ranks[w] for w in schedule.placement]
         self._tied = tied_groups(lay, self.stage_of_unit, ranks)
         self._stages = [_stage(lay, self.stage_of_unit, s, ctx.device) for s in mine]
-        self._link = Link(mesh, ctx.device, schedule.placement)
+        self._link = RankMessages(mesh, ctx.device, schedule.placement)
         if state_dict is None:  # replicas start from replica 0's weights
             ctx.guard(lambda: broadcast_from_first([p.data for p in self._held], mesh))
         self._shards = list(self._held)
@@ -351,35 +352,11 @@ class RankProgram:
         actions = [a for a in schedule.worker(self._ctx.mesh.stage) if grad or a.kind == "F"]
         self._link.early = grad and _in_order(schedule)
         first = min(self._mine)
-        ahead = _ahead(actions, first)
         early_ok = self._link.early and early_weights.enabled()
         order = early_weights.EarlyWeights(actions) if early_ok else None
-        several = len(steps) > 1
+        carrier = ProgramCarrier(batch, steps, progress, _ahead(actions, first), first, order)
         try:
-            for k, action in enumerate(actions):
-                if order is not None and order.ran(k):
-                    continue
-                step, i = steps[action.stage], action.microbatch
-                if k in ahead:
-                    batch.drivers[ahead[k]].prepare(first)
-                if action.kind == "B" and order is not None and step.defers_weights(i):
-                    for w, early in order.while_waiting(
-                        k, functools.partial(step.gradients_arrived, i)
-                    ):
-                        if w in ahead:
-                            batch.drivers[ahead[w]].prepare(first)
-                        progress.begin(describe(early, several=several))
-                        steps[early.stage].weight(early.microbatch)
-                progress.begin(describe(action, several=several))
-                if action.kind == "F":
-                    step.forward(i, ())
-                elif action.kind == "B":
-                    step.backward(i, ())
-                else:
-                    step.weight(i)
-        except BaseException:
-            batch.abort()
-            raise
+            walk(actions, steps, carrier)
         finally:
             self.weights_run_early += order.count if order is not None else 0
         progress.begin("end of the mini-batch")
@@ -462,7 +439,9 @@ class RankProgram:
             self._sync.drop()
 
 
-def _stage(lay: units_.Layout, stage_of_unit: Sequence[int], s: int, device: torch.device) -> Stage:
+def _stage(
+    lay: units_.ModelUnits, stage_of_unit: Sequence[int], s: int, device: torch.device
+) -> Stage:
     """Stage ``s``: its units, named by their module paths."""
     units = list(units_.iter_stage_units(lay, stage_of_unit, s))
     start = sum(1 for t in stage_of_unit if t < s)

@@ -13,13 +13,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from pipepar.program.units import Layout, owners
+from pipepar.program.units import ModelUnits, owners
 
 __all__ = ["holders", "keep_only", "tied_groups"]
 
 
 def holders(
-    lay: Layout, stage_of_unit: Sequence[int], mine: Collection[int]
+    lay: ModelUnits, stage_of_unit: Sequence[int], mine: Collection[int]
 ) -> list[tuple[nn.Parameter, int]]:
     """The parameters a rank of the stages ``mine`` holds, each once with the own stage that
     holds it: those its stages' units use, by the first of those stages (the later ones use
@@ -92,7 +92,7 @@ def _place_buffers(model: nn.Module, device: torch.device) -> None:
 
 
 def tied_groups(
-    lay: Layout, stage_of_unit: Sequence[int], ranks: Sequence[int]
+    lay: ModelUnits, stage_of_unit: Sequence[int], ranks: Sequence[int]
 ) -> list[tuple[int, dist.ProcessGroup, list[nn.Parameter]]]:
     """A process group per set of stages sharing weights that this rank computes one of and
     that spans several ranks (``ranks[s]`` computes stage ``s``; on one rank the stages' uses

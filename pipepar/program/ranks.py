@@ -24,11 +24,11 @@ units' arguments are made by the units' hooks, at the same point of the program 
 once a kind of call has a learned route (:mod:`pipepar.program.route`), a rank runs its own
 stages without the mode, skips the units of the other stages and runs the few operations between
 them on ``meta`` (:mod:`pipepar.program.shadow`). The values one unit call takes from another
-rank's stage travel in one message (:mod:`pipepar.program.link`). Backward sends each received
-leaf's gradient back the same way. Weights tied across stages (GPT-2's embedding and head) are
-held by every rank whose stages use them (:mod:`pipepar.program.rank_weights`); within a rank
-the later stages use an alias whose gradient is added to the holder's, as in one process, and
-the sums are added over the ranks after each step, so the copies stay equal.
+rank's stage travel in one message (:mod:`pipepar.program.rank_messages`). Backward sends each
+received leaf's gradient back the same way. Weights tied across stages (GPT-2's embedding and
+head) are held by every rank whose stages use them (:mod:`pipepar.program.rank_weights`); within
+a rank the later stages use an alias whose gradient is added to the holder's, as in one process,
+and the sums are added over the ranks after each step, so the copies stay equal.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from pipepar.meta.values import SHADOW_LIMIT, MetaScalars
 from pipepar.program.aliases import Aliases
 from pipepar.program.cut import Crossing, Cut, Ledger, tag_stage
-from pipepar.program.link import ACTIVATION, GRADIENT, Link
+from pipepar.program.rank_messages import ACTIVATION, GRADIENT, RankMessages
 from pipepar.program.route import Routes, check_graphs
 from pipepar.program.shadow import ToMeta, from_template, on_meta, template
 from pipepar.program.step import SegmentContext, SegmentStep
@@ -77,7 +77,7 @@ class RankCut(Cut):
         inputs: dict[int, Tensor],
         *,
         mine: Collection[int],
-        link: Link,
+        link: RankMessages,
         values: MetaScalars,
         routes: Routes | None = None,
         key: Hashable = None,
@@ -428,7 +428,7 @@ class RankStep(SegmentStep):
         self,
         *args: Any,
         cuts: Sequence[RankCut],
-        link: Link,
+        link: RankMessages,
         mine: Collection[int],
         **kwargs: Any,
     ) -> None:

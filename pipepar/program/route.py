@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipepar.core.split_backward import Known
+from pipepar.core.split_backward import NextNodes
 
 __all__ = [
     "GraphCheck",
@@ -196,7 +196,7 @@ class GraphCheck:
     def __init__(self, owner: dict[int, int], key: Hashable) -> None:
         self.owner, self.key = owner, key
         self._seen: dict[Any, int] = {}
-        self._below: dict[int, Known] = {}
+        self._below: dict[int, NextNodes] = {}
 
     def walk(self, tensor: Tensor, stage: int, leaves: dict[int, int]) -> None:
         """Walk back from ``tensor``, a value of ``stage``: every leaf reached must be that
@@ -230,7 +230,7 @@ class GraphCheck:
                 if nxt is not None:
                     stack.append(nxt)
 
-    def walked(self) -> dict[int, Known]:
+    def walked(self) -> dict[int, NextNodes]:
         """Per stage, the nodes walked with their next nodes: what the stage's backward
         planning would read again (``plan_backward(known=...)``)."""
         return self._below

@@ -1,5 +1,6 @@
-"""One mini-batch of a model cut while it runs: the executor of :mod:`pipepar.local.executor`
-with :class:`~pipepar.program.step.SegmentStep` stages.
+"""One mini-batch of a model cut while it runs: the threads' run of
+:mod:`pipepar.local.executor` (:class:`~pipepar.local.executor.ThreadRun`) with
+:class:`~pipepar.program.step.SegmentStep` stages.
 
 The workers walk the same schedules; what travels between stages is found by the cut, so the
 hand-off points carry only the order (an empty value), and the outputs are whatever the model's
@@ -14,7 +15,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, cast
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -22,16 +23,16 @@ from pipepar.batching.calls import Parts
 from pipepar.core.randomness import DrawLog, Randomness, Streams
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
-from pipepar.local.executor import Phase, Run
+from pipepar.local.executor import Phase, ThreadRun
 from pipepar.local.weights import shared_stages
-from pipepar.local.worker import Slots, WorkerPool
+from pipepar.local.worker import WorkerPool
 from pipepar.program.step import Batch, SegmentContext, SegmentStep
 from pipepar.recording.tracer import Tracer
 
 __all__ = ["ProgramRun"]
 
 
-class ProgramRun(Run):
+class ProgramRun(ThreadRun):
     """The steps of one mini-batch whose forward code runs on the drivers of ``batch``.
 
     Args:
@@ -52,11 +53,13 @@ class ProgramRun(Run):
         aliases: per stage, its ``(weight, alias)`` pairs (:mod:`pipepar.program.aliases`).
 
     An idle worker runs a runnable W early, its own or, on a shared CPU, the other worker's,
-    as :class:`~pipepar.local.executor.Run` does (:mod:`pipepar.local.weights`): a W reads
+    as a chain's run does (:mod:`pipepar.local.weights`): a W reads
     only its micro-batch's graph and its stage's sums, nothing of the drivers. Two stages of
     one micro-batch may then finish their backward at once, on two workers; the ledger's
     releases take turns.
     """
+
+    steps: list[SegmentStep]
 
     def __init__(
         self,
@@ -75,20 +78,19 @@ class ProgramRun(Run):
         aliases: Sequence[Sequence[tuple[nn.Parameter, Tensor]]] | None = None,
     ) -> None:
         self.batch = batch(_context_of(weakref.ref(self)))
-        self.stages, self.schedule, self.m = list(stages), schedule, len(self.batch.drivers)
-        self.tracer, self.inputs = tracer, inputs
-        self.training = any(u.training for s in stages for u in s.layers)
+        m = len(self.batch.drivers)
+        super().__init__(stages, schedule, m, shared_stages(schedule), tracer)
+        self.inputs, self.parts = inputs, parts
         # Several workers race for the generator: a stream per (stage, micro-batch) keeps runs
         # repeatable. One worker draws in order (a recompute replays the default generators).
         flags = {s.index: tuple(u.training for u in s.layers) for s in stages}
         streams: Randomness | None = (
             Streams(log=draws, flags=flags) if schedule.n_workers > 1 else None
         )
-        record = self._trace if tracer is not None else None
-        self.steps = [  # type: ignore[assignment]
+        self.steps = [
             SegmentStep(
                 stage,
-                self.m,
+                m,
                 batch=self.batch,
                 params=params[stage.index],
                 aliases=aliases[stage.index] if aliases is not None else (),
@@ -97,24 +99,20 @@ class ProgramRun(Run):
                 input_grad=True,
                 streams=streams,
                 split=functools.partial(schedule.splits_backward, stage.index),
-                record=record,
+                record=self.record,
             )
             for stage in self.stages
         ]
-        self._queue_weights(shared_stages(schedule))
-        self.slots = Slots()
-        for i in range(self.m):
+        for i in range(m):  # the cut carries the values: the slots only the order
             self.slots.put(("F", 0, i), ())
         self._pool = drivers
         self._started = False
         self._lock = threading.Lock()
-        self.out_sizes: list[int] = []
-        self.parts = parts
 
     def _segment_context(self, stage: int, i: int) -> contextlib.AbstractContextManager[Any]:
         """What micro-batch ``i``'s driver enters while it computes ``stage``: that stage's
         step's context (the steps exist before any driver runs)."""
-        return cast(SegmentStep, self.steps[stage]).segment_context(stage, i)
+        return self.steps[stage].segment_context(stage, i)
 
     def execute(self, pool: WorkerPool | None, phase: Phase) -> None:
         self._start()
@@ -166,7 +164,7 @@ class ProgramRun(Run):
 
     def take_param_grads(self) -> list[Tensor | None]:
         """Per-parameter sums, stage by stage, the tied uses added to their holder's."""
-        steps: list[SegmentStep] = self.steps  # type: ignore[assignment]
+        steps = self.steps
         where = {id(p): (j, k) for j, s in enumerate(steps) for k, p in enumerate(s.held)}
         sums = [list(s.param_grads()) for s in steps]
         for step in steps:

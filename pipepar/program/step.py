@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from pipepar.core.recompute import should_checkpoint
-from pipepar.core.split_backward import Known
+from pipepar.core.split_backward import NextNodes
 from pipepar.core.step import Grads, StageStep
 from pipepar.program.cut import Crossing, Cut, Ledger
 from pipepar.program.driver import Driver
@@ -167,7 +167,7 @@ class SegmentStep(StageStep):
     def _saved_readable(self, i: int) -> bool:
         return not self._recomputes(i)
 
-    def _walked(self, i: int) -> Known | None:
+    def _walked(self, i: int) -> NextNodes | None:
         return self.batch.ledgers[i].take_walked(self.stage.index)
 
     # -- F ------------------------------------------------------------------------------------

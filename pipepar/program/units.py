@@ -29,9 +29,9 @@ from pipepar.core import validation
 from pipepar.core.untouched import untouched
 
 __all__ = [
-    "Layout",
+    "ModelUnits",
     "Unit",
-    "layout",
+    "model_units",
     "modules_of",
     "sizes_of",
     "stage_of_units",
@@ -59,7 +59,7 @@ class Unit:
 
 
 @dataclass(frozen=True)
-class Layout:
+class ModelUnits:
     """The units of a model and its loose parameters, by the module path of their holder."""
 
     units: list[Unit]
@@ -69,7 +69,7 @@ class Layout:
         return [u.path for u in self.units]
 
 
-def layout(model: nn.Module, order: Sequence[str] | None = None) -> Layout:
+def model_units(model: nn.Module, order: Sequence[str] | None = None) -> ModelUnits:
     """Lay ``model`` out in units.
 
     Args:
@@ -79,7 +79,7 @@ def layout(model: nn.Module, order: Sequence[str] | None = None) -> Layout:
 
     Example:
         >>> m = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
-        >>> layout(m).paths()
+        >>> model_units(m).paths()
         ['0', '1', '2']
     """
     units: list[Unit] = []
@@ -91,15 +91,15 @@ def layout(model: nn.Module, order: Sequence[str] | None = None) -> Layout:
     if order is not None:
         rank = {path: k for k, path in enumerate(order)}
         units.sort(key=lambda u: rank.get(u.path, len(rank)))
-    return Layout(units, loose)
+    return ModelUnits(units, loose)
 
 
 def modules_of(model: nn.Module, chain: bool) -> list[nn.Module]:
     """The modules a pipe runs as its units: an ``nn.Sequential`` chain's layers, else the
-    units of :func:`layout`."""
+    units of :func:`model_units`."""
     if chain:
         return list(model.children())
-    return [u.module for u in layout(model).units]
+    return [u.module for u in model_units(model).units]
 
 
 def _descend(
@@ -192,12 +192,14 @@ def shown(paths: Sequence[str]) -> str:
     return "[" + ", ".join(shown) + "]"
 
 
-def sizes_of(lay: Layout, balance: Sequence[int] | None, split: Sequence[str] | None) -> list[int]:
+def sizes_of(
+    lay: ModelUnits, balance: Sequence[int] | None, split: Sequence[str] | None
+) -> list[int]:
     """Units per stage from ``balance`` (units per stage, checked against the layout) or
     ``split`` (module paths where stages begin); exactly one of them.
 
     Example:
-        >>> sizes_of(layout(nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])), None, ["2"])
+        >>> sizes_of(model_units(nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])), None, ["2"])
         [2, 2]
     """
     paths = lay.paths()
@@ -229,7 +231,7 @@ def stage_of_units(sizes: Sequence[int]) -> list[int]:
     return [s for s, n in enumerate(sizes) for _ in range(n)]
 
 
-def owners(lay: Layout, stage_of_unit: Sequence[int]) -> dict[int, int]:
+def owners(lay: ModelUnits, stage_of_unit: Sequence[int]) -> dict[int, int]:
     """The stage that holds each parameter (by ``id``): a parameter used by units of several
     stages (tied weights) is held by the first; loose parameters by the first unit with
     parameters under their holder module (stage 0 for the model's own)."""
@@ -255,7 +257,7 @@ def state_owners(model: nn.Module, stage_of_unit: Sequence[int]) -> dict[str, in
         >>> state_owners(m, [0, 1])["1.running_mean"]
         1
     """
-    lay = layout(model)
+    lay = model_units(model)
     owner = owners(lay, stage_of_unit)
     for unit, s in zip(lay.units, stage_of_unit):
         for b in unit.module.buffers():
@@ -269,14 +271,14 @@ def state_owners(model: nn.Module, stage_of_unit: Sequence[int]) -> dict[str, in
     return found
 
 
-def _first_stage_under(lay: Layout, stage_of_unit: Sequence[int], holder: str) -> int:
+def _first_stage_under(lay: ModelUnits, stage_of_unit: Sequence[int], holder: str) -> int:
     for unit, s in zip(lay.units, stage_of_unit):
         if unit.has_parameters and (not holder or unit.path.startswith(holder + ".")):
             return s
     return 0
 
 
-def iter_stage_units(lay: Layout, stage_of_unit: Sequence[int], s: int) -> Iterator[Unit]:
+def iter_stage_units(lay: ModelUnits, stage_of_unit: Sequence[int], s: int) -> Iterator[Unit]:
     for unit, t in zip(lay.units, stage_of_unit):
         if t == s:
             yield unit
@@ -302,7 +304,7 @@ def units(model: nn.Module, sample: Any = None) -> list[Unit]:
         path (``"transformer.h.3"``) and module.
     """
     if sample is None:
-        return layout(model).units
+        return model_units(model).units
     from pipepar.batching.calls import as_call
 
     args, kwargs = as_call(sample)
@@ -313,5 +315,5 @@ def units(model: nn.Module, sample: Any = None) -> list[Unit]:
         with untouched(model):
             return torch.func.functional_call(model, buffers, args, kwargs)
 
-    order = call_order(model, layout(model).units, run)
-    return layout(model, order).units
+    order = call_order(model, model_units(model).units, run)
+    return model_units(model, order).units

@@ -10,7 +10,8 @@ import math
 from torch import nn
 
 from pipepar.core import validation
-from pipepar.core.schedule import NAMES, Schedule, make, n_workers
+from pipepar.core.named_schedules import NAMES, make, n_workers
+from pipepar.core.schedule import Schedule
 
 __all__ = ["SCHEDULES", "check_model", "check_schedule", "check_timeout"]
 

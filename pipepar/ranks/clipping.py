@@ -18,9 +18,9 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 
 from pipepar.ranks.mesh import Mesh
+from pipepar.ranks.sharding import is_dtensor
 
 __all__ = ["clip_grad_norm_", "local_values"]
 
@@ -76,7 +76,7 @@ def clip_grad_norm_(
 
 def local_values(g: Tensor) -> Tensor:
     """This rank's own values of ``g`` (its shard, for a ``DTensor``)."""
-    return g.to_local() if isinstance(g, DTensor) else g
+    return g.to_local() if is_dtensor(g) else g
 
 
 def _local_part(grads: list[Tensor], p: float, device: torch.device) -> Tensor:

@@ -41,21 +41,29 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Replicate
 
 from pipepar.ranks.failure import comm
 from pipepar.ranks.mesh import Mesh
 from pipepar.ranks.replicas import GradientSync
 
-__all__ = ["ShardedSync", "check_dp_shard", "full_tensors", "shard_like", "shard_state"]
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+__all__ = [
+    "ShardedSync",
+    "check_dp_shard",
+    "full_tensors",
+    "is_dtensor",
+    "shard_like",
+    "shard_state",
+]
 
 T = TypeVar("T")
 
@@ -126,6 +134,11 @@ class ShardedSync(GradientSync):
             raise ValueError("sharding needs dp replicas (dp >= 2) to shard over")
         holder = _Holder(layers)
         _check_parameters((n.removeprefix("layers."), p) for n, p in holder.named_parameters())
+        # FSDP2 and DTensor load here, with the first sharded pipe (about 2 s of CPU): a
+        # process that shards nothing never imports them.
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
         # DeviceMeshes of the same ranks compare equal whatever their group, and DTensor's
         # caches keep the first one seen: a name of this group keeps a later pipe's apart.
         group = DeviceMesh.from_group(
@@ -288,6 +301,8 @@ def _pad_into(send: Tensor, g: Tensor, chunks: int) -> None:
 
 def _add_shard(p: Tensor, local: Tensor) -> None:
     """Add ``local`` (this replica's rows of the mean gradient) into shard ``p``'s ``.grad``."""
+    from torch.distributed.tensor import DTensor
+
     assert isinstance(p, DTensor)  # fully_shard made every parameter one
     if p.grad is None:
         p.grad = DTensor.from_local(
@@ -306,7 +321,7 @@ def full_tensors(value: T) -> T:
         >>> full_tensors({"w": torch.ones(2), "step": 3})
         {'w': tensor([1., 1.]), 'step': 3}
     """
-    if isinstance(value, DTensor):
+    if is_dtensor(value):
         return value.full_tensor()  # type: ignore[return-value]
     if isinstance(value, Mapping):
         return {k: full_tensors(v) for k, v in value.items()}  # type: ignore[return-value]
@@ -342,14 +357,22 @@ def shard_like(value: Tensor, like: Tensor) -> Tensor:
         >>> shard_like(torch.ones(2), torch.zeros(2))
         tensor([1., 1.])
     """
-    if not isinstance(like, DTensor) or isinstance(value, DTensor):
+    if not is_dtensor(like) or is_dtensor(value):
         return value
+    from torch.distributed.tensor import Replicate
     if tuple(value.shape) != tuple(like.shape):
         raise ValueError(
             f"a tensor of shape {tuple(value.shape)} cannot load into a parameter of shape "
             f"{tuple(like.shape)}; load a state_dict of the same model"
         )
-    whole = DTensor.from_local(
+    whole = type(like).from_local(
         value.to(like.device), like.device_mesh, [Replicate()], run_check=False
     )
     return whole.redistribute(like.device_mesh, like.placements)
+
+
+def is_dtensor(value: object) -> TypeGuard[DTensor]:
+    """Whether ``value`` is a ``DTensor``; without importing DTensor's module when no code
+    has (then none can exist)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)

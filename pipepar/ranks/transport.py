@@ -34,11 +34,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from pipepar.core import switches
+from pipepar.core.logs import debug_enabled
 from pipepar.ranks.failure import comm
 from pipepar.ranks.mesh import Mesh
 
-__all__ = ["Incoming", "TensorMeta", "Transport", "debug_enabled", "decode_meta", "encode_meta"]
+__all__ = ["Incoming", "TensorMeta", "Transport", "decode_meta", "encode_meta"]
 
 logger = logging.getLogger(__name__)
 
@@ -115,20 +115,6 @@ def decode_meta(message: Tensor) -> tuple[TensorMeta, ...]:
         metas.append(TensorMeta(tuple(words[k + 3 : k + 3 + ndim]), dtype, grad))
         k += 3 + ndim
     return tuple(metas)
-
-
-def debug_enabled() -> bool:
-    """True when ``PIPEPAR_DEBUG=1``; then the ``pipepar`` logger prints DEBUG records."""
-    if not switches.debug():
-        return False
-    root = logging.getLogger("pipepar")
-    if not root.handlers:  # opted in by env: make the trace visible without logging config
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
-        root.addHandler(handler)
-    if root.level == logging.NOTSET or root.level > logging.DEBUG:
-        root.setLevel(logging.DEBUG)
-    return True
 
 
 @dataclass

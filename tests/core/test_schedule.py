@@ -8,20 +8,19 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipepar.core.schedule import (
+from pipepar.core.named_schedules import (
     NAMES,
-    Action,
-    Schedule,
+    VIRTUAL,
     gpipe,
     interleaved_1f1b,
     make,
     one_f_one_b,
-    parse,
-    simulate,
-    validate,
+    v_half,
+    v_min,
     zb_h1,
     zb_v,
 )
+from pipepar.core.schedule import Action, Schedule, parse, simulate, validate
 
 sizes = st.tuples(st.integers(1, 6), st.integers(1, 12))
 
@@ -158,6 +157,8 @@ def _all(k: int, m: int) -> list[Schedule]:
         zb_h1(k, m),
         interleaved_1f1b(2 * k, m, n_workers=k),
         zb_v(2 * k, m),
+        v_half(2 * k, m),
+        v_min(2 * k, m),
     ]
 
 
@@ -205,7 +206,7 @@ def test_interleaved_loops_stages_over_workers() -> None:
 
 def test_make_builds_every_name_and_lists_them_for_a_typo() -> None:
     for name in NAMES:
-        n = 4 if name in ("interleaved-1f1b", "zb-v") else 2
+        n = 4 if name in VIRTUAL else 2
         assert make(name, n, 4, n_workers=2).name == name
     with pytest.raises(ValueError, match=r"one of \['gpipe', '1f1b', 'zb-h1'"):
         make("zero-bubble", 2, 4, n_workers=2)

@@ -1,5 +1,5 @@
 """Whole training loops, run the same way on the plain model, a one-process pipe and the ranks
-of a ``pipepar.distributed`` pipe (launched by torchrun: see ``_loop_main.py``).
+of a ``pipepar.distributed`` pipe (spawned ranks, or torchrun: see ``_multinode_main.py``).
 
 Each case trains a small transformers GPT-2 (embedding and head tied across the two stages)
 for a few optimizer steps the way real loops do: padded batches whose sequence length changes

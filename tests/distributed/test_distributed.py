@@ -25,7 +25,8 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import pipepar.distributed as ppd
-from pipepar.core.schedule import NAMES, VIRTUAL, parse
+from pipepar.core.named_schedules import NAMES, VIRTUAL
+from pipepar.core.schedule import parse
 from pipepar.distributed.stage import build_stage, load_local_state
 from pipepar.ranks import replicas
 from pipepar.ranks.arguments import check_schedule
@@ -613,6 +614,10 @@ GRIDS = [  # (balance, dp, schedule, checkpoint); pp = len(balance), or half of 
     ([2, 2, 2, 2], 2, "interleaved-1f1b", "always"),
     ([1, 3, 2, 2], 1, "interleaved-1f1b", "never"),
     ([2, 2, 2, 2], 1, "interleaved-1f1b", "except_last"),
+    ([2, 2, 2, 2], 1, "v-half", "never"),
+    ([1, 2, 3, 2], 1, "v-half", "always"),
+    ([2, 2, 2, 2], 2, "v-min", "always"),
+    ([1, 3, 2, 2], 1, "v-min", "never"),
     # 4 ranks per pipeline: the V and the loop reach every rank (rank 3 sends to rank 0)
     ([2, 2, 2, 2], 1, "gpipe", "always"),
     ([2, 2, 2, 2], 1, "1f1b", "never"),
@@ -633,7 +638,7 @@ def test_the_grid_runs_every_schedule_on_2_ranks_recomputing_never_and_always() 
 
 
 def _expected_stages(schedule: str, pp: int, position: int) -> list[int]:
-    if schedule == "zb-v":
+    if schedule in ("zb-v", "v-half", "v-min"):
         return [position, 2 * pp - 1 - position]
     if schedule == "interleaved-1f1b":
         return [position, position + pp]

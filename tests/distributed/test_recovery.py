@@ -22,7 +22,7 @@ from tests.distributed import _launch, _recovery_main
 
 SCRIPT = Path(_recovery_main.__file__)
 TIMEOUT_S = 20.0  # the pipe's: how long a rank may wait for a peer
-KILL_STEP, SAVE_EVERY, STEPS = 4, 3, 8  # killed in step 4: the last save is step 2's
+KILL_STEP, SAVE_EVERY, STEPS = 4, 3, 6  # killed in step 4: the last save is step 2's
 TRAIN = [
     "--pp", "2", "--dp", "1", "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
     "--chunks", "4", "--batch", "8", "--depth", "2", "--log-every", "1",

@@ -1,16 +1,11 @@
 """One training loop, both runtimes: the same cases (accumulation over calls, clipping by the
 whole model's norm, evaluation between steps, frozen tied weights, LoRA adapters, a sequence
 length that changes per step, a batch smaller than chunks) through a one-process pipe and two
-torchrun ranks (pp=2), each against the plain model. Four ranks (pp=2 x dp=2, zb-h1) run them
-as two nodes in test_multinode."""
+gloo ranks (pp=2), each against the plain model. Four ranks (pp=2 x dp=2, zb-h1) launched by
+torchrun run them as two nodes in test_multinode."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,9 +13,9 @@ import torch
 
 pytest.importorskip("transformers")
 
+from tests._ranks import spawn
 from tests.distributed import _loop
 
-ROOT = Path(__file__).resolve().parents[2]
 RTOL = 1e-5
 
 
@@ -65,22 +60,22 @@ def test_one_process_loop_equals_plain(case: str, loop_plain: dict[str, dict[str
     _same(got, loop_plain[case], "one process", _loop.TOLERANCE.get(case, RTOL))
 
 
-def _torchrun(tmp: Path, nproc: int, dp: int, schedule: str) -> list[dict[str, Any]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--max-restarts", "0",
-        str(ROOT / "tests/distributed/_loop_main.py"), str(tmp), "--dp", str(dp),
-        "--schedule", schedule, "--cases", ",".join(CASES),
-    ]  # fmt: skip
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(nproc)]
+def _loop_rank(rank: int) -> dict[str, Any]:
+    """Every case on this rank of a pp=2 1f1b pipe (the process group is already up); the
+    weights as arrays (a tensor would cross back as a handle to this process's memory, which
+    is gone once it exits)."""
+    _loop.settle()
+    results = {case: _loop.on_ranks(case, 1, "1f1b") for case in CASES}
+    for got in results.values():
+        got["weights"] = {name: w.numpy() for name, w in got["weights"].items()}
+    return results
 
 
 @pytest.mark.slow
-def test_ranks_loop_equals_plain(tmp_path: Path, loop_plain: dict[str, dict[str, Any]]) -> None:
-    check_ranks(_torchrun(tmp_path, 2, 1, "1f1b"), loop_plain, "pp=2, 1f1b")
+def test_ranks_loop_equals_plain(loop_plain: dict[str, dict[str, Any]]) -> None:
+    got = spawn(2, _loop_rank, timeout=300)
+    ranks = [got[r] for r in range(2)]
+    for results in ranks:
+        for case in results.values():
+            case["weights"] = {name: torch.from_numpy(w) for name, w in case["weights"].items()}
+    check_ranks(ranks, loop_plain, "pp=2, 1f1b")

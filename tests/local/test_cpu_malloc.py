@@ -2,7 +2,10 @@
 
 Each case runs in a fresh interpreter: the thresholds are process-wide and the test process has
 long since built pipes. Whether a large block is mmapped is read from glibc's own count
-(``mallinfo2().hblks``), so the tests see the allocator's behaviour, not a flag of ours.
+(``mallinfo2().hblks``), so the tests see the allocator's behaviour, not a flag of ours. One
+interpreter may run several pipes in turn, each followed by its own large block (every block is
+kept: freeing an mmapped block would raise glibc's adaptive threshold); a pipe that leaves glibc
+alone leaves the next one's measurement as a fresh interpreter's.
 """
 
 from __future__ import annotations
@@ -35,50 +38,61 @@ PROBE = textwrap.dedent(
     libc = ctypes.CDLL(None)
     libc.mallinfo2.restype = Info
 
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
-    devices, checkpoint, train = sys.argv[1].split(","), sys.argv[2], sys.argv[3] == "train"
-    balance = [2, 1] if len(devices) == 2 else [3]
-    pipe = pipepar.wrap(model, balance, devices=devices, chunks=2, checkpoint=checkpoint)
-    with torch.set_grad_enabled(train):
-        out = pipe(torch.randn(4, 8))
-    if train:
-        out.sum().backward()
-    before = libc.mallinfo2().hblks
-    block = torch.empty(6 << 20)  # 24 MiB: above any threshold glibc adapted to while importing
-    print(libc.mallinfo2().hblks - before)
+    blocks = []
+    for case in sys.argv[1:]:
+        devices, checkpoint, mode = case.split(":")
+        devices, train = devices.split(","), mode == "train"
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        balance = [2, 1] if len(devices) == 2 else [3]
+        pipe = pipepar.wrap(model, balance, devices=devices, chunks=2, checkpoint=checkpoint)
+        with torch.set_grad_enabled(train):
+            out = pipe(torch.randn(4, 8))
+        if train:
+            out.sum().backward()
+        before = libc.mallinfo2().hblks
+        blocks.append(torch.empty(6 << 20))  # 24 MiB: above any threshold glibc adapted to
+        print(libc.mallinfo2().hblks - before)
     """
 )
 
 
-def _probe(devices: str, checkpoint: str = "except_last", mode: str = "train", **env: str) -> int:
-    """Number of mmapped blocks a 24 MiB tensor takes after a pipe on ``devices`` ran."""
+Case = tuple[str, str, str]  # devices ("cpu,cpu"), checkpoint, "train" or "eval"
+
+
+def _probe(*cases: Case, **env: str) -> list[int]:
+    """Per case, run in turn in one fresh interpreter: the number of mmapped blocks a 24 MiB
+    tensor takes after a pipe on its devices ran."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     environment.update(env)
     out = subprocess.run(
-        [sys.executable, "-c", PROBE, devices, checkpoint, mode],
+        [sys.executable, "-c", PROBE, *(":".join(case) for case in cases)],
         capture_output=True,
         text=True,
         env=environment,
         timeout=120,
         check=True,
     ).stdout
-    return int(out)
+    return [int(line) for line in out.split()]
+
+
+TRAIN_TWO_STAGES: Case = ("cpu,cpu", "except_last", "train")
 
 
 def test_training_on_cpu_stages_keeps_large_blocks_in_the_heap() -> None:
-    assert _probe("cpu,cpu") == 0
-    assert _probe("cpu") == 0  # one stage that recomputes: the engine sums its gradients
+    assert _probe(TRAIN_TWO_STAGES) == [0]
 
 
-def test_plain_autograd_and_inference_leave_glibc_alone() -> None:
-    assert _probe("cpu", checkpoint="never") == 1  # one stage, nothing to recompute
-    assert _probe("cpu,cpu", mode="eval") == 1  # no gradients to sum
+def test_plain_autograd_and_inference_leave_glibc_alone_a_recomputing_stage_does_not() -> None:
+    one_stage_plain = ("cpu", "never", "train")  # one stage, nothing to recompute
+    evaluation = ("cpu,cpu", "except_last", "eval")  # no gradients to sum
+    one_stage_recomputing = ("cpu", "except_last", "train")  # the engine sums its gradients
+    assert _probe(one_stage_plain, evaluation, one_stage_recomputing) == [1, 1, 0]
 
 
 def test_opt_out_keeps_glibc_defaults() -> None:
-    assert _probe("cpu,cpu", PIPEPAR_TUNE_MALLOC="0") == 1
+    assert _probe(TRAIN_TWO_STAGES, PIPEPAR_TUNE_MALLOC="0") == [1]
 
 
 def test_user_malloc_settings_are_respected() -> None:
     # The user's own (small) threshold stays: the block is still mmapped after the pipe ran.
-    assert _probe("cpu,cpu", MALLOC_MMAP_THRESHOLD_="131072") == 1
+    assert _probe(TRAIN_TWO_STAGES, MALLOC_MMAP_THRESHOLD_="131072") == [1]

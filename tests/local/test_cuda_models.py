@@ -18,7 +18,7 @@ from torch import Tensor, nn
 import models
 import pipepar
 from models import transformers_zoo as zoo
-from pipepar.core.schedule import VIRTUAL, make
+from pipepar.core.named_schedules import VIRTUAL, make
 from pipepar.planner.measure import measure_device
 from pipepar.planner.plan import plan
 from pipepar.planner.profile import Profile, profile

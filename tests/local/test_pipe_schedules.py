@@ -14,10 +14,12 @@ import torch
 from torch import nn
 
 import pipepar
+from pipepar.core.named_schedules import NAMES
+from pipepar.core.named_schedules import VIRTUAL as _VIRTUAL
 from tests._stacks import WIDTH, random_balance, random_stack
 
-SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v"]
-VIRTUAL = {"interleaved-1f1b", "zb-v"}
+SCHEDULES = list(NAMES)
+VIRTUAL = set(_VIRTUAL)
 MODES = ["always", "except_last", "never"]
 
 
@@ -79,15 +81,15 @@ def test_step_runs_on_the_workers_where_a_calls_backward_takes_the_callers_threa
     schedule: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On CUDA only the backward of ``pipe(...)`` must run on the caller's thread (it runs on the
-    autograd engine's device thread, see ``Pipe._workers``); ``pipe.step`` runs its forwards
+    autograd engine's device thread, see ``PipeView.workers``); ``pipe.step`` runs its forwards
     and backwards on the stage workers there too. Simulated on the CPU: the pipe answers
-    ``_workers(backward=True)`` with the caller's thread, and the step still runs every layer's
+    ``workers(backward=True)`` with the caller's thread, and the step still runs every layer's
     forward on a worker and equals the plain model."""
-    from pipepar.pipe import Pipe
+    from pipepar.local.pipe_view import PipeView
 
-    workers = Pipe._workers
+    workers = PipeView.workers
     monkeypatch.setattr(
-        Pipe, "_workers", lambda self, *, backward=False: None if backward else workers(self)
+        PipeView, "workers", lambda self, *, backward=False: None if backward else workers(self)
     )
     rng = random.Random(schedule)
     plain = random_stack(rng, 10)
@@ -175,6 +177,29 @@ def test_step_holds_what_the_schedule_allows(schedule: str, bound: str) -> None:
         assert _Probe.peak[j] == min(expected, m), (j, dict(_Probe.peak))
         assert pipe.schedule.in_flight(j) == min(expected, m)
     assert sum(_Probe.alive.values()) == 0  # everything saved was released
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "v-half", "v-min"])
+def test_a_v_schedule_holds_on_each_device_what_it_allows(schedule: str) -> None:
+    """Stage ``w`` and ``2K-1-w`` share device ``w``: the micro-batches alive on a device at
+    once are the schedule's worker count, within its bound (v-min: half of zb-v's here, v-half
+    3/4)."""
+    k, m = 4, 8
+    layers: list[nn.Module] = []
+    for s in range(2 * k):
+        layers += [nn.Linear(WIDTH, WIDTH), _Probe(s if s < k else 2 * k - 1 - s)]
+    _Probe.alive.clear(), _Probe.peak.clear()
+    pipe = pipepar.wrap(
+        nn.Sequential(*layers), [2] * 2 * k, devices=["cpu"] * k, chunks=m, schedule=schedule,
+        checkpoint="never",
+    )  # fmt: skip
+    pipe.step(torch.randn(2 * m, WIDTH), torch.randn(2 * m, WIDTH), nn.functional.mse_loss)
+    order = pipe.schedule
+    assert order.max_in_flight is not None
+    for w in range(k):
+        assert _Probe.peak[w] <= order.worker_in_flight(w) <= order.max_in_flight[w]
+    assert max(_Probe.peak.values()) == {"zb-v": 2 * k, "v-half": k + 2, "v-min": k}[schedule]
+    assert sum(_Probe.alive.values()) == 0
 
 
 def test_zero_bubble_defers_weight_gradients() -> None:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipepar
-from pipepar.core.schedule import VIRTUAL
+from pipepar.core.named_schedules import VIRTUAL
 
 TARGETS = torch.tensor([1, -100, -100, -100, -100, 3, -100, 4, 0, -100, -100])  # 11 rows
 NO_GRAD = {"no_grad": torch.no_grad, "inference_mode": torch.inference_mode}

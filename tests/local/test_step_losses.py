@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pipepar
-from pipepar.core.schedule import NAMES, VIRTUAL
+from pipepar.core.named_schedules import NAMES, VIRTUAL
 
 TARGETS = torch.tensor([1, -100, -100, -100, -100, 3, -100, 4, 0, -100, -100])  # 11 rows
 

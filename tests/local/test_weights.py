@@ -14,7 +14,8 @@ from torch import nn
 from torch.nn import functional as F
 
 import pipepar
-from pipepar.core.schedule import Action, Schedule, make
+from pipepar.core.named_schedules import make
+from pipepar.core.schedule import Action, Schedule
 from pipepar.local import executor
 from pipepar.local.weights import WeightQueue, shared_stages
 from pipepar.program import run as program_run

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import pipepar
-from pipepar.core.schedule import NAMES, VIRTUAL, gpipe, parse
+from pipepar.core.named_schedules import NAMES, VIRTUAL, gpipe
+from pipepar.core.schedule import parse
 from pipepar.planner import auto_layout
 from pipepar.planner import cluster as cluster_module
 from pipepar.planner.auto_layout import (

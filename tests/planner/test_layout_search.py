@@ -16,7 +16,7 @@ from torch import nn
 import models
 import pipepar
 from pipepar.cli.main import main
-from pipepar.core.schedule import NAMES, VIRTUAL
+from pipepar.core.named_schedules import NAMES, VIRTUAL
 from pipepar.core.units import parse_bytes
 from pipepar.planner.cluster import Cluster, Link
 from pipepar.planner.flop_count import count_flops

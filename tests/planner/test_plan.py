@@ -15,7 +15,7 @@ from torch import nn
 
 import models
 import pipepar
-from pipepar.core.schedule import NAMES, VIRTUAL, make
+from pipepar.core.named_schedules import NAMES, VIRTUAL, make
 from pipepar.planner.measure import measure_split, stage_order
 from pipepar.planner.plan import Plan, StagePlan, plan
 from pipepar.planner.plan_targets import resolve_targets
@@ -327,7 +327,8 @@ def test_wrap_without_balance_uses_the_planner() -> None:
         (
             {"schedule": "zigzag"},
             ValueError,
-            r"schedule must be one of \['gpipe', '1f1b', 'zb-h1', 'interleaved-1f1b', 'zb-v'\]",
+            r"schedule must be one of \['gpipe', '1f1b', 'zb-h1', 'interleaved-1f1b', 'zb-v', "
+            r"'v-half', 'v-min'\]",
         ),
         ({"schedule": "zb-v", "devices": 3}, ValueError, "runs 6 stages on 3 devices but"),
         ({"checkpoint": "sometimes"}, ValueError, "checkpoint='sometimes'"),

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 import pipepar
-from pipepar.core.schedule import NAMES, VIRTUAL, gpipe, make, n_workers, timed
+from pipepar.core.named_schedules import NAMES, VIRTUAL, gpipe, make, n_workers
+from pipepar.core.schedule import timed
 from pipepar.planner.cluster import NAMES as CLUSTERS
 from pipepar.planner.cluster import Cluster, Link, measure_local
 from pipepar.planner.flop_count import count_flops

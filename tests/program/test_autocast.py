@@ -15,7 +15,7 @@ pytest.importorskip("transformers")
 
 import pipepar
 from models import transformers_zoo as zoo
-from pipepar.core.schedule import VIRTUAL
+from pipepar.core.named_schedules import VIRTUAL
 from tests.program import _real as real
 from tests.program._real import SPLITS
 

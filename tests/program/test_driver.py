@@ -8,7 +8,7 @@ import contextlib
 import threading
 import time
 
-from pipepar.core.schedule import make
+from pipepar.core.named_schedules import make
 from pipepar.program.driver import Driver, active
 from pipepar.program.rank_compute import _ahead
 

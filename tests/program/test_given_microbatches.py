@@ -17,7 +17,8 @@ from torch import Tensor, nn
 import pipepar
 from models import transformers_zoo as zoo
 from pipepar.core.losses import LossNotJoinable
-from pipepar.core.schedule import Schedule, make
+from pipepar.core.named_schedules import make
+from pipepar.core.schedule import Schedule
 from tests._foreign_models import NanoGPT
 from tests.program._given import SHAPES, chain, chain_data, hand_joined_lm, lm_batches
 

@@ -28,7 +28,7 @@ from torchvision.models.swin_transformer import SwinTransformer
 from torchvision.models.vision_transformer import VisionTransformer
 
 import pipepar
-from pipepar.core.schedule import make
+from pipepar.core.named_schedules import make
 from pipepar.planner.measure import measure_split
 from pipepar.planner.model_profile import profile_model
 from pipepar.planner.stage_memory import MemoryModel

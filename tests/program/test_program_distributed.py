@@ -282,18 +282,18 @@ def _activation_messages() -> list[int]:
     """How many activation messages this rank posted (sends and receives) in each of three
     steps of Llama over two ranks (1f1b, two micro-batches)."""
     import pipepar.distributed as ppd
-    from pipepar.program import link
+    from pipepar.program import rank_messages as link
 
     torch.manual_seed(0)
     pipe = ppd.wrap(zoo.llama(), split=[SPLITS["llama"]], chunks=2, schedule="1f1b")
     posts = [0]
-    post = link.Link._post
+    post = link.RankMessages._post
 
     def counted(self: Any, op: Any, t: Any, what: str, kind: int, peer: int, tag: int) -> Any:
         posts[0] += kind == link.ACTIVATION
         return post(self, op, t, what, kind, peer, tag)
 
-    link.Link._post = counted  # type: ignore[method-assign]
+    link.RankMessages._post = counted  # type: ignore[method-assign]
     try:
         seen = []
         for step in range(3):
@@ -301,7 +301,7 @@ def _activation_messages() -> list[int]:
             pipe.step(**_follow_batch("llama", step))
             seen.append(posts[0])
     finally:
-        link.Link._post = post  # type: ignore[method-assign]
+        link.RankMessages._post = post  # type: ignore[method-assign]
         pipe.close()
     return seen
 
@@ -517,7 +517,8 @@ def test_gradients_are_awaited_early_only_where_backwards_keep_the_forwards_orde
     peer's send finds it waiting; the messages of a pair of stages then meet those receives in
     the order they were posted, which holds where every stage runs its backwards in the order
     of its forwards (not under GPipe, whose backwards run last micro-batch first)."""
-    from pipepar.core.schedule import gpipe, make, parse
+    from pipepar.core.named_schedules import gpipe, make
+    from pipepar.core.schedule import parse
     from pipepar.program.rank_compute import _in_order
 
     assert not _in_order(gpipe(2, 4))

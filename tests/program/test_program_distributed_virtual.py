@@ -1,8 +1,8 @@
 """Real models under ``pipepar.distributed`` with the virtual-stage schedules: four stages on
-two gloo ranks (``"interleaved-1f1b"``: stages 0 and 2 on rank 0; ``"zb-v"``: stages 0 and 3,
-so GPT-2's tied embedding and head on one rank, and 1 and 2, handed over on rank 1), and a
-pp=2 x dp=2 grid on four. Over three steps (the first learns the route, the others follow it)
-the loss and every gradient equal the plain model's."""
+two gloo ranks (``"interleaved-1f1b"``: stages 0 and 2 on rank 0; ``"zb-v"``, ``"v-half"`` and
+``"v-min"``: stages 0 and 3, so GPT-2's tied embedding and head on one rank, and 1 and 2,
+handed over on rank 1), and a pp=2 x dp=2 grid on four. Over three steps (the first learns
+the route, the others follow it) the loss and every gradient equal the plain model's."""
 
 from __future__ import annotations
 
@@ -38,10 +38,17 @@ CASES = [
     ("bert", "interleaved-1f1b"),
     ("vit_timm", "zb-v"),
     ("vit_torchvision", "interleaved-1f1b"),
+    ("gpt2", "v-min"),
+    ("llama", "v-half"),
 ]
 """GPT-2 under both schedules, each other model under one (every model x every schedule x
 every checkpoint mode is test_ranks_every_feature's)."""
-STAGES = {"interleaved-1f1b": [[0, 2], [1, 3]], "zb-v": [[0, 3], [1, 2]]}
+STAGES = {
+    "interleaved-1f1b": [[0, 2], [1, 3]],
+    "zb-v": [[0, 3], [1, 2]],
+    "v-half": [[0, 3], [1, 2]],
+    "v-min": [[0, 3], [1, 2]],
+}
 """The stages of each rank."""
 
 
@@ -120,21 +127,21 @@ def _following(
 @contextlib.contextmanager
 def _counting_messages() -> Iterator[Counter[tuple[int, int]]]:
     """Count the activation messages this rank sends, by (producer, consumer) stage."""
-    from pipepar.program.link import ACTIVATION, Link
+    from pipepar.program.rank_messages import ACTIVATION, RankMessages
 
     counts: Counter[tuple[int, int]] = Counter()
-    send = Link._send
+    send = RankMessages._send
 
-    def counted(self: Link, buffer: Any, value: str, kind: int, *stages: int) -> None:
+    def counted(self: RankMessages, buffer: Any, value: str, kind: int, *stages: int) -> None:
         if kind == ACTIVATION:
             counts[stages] += 1
         send(self, buffer, value, kind, *stages)
 
-    Link._send = counted  # type: ignore[method-assign]
+    RankMessages._send = counted  # type: ignore[method-assign]
     try:
         yield counts
     finally:
-        Link._send = send  # type: ignore[method-assign]
+        RankMessages._send = send  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import pipepar
-from pipepar.core.schedule import NAMES, VIRTUAL
+from pipepar.core.named_schedules import NAMES, VIRTUAL
 
 
 class SkipNet(nn.Module):
@@ -237,18 +237,18 @@ def test_backward_of_a_call_runs_on_the_callers_thread_where_the_pipe_asks_it(
 ) -> None:
     """On CUDA the backward of ``pipe(...)`` runs on the autograd engine's device thread, where
     a stage worker's backward would queue behind it: the pipe asks for the caller's thread
-    (``_workers(backward=True)`` is None there). The same walk on the CPU equals the plain
+    (``workers(backward=True)`` is None there). The same walk on the CPU equals the plain
     model."""
-    from pipepar.pipe import Pipe
+    from pipepar.local.pipe_view import PipeView
 
     asked: list[bool] = []
-    workers = Pipe._workers
+    workers = PipeView.workers
 
-    def caller_thread_for_backward(self: Pipe, *, backward: bool = False) -> object:
+    def caller_thread_for_backward(self: PipeView, *, backward: bool = False) -> object:
         asked.append(backward)
         return None if backward else workers(self)
 
-    monkeypatch.setattr(Pipe, "_workers", caller_thread_for_backward)
+    monkeypatch.setattr(PipeView, "workers", caller_thread_for_backward)
     torch.manual_seed(0)
     plain = SkipNet()
     split = ["blocks.1", "blocks.2", "blocks.3"] if schedule in VIRTUAL else ["blocks.2"]

@@ -14,9 +14,11 @@ import torch
 import torch.nn.functional as F
 import torchvision
 from torch import Tensor, nn
+from torchvision.models.resnet import BasicBlock
 
 import pipepar
 from models import transformers_zoo as zoo
+from pipepar.core.named_schedules import VIRTUAL
 from tests.program._real import (
     SPLITS,
     _batch,
@@ -29,11 +31,15 @@ from tests.program._real import (
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v"]
 MODES = ["always", "except_last"]
-CASES = list(itertools.product(SPLITS, SCHEDULES))  # the five real models x every schedule
+CASES = [  # the five real models x every schedule, and the two V schedules of less memory
+    *itertools.product(SPLITS, SCHEDULES),
+    ("gpt2", "v-min"),
+    ("llama", "v-half"),
+]
 
 
 def _wrap(model: nn.Module, name: str, schedule: str, checkpoint: str) -> nn.Module:
-    virtual = schedule in ("interleaved-1f1b", "zb-v")
+    virtual = schedule in VIRTUAL
     return pipepar.wrap(
         model,
         split=SPLITS[name] if virtual else SPLITS[name][1:2],
@@ -210,42 +216,52 @@ def test_a_copy_of_a_recomputing_unit_runs_its_own_weights() -> None:
 
 
 def _resnet() -> nn.Module:
+    """A torchvision ResNet of one block per layer: every kind of batch norm of ResNet-18 (the
+    stem's, the blocks', the downsampling shortcuts') at half its weights."""
     torch.manual_seed(0)
-    return torchvision.models.resnet18(num_classes=10)
+    return torchvision.models.resnet.ResNet(BasicBlock, [1, 1, 1, 1], num_classes=10)
 
 
-@pytest.mark.parametrize("checkpoint", ["never", "always"])
-def test_deferred_batch_norm_tracks_the_whole_batch(checkpoint: str) -> None:
+def test_deferred_batch_norm_tracks_the_whole_batch() -> None:
     """A torchvision ResNet: with deferred_batch_norm=True every batch norm updates its running
     statistics once per step (recompute or not), and the first one, whose input is the plain
     model's, holds the plain model's statistics of the whole batch; without, they are updated
     once per micro-batch."""
     plain = _resnet()
-    deferred = pipepar.wrap(
-        copy.deepcopy(plain),
-        split=["layer3"],
-        devices=["cpu", "cpu"],
-        chunks=4,
-        deferred_batch_norm=True,
-        checkpoint=checkpoint,
-    )
+    deferred = {
+        checkpoint: pipepar.wrap(
+            copy.deepcopy(plain),
+            split=["layer3"],
+            devices=["cpu", "cpu"],
+            chunks=4,
+            deferred_batch_norm=True,
+            checkpoint=checkpoint,
+        )
+        for checkpoint in ("never", "always")
+    }
     per_microbatch = pipepar.wrap(
         copy.deepcopy(plain), split=["layer3"], devices=["cpu", "cpu"], chunks=4
     )
     for _ in range(2):
         x, y = torch.randn(8, 3, 32, 32), torch.randint(10, (8,))
-        deferred.step(x, loss_fn=F.cross_entropy, target=y)
-        per_microbatch.step(x, loss_fn=F.cross_entropy, target=y)
+        for pipe in (*deferred.values(), per_microbatch):
+            pipe.step(x, loss_fn=F.cross_entropy, target=y)
         with torch.no_grad():
             plain(x)
-    for stat in ("running_mean", "running_var"):
-        torch.testing.assert_close(
-            getattr(deferred.bn1, stat), getattr(plain.bn1, stat), rtol=1e-5, atol=1e-6
-        )
-    for name, b in deferred.named_buffers():
-        if name.endswith("num_batches_tracked"):
-            assert int(b) == 2, name
-            assert int(dict(per_microbatch.named_buffers())[name]) == 8, name
+    per_microbatch_buffers = dict(per_microbatch.named_buffers())
+    for checkpoint, pipe in deferred.items():
+        for stat in ("running_mean", "running_var"):
+            torch.testing.assert_close(
+                getattr(pipe.bn1, stat),
+                getattr(plain.bn1, stat),
+                rtol=1e-5,
+                atol=1e-6,
+                msg=f"{stat}, checkpoint={checkpoint}",
+            )
+        for name, b in pipe.named_buffers():
+            if name.endswith("num_batches_tracked"):
+                assert int(b) == 2, (name, checkpoint)
+                assert int(per_microbatch_buffers[name]) == 8, name
 
 
 def test_deferred_batch_norm_of_a_model_that_is_one() -> None:
@@ -305,28 +321,29 @@ def test_a_unit_writing_into_its_argument_is_named() -> None:
     nothing_kept(torch.randn(4, 8)).sum().backward()
 
 
-@pytest.mark.parametrize("checkpoint", MODES)
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
-def test_batch_norm_under_recompute_counts_each_micro_batch_once(
-    checkpoint: str, schedule: str
-) -> None:
+def test_batch_norm_under_recompute_counts_each_micro_batch_once(schedule: str) -> None:
     """A torchvision ResNet's batch norms (per micro-batch statistics): a recomputing pipe's
-    loss, gradients and running statistics are those of a pipe that keeps its activations."""
-    pipes = [
-        pipepar.wrap(
+    loss, gradients and running statistics (``always`` and ``except_last``) are those of a
+    pipe that keeps its activations."""
+    pipes = {
+        checkpoint: pipepar.wrap(
             _resnet(),
             split=["layer3"],
             devices=["cpu", "cpu"],
             chunks=4,
             schedule=schedule,
-            checkpoint=c,
+            checkpoint=checkpoint,
         )
-        for c in (checkpoint, "never")
-    ]
+        for checkpoint in ("never", *MODES)
+    }
     x, y = torch.randn(8, 3, 32, 32), torch.randint(10, (8,))
-    losses = [pipe.step(x, loss_fn=F.cross_entropy, target=y) for pipe in pipes]
-    _close(losses[0], losses[1], "loss")
-    _same_grads(pipes[0], pipes[1])
-    kept = dict(pipes[1].named_buffers())
-    for name, b in pipes[0].named_buffers():
-        torch.testing.assert_close(b, kept[name], rtol=1e-5, atol=1e-6, msg=name)
+    losses = {c: pipe.step(x, loss_fn=F.cross_entropy, target=y) for c, pipe in pipes.items()}
+    kept = dict(pipes["never"].named_buffers())
+    for checkpoint in MODES:
+        _close(losses[checkpoint], losses["never"], f"loss, checkpoint={checkpoint}")
+        _same_grads(pipes[checkpoint], pipes["never"])
+        for name, b in pipes[checkpoint].named_buffers():
+            torch.testing.assert_close(
+                b, kept[name], rtol=1e-5, atol=1e-6, msg=f"{name}, checkpoint={checkpoint}"
+            )

@@ -35,7 +35,7 @@ class Model(nn.Module):
 
 def test_each_entry_comes_from_the_stage_that_computes_it() -> None:
     model = Model()
-    lay = units.layout(model)
+    lay = units.model_units(model)
     assert lay.paths() == ["emb", "trunk.layers.0", "trunk.layers.1", "trunk.layers.2", "head"]
     owner = units.state_owners(model, [0, 1, 1, 2, 2])
     assert list(owner) == list(model.state_dict())  # every key, in the model's order

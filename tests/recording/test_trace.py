@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import pipepar
-from pipepar.core.schedule import gpipe, one_f_one_b, simulate
+from pipepar.core.named_schedules import gpipe, one_f_one_b
+from pipepar.core.schedule import simulate
 from pipepar.recording.tracer import KINDS, Event, Timeline, Tracer, tracing
 
 

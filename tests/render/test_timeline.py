@@ -19,7 +19,7 @@ from torch import nn
 
 import pipepar
 from pipepar import timeline as drawing
-from pipepar.core.schedule import gpipe
+from pipepar.core.named_schedules import gpipe
 from pipepar.recording.tracer import COMPUTE, Event, Timeline, tracing
 
 MODES = ["always", "except_last", "never"]

@@ -1,10 +1,11 @@
 """Messages between the ranks of a pipeline: the activations and gradients that cross stages.
 
-:class:`Link` sends each value one stage of a rank makes for a stage of another rank, and its
-gradient back, on a channel of its own per pair of stages; the values one unit call takes from
-another rank travel in one message (:meth:`Link.send_many`), and the receive of a gradient can
-be posted when its value leaves (:meth:`Link.expect`), before the peer sends it: on gloo a
-receive posted after its message came waits a round trip between the ranks' transport threads.
+:class:`RankMessages` sends each value one stage of a rank makes for a stage of another rank,
+and its gradient back, on a channel of its own per pair of stages; the values one unit call
+takes from another rank travel in one message (:meth:`RankMessages.send_many`), and the receive
+of a gradient can be posted when its value leaves (:meth:`RankMessages.expect`), before the peer
+sends it: on gloo a receive posted after its message came waits a round trip between the ranks'
+transport threads.
 A message's tensors are real: the Python modes of the code that sends or receives it (a shadow
 stage's meta modes) do not see its operations (:func:`_outside_modes`).
 """
@@ -22,7 +23,7 @@ from torch import Tensor
 from pipepar.ranks.failure import comm
 from pipepar.ranks.mesh import Mesh
 
-__all__ = ["ACTIVATION", "GRADIENT", "Link"]
+__all__ = ["ACTIVATION", "GRADIENT", "RankMessages"]
 
 ACTIVATION, GRADIENT = 1, 2
 _KINDS = {ACTIVATION: "an activation", GRADIENT: "a gradient"}
@@ -43,7 +44,7 @@ def _outside_modes(method: _F) -> _F:
     return run  # type: ignore[return-value]
 
 
-class Link:
+class RankMessages:
     """This rank's point-to-point messages to the ranks of the other stages.
 
     Activations travel on the mesh's ``fwd`` group, gradients on its ``bwd`` group (closing

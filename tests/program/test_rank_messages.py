@@ -1,5 +1,6 @@
-"""pipepar.program.link without a process group: a message's operations run outside the Python
-modes of the code that sends it (a shadow stage's meta modes follow every operation they see)."""
+"""pipepar.program.rank_messages without a process group: a message's operations run outside
+the Python modes of the code that sends it (a shadow stage's meta modes follow every operation
+they see)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from pipepar.program.link import ACTIVATION, Link, _bytes, _outside_modes
+from pipepar.program.rank_messages import ACTIVATION, RankMessages, _bytes, _outside_modes
 
 
 class _Seen(TorchDispatchMode):
@@ -70,7 +71,7 @@ class _Progress:
             self.wait(*pending.pop(0))
 
 
-def _link() -> tuple[Link, list[_Work], _Progress]:
+def _link() -> tuple[RankMessages, list[_Work], _Progress]:
     works: list[_Work] = []
 
     def isend(t: torch.Tensor, peer: int, group: Any, tag: int) -> _Work:
@@ -80,7 +81,7 @@ def _link() -> tuple[Link, list[_Work], _Progress]:
     progress = _Progress()
     mesh = SimpleNamespace(pipeline_ranks=[0, 1], fwd=None, bwd=None, progress=progress)
     mesh.isend = isend
-    return Link(mesh, torch.device("cpu"), [0, 1]), works, progress  # type: ignore[arg-type]
+    return RankMessages(mesh, torch.device("cpu"), [0, 1]), works, progress  # type: ignore[arg-type]
 
 
 def test_a_send_that_has_left_lets_go_of_its_buffer_and_a_failed_one_raises() -> None:

@@ -1,0 +1,199 @@
+"""Host time per action: every schedule on layers so small that the library's own Python decides.
+
+The job: 8 x (Linear(64, 64) + ReLU), batch 64, M = 16 micro-batches of 4 rows, forward +
+backward of an MSE loss, gradients set to None between steps, no recompute, one math thread per
+stage or process, two stages (one per core; four of 2 layers, two per core, for the
+virtual-stage schedules). An action (one stage's F, B or W of one micro-batch) computes a few
+microseconds of arithmetic, so a step's time is mostly what each action costs the host: the
+regime of a fast accelerator, where the kernels are short and the Python around them is not.
+
+Contenders (the timing is ``bench_schedules.py``'s, reused): the two references (**one core**:
+the micro-batches one after another in this process; **limit**: that job in each of two
+processes at once), every schedule of pipepar in one process (two worker threads) and across
+two ranks (gloo, stage messages through shared memory), torchgpipe, a **hand-written** GPipe
+across two ranks (``dist.send``/``recv``, plain ``backward()``) and torch.distributed.pipelining's
+schedules, its zero-bubble ones included. Contenders alternate in blocks of steps, each step is
+timed on its own (across ranks: a barrier before each, the slower rank's time) and becomes a
+rate in samples/s; the table gives the p90 rate with the p10-p90 spread.
+
+Host time per action: the p90 step time over the actions one core runs (the step's actions /
+2), and that as a multiple of the same runtime's 1F1B; *beyond the limit* subtracts what the
+core computes (half the limit's step: each core holds half the model) before dividing, so it
+is what a core spends per action on everything but the arithmetic (bubbles included).
+
+    python benchmarks/bench_host_time.py --write     # every contender, 200 steps each
+    python benchmarks/bench_host_time.py --quick     # about a minute: a few contenders
+    python benchmarks/bench_host_time.py --steps 60 --contenders pipepar:1f1b,pipepar:zb-v
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")  # every thread (torchgpipe's too): one core
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import _common as common
+from benchmarks import bench_schedules as schedules
+from benchmarks._results import markdown_table, record
+from pipepar.core import named_schedules as pipepar_schedules
+from pipepar.local import cpu_malloc
+
+TITLE = "Host time per action: tiny layers (8 x Linear(64), batch 64, M=16, 2 cores)"
+WORKERS = 2
+TORCH = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+CONTENDERS = (
+    *(f"pipepar:{s}" for s in pipepar_schedules.NAMES),
+    "torchgpipe:gpipe",
+    *(f"pipepar.distributed:{s}" for s in pipepar_schedules.NAMES),
+    "hand:gpipe",
+    *(f"torch:{s}" for s in TORCH),
+)
+QUICK = ("pipepar:1f1b", "pipepar:zb-v", "pipepar.distributed:1f1b", "torch:1F1B", "hand:gpipe")
+ONE_F_ONE_B = {  # a runtime's 1F1B, the yardstick of its schedules' host time
+    "pipepar": "pipepar:1f1b",
+    "pipepar.distributed": "pipepar.distributed:1f1b",
+    "torch": "torch:1F1B",
+}
+
+
+def actions(key: str, m: int) -> int | None:
+    """The actions (F, B and W of a stage and a micro-batch) of one step of contender ``key``;
+    None for the references, which run no pipeline."""
+    library, _, name = key.partition(":")
+    if library in ("pipepar", "pipepar.distributed"):
+        if name not in pipepar_schedules.NAMES:
+            return None
+        stages = WORKERS * (2 if name in pipepar_schedules.VIRTUAL else 1)
+        made = pipepar_schedules.make(name, stages, m, n_workers=WORKERS)
+        return sum(len(work) for work in made.actions)
+    if library in ("torchgpipe", "hand"):
+        return 2 * WORKERS * m
+    if library == "torch":  # virtual stages for all but GPipe and 1F1B; W apart in zero-bubble
+        stages = WORKERS * (1 if name in ("GPipe", "1F1B") else 2)
+        return stages * m * (3 if "ZeroBubble" in name else 2)
+    return None
+
+
+def host_rows(result: list[dict[str, Any]], batch: int, m: int) -> list[dict[str, Any]]:
+    """``bench_schedules.rows`` with the host time per action added: ``actions``,
+    ``us_per_action`` (p90 step / actions per core), ``x_1f1b`` (that of the runtime's 1F1B),
+    ``step_x_1f1b`` (the p90 step of the runtime's 1F1B) and ``beyond_limit_us`` (per action,
+    what the core does not spend on the arithmetic)."""
+    by = {r["key"]: r for r in result}
+    limit = by.get(schedules.LIMIT, {})
+    compute = batch / limit["p90"] if limit.get("p90") else None  # half the limit's step
+    out = []
+    for row in result:
+        n = actions(row["key"], m)
+        extra: dict[str, Any] = {"actions": n, "us_per_action": None, "beyond_limit_us": None}
+        if n and not row["error"]:
+            step, per_core = batch / row["p90"], n / WORKERS
+            extra["us_per_action"] = step / per_core * 1e6
+            if compute is not None:
+                extra["beyond_limit_us"] = (step - compute) / per_core * 1e6
+        out.append(row | extra)
+    for row in out:
+        ref = by.get(ONE_F_ONE_B.get(row["key"].partition(":")[0], ""))
+        yard = next((r for r in out if ref and r["key"] == ref["key"]), None)
+        ok = yard is not None and row["us_per_action"] and yard["us_per_action"]
+        row["x_1f1b"] = row["us_per_action"] / yard["us_per_action"] if ok else None  # type: ignore[index]
+        row["step_x_1f1b"] = yard["p90"] / row["p90"] if ok else None  # type: ignore[index]
+    return out
+
+
+def table(result: list[dict[str, Any]]) -> str:
+    """The markdown table, one line per contender."""
+    lines = []
+    for r in result:
+        head = [r["contender"], r["schedule"], r["processes"]]
+        if r["error"]:
+            lines.append([*head, *["-"] * 9, r["error"]])
+            continue
+        cells = [f"{r['p90']:.0f}", f"{r['spread']:.0%}", f"{r['x_one_core']:.2f}x"]
+        cells.append("-" if r["of_limit"] is None else f"{r['of_limit']:.2f}")
+        cells.append(r["actions"] or "-")
+        for key, form in (
+            ("us_per_action", "{:.0f}"),
+            ("x_1f1b", "{:.2f}x"),
+            ("step_x_1f1b", "{:.2f}x"),
+        ):
+            cells.append("-" if r[key] is None else form.format(r[key]))
+        cells.append("-" if r["beyond_limit_us"] is None else f"{r['beyond_limit_us']:.0f}")
+        lines.append([*head, *cells, schedules.LIBRARIES[r["key"].partition(":")[0]][2]])
+    headers = ["contender", "schedule", "processes", "samples/s p90", "spread p10-p90"]
+    headers += ["x one core (p90)", "of limit (p90)", "actions", "us per action"]
+    headers += ["x 1F1B per action", "x 1F1B per step", "beyond limit, us per action", "notes"]
+    return markdown_table(headers, lines)
+
+
+def notes(work: common.Workload, args: argparse.Namespace, before: str) -> str:
+    block = -(-args.steps // args.rounds)
+    return (
+        f"Job: {work.description}, M={args.chunks}, mse loss, forward + backward, gradients set "
+        "to None each step, checkpoint='never', one math thread per stage or process, two "
+        "stages of 8 layers (virtual-stage schedules: four of 4, two per core). "
+        f"{args.rounds} rounds x {block} timed steps per contender after {args.warmup} untimed "
+        "step(s) per block, order rotating; across ranks a barrier before each step and the "
+        "slower rank's time. Rate = samples per step / step time (limit: 2 x batch), p90 of "
+        "the steps' rates, spread (p10-p90)/median. us per action: p90 step time / (actions / "
+        "2 cores); x 1F1B: that, and the p90 step time, as a multiple of the same runtime's "
+        "1F1B's; beyond limit: (p90 step time - half "
+        "the limit's p90 step) / (actions / 2), what a core spends per action besides the "
+        "arithmetic, bubbles included. Machine load before: "
+        f"{before}; after: {common.load()}."
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure, print the table; write it to RESULTS.md with --write. 0 on success."""
+    args = _parse(argv)
+    cpu_malloc.tune()  # the same allocator settings in every process (the ranks do the same)
+    torch.set_num_threads(1)
+    before = common.load()
+    work = common.workload(common.TINY)
+    times = schedules.measure(work, args)
+    result = host_rows(schedules.rows(times, work.batch), work.batch, args.chunks)
+    text, note = table(result), notes(work, args, before)
+    print(text, note, sep="\n\n")
+    if args.write:
+        record(TITLE, text, notes=note, path=common.results_path(args, "host-time"))
+    common.write_json(args.json, [{k: v for k, v in r.items() if k != "rates"} for r in result])
+    return 0
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_options(parser, rounds=10)
+    parser.add_argument("--steps", type=int, default=200, help="timed steps per contender")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per block")
+    parser.add_argument("--chunks", type=int, default=16, help="micro-batches (M)")
+    parser.add_argument("--write", action="store_true", help="write the section (--results)")
+    parser.add_argument(
+        "--contenders",
+        type=lambda text: [p.strip() for p in text.split(",") if p.strip()],
+        default=None,
+        help="library:schedule list (libraries: "
+        f"{', '.join(schedules.CHOSEN_BY_USER)}). Default: " + ",".join(CONTENDERS),
+    )
+    args = parser.parse_args(argv)
+    args.contenders = args.contenders or list(QUICK if args.quick else CONTENDERS)
+    bad = [c for c in args.contenders if c.partition(":")[0] not in schedules.CHOSEN_BY_USER]
+    if bad:
+        parser.error(f"unknown library in {bad}; use e.g. pipepar:1f1b or torch:1F1B")
+    if args.quick:
+        args.rounds, args.steps = 2, min(args.steps, 20)
+    return args
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
