@@ -16,7 +16,9 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["Batched", "Coupling", "Outcome", "aligned", "dim_of", "norm", "unfollowed"]
+__all__ = [
+    "Batched", "Coupling", "Outcome", "aligned", "dim_of", "norm", "resized", "unfollowed",
+]  # fmt: skip
 
 Batched = tuple[Tensor, int]
 """An operand holding rows of the batch and the dimension they are on."""
@@ -69,3 +71,16 @@ def dim_of(t: Any, batched: Sequence[Batched]) -> int | None:
 def norm(k: int, n: int) -> int:
     """Dimension ``k`` (maybe negative) of a tensor of ``n`` dimensions, from the front."""
     return k + n if k < 0 else k
+
+
+def resized(coupling: Coupling, out: Tensor, batched: Sequence[Batched]) -> tuple[int, int] | None:
+    """The rows an operand had and the rows its result holds where ``coupling`` repeats or
+    drops rows (``x.repeat(2, 1)``, ``x[1:]``, ``F.pad`` over the rows): a result keeping an
+    operand's dimensions with another number of rows. None for any other coupling, a reduction
+    over the rows included (``x.mean(0, keepdim=True)``: its count matters, not its shape)."""
+    if coupling.reduces:
+        return None
+    for t, d in batched:
+        if out.dim() == t.dim() and out.shape[d] != t.shape[d]:
+            return t.shape[d], out.shape[d]
+    return None

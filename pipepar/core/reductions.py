@@ -10,6 +10,11 @@ it, replayed on any micro-batch's inputs, so the counts of every micro-batch are
 as one micro-batch has been watched, before the others' forwards run. A count that is a size
 of something the model computes is known per row (its first dimension a multiple of the
 micro-batch's rows) or for micro-batches of the watched one's shape only.
+
+An operation that mixes rows is refused where it runs, except one that repeats or drops them
+(``x.repeat(2, 1)``, ``x[1:]``): what a stage returns is checked for its rows by the stage
+(:func:`~pipepar.core.microbatch.check_rows` names its last layer), so such a result is refused
+when the call ends, unless an error (that check's) came first.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from pipepar.core.batch_dims import Coupling, batch_dim_after, reduced_dims
+from pipepar.core.batch_outcome import resized
 from pipepar.core.forms import (
     ADDITIVE,
     SCALING,
@@ -176,6 +182,7 @@ class Probe(TorchFunctionMode):
         super().__init__()
         self._whole = WholeInputs(whole)
         self._counted: Coupling | None = None
+        self._resize: str | None = None
         self._accepts = accepts
         self.rows, self._rows_dim = rows, rows_dim
         self._forms: dict[int, tuple[Any, Form]] = {}
@@ -196,6 +203,8 @@ class Probe(TorchFunctionMode):
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
         self._modules.close()
+        if exc[0] is None and self._resize is not None:
+            raise BatchCoupled(self._resize)
 
     def release(self) -> None:
         """Let go of the call's values (the forms learned stay with whoever asked for them)."""
@@ -361,7 +370,16 @@ class Probe(TorchFunctionMode):
         if not any(t.is_floating_point() for t, _ in batched):  # an index or a count (routing)
             self._counted = outcome if outcome.reduces else None
             return None
-        raise BatchCoupled(_coupled(outcome, _where(self._default_where)))
+        refused = _coupled(outcome, _where(self._default_where))
+        sizes = resized(outcome, first, batched)
+        if sizes is None:
+            raise BatchCoupled(refused)
+        # Rows repeated or dropped: a stage output holding them is the stage's check's to
+        # name (check_rows: its last layer, the shapes); one that stays inside is refused
+        # when the call ends (__exit__).
+        held = f"; its result holds {sizes[1]} rows where its operand had {sizes[0]}"
+        self._resize = self._resize or refused + held
+        return None
 
     def _replay(
         self,

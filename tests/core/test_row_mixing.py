@@ -297,6 +297,7 @@ PIPED = {
     "lstm-rows-as-time": (COUPLED, True),
     "in-place-row": (COUPLED, True),
     "getitem-row-slice": (COUPLED, True),
+    "repeat-rows": (COUPLED, True),  # more rows inside the layer, the batch's after it
     "any-over-rows-as-a-mask": (COUPLED, True),
     "mha-rows-as-sequence": (COUPLED, True),
     "mha-batch-first": (ROW_WISE, False),
