@@ -2,7 +2,8 @@
 
 The pipe splits the batch on dimension 0 and joins the last stage's outputs there; a layer
 that reduces the batch away (a 0-dim loss, a sum) or changes its rows at the end of a stage
-used to end in ``torch.cat``'s cryptic error, or in a wrongly joined output. Every stage output
+used to end in ``torch.cat``'s cryptic error, or in a wrongly joined output; one that repeats
+or drops rows is this check's to name too, not the probe's. Every stage output
 is checked once per micro-batch, on the threaded executor and on the one-stage direct path.
 """
 
@@ -54,6 +55,13 @@ class Doubled(Reduce):
         super().__init__(repeat=True)
 
 
+class Dropped(Reduce):
+    """Drops the first row of its micro-batch (``x[1:]``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[1:] if self.on else x
+
+
 # (case, layer, position, balance, the stage's last layer: index, name, class, output shape)
 CASES = [
     ("mid-pipe 0-dim", Reduce, 1, [2, 3], (1, "bad", "Reduce", "()")),
@@ -61,6 +69,7 @@ CASES = [
     ("last layer 0-dim", Reduce, 4, [3, 2], (4, "bad", "Reduce", "()")),
     ("mid-pipe rows doubled", Doubled, 3, [4, 1], (3, "bad", "Doubled", "(6, 5)")),
     ("last layer rows doubled", Doubled, 4, [2, 3], (4, "bad", "Doubled", "(6, 5)")),
+    ("mid-pipe rows dropped", Dropped, 3, [4, 1], (3, "bad", "Dropped", "(2, 5)")),
 ]
 
 
