@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from pipepar.core import engine
+from pipepar.core.backward_plans import BackwardPlans
 from pipepar.core.microbatch import Value, check_rows, map_tensors, tensors
 from pipepar.core.randomness import Randomness
 from pipepar.core.recompute import recomputing, should_checkpoint
@@ -42,7 +43,6 @@ from pipepar.core.split_backward import (
     WeightWork,
     backward_whole,
     by_id,
-    plan_backward,
     run_input,
 )
 from pipepar.core.stage import Stage
@@ -206,7 +206,7 @@ class StageStep:
         self._owned = [False] * len(self.params)
         self._records: dict[int, _Record] = {}
         self._weights: dict[int, WeightWork | _Later] = {}
-        self._params_by_id: dict[int, Tensor] | None = None
+        self._plans: BackwardPlans | None = None
         # An unsplit backward takes the direct route of split_backward (weight products summed
         # in place, no pass to add them) only where that saves more than the ~30 us of Python
         # per layer it costs to find them: with 2**17 weights in a matrix, it does.
@@ -305,10 +305,11 @@ class StageStep:
         reach: bool = False,
         known: NextNodes | None = None,
     ) -> BackwardWalk:
-        """:func:`plan_backward` over the stage's parameters (found by ``id`` once a step)."""
-        if self._params_by_id is None:
-            self._params_by_id = by_id(self.params)
-        return plan_backward(outs, gouts, inputs, self._params_by_id, reach=reach, known=known)
+        """:func:`~pipepar.core.split_backward.plan_backward` over the stage's parameters,
+        made once per shape of graph in a step (:mod:`pipepar.core.backward_plans`)."""
+        if self._plans is None:
+            self._plans = BackwardPlans(by_id(self.params))
+        return self._plans.plan(outs, gouts, inputs, reach=reach, known=known)
 
     def _walked(self, i: int) -> NextNodes | None:
         """Micro-batch ``i``'s graph on this stage as an earlier walk read it, if one did
