@@ -40,6 +40,7 @@ does nothing (correct, only without the overlap).
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -769,7 +770,6 @@ def _compute(node: Node, terms: list[Direct], add: Adder) -> Any:
 
 
 def _record(node: Node, k: int, work: WeightWork) -> Any:
-    def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
-        work.grads[k] = tuple(grad_outputs)
-
-    return node.register_prehook(hook)
+    """Record the gradients reaching junction ``node`` as ``work.grads[k]`` (the tuple the
+    hook is handed; a bound method of the dict, so no Python frame runs per call)."""
+    return node.register_prehook(functools.partial(work.grads.__setitem__, k))
