@@ -62,6 +62,8 @@ class _Term:
     transposed: bool
     edge: int
     cast: bool
+    name: str
+    """The junction node's name (which saved input a product reads)."""
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ def graph_shape(
             index[node] = len(nodes)
             nodes.append(node)
             name = kinds.get(type(node)) or _name(node)
-            below = read.get(node)
+            below = read.get(node) if read else None
             edges = node.next_functions if below is None else [(c, 0) for c in below]
             add(name)
             add(len(edges))
@@ -192,7 +194,7 @@ def _positions(walk: BackwardWalk, nodes: list[Node], outputs: Sequence[Tensor])
     roots = {id(t) for t, _ in work.roots}
     return _Plan(
         junctions=tuple((at[node], tuple(params)) for node, params in work.junctions),
-        terms=tuple(_term(d) for d in work.direct),
+        terms=tuple(_term(d, work.junctions[d.junction][0]) for d in work.direct),
         roots=tuple(j for j, t in enumerate(outputs) if id(t) in roots),
         root_params=tuple(work.root_params),
         on_path=tuple(at[node] for node in walk.on_path),
@@ -201,14 +203,16 @@ def _positions(walk: BackwardWalk, nodes: list[Node], outputs: Sequence[Tensor])
     )
 
 
-def _term(d: Direct) -> _Term:
+def _term(d: Direct, node: Node) -> _Term:
+    """Direct term ``d`` of junction ``node`` by position."""
     if isinstance(d.kernel, NormSaved):
         kind = "norm"
     elif isinstance(d.kernel, ScaleSaved):
         kind = "scale"
     else:
         kind = "bias" if d.saved is None else "product"
-    return _Term(d.param, d.junction, kind, d.transposed, d.edge, d.cast)
+    name = _NAMES.get(type(node)) or _name(node)
+    return _Term(d.param, d.junction, kind, d.transposed, d.edge, d.cast, name)
 
 
 def _replay(
@@ -216,40 +220,46 @@ def _replay(
 ) -> BackwardWalk | None:
     """``plan`` on a graph of its shape (``nodes`` in :func:`graph_shape`'s order); ``None``
     if a direct term cannot read what it needs there."""
-    work = WeightWork(keep=outputs)
-    work.junctions = [(nodes[k], list(params)) for k, params in plan.junctions]
-    saved: dict[int, Any] = {}
+    junctions = [(nodes[k], list(params)) for k, params in plan.junctions]
+    direct: list[Direct] = []
+    saved: dict[int, Tensor | NormSaved | ScaleSaved | None] = {}  # each junction's, read once
     for t in plan.terms:
-        node = work.junctions[t.junction][0]
-        what = saved.get(t.junction) if t.kind == "norm" else None
-        if what is None and t.kind != "bias":
-            what = _read(node, t)
-            if what is None:
-                return None
-            saved[t.junction] = what
-        if t.kind == "product":
-            work.direct.append(Direct(t.param, t.junction, what, t.transposed, cast=t.cast))
-        elif t.kind == "bias":
-            work.direct.append(Direct(t.param, t.junction, None, t.transposed, cast=t.cast))
+        if t.kind == "bias":
+            direct.append(Direct(t.param, t.junction, None, t.transposed, cast=t.cast))
+            continue
+        what = saved.get(t.junction)
+        if what is None:
+            what = saved[t.junction] = _read(junctions[t.junction][0], t)
+        if what is None or not fits(t.param, t.cast, _computes_with(what)):
+            return None
+        if isinstance(what, Tensor):  # a product's saved input
+            direct.append(Direct(t.param, t.junction, what, t.transposed, cast=t.cast))
         else:
-            work.direct.append(Direct(t.param, t.junction, None, False, kernel=what, edge=t.edge))
-    work.roots = [(outputs[j], grads[j]) for j in plan.roots]
-    work.root_params = list(plan.root_params)
+            direct.append(Direct(t.param, t.junction, None, False, kernel=what, edge=t.edge))
+    work = WeightWork(
+        junctions=junctions,
+        roots=[(outputs[j], grads[j]) for j in plan.roots],
+        root_params=list(plan.root_params),
+        keep=outputs,
+        direct=direct,
+    )
     on_path = {nodes[k] for k in plan.on_path}
     return BackwardWalk(work, on_path, list(plan.captured), plan.conflict)
 
 
 def _read(node: Node, t: _Term) -> Tensor | NormSaved | ScaleSaved | None:
-    """What term ``t`` reads of ``node``, if it is there and usable as when it was planned."""
+    """What term ``t`` reads of ``node``, if it is there and of the kind it was planned on."""
     if t.kind == "product":
-        name = _NAMES.get(type(node)) or _name(node)
-        x = _saved_input(node, name)
-        ok = x is not None and _plain_product(node, name, x) and fits(t.param, t.cast, x)
-        return x if ok else None
+        x = _saved_input(node, t.name)
+        return x if x is not None and _plain_product(node, t.name, x) else None
     if t.kind == "norm":
-        saved = norm_saved(node)
-        return saved if saved is not None and fits(t.param, False, saved.input) else None
+        return norm_saved(node)
     other = scale_operand(node, t.edge)
-    if other is None or not fits(t.param, False, other):
-        return None
-    return ScaleSaved(other, t.param.shape)
+    return None if other is None else ScaleSaved(other, t.param.shape)
+
+
+def _computes_with(saved: Tensor | NormSaved | ScaleSaved) -> Tensor:
+    """The tensor whose dtype and device a term computes in."""
+    if isinstance(saved, NormSaved):
+        return saved.input
+    return saved.other if isinstance(saved, ScaleSaved) else saved

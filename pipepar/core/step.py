@@ -205,10 +205,8 @@ class StageStep:
         self.flags = tuple(layer.training for layer in stage.layers)
         self.training = any(self.flags)
         self.autocast = Autocast.capture()
-        self._contexts = bool(streams is not None or self.autocast.states)
-        self._contexts |= stage.device.type == "cuda"
-        """Whether a forward enters anything (:meth:`_context`): random streams, autocast, a
-        CUDA device."""
+        self._contexts = bool(self.autocast.states) or stage.device.type == "cuda"
+        """Whether a forward enters more than the random streams (:meth:`_context`)."""
         self._cast_cache = True
         """Whether a forward keeps autocast's cast cache (see :meth:`Autocast.__call__`)."""
         self.split = split or (lambda i: False)
@@ -239,8 +237,7 @@ class StageStep:
         start = time.perf_counter()
         leaf = _leaf(x, self.input_grad) if self.grad else x
         ckpt = self.grad and self.training and should_checkpoint(self.checkpoint, i, self.m)
-        context = self._context(i, replay=ckpt) if self._contexts else contextlib.nullcontext()
-        with context, torch.set_grad_enabled(self.grad and not ckpt):
+        with self._forward_context(i, ckpt), torch.set_grad_enabled(self.grad and not ckpt):
             if i == 0 and self.stage.watch is not None:  # a chain's new kind of input
                 with self.stage.watch.watching(self.stage.index, leaf, self.m):
                     y = self._run(leaf, i)
@@ -257,6 +254,14 @@ class StageStep:
         if self.head is not None:  # the loss takes the output as it is: nothing joins it
             return self.head(y, i)
         return check_output(self.stage, x, y)
+
+    def _forward_context(self, i: int, replay: bool) -> contextlib.AbstractContextManager[Any]:
+        """:meth:`_context`, without a stack of contexts where there is at most one."""
+        if self._contexts:
+            return self._context(i, replay=replay)
+        if self.streams is None:
+            return _NOTHING
+        return self.streams.drawing(self.stage.index, i, replay=replay, flags=self.flags)
 
     def _context(self, i: int, *, replay: bool) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
@@ -558,6 +563,7 @@ def _leaf(value: Value, requires_grad: bool) -> Value:
 
 
 _STRIDED = torch.strided
+_NOTHING: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
 
 
 def _whole(g: Tensor) -> bool:
