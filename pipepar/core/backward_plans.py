@@ -19,6 +19,7 @@ stage's parameters), so it keeps nothing alive past the micro-batch.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -158,6 +159,7 @@ class BackwardPlans:
     def __init__(self, params: dict[int, Tensor]) -> None:
         self.params = params
         self._plans: dict[tuple[Any, ...], _Plan] = {}
+        self._lock = threading.Lock()
         self.made = 0
         """Plans made by reading a whole graph (the others were replayed)."""
 
@@ -180,10 +182,12 @@ class BackwardPlans:
             if walk is not None:
                 return walk
         walk = plan_backward(outputs, grads, inputs, self.params, reach=reach, known=known)
-        self.made += 1
-        if len(self._plans) >= _KEPT:
-            del self._plans[next(iter(self._plans))]
-        self._plans[key] = _positions(walk, nodes, outputs)
+        kept = _positions(walk, nodes, outputs)
+        with self._lock:  # a stage's W may plan on another worker while its B plans
+            self.made += 1
+            if len(self._plans) >= _KEPT:
+                del self._plans[next(iter(self._plans))]
+            self._plans[key] = kept
         return walk
 
 
