@@ -34,7 +34,7 @@ import itertools
 import threading
 import warnings
 from collections.abc import Hashable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -47,6 +47,8 @@ _SEEDED = torch.Tag.nondeterministic_seeded
 _LOCKS: dict[tuple[str, int], threading.Lock] = {}
 _LOCKS_GUARD = threading.Lock()
 _streaming = threading.local()  # .mode: the stream this thread draws from, if any
+_NOTHING: AbstractContextManager[None] = nullcontext()
+"""A context with nothing to do (reentrant: shared by every block that needs none)."""
 
 
 def _lock(device: torch.device) -> threading.Lock:
@@ -268,27 +270,28 @@ class Streams:
                     _WATCH.rebase(before, _cpu_state())
             return self._seed
 
-    @contextmanager
     def drawing(
         self, stage: int, microbatch: int, *, replay: bool = True, flags: Hashable = ()
-    ) -> Iterator[None]:
+    ) -> AbstractContextManager[None]:
         """Run the block's random operators on stream (stage, micro-batch), from its start
         (so a recompute draws what the first forward drew). A stage the log knows to be quiet
-        under ``flags`` runs a block that will not be replayed without the mode, checked."""
-        log = self.log
-        if log is None:
-            with _drawing_from(_StreamMode(self, 1_000_003 * stage + microbatch)):
-                yield
-            return
-        if not replay and (stage, flags) in self._quiet and log.quiet(stage, flags):
+        under ``flags`` runs a block that will not be replayed without the mode, checked
+        (entered at once: the context then has nothing left to do, and costs nothing)."""
+        log, key = self.log, (stage, flags)
+        if log is not None and not replay and key in self._quiet and log.quiet(*key):
             # quiet before this mini-batch, and not found drawing since: checked at close()
             self._watch.add(stage, flags)
-            yield
-            return
+            return _NOTHING
+        return self._stream(stage, microbatch, flags)
+
+    @contextmanager
+    def _stream(self, stage: int, microbatch: int, flags: Hashable) -> Iterator[None]:
+        """The block under the stream's mode; the log told whether it drew."""
         mode = _StreamMode(self, 1_000_003 * stage + microbatch)
         with _drawing_from(mode):
             yield
-        log.saw(stage, flags, drew=mode.drew)
+        if self.log is not None:
+            self.log.saw(stage, flags, drew=mode.drew)
 
     def close(self) -> None:
         """After the mini-batch's blocks: check that no generator moved while its quiet

@@ -40,6 +40,7 @@ does nothing (correct, only without the overlap).
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -63,8 +64,11 @@ __all__ = [
     "backward_input",
     "backward_whole",
     "by_id",
+    "fits",
+    "norm_saved",
     "plan_backward",
     "run_input",
+    "scale_operand",
 ]
 
 _MATMUL = {"AddmmBackward0": (1, 2, 0), "MmBackward0": (0, 1, None)}
@@ -571,11 +575,8 @@ def _scale_edges(graph: _Graph, node: Node, hooked: set[int]) -> _Candidate | No
     if len(nexts) != 2 or len(params) != 1:
         return None
     edge, param = params[0]
-    try:
-        other = getattr(node, "_saved_other" if edge == 0 else "_saved_self")
-    except (AttributeError, RuntimeError):  # freed, or another version's node
-        return None
-    if not isinstance(other, Tensor) or other.layout != torch.strided or other.is_complex():
+    other = scale_operand(node, edge)
+    if other is None:
         return None
     found = _usable({edge: (param, False, False)}, other, hooked)
     return (found, ScaleSaved(other, param.shape), None) if found else None
@@ -584,16 +585,8 @@ def _scale_edges(graph: _Graph, node: Node, hooked: set[int]) -> _Candidate | No
 def _norm_edges(graph: _Graph, node: Node, hooked: set[int]) -> _Candidate | None:
     """A LayerNorm node's weight and bias edges (parameters as they are, on the input's dtype
     and device, without tensor hooks) and what its backward saved; ``None`` if none."""
-    try:
-        saved = NormSaved(
-            node._saved_input,  # type: ignore[attr-defined]
-            [int(d) for d in node._saved_normalized_shape],  # type: ignore[attr-defined]
-            node._saved_result1,  # type: ignore[attr-defined]
-            node._saved_result2,  # type: ignore[attr-defined]
-            node._saved_weight,  # type: ignore[attr-defined]
-            node._saved_bias,  # type: ignore[attr-defined]
-        )
-    except (AttributeError, RuntimeError):  # freed, or another version's node
+    saved = norm_saved(node)
+    if saved is None:
         return None
     nexts = graph.nexts[node]
     edges = {
@@ -603,6 +596,39 @@ def _norm_edges(graph: _Graph, node: Node, hooked: set[int]) -> _Candidate | Non
     }
     found = _usable(edges, saved.input, hooked)
     return (found, saved, None) if found else None
+
+
+def scale_operand(node: Node, edge: int) -> Tensor | None:
+    """The other operand an elementwise product saved for its operand on next edge ``edge``,
+    if it kept a dense real tensor (``None``: freed, or of another kind)."""
+    try:
+        other = getattr(node, "_saved_other" if edge == 0 else "_saved_self")
+    except (AttributeError, RuntimeError):  # freed, or another version's node
+        return None
+    if not isinstance(other, Tensor) or other.layout != torch.strided or other.is_complex():
+        return None
+    return other
+
+
+def norm_saved(node: Node) -> NormSaved | None:
+    """What a LayerNorm's backward node saved (``None``: freed, or another version's node)."""
+    try:
+        return NormSaved(
+            node._saved_input,  # type: ignore[attr-defined]
+            [int(d) for d in node._saved_normalized_shape],  # type: ignore[attr-defined]
+            node._saved_result1,  # type: ignore[attr-defined]
+            node._saved_result2,  # type: ignore[attr-defined]
+            node._saved_weight,  # type: ignore[attr-defined]
+            node._saved_bias,  # type: ignore[attr-defined]
+        )
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def fits(param: Tensor, cast: bool, x: Tensor) -> bool:
+    """Whether a direct term of ``param`` may compute with ``x``: on its device, and of its
+    dtype unless the parameter enters through a cast."""
+    return (cast or param.dtype == x.dtype) and param.device == x.device
 
 
 def _param_under(graph: _Graph, node: Node | None) -> tuple[Tensor | None, bool]:
@@ -622,7 +648,7 @@ def _usable(edges: dict[int, _Edge], x: Tensor, hooked: set[int]) -> dict[int, _
     return {
         e: (p, t, cast)
         for e, (p, t, cast) in edges.items()
-        if id(p) not in hooked and (cast or p.dtype == x.dtype) and p.device == x.device
+        if id(p) not in hooked and fits(p, cast, x)
     }
 
 
@@ -744,7 +770,6 @@ def _compute(node: Node, terms: list[Direct], add: Adder) -> Any:
 
 
 def _record(node: Node, k: int, work: WeightWork) -> Any:
-    def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
-        work.grads[k] = tuple(grad_outputs)
-
-    return node.register_prehook(hook)
+    """Record the gradients reaching junction ``node`` as ``work.grads[k]`` (the tuple the
+    hook is handed; a bound method of the dict, so no Python frame runs per call)."""
+    return node.register_prehook(functools.partial(work.grads.__setitem__, k))

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from pipepar.core import engine
+from pipepar.core.backward_plans import BackwardPlans
 from pipepar.core.microbatch import Value, check_rows, map_tensors, tensors
 from pipepar.core.randomness import Randomness
 from pipepar.core.recompute import recomputing, should_checkpoint
@@ -42,7 +43,6 @@ from pipepar.core.split_backward import (
     WeightWork,
     backward_whole,
     by_id,
-    plan_backward,
     run_input,
 )
 from pipepar.core.stage import Stage
@@ -117,12 +117,21 @@ class _Sums:
     def __init__(
         self,
         step: StageStep,
-        keep: set[int],
+        shared: Sequence[Tensor],
         final: Callable[[int, Tensor], None] | None,
     ) -> None:
-        self.step, self.keep, self.final = step, keep, final
+        self.step, self.shared, self.final = step, shared, final
         self.fresh: list[int] = []
         self.hooked = False
+        self._keep: set[int] | None = None
+
+    @property
+    def keep(self) -> set[int]:
+        """The storages of the tensors the pass shares (its incoming gradients): a gradient
+        in one of them is never summed into in place. Read on a sum's first gradient only."""
+        if self._keep is None:
+            self._keep = {t.untyped_storage().data_ptr() for t in self.shared}
+        return self._keep
 
     def add(self, grads: Iterable[tuple[Tensor, Tensor | None]]) -> None:
         """Sum the pass's (parameter, gradient) pairs, unless hooks summed them already: those
@@ -130,15 +139,16 @@ class _Sums:
         added as ``add_`` adds them), the others one by one."""
         if self.hooked:
             return
-        step, index = self.step, self.step._index
+        step = self.step
+        index, sums, owned, final = step._index, step._sums, step._owned, self.final
         totals: list[Tensor] = []
         parts: list[Tensor] = []
         for param, g in grads:
             if g is None:
                 continue
             k = index[id(param)]
-            total = step._sums[k]
-            if total is not None and step._owned[k] and self.final is None and _dense(g):
+            total = sums[k]
+            if total is not None and owned[k] and final is None and g.layout == _STRIDED:
                 totals.append(total)
                 parts.append(g)
             else:
@@ -195,6 +205,8 @@ class StageStep:
         self.flags = tuple(layer.training for layer in stage.layers)
         self.training = any(self.flags)
         self.autocast = Autocast.capture()
+        self._contexts = bool(self.autocast.states) or stage.device.type == "cuda"
+        """Whether a forward enters more than the random streams (:meth:`_context`)."""
         self._cast_cache = True
         """Whether a forward keeps autocast's cast cache (see :meth:`Autocast.__call__`)."""
         self.split = split or (lambda i: False)
@@ -206,7 +218,7 @@ class StageStep:
         self._owned = [False] * len(self.params)
         self._records: dict[int, _Record] = {}
         self._weights: dict[int, WeightWork | _Later] = {}
-        self._params_by_id: dict[int, Tensor] | None = None
+        self._plans: BackwardPlans | None = None
         # An unsplit backward takes the direct route of split_backward (weight products summed
         # in place, no pass to add them) only where that saves more than the ~30 us of Python
         # per layer it costs to find them: with 2**17 weights in a matrix, it does.
@@ -225,7 +237,7 @@ class StageStep:
         start = time.perf_counter()
         leaf = _leaf(x, self.input_grad) if self.grad else x
         ckpt = self.grad and self.training and should_checkpoint(self.checkpoint, i, self.m)
-        with self._context(i, replay=ckpt), torch.set_grad_enabled(self.grad and not ckpt):
+        with self._forward_context(i, ckpt), torch.set_grad_enabled(self.grad and not ckpt):
             if i == 0 and self.stage.watch is not None:  # a chain's new kind of input
                 with self.stage.watch.watching(self.stage.index, leaf, self.m):
                     y = self._run(leaf, i)
@@ -242,6 +254,14 @@ class StageStep:
         if self.head is not None:  # the loss takes the output as it is: nothing joins it
             return self.head(y, i)
         return check_output(self.stage, x, y)
+
+    def _forward_context(self, i: int, replay: bool) -> contextlib.AbstractContextManager[Any]:
+        """:meth:`_context`, without a stack of contexts where there is at most one."""
+        if self._contexts:
+            return self._context(i, replay=replay)
+        if self.streams is None:
+            return _NOTHING
+        return self.streams.drawing(self.stage.index, i, replay=replay, flags=self.flags)
 
     def _context(self, i: int, *, replay: bool) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
@@ -305,10 +325,11 @@ class StageStep:
         reach: bool = False,
         known: NextNodes | None = None,
     ) -> BackwardWalk:
-        """:func:`plan_backward` over the stage's parameters (found by ``id`` once a step)."""
-        if self._params_by_id is None:
-            self._params_by_id = by_id(self.params)
-        return plan_backward(outs, gouts, inputs, self._params_by_id, reach=reach, known=known)
+        """:func:`~pipepar.core.split_backward.plan_backward` over the stage's parameters,
+        made once per shape of graph in a step (:mod:`pipepar.core.backward_plans`)."""
+        if self._plans is None:
+            self._plans = BackwardPlans(by_id(self.params))
+        return self._plans.plan(outs, gouts, inputs, reach=reach, known=known)
 
     def _walked(self, i: int) -> NextNodes | None:
         """Micro-batch ``i``'s graph on this stage as an earlier walk read it, if one did
@@ -340,7 +361,7 @@ class StageStep:
         large = self._large and readable
         plan = self._plan(outs, gouts, inputs, reach=True, known=known) if large else None
         direct = {id(p) for p in plan.direct_params()} if plan is not None else set()
-        generic = [p for p in self.params if id(p) not in direct]
+        generic = [p for p in self.params if id(p) not in direct] if direct else self.params
         after = plan is None or not direct  # the pass returns every gradient it computes
         with self._summing(gouts, last=last, params=generic, after=after) as sums:
             if plan is not None and direct:
@@ -430,9 +451,8 @@ class StageStep:
         where the caller cannot see the gradients (``after=False``). Registering and
         removing a hook per parameter and pass is Python of the order of the arithmetic of
         a small stage's whole backward."""
-        keep = {t.untyped_storage().data_ptr() for t in shared}
         final = self.on_final if last else None
-        sums = _Sums(self, keep, final)
+        sums = _Sums(self, shared, final)
         if after and final is None and self._small:
             yield sums
             return
@@ -498,6 +518,8 @@ class StageStep:
         """Never write into a new sum whose storage another gradient of the pass shares (two
         parameters' gradients as views of one tensor, or a parameter's and an input's)."""
         kept = [k for k in fresh if self._sums[k] is not None]
+        if not kept:  # every sum of the pass was one of an earlier pass: none is new
+            return
         ptrs = Counter(self._sums[k].untyped_storage().data_ptr() for k in kept)  # type: ignore[union-attr]
         ptrs.update(t.untyped_storage().data_ptr() for t in others)
         for k in kept:
@@ -540,8 +562,8 @@ def _leaf(value: Value, requires_grad: bool) -> Value:
     return map_tensors(value, detach)
 
 
-def _dense(g: Tensor) -> bool:
-    return g.layout == torch.strided
+_STRIDED = torch.strided
+_NOTHING: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
 
 
 def _whole(g: Tensor) -> bool:
