@@ -48,9 +48,6 @@ class OffloadPlan:
     """``(stage, micro-batch)`` whose forward sends its saved tensors to host memory."""
     reloads: Mapping[tuple[int, str, int], tuple[Key, ...]]
     """By ``(stage, kind, micro-batch)`` of an action: what to bring back as it starts."""
-    held: frozenset[Key] = frozenset()
-    """The sent micro-batches whose backward is split into ``B`` and ``W``: what comes back
-    stays until ``W``, which reads it again."""
 
 
 def plan_offload(schedule: Schedule, *, lead: int = 1, away: int = 1) -> OffloadPlan:
@@ -79,8 +76,7 @@ def plan_offload(schedule: Schedule, *, lead: int = 1, away: int = 1) -> Offload
             trigger = actions[start]
             sent.add(key)
             reloads.setdefault((trigger.stage, trigger.kind, trigger.microbatch), []).append(key)
-    held = frozenset(key for key in sent if schedule.splits_backward(*key))
-    return OffloadPlan(frozenset(sent), {k: tuple(v) for k, v in reloads.items()}, held)
+    return OffloadPlan(frozenset(sent), {k: tuple(v) for k, v in reloads.items()})
 
 
 def _spans(actions: Sequence[Action]) -> dict[Key, tuple[int, int]]:
@@ -121,15 +117,13 @@ class Offloader:
             self.stores[s].reload(j)
 
     def saving(
-        self, stage: int, i: int, first: Pack | None = None, *, reads: bool = False
+        self, stage: int, i: int, first: Pack | None = None, *, hold: bool = False
     ) -> AbstractContextManager[None]:
         """Around the forward of micro-batch ``i`` on ``stage``: sends out what it saves if the
-        plan says so (``first``: see :meth:`ActivationStore.saving`). ``reads``: the stage's
-        backward reads what the graph saved before autograd does (its plan of direct weight
-        products), so what comes back stays until the release, as for a split backward."""
+        plan says so (``first`` and ``hold``: see :meth:`ActivationStore.saving`; the stage
+        holds what comes back when its backward reads the graph more than once)."""
         if (stage, i) not in self.plan.sent:
             return nullcontext()
-        hold = reads or (stage, i) in self.plan.held
         return self.stores[stage].saving(i, first, hold=hold)
 
     def release(self, stage: int, i: int) -> None:

@@ -267,7 +267,13 @@ class StageStep:
         offload plan says so (a checkpointed micro-batch saves nothing to send)."""
         if self.offload is None or ckpt or not self.grad:
             return contextlib.nullcontext()
-        return self.offload.saving(self.stage.index, i, reads=self._large)
+        return self.offload.saving(self.stage.index, i, hold=self._reads_twice(i))
+
+    def _reads_twice(self, i: int) -> bool:
+        """Whether micro-batch ``i``'s backward reads what its forward saved more than once:
+        B and then W (a split backward whose B computes an input gradient), or a plan of
+        direct weight products before the engine (a stage with a large matrix)."""
+        return self._large or (self.split(i) and self.input_grad)
 
     # -- B ------------------------------------------------------------------------------------
     def backward(self, i: int, grads: Grads) -> Grads:
