@@ -416,6 +416,20 @@ def add_options(parser: argparse.ArgumentParser, *, rounds: int) -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the rows as JSON")
 
 
+def add_schedule_options(parser: argparse.ArgumentParser) -> None:
+    """The options of a benchmark that times schedules on K devices: --steps, --chunks,
+    --workers (comma-separated K) and --write."""
+    parser.add_argument("--steps", type=int, default=24, help="timed steps per contender")
+    parser.add_argument("--chunks", type=int, default=8, help="micro-batches (M)")
+    parser.add_argument(
+        "--workers",
+        type=lambda t: [int(x) for x in t.split(",")],
+        default=[2, 4],
+        help="devices K, comma-separated (default 2,4)",
+    )
+    parser.add_argument("--write", action="store_true", help="write the section (--results)")
+
+
 def results_path(args: argparse.Namespace, script: str) -> Path:
     """Where to record: --results, else a temp file in quick mode, else RESULTS.md."""
     if args.results is not None:

@@ -264,13 +264,7 @@ def _main_ranks(args: argparse.Namespace) -> int:
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_options(parser, rounds=6)
-    parser.add_argument("--steps", type=int, default=24, help="timed steps per schedule")
-    parser.add_argument("--chunks", type=int, default=8, help="micro-batches (M)")
-    parser.add_argument(
-        "--workers", type=lambda t: [int(x) for x in t.split(",")], default=[2, 4],
-        help="devices K, comma-separated (default 2,4)",
-    )  # fmt: skip
-    parser.add_argument("--write", action="store_true", help="write the section (--results)")
+    common.add_schedule_options(parser)
     parser.add_argument("--ranks", action="store_true", help="rates across spawned ranks only")
     args = parser.parse_args(argv)
     args.schedules = QUICK if args.quick else SCHEDULES

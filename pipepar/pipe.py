@@ -83,6 +83,12 @@ class Pipe(nn.Module):
         gc_every: Python's cycle collector during :meth:`step`: ``None`` leaves it as it is;
             ``N`` turns it off while a step runs, collects what the step left after it and
             runs a full collection every ``N`` steps (:mod:`pipepar.core.garbage`).
+        offload: send what a micro-batch's forward saves for its backward to host memory
+            while the stage runs other actions, and bring it back one action before its
+            backward, as the schedule says (:mod:`pipepar.core.offload_plan`); on CUDA the
+            copies run on a side stream into pinned memory. Results are unchanged. With
+            ``checkpoint`` unset, nothing is recomputed (``"never"``): offload, not recompute,
+            keeps the activations' memory down.
 
     Example:
         >>> model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
@@ -127,6 +133,7 @@ class Pipe(nn.Module):
         threads: int | None = None,
         trace: bool = False,
         gc_every: int | None = None,
+        offload: bool = False,
     ) -> None:
         super().__init__()
         self._collector = StepCollector(gc_every)
@@ -136,6 +143,7 @@ class Pipe(nn.Module):
                 "pass the model to split"
             )
         self.chunks = validation.check_chunks(chunks)
+        self.offload = validation.check_offload(offload)
         if checkpoint is not None:
             checkpoint = validation.check_checkpoint(checkpoint)
         chain = is_chain(module, split, sample)
@@ -162,7 +170,8 @@ class Pipe(nn.Module):
                 batch_coupling=batch_coupling,
                 rules=rules,
             )
-        self.checkpoint = checkpoint or compute.default_checkpoint
+        # Offload keeps activations instead of recomputing them, unless told to recompute too.
+        self.checkpoint = checkpoint or ("never" if self.offload else compute.default_checkpoint)
         workers = resolve_devices(devices, count_workers(schedule, compute.sizes, devices))
         # The schedule asked for (a name's built for one micro-batch): where the stages are
         # placed, checked now; each batch's is rebuilt for its count (``_schedule``).

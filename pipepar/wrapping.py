@@ -46,6 +46,7 @@ def wrap(
     runtime: RuntimeFit | None = None,
     gc_every: int | None = None,
     compile: CompileOption = None,
+    offload: bool = False,
 ) -> Pipe:
     """Split ``module`` into pipeline stages and return the pipe.
 
@@ -128,6 +129,11 @@ def wrap(
             (``{"backend": "inductor", "mode": "max-autotune"}``). A model or its modules
             compiled before ``wrap`` keep their own options, moved onto the units
             (:mod:`pipepar.core.compiled_units`); ``compile=`` compiles the others.
+        offload: send what each micro-batch's forward saves for its backward to host memory
+            while the stage runs other actions, and have it back one action before its
+            backward, as the schedule's action lists say (:mod:`pipepar.core.offload_plan`;
+            on CUDA through pinned memory on a side stream). The numbers are unchanged. With
+            ``checkpoint`` unset nothing is recomputed. See the memory guide.
 
     Returns:
         The :class:`Pipe`: called like the model (``pipe(x)``, ``pipe(**batch)``), trained
@@ -202,6 +208,7 @@ def wrap(
         threads=threads,
         trace=trace,
         gc_every=gc_every,
+        offload=offload,
     )
     _keep_layout(pipe, layout)
     compile_units(list(pipe), compilers, default_compiler, module)

@@ -23,6 +23,7 @@ fi
 
 CUDA_TESTS=(
     tests/local/test_cuda.py
+    tests/local/test_offload_pipe.py
     tests/local/test_cuda_models.py
     tests/planner/test_plan.py::test_predicted_peaks_within_10_percent_on_cuda
     tests/planner/test_profile.py::test_cuda_profile_matches_meta

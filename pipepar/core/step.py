@@ -33,6 +33,7 @@ from torch import Tensor
 from pipepar.core import engine
 from pipepar.core.backward_plans import BackwardPlans
 from pipepar.core.microbatch import Value, check_rows, map_tensors, tensors
+from pipepar.core.offload_plan import Offloader
 from pipepar.core.randomness import Randomness
 from pipepar.core.recompute import recomputing, should_checkpoint
 from pipepar.core.split_backward import (
@@ -199,8 +200,10 @@ class StageStep:
         head: Head | None = None,
         record: Recorder | None = None,
         on_final: Callable[[int, Tensor], None] | None = None,
+        offload: Offloader | None = None,
     ) -> None:
         self.stage, self.m, self.checkpoint = stage, m, checkpoint
+        self.offload = offload
         self.grad, self.input_grad, self.streams = grad, input_grad, streams
         self.flags = tuple(layer.training for layer in stage.layers)
         self.training = any(self.flags)
@@ -235,9 +238,15 @@ class StageStep:
     def forward(self, i: int, x: Value) -> Value:
         """Run micro-batch ``i`` (already on the stage's device); return the detached output."""
         start = time.perf_counter()
+        if self.offload is not None:
+            self.offload.before(self.stage.index, "F", i)
         leaf = _leaf(x, self.input_grad) if self.grad else x
         ckpt = self.grad and self.training and should_checkpoint(self.checkpoint, i, self.m)
-        with self._forward_context(i, ckpt), torch.set_grad_enabled(self.grad and not ckpt):
+        with (
+            self._forward_context(i, ckpt),
+            self._offloading(i, ckpt),
+            torch.set_grad_enabled(self.grad and not ckpt),
+        ):
             if i == 0 and self.stage.watch is not None:  # a chain's new kind of input
                 with self.stage.watch.watching(self.stage.index, leaf, self.m):
                     y = self._run(leaf, i)
@@ -273,12 +282,27 @@ class StageStep:
         stack.enter_context(self.autocast(cache=self._cast_cache))
         return stack
 
+    def _offloading(self, i: int, ckpt: bool) -> contextlib.AbstractContextManager[None]:
+        """Around micro-batch ``i``'s forward: what it saves goes to host memory if the
+        offload plan says so (a checkpointed micro-batch saves nothing to send)."""
+        if self.offload is None or ckpt or not self.grad:
+            return _NOTHING
+        return self.offload.saving(self.stage.index, i, hold=self._reads_twice(i))
+
+    def _reads_twice(self, i: int) -> bool:
+        """Whether micro-batch ``i``'s backward reads what its forward saved more than once:
+        B and then W (a split backward whose B computes an input gradient), or a plan of
+        direct weight products before the engine (a stage with a large matrix)."""
+        return self._large or (self.split(i) and self.input_grad)
+
     # -- B ------------------------------------------------------------------------------------
     def backward(self, i: int, grads: Grads) -> Grads:
         """Back-propagate micro-batch ``i`` from the gradients of its outputs (on the stage's
         device, ``None`` for outputs without one); return the input gradients, aligned with the
         input tensors (``None`` where an input needs none)."""
         start = time.perf_counter()
+        if self.offload is not None:
+            self.offload.before(self.stage.index, "B", i)
         rec = self._records.pop(i)
         y = rec.output if rec.output is not None else self._recompute(rec, i)
         pairs = [(t, g) for t, g in zip(tensors(y), grads) if t.requires_grad and g is not None]
@@ -295,7 +319,13 @@ class StageStep:
     def _backward_ran(self, i: int) -> None:
         """B of micro-batch ``i`` has run: if it left no W, it was the last backward action."""
         if i not in self._weights:
-            self._finished(i)
+            self._done(i)
+
+    def _done(self, i: int) -> None:
+        """Micro-batch ``i``'s last backward action on this stage has run."""
+        self._finished(i)
+        if self.offload is not None:
+            self.offload.release(self.stage.index, i)
 
     def _backward(
         self, i: int, pairs: list[tuple[Tensor, Tensor]], inputs: list[Tensor]
@@ -389,6 +419,8 @@ class StageStep:
     # -- W ------------------------------------------------------------------------------------
     def weight(self, i: int) -> None:
         """Compute micro-batch ``i``'s deferred parameter gradients (no-op if B did them)."""
+        if self.offload is not None:
+            self.offload.before(self.stage.index, "W", i)
         work = self._weights.pop(i, None)
         if work is None:  # B did it all, and counted it
             return
@@ -399,7 +431,7 @@ class StageStep:
                 self._whole(work.outputs, work.grads, [], last=last, known=work.known)
             else:
                 self._weigh(work, last=last)
-        self._finished(i)
+        self._done(i)
         self._tell(i, "weight", start)
 
     def _finished(self, i: int) -> None:
@@ -432,6 +464,8 @@ class StageStep:
         self._records.clear()
         self._weights.clear()
         self._closed = 0
+        if self.offload is not None:
+            self.offload.clear()
 
     @contextlib.contextmanager
     def _summing(

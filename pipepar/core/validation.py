@@ -13,6 +13,7 @@ __all__ = [
     "check_balance",
     "check_checkpoint",
     "check_chunks",
+    "check_offload",
     "check_model",
     "check_shared_parameters",
     "check_unique_layers",
@@ -71,6 +72,16 @@ def check_chunks(chunks: object) -> int:
     if chunks < 1:  # type: ignore[operator]
         raise ValueError(f"chunks must be at least 1, but got {chunks}; use chunks=1 to disable it")
     return int(chunks)  # type: ignore[call-overload]
+
+
+def check_offload(offload: object) -> bool:
+    """Offload: True or False."""
+    if not isinstance(offload, bool):
+        raise TypeError(
+            f"offload must be True or False, but got {offload!r}; offload=True sends saved "
+            "activations to host memory between a micro-batch's forward and its backward"
+        )
+    return offload
 
 
 def check_checkpoint(checkpoint: object) -> str:

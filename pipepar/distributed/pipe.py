@@ -109,9 +109,13 @@ class DistributedPipe(nn.Module):
         join_outputs: Mapping[str, OutputRule] | None = None,
         dp_shard: bool = False,
         gc_every: int | None = None,
+        offload: bool = False,
     ) -> None:
         super().__init__()
         try:
+            self.offload = validation.check_offload(offload)
+            if checkpoint is None and self.offload:  # offload, not recompute
+                checkpoint = "never"
             compute = self._configure(
                 model, balance, split, chunks, schedule, dp, checkpoint, timeout, group,
                 deferred_batch_norm, batch_coupling, Rules.given(split_inputs, join_outputs),
@@ -147,7 +151,7 @@ class DistributedPipe(nn.Module):
         self._guarded = Guard(self, self.mesh, self.close)
         context = PipeContext(
             self, self.mesh, self.schedule, self.device, self.chunks, self.checkpoint, self.dp,
-            self.dp_shard, self._guarded,
+            self.dp_shard, self._guarded, self.offload,
         )  # fmt: skip
         compute.build(context, state_dict, routes)
 

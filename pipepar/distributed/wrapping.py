@@ -61,6 +61,7 @@ def wrap(
     runtime: RuntimeFit | None = None,
     gc_every: int | None = None,
     compile: CompileOption = None,
+    offload: bool = False,
 ) -> DistributedPipe:
     """Split ``model`` over the ranks of ``group``: ``len(balance)`` stages x ``dp`` replicas.
 
@@ -171,6 +172,12 @@ def wrap(
         compile: compile each unit's ``forward`` as :func:`pipepar.wrap` does: True, or a dict
             of ``torch.compile``'s keyword arguments; a model or modules compiled before keep
             their options, moved onto the units (:mod:`pipepar.core.compiled_units`).
+        offload: send what each micro-batch's forward saves for its backward to host memory
+            while the stage runs other actions, and have it back one action before its
+            backward, as the schedule's action lists say (:mod:`pipepar.core.offload_plan`;
+            on CUDA through pinned memory on a side stream). The numbers are unchanged. With
+            ``checkpoint`` unset nothing is recomputed. See the memory guide.
+            Each rank offloads its own stages (ranks may differ).
 
     Returns:
         This rank's :class:`~pipepar.distributed.pipe.DistributedPipe`: its stages' weights
@@ -239,6 +246,7 @@ def wrap(
         join_outputs=join_outputs,
         dp_shard=dp_shard,
         gc_every=gc_every,
+        offload=offload,
     )
     keep_layout(pipe, layout)
     compile_units(modules_of(model, chain), compilers, default_compiler, model)

@@ -205,6 +205,7 @@ def _run(pipe: PipeView, microbatches: list[Value], *, grad: bool, head: Any = N
         pipe.schedule(len(microbatches)),
         microbatches,
         checkpoint=pipe.checkpoint,
+        offload=pipe.offload,
         grad=grad,
         input_requires_grad=any(t.requires_grad for x in microbatches for t in tensors(x)),
         head=head,

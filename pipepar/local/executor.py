@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from pipepar.core.microbatch import Value, tensors
+from pipepar.core.offload_plan import offloader_for
 from pipepar.core.randomness import DrawLog, Randomness, Recorded, Streams
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
@@ -100,6 +101,7 @@ class Run(ThreadRun):
         schedule: what each worker runs.
         microbatches: stage 0's inputs.
         checkpoint: recompute mode.
+        offload: whether saved activations go to host memory between F and B.
         grad: whether a backward follows.
         input_requires_grad: whether the caller wants gradients of the inputs.
         head: applied to the last stage's outputs inside its graph (``Pipe.step``'s loss).
@@ -117,6 +119,7 @@ class Run(ThreadRun):
         checkpoint: str,
         grad: bool,
         input_requires_grad: bool,
+        offload: bool = False,
         head: Head | None = None,
         tracer: Tracer | None = None,
         draws: DrawLog | None = None,
@@ -135,6 +138,7 @@ class Run(ThreadRun):
             else None
         )
         n = len(self.stages)
+        offloader = offloader_for(offload and grad and self.training, schedule, self.stages)
         self.steps = [
             StageStep(
                 stage,
@@ -146,6 +150,7 @@ class Run(ThreadRun):
                 split=functools.partial(schedule.splits_backward, stage.index),
                 head=head if stage.index == n - 1 else None,
                 record=self.record,
+                offload=offloader,
             )
             for stage in self.stages
         ]

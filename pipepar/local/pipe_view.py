@@ -50,6 +50,7 @@ class PipeSettings(Protocol):
 
     chunks: int
     checkpoint: str
+    offload: bool
     threads: list[int]
     tracer: Tracer | None
     training: bool
@@ -103,6 +104,10 @@ class PipeView:
     @property
     def checkpoint(self) -> str:
         return self.pipe.checkpoint
+
+    @property
+    def offload(self) -> bool:
+        return self.pipe.offload
 
     @property
     def threads(self) -> list[int]:

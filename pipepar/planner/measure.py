@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from pipepar.core.named_schedules import VIRTUAL, make
+from pipepar.core.offload_plan import offloader_for
 from pipepar.core.schedule import Action, Schedule
 from pipepar.core.stage import Stage
 from pipepar.core.step import StageStep
@@ -105,6 +106,7 @@ def measure_device(
     optimizer: object = "adam",
     checkpoint: str = "never",
     schedule: str | Schedule = "gpipe",
+    offload: bool = False,
 ) -> int:
     """Peak bytes of one device during one training step (after a warm-up step): all stages
     the schedule places on it, their actions interleaved in the device's own order.
@@ -125,6 +127,8 @@ def measure_device(
         checkpoint: "always", "except_last" or "never".
         schedule: a schedule name (see :data:`pipepar.core.named_schedules.NAMES`) or a
             Schedule over ``len(balance)`` stages.
+        offload: send saved activations to host memory as ``pipepar.wrap(..., offload=True)``
+            does (on the CPU, into memory torch's allocator does not count).
 
     Returns:
         Parameters + optimizer state of the device's stages (+ the batch if stage 0 is there)
@@ -153,7 +157,7 @@ def measure_device(
         )
     mine = set(plan.stages_of(device))
     parts = {j: part for j, part in enumerate(_stage_inputs(model, batch, balance)) if j in mine}
-    return _measure(parts, plan.worker(device), plan, optimizer, checkpoint)
+    return _measure(parts, plan.worker(device), plan, optimizer, checkpoint, offload)
 
 
 def measure_split(
@@ -211,6 +215,7 @@ def _measure(
     schedule: Schedule,
     optimizer: object,
     checkpoint: str,
+    offload: bool = False,
 ) -> int:
     """Resident bytes + the largest allocation rise of one step (after a warm-up step) of
     ``stages`` (index -> layers, whole input batch) running ``actions`` in order."""
@@ -224,7 +229,7 @@ def _measure(
     inputs = {j: (part, x.to(device)) for j, (part, x) in stages.items()}
 
     def step() -> None:
-        _train_step(inputs, actions, schedule, opt, checkpoint, device)
+        _train_step(inputs, actions, schedule, opt, checkpoint, device, offload)
 
     step()  # warm-up: creates the optimizer state, as in any step after the first
     resident = _storage_bytes(list(layers.parameters()) + list(layers.buffers()))
@@ -255,12 +260,16 @@ def _train_step(
     opt: torch.optim.Optimizer | None,
     checkpoint: str,
     device: torch.device,
+    offload: bool,
 ) -> None:
     m = schedule.n_microbatches
     parts = {
         j: _Part(_stage_step(j, layers, schedule, checkpoint, device), x, _sizes(x, m))
         for j, (layers, x) in stages.items()
     }
+    offloader = offloader_for(offload, schedule, [part.step.stage for part in parts.values()])
+    for part in parts.values():
+        part.step.offload = offloader
     sent: dict[Action, torch.Tensor] = {}  # from one stage of the device to another
     for action in actions:
         _act(parts, action, sent)

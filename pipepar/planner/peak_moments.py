@@ -26,6 +26,11 @@ warm-up, stage ``2K-1-w`` in the steady state); ``worker_in_flight`` counts the 
 correctly but weighs a pair of a light stage like one of a heavy stage. The walk is exact for
 both, given the per-stage figures.
 
+With activation offload (:mod:`pipepar.core.offload_plan`), a micro-batch the plan sends out is
+held *away* (its input and output only) from the end of its forward until the action that
+brings it back starts, and whole again from then on; after a split B it waits for W *whole*
+(what came back stays until W, which reads it again).
+
     >>> s = make("gpipe", 2, 4, n_workers=2)
     >>> [m.kind for m in moments(s, 1, "never", splits=(True,))][:2]
     ['forward', 'backward']
@@ -36,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipepar.core.named_schedules import VIRTUAL, make
+from pipepar.core.offload_plan import OffloadPlan
 from pipepar.core.recompute import should_checkpoint
 from pipepar.core.schedule import Action, Schedule
 
@@ -59,6 +65,10 @@ class Moment:
         inputs: micro-batches held as their input only (checkpointed).
         waiting: micro-batches held whole plus the gradients recorded for their W.
         sums: whether the stage's parameter-gradient sums exist.
+        away: micro-batches whose saved activations are in host memory (offload): their
+            input and output stay.
+        back_waiting: micro-batches brought back from host memory waiting for W: whole, plus
+            the gradients recorded for W.
     """
 
     kind: str
@@ -67,21 +77,32 @@ class Moment:
     inputs: tuple[int, ...]
     waiting: tuple[int, ...]
     sums: tuple[bool, ...]
+    away: tuple[int, ...] = ()
+    back_waiting: tuple[int, ...] = ()
 
     def counts(self) -> tuple[int, ...]:
         """All counts in one tuple (for dominance)."""
-        return (*self.whole, *self.inputs, *self.waiting, *(int(s) for s in self.sums))
+        sums = (int(s) for s in self.sums)
+        return (*self.whole, *self.inputs, *self.waiting, *sums, *self.away, *self.back_waiting)
 
 
 _Key = tuple[int, int]  # (stage, micro-batch)
-_HELD = ("whole", "inputs", "waiting")
+_HELD = ("whole", "inputs", "waiting", "away", "back_waiting")
 
 
 class _Walk:
     """The state of one worker's stages while its action list is walked."""
 
-    def __init__(self, schedule: Schedule, w: int, checkpoint: str, splits: tuple[bool, ...]):
+    def __init__(
+        self,
+        schedule: Schedule,
+        w: int,
+        checkpoint: str,
+        splits: tuple[bool, ...],
+        offload: OffloadPlan | None = None,
+    ):
         self.schedule, self.checkpoint, self.splits = schedule, checkpoint, splits
+        self.offload = offload
         self.stages = schedule.stages_of(w)
         self.held: dict[_Key, str] = {}  # what each micro-batch in flight is held as
         self.sums = [False] * len(self.stages)
@@ -97,8 +118,9 @@ class _Walk:
         count = [[0] * len(self.stages) for _ in _HELD]
         for (s, _), what in held.items():
             count[_HELD.index(what)][self.stages.index(s)] += 1
-        whole, inputs, waiting = (tuple(c) for c in count)
-        self.found.append(Moment(kind, at, whole, inputs, waiting, tuple(self.sums)))
+        whole, inputs, waiting, away, back = (tuple(c) for c in count)
+        sums = tuple(self.sums)
+        self.found.append(Moment(kind, at, whole, inputs, waiting, sums, away, back))
 
     def run(self, a: Action) -> None:
         key, at = (a.stage, a.microbatch), self.stages.index(a.stage)
@@ -106,9 +128,16 @@ class _Walk:
         # The first stage's input needs no gradient: its B is empty and its W the whole backward.
         first = a.stage == 0
         split = self.schedule.splits_backward(*key) and (self.splits[at] or first)
+        if self.offload is not None:  # what this action brings back is whole again
+            for back in self.offload.reloads.get((a.stage, a.kind, a.microbatch), ()):
+                if self.held.get(back) == "away":
+                    self.held[back] = "whole"
         if a.kind == "F":
-            self.held[key] = "inputs" if should_checkpoint(self.checkpoint, key[1], m) else "whole"
+            ckpt = should_checkpoint(self.checkpoint, key[1], m)
+            self.held[key] = "inputs" if ckpt else "whole"
             self.moment("forward", at)
+            if not ckpt and self.offload is not None and key in self.offload.sent:
+                self.held[key] = "away"  # until the action that brings it back
             return
         # What B holds of the micro-batch: its graph, and on the first stage, whose B only
         # keeps it for W, the incoming gradient too.
@@ -119,7 +148,8 @@ class _Walk:
         if a.kind == "B" and split:
             # B keeps the graph (recomputed, if checkpointed) and records gradients for W.
             self.moment("input_grad", at, key, during)
-            self.held[key] = "waiting"
+            sent = self.offload is not None and key in self.offload.sent and not first
+            self.held[key] = "back_waiting" if sent else "waiting"
         elif a.kind == "B":
             self.moment("backward", at, key, during)
             self.moment("backward_end", at, key, None)
@@ -136,7 +166,12 @@ class _Walk:
 
 
 def moments(
-    schedule: Schedule, w: int, checkpoint: str, *, splits: tuple[bool, ...]
+    schedule: Schedule,
+    w: int,
+    checkpoint: str,
+    *,
+    splits: tuple[bool, ...],
+    offload: OffloadPlan | None = None,
 ) -> list[Moment]:
     """The moments at which worker ``w``'s memory can peak, dominated ones dropped.
 
@@ -147,12 +182,14 @@ def moments(
         splits: per stage of the worker, whether its layers allow a split backward (when the
             schedule splits it); a stage that cannot runs its whole backward in B, as the
             runtime does.
+        offload: what activation offload sends out and brings back (None: nothing).
     """
-    walk = _Walk(schedule, w, checkpoint, splits)
+    walk = _Walk(schedule, w, checkpoint, splits, offload)
     for action in schedule.worker(w):
         walk.run(action)
     n = len(walk.stages)
-    walk.found.append(Moment("optimizer", -1, (0,) * n, (0,) * n, (0,) * n, (True,) * n))
+    none = (0,) * n
+    walk.found.append(Moment("optimizer", -1, none, none, none, (True,) * n, none, none))
     return _undominated(walk.found)
 
 

@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
+from pipepar.core.offload_plan import plan_offload
 from pipepar.core.schedule import Schedule
 from pipepar.core.step import LARGE_MATRIX
 from pipepar.planner.peak_moments import Moment, moments
@@ -93,6 +94,8 @@ class Figures:
     whole: int
     inputs: int
     waits: int
+    away: int
+    back_waits: int
     splits: bool
     transient: dict[str, int]
     summed: dict[str, int]
@@ -102,6 +105,8 @@ class Figures:
     def held(self, m: Moment, at: int) -> int:
         """Activation bytes held at moment ``m`` by the stage at position ``at`` of its worker."""
         waiting = m.waiting[at] * self.waits
+        if m.away:  # offload
+            waiting += m.away[at] * self.away + m.back_waiting[at] * self.back_waits
         return m.whole[at] * self.whole + m.inputs[at] * self.inputs + waiting + self.batch
 
 
@@ -183,6 +188,8 @@ class MemoryModel:
         schedule: the schedule (:func:`pipepar.core.named_schedules.make`); its micro-batches are M.
         checkpoint: "always", "except_last" or "never".
         foreach: per worker, whether the optimizer step runs its multi-tensor kernels.
+        offload: whether activation offload runs (``pipepar.wrap(..., offload=True)``): a
+            micro-batch sent out holds its input only until it is brought back.
 
     Example:
         >>> model = MemoryModel(prof, make("gpipe", 2, 4, n_workers=2), checkpoint="never",
@@ -192,9 +199,16 @@ class MemoryModel:
     """
 
     def __init__(
-        self, prof: Profile, schedule: Schedule, *, checkpoint: str, foreach: Sequence[bool]
+        self,
+        prof: Profile,
+        schedule: Schedule,
+        *,
+        checkpoint: str,
+        foreach: Sequence[bool],
+        offload: bool = False,
     ) -> None:
         self.schedule, self.checkpoint, self.foreach = schedule, checkpoint, list(foreach)
+        self.offload = plan_offload(schedule) if offload else None
         self.chunks, self.stages = schedule.n_microbatches, schedule.n_stages
         self._in_flight = [schedule.in_flight(s) for s in range(schedule.n_stages)]
         self._walked: dict[tuple[int, tuple[bool, ...]], list[Moment]] = {}
@@ -283,22 +297,24 @@ class MemoryModel:
         self._input = list(accumulate(entering))[: n + 1]
 
     # -- figures ------------------------------------------------------------------------------
-    def held(self, a: int, b: int) -> tuple[int, int]:
-        """(whole, checkpointed) bytes one whole-batch "micro-batch" keeps on stage a..b."""
+    def held(self, a: int, b: int) -> tuple[int, int, int]:
+        """(whole, checkpointed, offloaded) bytes one whole-batch "micro-batch" keeps on stage
+        a..b: everything; its input; its input and output (what offload leaves)."""
         stage_input = self._input[a]
         inside = self._saved[b + 1] - self._saved[a]
         output = sum(nbytes for creator, nbytes in self._unsaved_out[b] if creator >= a)
-        return stage_input + inside + output, stage_input
+        out = self._out[b]
+        return stage_input + inside + output, stage_input, stage_input + min(out, inside + output)
 
     def figures(self, a: int, b: int) -> Figures:
         """The figures of a stage holding layers ``a..b`` (inclusive), per micro-batch."""
         r = self.scale
-        whole, inputs = (round(x * r) for x in self.held(a, b))
+        whole, inputs, away = (round(x * r) for x in self.held(a, b))
         grads = self._g[b + 1] - self._g[a]
         incoming = round(r * self._out[b])
         batch = 0
         if a == 0:  # views of the resident batch; the input needs no gradient
-            batch, whole, inputs = self._input[0], whole - inputs, 0
+            batch, whole, away, inputs = self._input[0], whole - inputs, away - inputs, 0
         in_grad = inputs if a > 0 else 0
         kept = round(r * (self._kept[b + 1] - self._kept[a]))
         if a == 0:
@@ -333,6 +349,8 @@ class MemoryModel:
             whole=whole,
             inputs=inputs,
             waits=waits,
+            away=away,
+            back_waits=whole + kept,
             splits=self._unsplit[b + 1] == self._unsplit[a],
             transient=transient,
             summed=summed,
@@ -421,7 +439,9 @@ class MemoryModel:
     def _moments(self, w: int, splits: tuple[bool, ...]) -> list[Moment]:
         key = (w, splits)
         if key not in self._walked:  # a few per worker: the walk is O(M) and queries O(1)
-            self._walked[key] = moments(self.schedule, w, self.checkpoint, splits=splits)
+            self._walked[key] = moments(
+                self.schedule, w, self.checkpoint, splits=splits, offload=self.offload
+            )
         return self._walked[key]
 
     def _total(self, m: Moment, figs: list[Figures | None], w: int) -> int:

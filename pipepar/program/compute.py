@@ -275,6 +275,7 @@ class ProgramCompute:
             tracer=pipe.tracer,
             draws=pipe.draws,
             checkpoint=pipe.checkpoint,
+            offload=pipe.offload,
             aliases=[of_stage(self._uses, aliases, s) for s in range(len(self.sizes))],
         )
 

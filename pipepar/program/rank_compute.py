@@ -29,6 +29,7 @@ from pipepar.batching.rules import Rules
 from pipepar.core.batchnorm import committing, defer_statistics
 from pipepar.core.executor import walk
 from pipepar.core.losses import joined_loss
+from pipepar.core.offload_plan import offloader_for
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.meta.shapes import MetaShapes
@@ -317,6 +318,9 @@ class RankProgram:
         if isinstance(shares, ModelLoss) and cuts:
             shares.resolve = cuts[0].original_of
         batch = Batch(callers(self.model, calls, shares), cuts, context, head=head, seeds=seeds)
+        offloader = offloader_for(
+            self._ctx.offload and grad and self.model.training, schedule, self._stages
+        )
         steps = {
             stage.index: RankStep(
                 stage,
@@ -325,6 +329,7 @@ class RankProgram:
                 params=self._trained(stage.index),
                 aliases=of_stage(self._uses, aliases, stage.index),
                 checkpoint=self._ctx.checkpoint,
+                offload=offloader,
                 grad=grad,
                 input_grad=True,
                 streams=None,  # one driver computes at a time: draws in order

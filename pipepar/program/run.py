@@ -20,6 +20,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from pipepar.batching.calls import Parts
+from pipepar.core.offload_plan import offloader_for
 from pipepar.core.randomness import DrawLog, Randomness, Streams
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
@@ -51,6 +52,8 @@ class ProgramRun(ThreadRun):
         checkpoint: which micro-batches the stages recompute (``"always"``,
             ``"except_last"``, ``"never"``; :mod:`pipepar.program.recompute`).
         aliases: per stage, its ``(weight, alias)`` pairs (:mod:`pipepar.program.aliases`).
+        offload: whether saved activations go to host memory between F and B
+            (:mod:`pipepar.core.offload_plan`).
 
     An idle worker runs a runnable W early, its own or, on a shared CPU, the other worker's,
     as a chain's run does (:mod:`pipepar.local.weights`): a W reads
@@ -76,6 +79,7 @@ class ProgramRun(ThreadRun):
         draws: DrawLog | None = None,
         checkpoint: str = "never",
         aliases: Sequence[Sequence[tuple[nn.Parameter, Tensor]]] | None = None,
+        offload: bool = False,
     ) -> None:
         self.batch = batch(_context_of(weakref.ref(self)))
         m = len(self.batch.drivers)
@@ -87,6 +91,7 @@ class ProgramRun(ThreadRun):
         streams: Randomness | None = (
             Streams(log=draws, flags=flags) if schedule.n_workers > 1 else None
         )
+        offloader = offloader_for(offload and grad and self.training, schedule, self.stages)
         self.steps = [
             SegmentStep(
                 stage,
@@ -100,6 +105,7 @@ class ProgramRun(ThreadRun):
                 streams=streams,
                 split=functools.partial(schedule.splits_backward, stage.index),
                 record=self.record,
+                offload=offloader,
             )
             for stage in self.stages
         ]

@@ -155,7 +155,13 @@ class SegmentStep(StageStep):
         ckpt = self._recomputes(i)
         stack = self._context(i, replay=ckpt)
         stack.enter_context(torch.set_grad_enabled(self.grad))
-        if self._shares_copies:  # one weight copy for all micro-batches
+        # One weight copy for all micro-batches (under autocast); what else the stage saves
+        # goes to host memory where the offload plan says so (one pair of hooks does both).
+        first = self._copies.pack if self._shares_copies else None
+        if self.offload is not None and self.grad and not ckpt:
+            saving = self.offload.saving(self.stage.index, i, first, hold=self._reads_twice(i))
+            stack.enter_context(saving)
+        elif first is not None:
             stack.enter_context(self._copies.saving())
         stack.enter_context(recomputing_units(ckpt))
         return stack
@@ -173,6 +179,8 @@ class SegmentStep(StageStep):
     # -- F ------------------------------------------------------------------------------------
     def forward(self, i: int, x: Any) -> tuple[()]:
         start = time.perf_counter()
+        if self.offload is not None:
+            self.offload.before(self.stage.index, "F", i)
         self.batch.drivers[i].advance(self.stage.index)
         self._tell(i, "forward", start)
         return ()
@@ -180,6 +188,8 @@ class SegmentStep(StageStep):
     # -- B ------------------------------------------------------------------------------------
     def backward(self, i: int, grads: Grads) -> tuple[()]:
         start = time.perf_counter()
+        if self.offload is not None:
+            self.offload.before(self.stage.index, "B", i)
         ledger = self.batch.ledgers[i]
         pairs = ledger.leaving(self.stage.index)
         entering = ledger.entering(self.stage.index)

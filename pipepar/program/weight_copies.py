@@ -43,13 +43,15 @@ class SharedCopies:
 
     def saving(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The hooks, to be entered around a forward under autocast."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, _unpack)
 
     def clear(self) -> None:
         """Forget the copies (the mini-batch's graphs that saved them are gone)."""
         self._copies = {}
 
-    def _pack(self, t: Tensor) -> Tensor:
+    def pack(self, t: Tensor) -> Tensor:
+        """The tensor to save in place of ``t``: the stage's copy of a weight if ``t`` is a
+        cast copy of one, else ``t`` itself."""
         if t.dtype not in _LOW or t.grad_fn is None:
             return t
         found = self._weight_of(t.grad_fn)

@@ -35,6 +35,8 @@ class PipeContext:
         dp: replicas of the pipeline.
         dp_shard: whether the replicas hold shards of the weights.
         guard: runs a call that talks to peers so that one rank's failure ends every rank.
+        offload: whether saved activations go to host memory between F and B
+            (:mod:`pipepar.core.offload_plan`).
     """
 
     module: nn.Module
@@ -46,6 +48,7 @@ class PipeContext:
     dp: int
     dp_shard: bool
     guard: Guard
+    offload: bool = False
 
     @property
     def stages(self) -> list[int]:

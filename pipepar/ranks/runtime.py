@@ -22,6 +22,7 @@ from pipepar.core.executor import walk
 from pipepar.core.losses import Items, LossFn, LossShares, loss_shares
 from pipepar.core.microbatch import Value, scatter
 from pipepar.core.named_schedules import NAMES, make
+from pipepar.core.offload_plan import offloader_for
 from pipepar.core.randomness import Recorded
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
@@ -48,6 +49,8 @@ class Runtime:
         on_final: called with a stage's parameters once their gradients for the mini-batch
             are in ``.grad`` (e.g. to start averaging them over the replicas), and whether the
             rank has actions left to run meanwhile.
+        offload: whether saved activations go to host memory between F and B
+            (:mod:`pipepar.core.offload_plan`).
     """
 
     def __init__(
@@ -59,8 +62,10 @@ class Runtime:
         checkpoint: str,
         *,
         on_final: OnFinal | None = None,
+        offload: bool = False,
     ) -> None:
         self.stages = {s.index: s for s in stages}
+        self.offload = offload
         self.mesh, self.transport, self.schedule = mesh, transport, schedule
         self.checkpoint, self.on_final = checkpoint, on_final
         self.chunks, self.last = schedule.n_microbatches, schedule.n_stages - 1
@@ -199,6 +204,10 @@ class Runtime:
             self.doing = doing
             return value
 
+        training = any(layer.training for s in self.stages.values() for layer in s.layers)
+        offloader = offloader_for(
+            self.offload and grad and training, self.schedule, self.stages.values()
+        )
         return {
             s: StageStep(
                 stage,
@@ -210,6 +219,7 @@ class Runtime:
                 split=functools.partial(self.schedule.splits_backward, s),
                 head=loss if s == self.last and head is not None else None,
                 on_final=functools.partial(self._param_final, stage),
+                offload=offloader,
             )
             for s, stage in self.stages.items()
         }

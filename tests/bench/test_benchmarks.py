@@ -225,6 +225,16 @@ def test_vschedules_quick_measures_memory_beside_the_prediction(tmp_path: Path) 
     assert rows[0]["of_1f1b_memory"] == rows[0]["of_1f1b_rate"] == 1.0
 
 
+def test_offload_quick_rows_pair_each_schedule_with_and_without(tmp_path: Path) -> None:
+    rows, text = _run("bench_offload.py", tmp_path, "--write")
+    assert "## Activation offload vs keeping the activations" in text
+    assert [(r["schedule"], r["offload"]) for r in rows] == [("gpipe", False), ("gpipe", True)]
+    assert rows[0]["of_kept_memory"] == rows[0]["of_kept_rate"] == 1.0
+    for row in rows:
+        assert row["peak"] > 0 and row["median"] > 0
+        assert row["rate_interval"][0] <= row["rate_interval"][1]
+
+
 def test_quick_mode_never_writes_the_real_results(tmp_path: Path) -> None:
     import argparse
 
