@@ -48,7 +48,7 @@ from pipepar.core.schedule import Action, Schedule, timed
 from pipepar.core.schedule_blocks import STYLES, repeated, v_block
 from pipepar.core.schedule_greedy import Cost, greedy_orders, unit_cost
 
-__all__ = ["budget_schedule", "makespan", "one_f_one_b_held"]
+__all__ = ["budget_schedule", "least_budget", "makespan", "one_f_one_b_held"]
 
 Budget = float | Sequence[float]
 """One bound for every worker, or one per worker."""
@@ -272,11 +272,24 @@ def _bounds(budget: Budget, k: int, label: str) -> tuple[float, ...]:
     return tuple(float(b) for b in values)
 
 
+def least_budget(n_stages: int, n_workers: int, weight: Sequence[float] | None = None) -> float:
+    """The smallest budget (one for every worker) that some schedule keeps to: each worker
+    holds one micro-batch on all its stages at once (its last stage's F comes before its first
+    stage's B), in the placement where the heaviest worker is lightest.
+
+    Example:
+        >>> least_budget(4, 2), least_budget(4, 2, [3.0, 1.0, 1.0, 3.0])
+        (1.0, 4.0)
+    """
+    v = _virtual(n_stages, n_workers)
+    weights = _weights(weight, n_stages, v)
+    return min(max(_least(p, weights, n_workers)) for p in _placements(n_stages, n_workers))
+
+
 def _check_feasible(
     bounds: tuple[float, ...], weights: list[float], k: int, v: int, label: str
 ) -> None:
-    """A worker holds one micro-batch on all its stages at once in every schedule (its last
-    stage's F comes before its first stage's B): some placement must fit that everywhere."""
+    """Some placement must fit one micro-batch on all of each worker's stages at once."""
     needs = [_least(p, weights, k) for p in _placements(len(weights), k)]
     if any(all(b >= n * (1 - 1e-9) for b, n in zip(bounds, need)) for need in needs):
         return
