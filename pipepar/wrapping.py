@@ -265,7 +265,6 @@ def _device_count(devices: DeviceSpec, stages: int | None) -> int:
     return stages or 1
 
 
-
 def _activations(
     module: nn.Module,
     sample: Any,
