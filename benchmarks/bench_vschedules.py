@@ -31,6 +31,7 @@ one micro-batch on a device's stages (0.33 on 2 devices) has no row.
     python benchmarks/bench_vschedules.py --ranks --workers 2 --write   # across 2 ranks
     python benchmarks/bench_vschedules.py --quick         # seconds; CI smoke test
     python benchmarks/bench_vschedules.py --workers 4 --budgets 0.33,0.5,0.75,1 --write
+    python benchmarks/bench_vschedules.py --schedules 1f1b,zb-v --budgets 0.5,1   # a subset
 """
 
 from __future__ import annotations
@@ -334,8 +335,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--budgets", type=lambda t: [float(x) for x in t.split(",")], default=[],
         help="shares of 1F1B's micro-batches for schedule='auto', e.g. 0.33,0.5,0.75,1",
     )  # fmt: skip
+    parser.add_argument(
+        "--schedules", type=lambda t: tuple(t.split(",")), default=None,
+        help=f"named schedules, 1f1b first (default {','.join(SCHEDULES)})",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    args.schedules = QUICK if args.quick else SCHEDULES
+    args.schedules = args.schedules or (QUICK if args.quick else SCHEDULES)
     args.schedules = (*args.schedules, *(f"{AUTO}{round(100 * b)}%" for b in args.budgets))
     if args.quick:
         args.rounds, args.steps, args.workers, args.chunks = 1, 2, [2], 4
