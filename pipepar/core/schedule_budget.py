@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from functools import lru_cache
 
 from pipepar.core.named_schedules import (
     interleaved_1f1b,
@@ -87,8 +88,8 @@ def budget_schedule(
             backward action (e.g. activation bytes); default ``1/V`` each, so ``budget`` counts
             micro-batches of a whole worker (1F1B's first worker holds ``min(K, M)``).
         cost: ``cost(stage, kind, split)``, each action's time (``kind`` ``"B"`` with
-            ``split=False`` is a whole backward); default ``1/V`` for F, B and W, ``2/V`` for
-            a whole backward.
+            ``split=False`` is a whole backward); default: every stage alike, F, B and W 1, a
+            whole backward 2 (:func:`makespan` scales that by ``1/V``: the same ranking).
         transfer: per stage boundary ``s -> s+1``, the time to move a value across it when
             the two stages are on different workers; default none.
         label: the argument's name in errors.
@@ -107,7 +108,7 @@ def budget_schedule(
     """
     v = _virtual(n_stages, n_workers)
     weights = _weights(weight, n_stages, v)
-    cost = cost or _default_cost(v)
+    cost = cost or unit_cost  # the default, 1/V of it: the same order, the same ranking
     bounds = _bounds(budget, n_workers, label)
     _check_feasible(bounds, weights, n_workers, v, label)
     return _fastest(
@@ -135,6 +136,7 @@ def makespan(
 Delay = tuple[float, ...]
 
 
+@lru_cache(maxsize=64)  # every pipe of the same description (and a rank's peers) asks alike
 def _fastest(
     n: int,
     m: int,
@@ -145,7 +147,11 @@ def _fastest(
     delays: Delay,
 ) -> Schedule:
     best: tuple[float, float, Schedule] | None = None
+    seen: set[tuple[tuple[Action, ...], ...]] = set()
     for cand in _candidates(n, m, k, bounds, weights, cost):
+        if cand.actions in seen:
+            continue
+        seen.add(cand.actions)
         held = [cand.worker_held(w, weights) for w in range(k)]
         if any(h > b * (1 + 1e-9) for h, b in zip(held, bounds)):
             continue
@@ -165,25 +171,44 @@ def _candidates(
     for placement in _placements(n, k):
         top = _most_held(placement, bounds, weights, m)
         costs = (cost,) if cost is unit_cost else (cost, unit_cost)
-        for c in range(1, top + 1):
-            for split in (False, True):
-                for reserve in (False, True) if v > 1 else (False,):
-                    for model in costs:
-                        yield from _greedy(placement, k, m, c, split, reserve, model)
+        for split in (False, True):
+            for reserve in (False, True) if v > 1 else (False,):
+                for model in costs:
+                    yield from _bounded(placement, k, m, top, split, reserve, model)
         if v == 2 and placement == _v_placement(k):
             yield from (_orders_schedule(placement, m, repeated(v_block(k, st), k, m))
                         for st in STYLES)  # fmt: skip
         yield from _named(n, m, k, placement)
 
 
+def _bounded(
+    placement: tuple[int, ...],
+    k: int,
+    m: int,
+    top: int,
+    split: bool,
+    reserve: bool,
+    cost: Cost,
+) -> Iterator[Schedule]:
+    """List scheduling under every uniform bound from 1 to ``top``, up to the first whose order
+    is the unbounded one (a larger bound, then, has no say: the same order)."""
+    free = _greedy(placement, k, m, len(placement) * m, split, reserve, cost)
+    for c in range(1, top + 1):
+        got = _greedy(placement, k, m, c, split, reserve, cost)
+        if got is not None:
+            yield got
+            if free is not None and got.actions == free.actions:
+                return
+
+
 def _greedy(
     placement: tuple[int, ...], k: int, m: int, c: int, split: bool, reserve: bool, cost: Cost
-) -> Iterator[Schedule]:
+) -> Schedule | None:
     try:
         orders = greedy_orders(placement, k, m, (c,) * k, split=split, cost=cost, reserve=reserve)
     except ValueError:  # this order cannot progress under bound c
-        return
-    yield _orders_schedule(placement, m, orders)
+        return None
+    return _orders_schedule(placement, m, orders)
 
 
 def _named(n: int, m: int, k: int, placement: tuple[int, ...]) -> Iterator[Schedule]:
