@@ -60,6 +60,7 @@ from pipepar.planner.measure import measure_device
 from pipepar.planner.stage_memory import MemoryModel
 
 TITLE = "V-Half and V-Min vs 1F1B: activation peak and rate (GPT, one process)"
+TITLE_AUTO = "schedule='auto' within a memory budget: activation peak and rate (GPT, one process)"
 TITLE_RANKS = "V-Half and V-Min vs 1F1B: rate across ranks (GPT, pipepar.distributed)"
 SCHEDULES = ("1f1b", "zb-v", "v-half", "v-min")
 QUICK = ("1f1b", "v-min", "auto@50%")
@@ -293,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(text, note, sep="\n\n")
     if args.write:
-        record(TITLE, text, notes=note, path=common.results_path(args, "vschedules"))
+        title = TITLE_AUTO if args.budgets else TITLE
+        record(title, text, notes=note, path=common.results_path(args, "vschedules"))
     common.write_json(args.json, rows)
     return 0
 
