@@ -14,7 +14,7 @@ from pipepar.batching.rules import InputRule, OutputRule, Rules
 from pipepar.core import validation
 from pipepar.core.compiled_units import CompileOption, compile_units, compiler_of, take_compiled
 from pipepar.core.devices import DeviceSpec
-from pipepar.core.memory_budget import AUTO, auto_schedule
+from pipepar.core.memory_budget import AUTO, auto_schedule, refuse_searched
 from pipepar.core.schedule import Schedule
 from pipepar.local.chain import is_chain
 from pipepar.pipe import Pipe
@@ -124,8 +124,9 @@ def wrap(
             micro-batches at once, between a micro-batch's forward and its last backward
             action: a number of micro-batches of all the device's stages (1F1B's first device
             holds ``min(K, chunks)``), a share of 1F1B's (``"50%"``), or activation bytes
-            (``"2GiB"``: the stages' bytes per micro-batch profiled on ``meta`` from
-            ``sample``, which must be given); None: ``"100%"``. Below one micro-batch on all
+            (``"2GiB"``: the planner's predicted peak of each device less its parameters,
+            gradients and optimizer state, from a profile of ``sample`` on ``meta``; ``sample``
+            must be given); None: ``"100%"``. Below one micro-batch on all
             of a device's stages it is a ValueError naming the least. The schedule is built
             here for ``chunks`` micro-batches (a shorter batch is refused, as with a
             :class:`~pipepar.core.schedule.Schedule`).
@@ -178,8 +179,7 @@ def wrap(
     chain = is_chain(module, split, sample)
     layout = None
     if schedule == AUTO and balance is None and split is None and split_spec is None:
-        auto_schedule(schedule, memory_budget, n_stages=None, chunks=1, n_workers=1,
-                      activation=list)  # fmt: skip
+        refuse_searched(schedule)
     if split_spec is not None or (balance is None and split is None):
         # Only a layout to find loads the planner (and, for any model, the cut): a chain with
         # its balance given runs without either.
@@ -204,13 +204,16 @@ def wrap(
             )
             balance, chunks, checkpoint, schedule = pipe_arguments(layout, schedule)
     stages = len(balance) if balance is not None else None if split is None else len(split) + 1
+    workers = _device_count(devices, stages)
     schedule = auto_schedule(
         schedule,
         memory_budget,
         n_stages=stages,
         chunks=1 if chunks is None else chunks,
-        n_workers=_device_count(devices, stages),
-        activation=lambda: _activations(module, sample, balance, chunks, checkpoint, chain),
+        n_workers=workers,
+        sized=lambda size: _sized(
+            module, sample, balance, chunks, checkpoint, chain, workers, size
+        ),
     )
     pipe = Pipe(
         module,
@@ -265,15 +268,18 @@ def _device_count(devices: DeviceSpec, stages: int | None) -> int:
     return stages or 1
 
 
-def _activations(
+def _sized(
     module: nn.Module,
     sample: Any,
     balance: Sequence[int] | None,
     chunks: int | None,
     checkpoint: str | None,
     chain: bool,
-) -> list[float]:
-    """Per stage, one micro-batch's activation bytes (loads the planner: a size only)."""
-    from pipepar.planner.stage_activations import activation_bytes
+    workers: int,
+    size: int,
+) -> Schedule:
+    """The schedule for a budget in bytes (loads the planner: a size only)."""
+    from pipepar.planner.stage_activations import bytes_schedule
 
-    return activation_bytes(module, sample, balance, chunks, checkpoint, chain=chain)
+    return bytes_schedule(module, sample, balance, chunks, checkpoint, budget=size,
+                          n_workers=workers, chain=chain)  # fmt: skip

@@ -17,7 +17,7 @@ from pipepar.core.schedule import Schedule
 from pipepar.core.schedule_budget import budget_schedule, least_budget, one_f_one_b_held
 from pipepar.core.units import format_bytes, parse_bytes
 
-__all__ = ["AUTO", "auto_schedule", "for_budget"]
+__all__ = ["AUTO", "auto_schedule", "for_budget", "refuse_searched"]
 
 AUTO = "auto"
 """The schedule name that builds the fastest schedule within ``memory_budget``."""
@@ -30,7 +30,7 @@ def auto_schedule(
     n_stages: int | None,
     chunks: int,
     n_workers: int,
-    activation: Callable[[], Sequence[float]],
+    sized: Callable[[int], Schedule],
 ) -> str | Schedule | None:
     """``schedule``, or for ``"auto"`` the schedule built for ``memory_budget``; what the two
     wraps call before building the pipe.
@@ -41,8 +41,8 @@ def auto_schedule(
         n_stages: the stages given (None: the layout is to be searched).
         chunks: micro-batches (M).
         n_workers: devices or ranks of one pipeline.
-        activation: per stage, one micro-batch's activation bytes; called only for a budget
-            in bytes (it profiles the model).
+        sized: the schedule for a budget in bytes (it profiles the model); called only for
+            a size.
 
     Raises:
         ValueError: ``memory_budget`` without ``schedule="auto"``, ``"auto"`` without the
@@ -56,18 +56,24 @@ def auto_schedule(
             )
         return schedule
     if n_stages is None:
+        refuse_searched(schedule)
+        return schedule
+    if isinstance(memory_budget, str) and not memory_budget.strip().endswith("%"):
+        return sized(parse_bytes(memory_budget, name="memory_budget"))
+    return for_budget(memory_budget, n_stages, chunks, n_workers=n_workers)
+
+
+def refuse_searched(schedule: object) -> None:
+    """``schedule="auto"`` where the layout is to be searched: a ValueError before the search.
+
+    Raises:
+        ValueError: for ``"auto"``.
+    """
+    if schedule == AUTO:
         raise ValueError(
             "schedule='auto' builds the order for stages you give; pass balance=[...] or "
             "split=[...] with it (a searched layout chooses among the named schedules)"
         )
-    is_size = isinstance(memory_budget, str) and not memory_budget.strip().endswith("%")
-    return for_budget(
-        memory_budget,
-        n_stages,
-        chunks,
-        n_workers=n_workers,
-        activation=activation() if is_size else None,
-    )
 
 
 def for_budget(

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from pipepar.batching.rules import InputRule, OutputRule, Rules
 from pipepar.core.compiled_units import CompileOption, compile_units, compiler_of, take_compiled
-from pipepar.core.memory_budget import AUTO, auto_schedule
+from pipepar.core.memory_budget import AUTO, auto_schedule, refuse_searched
 from pipepar.core.schedule import Schedule
 from pipepar.distributed.pipe import DistributedPipe
 from pipepar.local.chain import is_chain
@@ -30,7 +30,7 @@ from pipepar.planner.cluster import cluster_for, device_memory
 from pipepar.planner.layout import Layout
 from pipepar.planner.runtime_fit import RuntimeFit
 from pipepar.planner.split_points import torch_split
-from pipepar.planner.stage_activations import activation_bytes
+from pipepar.planner.stage_activations import bytes_schedule
 from pipepar.program.units import modules_of
 from pipepar.ranks.process import ensure_process_group, resolve_device
 
@@ -203,8 +203,7 @@ def wrap(
         >>> mine = x[pipe.dp_rank * rows : (pipe.dp_rank + 1) * rows]  # doctest: +SKIP
     """
     if schedule == AUTO and plan is not None:
-        auto_schedule(schedule, memory_budget, n_stages=None, chunks=1, n_workers=1,
-                      activation=list)  # fmt: skip
+        refuse_searched(schedule)
     layout = None
     default_compiler = compiler_of(compile)
     model, compilers = take_compiled(model)
@@ -278,16 +277,16 @@ def _auto(
     ensure_process_group()
     stages = len(balance) if balance is not None else None if split is None else len(split) + 1
 
+    workers = max(1, dist.get_world_size(group) // dp)
     built = auto_schedule(
         schedule,
         memory_budget,
         n_stages=stages,
         chunks=chunks,
-        n_workers=max(1, dist.get_world_size(group) // dp),
-        activation=lambda: activation_bytes(
-            model, sample, balance, chunks, checkpoint, chain=chain
-        ),
-    )
+        n_workers=workers,
+        sized=lambda size: bytes_schedule(model, sample, balance, chunks, checkpoint,
+                                          budget=size, n_workers=workers, chain=chain),
+    )  # fmt: skip
     return "gpipe" if built is None else built
 
 

@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import pipepar
+from pipepar.core.named_schedules import one_f_one_b
 from pipepar.core.schedule import Schedule
-from pipepar.core.schedule_budget import least_budget
-from pipepar.planner.stage_activations import activation_bytes
+from pipepar.planner.stage_activations import predicted_activations
 from tests._foreign_models import NanoGPT, nano_batch
 from tests._stacks import WIDTH, random_balance, random_stack
 
@@ -58,20 +58,24 @@ def test_step_matches_the_plain_model_within_the_budget(
     pipe.close()
 
 
-def test_a_budget_in_bytes_bounds_the_profiled_activations() -> None:
+def test_a_budget_in_bytes_bounds_the_predicted_activation_peak() -> None:
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(8)])
     x = torch.randn(16, WIDTH)
     balance = [2, 2, 2, 2]
-    weight = activation_bytes(model, x, balance, 8, "never")
-    per_device = least_budget(4, 2, weight)  # one micro-batch on all of a device's stages
+    prof = pipepar.profile(model, x, device="meta", optimizer=None)
+    ref = max(predicted_activations(prof, one_f_one_b(4, 8), balance, "never"))
     sizes = []
-    for factor in (1.0, 2.0, 4.0):
-        budget = int(factor * per_device) + 1
+    for share in (1.0, 2.0, 4.0):
+        budget = int(share * ref)
         pipe = pipepar.wrap(model, balance, devices=2, chunks=8, schedule="auto",
                             memory_budget=str(budget), sample=x, checkpoint="never")  # fmt: skip
-        assert _held(pipe.schedule, weight) <= budget
+        got = predicted_activations(prof, pipe.schedule, balance, "never")
+        assert max(got) <= budget
         sizes.append(max(pipe.schedule.max_in_flight or ()))
     assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+    with pytest.raises(ValueError, match=r"memory_budget=100 bytes .* pass memory_budget >= '"):
+        pipepar.wrap(model, balance, devices=2, chunks=8, schedule="auto",
+                     memory_budget="100", sample=x, checkpoint="never")  # fmt: skip
 
 
 def test_a_model_that_is_not_a_chain_runs_auto_too() -> None:
