@@ -24,7 +24,9 @@ stages ``w`` and ``2K-1-w``).
 or looped placement allowed), the fastest order found holding at most half of 1F1B's
 micro-batches per device (:mod:`pipepar.core.schedule_budget`); its row gives the budget as
 that share of 1F1B's measured activation peak and the measured peak against it. A share below
-one micro-batch on a device's stages (0.33 on 2 devices) has no row.
+one micro-batch on a device's stages (0.33 on 2 devices) has no row. ``bytes@50%``: the same
+with ``memory_budget`` half of 1F1B's predicted activation peak in bytes (the planner's
+:class:`~pipepar.planner.stage_memory.MemoryModel`), the bound the issue's +5% target is about.
 
     python benchmarks/bench_vschedules.py --write         # K = 2 and 4, writes RESULTS.md
     python benchmarks/bench_vschedules.py --workers 2 --rounds 4 --steps 8
@@ -32,6 +34,7 @@ one micro-batch on a device's stages (0.33 on 2 devices) has no row.
     python benchmarks/bench_vschedules.py --quick         # seconds; CI smoke test
     python benchmarks/bench_vschedules.py --workers 4 --budgets 0.33,0.5,0.75,1 --write
     python benchmarks/bench_vschedules.py --schedules 1f1b,zb-v --budgets 0.5,1   # a subset
+    python benchmarks/bench_vschedules.py --schedules 1f1b --byte-budgets 0.5,1   # in bytes
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ from pipepar.core.schedule import Schedule
 from pipepar.core.schedule_budget import least_budget, one_f_one_b_held
 from pipepar.core.units import format_bytes
 from pipepar.planner.measure import measure_device
+from pipepar.planner.stage_activations import bytes_schedule, predicted_activations
 from pipepar.planner.stage_memory import MemoryModel
 
 TITLE = "V-Half and V-Min vs 1F1B: activation peak and rate (GPT, one process)"
@@ -71,30 +75,70 @@ AUTO = "auto@"
 """Prefix of the auto schedule's contenders: ``auto@50%``, within half of 1F1B's."""
 
 
+BYTES = "bytes@"
+"""Prefix of the auto schedule within a size: ``bytes@50%``, half of 1F1B's predicted
+activation peak in bytes (``memory_budget="<bytes>"``)."""
+
+
 def stages(name: str, k: int) -> int:
     """Stages of a contender on ``k`` devices: 2K for the V schedules and auto, else K."""
-    return 2 * k if name in VIRTUAL or name.startswith(AUTO) else k
+    return 2 * k if name in VIRTUAL or name.startswith((AUTO, BYTES)) else k
 
 
-def budget_of(name: str) -> str | None:
-    """The ``memory_budget`` of an auto contender (``"50%"``), None for a named schedule."""
-    return name[len(AUTO) :] if name.startswith(AUTO) else None
+def share_of(name: str) -> float | None:
+    """The share of 1F1B's of an auto contender (0.5 for ``auto@50%``), else None."""
+    for prefix in (AUTO, BYTES):
+        if name.startswith(prefix):
+            return float(name[len(prefix) :].rstrip("%")) / 100
+    return None
 
 
-def build(name: str, k: int, m: int) -> Schedule:
+def budget_of(name: str, work: common.Workload, k: int, m: int) -> str | None:
+    """The ``memory_budget`` of an auto contender: ``"50%"``, or a size in bytes."""
+    share = share_of(name)
+    if share is None:
+        return None
+    if name.startswith(AUTO):
+        return name[len(AUTO) :]
+    return str(int(share * _one_f_one_b_bytes(work, k, m)))
+
+
+_REF: dict[tuple[str, int, int], int] = {}
+
+
+def _one_f_one_b_bytes(work: common.Workload, k: int, m: int) -> int:
+    """1F1B's predicted activation peak (the planner's, its largest device)."""
+    key = (work.description, k, m)
+    if key not in _REF:
+        prof = pipepar.profile(work.model, work.x, device="meta", optimizer=None)
+        got = predicted_activations(prof, make("1f1b", k, m, n_workers=k),
+                                    common.balance(work, k), "never")  # fmt: skip
+        _REF[key] = max(got)
+    return _REF[key]
+
+
+def build(work: common.Workload, name: str, k: int, m: int) -> Schedule:
     """The contender's schedule, as wrap builds it."""
-    n, budget = stages(name, k), budget_of(name)
+    n, budget = stages(name, k), budget_of(name, work, k, m)
     if budget is None:
         return make(name, n, m, n_workers=k)
+    if name.startswith(BYTES):
+        return bytes_schedule(work.model, work.x, common.balance(work, n), m, "never",
+                              budget=int(budget), n_workers=k)  # fmt: skip
     return for_budget(budget, n, m, n_workers=k)
 
 
-def feasible(name: str, k: int, m: int) -> bool:
+def feasible(work: common.Workload, name: str, k: int, m: int) -> bool:
     """False for a budget below one micro-batch on all of a device's stages."""
-    budget = budget_of(name)
-    if budget is None:
+    share = share_of(name)
+    if share is None:
         return True
-    share = float(budget.rstrip("%")) / 100
+    if name.startswith(BYTES):
+        try:
+            build(work, name, k, m)
+        except ValueError:
+            return False
+        return True
     return share * one_f_one_b_held(k, m) >= least_budget(stages(name, k), k)
 
 
@@ -103,7 +147,7 @@ def memory_row(
 ) -> dict[str, Any]:
     """Per device: measured and predicted activation peak (peak less static bytes)."""
     bal = common.balance(work, stages(name, k))
-    order = build(name, k, m)
+    order = build(work, name, k, m)
     model = MemoryModel(prof, order, checkpoint="never", foreach=[False] * k)
     ranges = common.stage_ranges(bal)
     measured, predicted = [], []
@@ -122,10 +166,10 @@ def memory_row(
 
 def _step(work: common.Workload, k: int, m: int, name: str) -> tuple[common.Step, Any]:
     model = copy.deepcopy(work.model)
-    budget = budget_of(name)
+    budget = budget_of(name, work, k, m)
     pipe = pipepar.wrap(model, common.balance(work, stages(name, k)), devices=["cpu"] * k,
                         chunks=m, schedule="auto" if budget else name, memory_budget=budget,
-                        checkpoint="never")  # fmt: skip
+                        sample=work.x, checkpoint="never")  # fmt: skip
 
     def step() -> None:
         pipe.step(work.x, work.y, work.loss)
@@ -141,7 +185,7 @@ def rates(
     """Samples/s of every timed step of each schedule, blocks alternating over rounds."""
     block = math.ceil(args.steps / args.rounds)
     steps, pipes = {}, []
-    names = [name for name in args.schedules if feasible(name, k, m)]
+    names = [name for name in args.schedules if feasible(work, name, k, m)]
     for name in names:
         step, pipe = _step(work, k, m, name)
         step()  # warm-up (and worker start)
@@ -165,10 +209,10 @@ def rank_builder(spec: dict[str, Any], rank: int, world: int) -> Callable[[str, 
 
         name = contender.partition(":")[2]
         model = copy.deepcopy(work.model)
-        budget = budget_of(name)
+        budget = budget_of(name, work, world, m)
         pipe = ppd.wrap(model, common.balance(work, stages(name, world)), chunks=m,
                         schedule="auto" if budget else name, memory_budget=budget,
-                        checkpoint="never")  # fmt: skip
+                        sample=work.x, checkpoint="never")  # fmt: skip
 
         def step() -> None:
             pipe.step(work.x, work.y, work.loss)
@@ -213,15 +257,14 @@ def against_1f1b(per_step: dict[str, list[float]]) -> dict[str, dict[str, Any]]:
 def measure(work: common.Workload, k: int, m: int, args: argparse.Namespace) -> list[dict]:
     """One row per schedule: memory and rate, and both against 1F1B's."""
     prof = pipepar.profile(work.model, work.x, device="meta", optimizer=OPTIMIZER)
-    names = [name for name in args.schedules if feasible(name, k, m)]
+    names = [name for name in args.schedules if feasible(work, name, k, m)]
     rows = [memory_row(work, prof, k, m, name) for name in names]
     speed = against_1f1b(rates(work, k, m, args))
     ref_mem = max(rows[0]["measured"])
     zb_v_rate = speed["zb-v"]["median"] if "zb-v" in speed else None
     for row in rows:
         top = max(range(k), key=lambda w: row["measured"][w])
-        budget = budget_of(row["schedule"])
-        share = None if budget is None else float(budget.rstrip("%")) / 100
+        share = share_of(row["schedule"])
         row |= {
             "peak": row["measured"][top],
             "peak_predicted": row["predicted"][top],
@@ -287,14 +330,16 @@ def main(argv: list[str] | None = None) -> int:
         "state, the largest over the devices; predicted: the planner's MemoryModel for that "
         "device. Held: the most stage micro-batches a device holds at once (1F1B: full "
         "stages; the V schedules and auto: half stages). auto@N%: schedule='auto', "
-        "memory_budget='N%' over 2K stages; its budget is N% of 1F1B's measured activation "
-        "peak, beside it the measured peak over that budget. x ZB-V rate: the median rate "
+        "memory_budget='N%' over 2K stages (N% of 1F1B's micro-batches); bytes@N%: "
+        "schedule='auto', memory_budget= N% of 1F1B's predicted activation peak in bytes; "
+        "the budget column is N% of 1F1B's measured activation peak, beside it the measured "
+        "peak over that budget. x ZB-V rate: the median rate "
         "over ZB-V's. The 2-core machine is shared with other "
         f"jobs: machine load before {before}; after {common.load()}."
     )
     print(text, note, sep="\n\n")
     if args.write:
-        title = TITLE_AUTO if args.budgets else TITLE
+        title = TITLE_AUTO if args.budgets or args.byte_budgets else TITLE
         record(title, text, notes=note, path=common.results_path(args, "vschedules"))
     common.write_json(args.json, rows)
     return 0
@@ -338,12 +383,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="shares of 1F1B's micro-batches for schedule='auto', e.g. 0.33,0.5,0.75,1",
     )  # fmt: skip
     parser.add_argument(
+        "--byte-budgets", type=lambda t: [float(x) for x in t.split(",")], default=[],
+        help="shares of 1F1B's predicted activation bytes for schedule='auto', e.g. 0.5,1",
+    )  # fmt: skip
+    parser.add_argument(
         "--schedules", type=lambda t: tuple(t.split(",")), default=None,
         help=f"named schedules, 1f1b first (default {','.join(SCHEDULES)})",
     )  # fmt: skip
     args = parser.parse_args(argv)
     args.schedules = args.schedules or (QUICK if args.quick else SCHEDULES)
-    args.schedules = (*args.schedules, *(f"{AUTO}{round(100 * b)}%" for b in args.budgets))
+    args.schedules = (*args.schedules, *(f"{AUTO}{round(100 * b)}%" for b in args.budgets),
+                      *(f"{BYTES}{round(100 * b)}%" for b in args.byte_budgets))  # fmt: skip
     if args.quick:
         args.rounds, args.steps, args.workers, args.chunks = 1, 2, [2], 4
     return args
