@@ -37,7 +37,9 @@ def _rank(rank: int) -> dict[str, Any]:
         s = pipe.schedule
         out[str(budget)] = {
             "loss": float(loss),
-            "grads": {k: p.grad.clone() for k, p in pipe.named_parameters()},
+            # arrays, not tensors: a tensor crosses the queue as a file descriptor the rank
+            # must still be alive to hand over
+            "grads": {k: p.grad.numpy().copy() for k, p in pipe.named_parameters()},
             "actions": [[repr(a) for a in s.worker(w)] for w in range(s.n_workers)],
             "placement": list(s.placement),
             "held": max(s.worker_held(w, [0.5] * 4) for w in range(s.n_workers)),
@@ -62,5 +64,7 @@ def test_every_rank_builds_the_same_schedule_and_matches_the_plain_model() -> No
         for r in (0, 1):
             assert abs(got[r][budget]["loss"] - ref.item()) < 1e-5
             for name, g in got[r][budget]["grads"].items():
-                torch.testing.assert_close(g, grads[name].grad, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(
+                    torch.from_numpy(g), grads[name].grad, rtol=1e-5, atol=1e-6
+                )
         assert set(first["grads"]) | set(second["grads"]) == set(grads)
