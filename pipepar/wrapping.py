@@ -14,6 +14,7 @@ from pipepar.batching.rules import InputRule, OutputRule, Rules
 from pipepar.core import validation
 from pipepar.core.compiled_units import CompileOption, compile_units, compiler_of, take_compiled
 from pipepar.core.devices import DeviceSpec
+from pipepar.core.memory_budget import AUTO, auto_schedule, refuse_searched
 from pipepar.core.schedule import Schedule
 from pipepar.local.chain import is_chain
 from pipepar.pipe import Pipe
@@ -41,6 +42,7 @@ def wrap(
     split_spec: Mapping[str, Any] | None = None,
     capacity: Any = None,
     schedule: str | Schedule | None = None,
+    memory_budget: float | str | None = None,
     threads: int | None = None,
     trace: bool = False,
     runtime: RuntimeFit | None = None,
@@ -115,7 +117,20 @@ def wrap(
             each device: ``balance`` then lists 2 (or more) stages per device. Their memory
             bound and bubble apply to :meth:`Pipe.step`; ``pipe(x)`` runs all forwards first.
             ``None``: chosen by the search, or ``"gpipe"`` when ``balance`` or ``split`` is
-            given.
+            given. ``"auto"`` (with ``balance`` or ``split``): the fastest order found within
+            ``memory_budget``, its stages taken as equally fast; with twice as many stages as
+            ``devices`` a V (as ``"zb-v"``) or a loop (as ``"interleaved-1f1b"``) may be
+            chosen.
+        memory_budget: with ``schedule="auto"``, what each device may hold of its stages'
+            micro-batches at once, between a micro-batch's forward and its last backward
+            action: a number of micro-batches of all the device's stages (1F1B's first device
+            holds ``min(K, chunks)``), a share of 1F1B's (``"50%"``), or activation bytes
+            (``"2GiB"``: the planner's predicted peak of each device less its parameters,
+            gradients and optimizer state, from a profile of ``sample`` on ``meta``; ``sample``
+            must be given); None: ``"100%"``. Below one micro-batch on all
+            of a device's stages it is a ValueError naming the least. The schedule is built
+            here for ``chunks`` micro-batches (a shorter batch is refused, as with a
+            :class:`~pipepar.core.schedule.Schedule`).
         trace: record a timeline of every action in ``pipe.tracer``.
         runtime: with ``sample`` (a searched layout): what this machine's runtime adds to each
             action, fitted to steps you measured (:func:`pipepar.planner.fit_runtime`); the
@@ -169,6 +184,8 @@ def wrap(
     module, compilers = take_compiled(module)
     chain = is_chain(module, split, sample)
     layout = None
+    if schedule == AUTO and balance is None and split is None and split_spec is None:
+        refuse_searched(schedule)
     if split_spec is not None or (balance is None and split is None):
         # Only a layout to find loads the planner (and, for any model, the cut): a chain with
         # its balance given runs without either.
@@ -192,6 +209,18 @@ def wrap(
                 rules=Rules.given(split_inputs, join_outputs),
             )
             balance, chunks, checkpoint, schedule = pipe_arguments(layout, schedule)
+    stages = len(balance) if balance is not None else None if split is None else len(split) + 1
+    workers = _device_count(devices, stages)
+    schedule = auto_schedule(
+        schedule,
+        memory_budget,
+        n_stages=stages,
+        chunks=1 if chunks is None else chunks,
+        n_workers=workers,
+        sized=lambda size: _sized(
+            module, sample, balance, chunks, checkpoint, chain, workers, size
+        ),
+    )
     pipe = Pipe(
         module,
         balance,
@@ -235,3 +264,29 @@ def _sample_to_plan(sample: Any, chain: bool) -> Any:
         "units), or sample=<an input batch> so pipepar can profile the model and choose "
         "the layout (or, when the forward calls pipe_split(), find where the calls stand)"
     )
+
+
+def _device_count(devices: DeviceSpec, stages: int | None) -> int:
+    """The devices a pipe of ``stages`` stages runs on: those given, else one per stage."""
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        return devices
+    if isinstance(devices, Sequence) and not isinstance(devices, str):
+        return len(devices)
+    return stages or 1
+
+
+def _sized(
+    module: nn.Module,
+    sample: Any,
+    balance: Sequence[int] | None,
+    chunks: int | None,
+    checkpoint: str | None,
+    chain: bool,
+    workers: int,
+    size: int,
+) -> Schedule:
+    """The schedule for a budget in bytes (loads the planner: a size only)."""
+    from pipepar.planner.stage_activations import bytes_schedule
+
+    return bytes_schedule(module, sample, balance, chunks, checkpoint, budget=size,
+                          n_workers=workers, chain=chain)  # fmt: skip

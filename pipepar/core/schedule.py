@@ -142,11 +142,21 @@ class Schedule:
 
     def in_flight(self, s: int) -> int:
         """Peak number of micro-batches stage ``s`` holds: forward run, last backward not yet."""
-        return _peak_held(self.stage(s), self)
+        return int(_peak_held(self.stage(s), self))
 
     def worker_in_flight(self, w: int) -> int:
         """Peak number of stage micro-batches worker ``w`` holds at once, over its stages."""
-        return _peak_held(self.actions[w], self)
+        return int(_peak_held(self.actions[w], self))
+
+    def worker_held(self, w: int, weight: Sequence[float]) -> float:
+        """Peak of what worker ``w`` holds when a micro-batch of stage ``s`` weighs
+        ``weight[s]`` (e.g. its activation bytes) from its F to its last backward action.
+
+        Example:
+            >>> zb_v(4, 8).worker_held(0, [0.5] * 4)  # half stages: 1F1B's first stage's 2
+            2.0
+        """
+        return _peak_held(self.actions[w], self, weight)
 
     def grid(self) -> str:
         """The schedule as a step x worker table, each action taking one step (see simulate)."""
@@ -376,13 +386,16 @@ def _check_stage(schedule: Schedule, s: int) -> None:
         raise ValueError(f"stage {s} never runs {', '.join(missing)}; add them to its list")
 
 
-def _peak_held(work: Sequence[Action], schedule: Schedule) -> int:
-    held, peak = 0, 0
+def _peak_held(
+    work: Sequence[Action], schedule: Schedule, weight: Sequence[float] | None = None
+) -> float:
+    held, peak = 0.0, 0.0
     for a in work:
         last = a.kind == "W" or (
             a.kind == "B" and not schedule.splits_backward(a.stage, a.microbatch)
         )
-        held += 1 if a.kind == "F" else -1 if last else 0
+        w = 1.0 if weight is None else weight[a.stage]
+        held += w if a.kind == "F" else -w if last else 0.0
         peak = max(peak, held)
     return peak
 

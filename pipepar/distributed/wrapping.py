@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from pipepar.batching.rules import InputRule, OutputRule, Rules
 from pipepar.core.compiled_units import CompileOption, compile_units, compiler_of, take_compiled
+from pipepar.core.memory_budget import AUTO, auto_schedule, refuse_searched
 from pipepar.core.schedule import Schedule
 from pipepar.distributed.pipe import DistributedPipe
 from pipepar.local.chain import is_chain
@@ -29,6 +30,7 @@ from pipepar.planner.cluster import cluster_for, device_memory
 from pipepar.planner.layout import Layout
 from pipepar.planner.runtime_fit import RuntimeFit
 from pipepar.planner.split_points import torch_split
+from pipepar.planner.stage_activations import bytes_schedule
 from pipepar.program.units import modules_of
 from pipepar.ranks.process import ensure_process_group, resolve_device
 
@@ -46,6 +48,7 @@ def wrap(
     capacity: Any = None,
     chunks: int | None = None,
     schedule: str | Schedule | None = None,
+    memory_budget: float | str | None = None,
     dp: int | None = None,
     dp_shard: bool | None = None,
     checkpoint: str | None = None,
@@ -119,7 +122,13 @@ def wrap(
             ``"v-half"``, ``"v-min"`` or a :class:`~pipepar.core.schedule.Schedule`; for the
             virtual-stage ones (from ``"interleaved-1f1b"`` on), ``balance`` lists two stages
             per rank (``len(balance) // 2`` ranks per pipeline). ``None``: ``"gpipe"``,
-            or chosen with ``plan="auto"``.
+            or chosen with ``plan="auto"``. ``"auto"`` (with ``balance`` or ``split``): the
+            fastest order found within ``memory_budget``, built alike on every rank for
+            ``pp = group size // dp`` ranks per pipeline (with ``2 * pp`` stages a V or a
+            loop may be chosen).
+        memory_budget: with ``schedule="auto"``, what each rank may hold of its stages'
+            micro-batches at once, in the forms :func:`pipepar.wrap` takes (micro-batches,
+            ``"50%"`` of 1F1B's, or bytes such as ``"2GiB"`` with ``sample``).
         dp: data-parallel replicas; the group must have ``pp * dp`` ranks (pp: ranks per
             pipeline). ``None``: 1, or chosen with ``plan="auto"``.
         dp_shard: shard instead of replicate (any model, ``dp >= 2``): the
@@ -200,6 +209,8 @@ def wrap(
         >>> rows = pipe.layout.rows  # doctest: +SKIP
         >>> mine = x[pipe.dp_rank * rows : (pipe.dp_rank + 1) * rows]  # doctest: +SKIP
     """
+    if schedule == AUTO and plan is not None:
+        refuse_searched(schedule)
     layout = None
     default_compiler = compiler_of(compile)
     model, compilers = take_compiled(model)
@@ -227,6 +238,8 @@ def wrap(
     chunks = 1 if chunks is None else chunks
     schedule = "gpipe" if schedule is None else schedule
     dp = 1 if dp is None else dp
+    schedule = _auto(model, schedule, memory_budget, balance, split, chunks, dp, group, sample,
+                     checkpoint, chain)  # fmt: skip
     pipe = DistributedPipe(
         model,
         balance,
@@ -251,6 +264,38 @@ def wrap(
     keep_layout(pipe, layout)
     compile_units(modules_of(model, chain), compilers, default_compiler, model)
     return pipe
+
+
+def _auto(
+    model: nn.Module,
+    schedule: str | Schedule,
+    memory_budget: float | str | None,
+    balance: list[int] | None,
+    split: Sequence[str] | None,
+    chunks: int,
+    dp: int,
+    group: dist.ProcessGroup | None,
+    sample: Any,
+    checkpoint: str | None,
+    chain: bool,
+) -> str | Schedule:
+    """``schedule``, or for ``"auto"`` the schedule every rank builds alike for the budget."""
+    if schedule != AUTO and memory_budget is None:
+        return schedule
+    ensure_process_group()
+    stages = len(balance) if balance is not None else None if split is None else len(split) + 1
+
+    workers = max(1, dist.get_world_size(group) // dp)
+    built = auto_schedule(
+        schedule,
+        memory_budget,
+        n_stages=stages,
+        chunks=chunks,
+        n_workers=workers,
+        sized=lambda size: bytes_schedule(model, sample, balance, chunks, checkpoint,
+                                          budget=size, n_workers=workers, chain=chain),
+    )  # fmt: skip
+    return "gpipe" if built is None else built
 
 
 def _check_stages_given(balance: list[int] | None, split: object, sample: Any) -> None:
