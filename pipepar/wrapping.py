@@ -41,6 +41,7 @@ def wrap(
     split_spec: Mapping[str, Any] | None = None,
     capacity: Any = None,
     schedule: str | Schedule | None = None,
+    recompute: str = "in_place",
     threads: int | None = None,
     trace: bool = False,
     runtime: RuntimeFit | None = None,
@@ -115,6 +116,12 @@ def wrap(
             bound and bubble apply to :meth:`Pipe.step`; ``pipe(x)`` runs all forwards first.
             ``None``: chosen by the search, or ``"gpipe"`` when ``balance`` or ``split`` is
             given.
+        recompute: where checkpointed micro-batches run their stage again: ``"in_place"``
+            (the default) at the start of their backward, on the critical path; or
+            ``"bubbles"``: as ``R`` actions of the schedule, each in the latest time its
+            device would idle before that backward (on a simulated clock), never holding more
+            rebuilt micro-batches at once than in place. The same numbers either way. An
+            ``nn.Sequential`` only (other models recompute unit by unit inside backward).
         trace: record a timeline of every action in ``pipe.tracer``.
         runtime: with ``sample`` (a searched layout): what this machine's runtime adds to each
             action, fitted to steps you measured (:func:`pipepar.planner.fit_runtime`); the
@@ -199,6 +206,7 @@ def wrap(
         split_inputs=split_inputs,
         join_outputs=join_outputs,
         schedule="gpipe" if schedule is None else schedule,
+        recompute=recompute,
         threads=threads,
         trace=trace,
         gc_every=gc_every,

@@ -28,6 +28,7 @@ from torch import nn
 from pipepar.core.devices import DeviceSpec
 from pipepar.core.named_schedules import NAMES, VIRTUAL, make, n_workers
 from pipepar.core.randomness import DrawLog
+from pipepar.core.recompute_placement import placed_for
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.local.worker import WorkerPool
@@ -50,6 +51,7 @@ class PipeSettings(Protocol):
 
     chunks: int
     checkpoint: str
+    recompute: str
     threads: list[int]
     tracer: Tracer | None
     training: bool
@@ -86,6 +88,8 @@ class PipeView:
         self.draws = DrawLog()  # which stages draw random numbers, across mini-batches
         self._worker_devices = workers
         self._pool: WorkerPool | None = None
+        # By (schedule, recompute, checkpoint): the schedule and the one each batch runs.
+        self._placed: dict[tuple[int, str, str], tuple[Schedule, Schedule]] = {}
 
     # -- the pipe's settings, as they are now -------------------------------------------------
     @property
@@ -127,8 +131,15 @@ class PipeView:
 
     # -- what runs a batch ----------------------------------------------------------------------
     def schedule(self, m: int) -> Schedule:
-        """The schedule of a batch of ``m`` micro-batches."""
-        return schedule_of_batch(self.asked, m, self.pipe.chunks)
+        """The schedule of a batch of ``m`` micro-batches, its recomputes placed as the pipe's
+        ``recompute`` says (:mod:`pipepar.core.recompute_placement`)."""
+        pipe = self.pipe
+        base = schedule_of_batch(self.asked, m, pipe.chunks)
+        key = (id(base), pipe.recompute, pipe.checkpoint)
+        found = self._placed.get(key)
+        if found is None or found[0] is not base:
+            found = self._placed[key] = (base, placed_for(base, pipe.recompute, pipe.checkpoint))
+        return found[1]
 
     def workers(self, *, backward: bool = False) -> WorkerPool | None:
         """The worker threads, or None to run on the caller's thread: with one worker, and for
