@@ -197,12 +197,14 @@ def _in_place(schedule: Schedule, rebuilt: set[tuple[int, int]]) -> Schedule:
                 out.append(Action(a.stage, "R", a.microbatch))
             out.append(a)
         lists.append(tuple(out))
-    return _with(schedule, lists, f"{schedule.name}+r")
+    return _with(schedule, lists)
 
 
-def _with(schedule: Schedule, lists: Sequence[tuple[Action, ...]], name: str) -> Schedule:
+def _with(schedule: Schedule, lists: Sequence[tuple[Action, ...]]) -> Schedule:
+    """``schedule`` with other lists, under its name (a named one is rebuilt by it for a
+    batch of another count, and its recomputes placed again)."""
     return Schedule(
-        name,
+        schedule.name,
         schedule.n_stages,
         schedule.n_microbatches,
         tuple(lists),
@@ -258,7 +260,7 @@ def _move_earlier(
         moved = work[:at] + work[at + 1 :]
         moved.insert(p, r)
         lists[w] = tuple(moved)
-        candidate = _with(placed, lists, placed.name)
+        candidate = _with(placed, lists)
         if candidate.worker_rebuilt(w) <= limits[w]:
             return candidate
         return None  # earlier slots hold it longer still

@@ -89,7 +89,13 @@ class RankChain:
             else GradientSync(pipe, mesh)
         )
         self._runtime = Runtime(
-            stages, mesh, self._transport, ctx.schedule, ctx.checkpoint, on_final=self._sync.ready
+            stages,
+            mesh,
+            self._transport,
+            ctx.schedule,
+            ctx.checkpoint,
+            recompute=ctx.recompute,
+            on_final=self._sync.ready,
         )
 
     # -- running --------------------------------------------------------------------------------
