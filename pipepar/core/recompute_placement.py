@@ -149,8 +149,8 @@ def place_recomputes(
     Example:
         >>> from pipepar.core.named_schedules import gpipe
         >>> s = place_recomputes(gpipe(2, 2), {(0, 0), (0, 1), (1, 0), (1, 1)})
-        >>> [str(a) for a in s.worker(0)]
-        ['F0', 'F1', 'R1', 'R0', 'B1', 'B0']
+        >>> [str(a) for a in s.worker(0)]  # each R runs while its B waits for the gradient
+        ['F0', 'F1', 'R1', 'B1', 'R0', 'B0']
     """
     _check_input(schedule, rebuilt)
     placed = _in_place(schedule, set(rebuilt))

@@ -64,8 +64,9 @@ class Schedule:
     """Per-worker action lists for ``n_stages`` stages and ``n_microbatches`` micro-batches.
 
     A schedule is data: ``actions[w]`` is worker ``w``'s ordered list of :class:`Action`
-    (``F``: forward of a stage on a micro-batch; ``B``: its backward, or only the input
-    gradient when the schedule also lists a ``W``; ``W``: the deferred weight gradient).
+    (``F``: forward of a stage on a micro-batch; ``R``: its recompute, ahead of ``B``, for a
+    checkpointed micro-batch; ``B``: its backward, or only the input gradient when the
+    schedule also lists a ``W``; ``W``: the deferred weight gradient).
     The named schedules are built by :func:`gpipe`, :func:`one_f_one_b`, :func:`zb_h1`,
     :func:`interleaved_1f1b` and :func:`zb_v` (:func:`make` by name), your own by
     :func:`parse`; :func:`validate` checks that every dependency can be met without a
