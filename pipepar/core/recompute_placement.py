@@ -34,6 +34,7 @@ __all__ = [
     "place_recomputes",
     "placed_for",
     "refuse_rebuilds",
+    "without_rebuilds",
 ]
 
 PLACEMENTS = ("in_place", "bubbles")
@@ -100,6 +101,19 @@ def refuse_rebuilds(schedule: Schedule, recompute: str) -> None:
             "recomputes unit by unit inside its backward: pass recompute='in_place' and a "
             "schedule without R (or wrap an nn.Sequential)"
         )
+
+
+def without_rebuilds(schedule: Schedule, what: str) -> Schedule:
+    """``schedule``, for ``what`` (the planner's prediction or measurement), which counts the
+    recompute inside ``B``: a schedule that lists ``R`` is refused, never costed as if its
+    ``R`` were something else."""
+    if _lists_rebuilds(schedule):
+        raise ValueError(
+            f"{what} counts the recompute inside B, but schedule {schedule.name!r} lists R "
+            "actions; pass the schedule without them (recompute='bubbles' places them when "
+            "the pipe runs)"
+        )
+    return schedule
 
 
 def _lists_rebuilds(schedule: Schedule) -> bool:

@@ -12,6 +12,7 @@ from pipepar.core.recompute_placement import (
     place_recomputes,
     placed_for,
     refuse_rebuilds,
+    without_rebuilds,
 )
 from pipepar.core.schedule import Action, parse, timed, unit_costs, validate
 
@@ -128,3 +129,13 @@ def test_recompute_option_and_schedules_with_r_are_checked() -> None:
     with pytest.raises(ValueError, match=r"only an nn\.Sequential pipe runs"):
         refuse_rebuilds(make("1f1b", 2, 2, n_workers=2), "bubbles")
     assert placed_for(with_r, "in_place", "always") is with_r  # R listed: run as it is
+
+
+def test_the_planner_refuses_a_schedule_with_r_rather_than_misprice_it() -> None:
+    from pipepar.planner.peak_moments import schedule_for
+
+    with_r = parse("F0 F1 R0 B0 R1 B1 | F0 F1 R0 B0 R1 B1")
+    with pytest.raises(ValueError, match="memory model counts the recompute inside B, but"):
+        schedule_for(with_r, 2, 2)
+    plain = make("1f1b", 2, 2, n_workers=2)
+    assert without_rebuilds(plain, "x") is plain
