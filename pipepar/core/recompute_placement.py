@@ -172,9 +172,10 @@ def place_recomputes(
     price = cost or unit_costs(placed.virtual)
     finish = timed(placed, price)
     for a in sorted((b for b in finish if _is_rebuilt_b(b, rebuilt)), key=finish.__getitem__):
-        moved = _move_earlier(placed, Action(a.stage, "R", a.microbatch), limits, price)
-        if moved is not None:
-            placed = moved
+        r = Action(a.stage, "R", a.microbatch)
+        moved = _move_earlier(placed, r, limits, price, finish)
+        if moved is not None:  # the clock changes only where an R moved
+            placed, finish = moved, timed(moved, price)
     return placed
 
 
@@ -253,16 +254,20 @@ def _bounds(placed: Schedule, bound: int | Sequence[int] | None) -> tuple[int, .
 
 
 def _move_earlier(
-    placed: Schedule, r: Action, limits: tuple[int, ...], cost: Cost
+    placed: Schedule,
+    r: Action,
+    limits: tuple[int, ...],
+    cost: Cost,
+    finish: dict[Action, float],
 ) -> Schedule | None:
     """``placed`` with ``r`` moved to the latest earlier idle slot that holds it, if ``r``
-    delays its ``B`` where it is and the bound allows; else None."""
+    delays its ``B`` where it is and the bound allows; else None. ``finish``: ``placed``
+    timed."""
     w = placed.placement[r.stage]
     work = list(placed.actions[w])
     at = work.index(r)
     b = work.index(Action(r.stage, "B", r.microbatch))
     f = work.index(Action(r.stage, "F", r.microbatch))
-    finish = timed(placed, cost)
     if _ready(placed, work[b], finish) >= finish[r] - _EPS:
         return None  # it ran while its B waited for the gradient: hidden already
     need = cost(r, False)
