@@ -66,16 +66,18 @@ def check_placement(recompute: object, checkpoint: str) -> str:
     return recompute
 
 
-def placed_for(schedule: Schedule, recompute: str, checkpoint: str) -> Schedule:
+def placed_for(
+    schedule: Schedule, recompute: str, checkpoint: str, *, cost: Cost | None = None
+) -> Schedule:
     """The schedule a batch runs: ``schedule`` itself (in place, or ``R`` listed already,
     checked against ``checkpoint``), or with each recompute placed by
-    :func:`place_recomputes` (``"bubbles"``)."""
+    :func:`place_recomputes` (``"bubbles"``) on ``cost`` (None: unit costs)."""
     if _lists_rebuilds(schedule):
         check_rebuilds(schedule, checkpoint)
         return schedule
     if recompute != "bubbles":
         return schedule
-    return place_recomputes(schedule, checkpointed(schedule, checkpoint))
+    return place_recomputes(schedule, checkpointed(schedule, checkpoint), cost=cost)
 
 
 def checkpointed(schedule: Schedule, mode: str) -> set[tuple[int, int]]:

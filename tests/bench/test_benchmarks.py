@@ -229,9 +229,9 @@ def test_recompute_bubbles_quick_times_both_places_at_equal_memory(tmp_path: Pat
     rows, text = _run("bench_recompute_bubbles.py", tmp_path, "--write")
     assert "## Recompute in place vs in the bubbles" in text
     got = [(r["schedule"], r["recompute"]) for r in rows]
-    assert got == [(s, p) for s in ("1f1b", "zb-h1") for p in ("in_place", "bubbles")]
+    assert got == [(s, p) for s in ("1f1b", "zb-h1", "zb-v") for p in ("in_place", "bubbles")]
     for row in rows:
-        assert row["held"] == 1 and row["k"] == 2  # one rebuilt micro-batch, as in place
+        assert row["k"] == 2 and row["held"] >= 1  # the bound of recomputing in place
         assert row["sim_bubbles"] < row["sim_in_place"]  # R runs while B waits
         assert row["median"] > 0 and row["interval"][0] <= row["interval"][1]
     assert rows[0]["of_in_place"] == 1.0

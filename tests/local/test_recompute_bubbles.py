@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import pipepar
-from pipepar.core.schedule import parse
+from pipepar.core.schedule import parse, validate
 
 SCHEDULES = [
     ("gpipe", [3, 3]),
@@ -146,3 +146,31 @@ def test_a_model_cut_while_it_runs_refuses_recompute_in_the_bubbles() -> None:
             checkpoint="always",
             recompute="bubbles",
         )
+
+
+def test_recomputes_placed_on_measured_stage_times_keep_the_plain_numbers() -> None:
+    # Stages of unequal cost on a V: after the first step the recomputes are placed on the
+    # stages' measured times (where they land depends on them); every step still gives the
+    # plain model's numbers.
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 8),
+        nn.BatchNorm1d(8), nn.Linear(8, 4),
+    )  # fmt: skip
+    plain = copy.deepcopy(model)
+    pipe = _wrap(model, [3, 2, 1, 1], "zb-v", checkpoint="always", recompute="bubbles")
+    first = pipe.schedule
+    bound = [first.worker_rebuilt(w) for w in range(2)]
+    for _ in range(3):
+        x, y = torch.randn(16, 8), torch.randn(16, 4)
+        loss = pipe.step(x, y, nn.functional.mse_loss)
+        validate(pipe.schedule)  # placed again on the times: within the same bound
+        assert all(pipe.schedule.worker_rebuilt(w) <= bound[w] for w in range(2))
+        expected = nn.functional.mse_loss(torch.cat([plain(p) for p in x.chunk(4)]), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach())
+        for a, b in zip(pipe.parameters(), plain.parameters()):
+            torch.testing.assert_close(a.grad, b.grad)
+            a.grad, b.grad = None, None
+        for a, b in zip(pipe.buffers(), plain.buffers()):
+            torch.testing.assert_close(a, b)
