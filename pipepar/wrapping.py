@@ -119,8 +119,9 @@ def wrap(
         recompute: where checkpointed micro-batches run their stage again: ``"in_place"``
             (the default) at the start of their backward, on the critical path; or
             ``"bubbles"``: as ``R`` actions of the schedule, each in the latest time its
-            device would idle before that backward (on a simulated clock), never holding more
-            rebuilt micro-batches at once than in place. The same numbers either way. An
+            device would idle before that backward (on a simulated clock, with the stages'
+            times measured in the first training step), never holding more rebuilt
+            micro-batches at once than in place. The same numbers either way. An
             ``nn.Sequential`` only (other models recompute unit by unit inside backward).
         trace: record a timeline of every action in ``pipe.tracer``.
         runtime: with ``sample`` (a searched layout): what this machine's runtime adds to each
