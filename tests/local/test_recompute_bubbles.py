@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
 from torch import nn
 
 import pipepar
-from pipepar.core.schedule import parse, validate
+from pipepar.core.schedule import Action, Schedule, parse, validate
 
 SCHEDULES = [
     ("gpipe", [3, 3]),
@@ -174,3 +175,34 @@ def test_recomputes_placed_on_measured_stage_times_keep_the_plain_numbers() -> N
             a.grad, b.grad = None, None
         for a, b in zip(pipe.buffers(), plain.buffers()):
             torch.testing.assert_close(a, b)
+
+
+class _Nap(nn.Module):
+    """Identity that takes 20 ms: a stage much slower than the others, whatever the load."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.02)
+        return x
+
+
+def _moved(schedule: Schedule) -> int:
+    """R listed anywhere but just before their own B."""
+    pairs = [p for w in schedule.actions for p in zip(w, (*w[1:], None))]
+    return sum(1 for a, b in pairs if a.kind == "R" and b != Action(a.stage, "B", a.microbatch))
+
+
+def test_after_the_first_step_recomputes_are_placed_on_the_measured_stage_times() -> None:
+    # On unit costs no R of this zb-v moves; measured, stage 0 is slow, and its device's
+    # other stage (3) idles before each F: R fill those waits.
+    layers: list[nn.Module] = [nn.Linear(8, 8), _Nap()]
+    for _ in range(3):
+        layers += [nn.Linear(8, 8), nn.Identity()]
+    model = nn.Sequential(*layers)
+    plain = copy.deepcopy(model)
+    pipe = _wrap(model, [2, 2, 2, 2], "zb-v", checkpoint="always", recompute="bubbles")
+    assert _moved(pipe.schedule) == 0
+    for _ in range(2):
+        x, y = torch.randn(8, 8), torch.randn(8, 8)
+        loss = pipe.step(x, y, nn.functional.mse_loss)
+        torch.testing.assert_close(loss, nn.functional.mse_loss(plain(x), y))
+    assert _moved(pipe.schedule) > 0
