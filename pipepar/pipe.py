@@ -30,6 +30,7 @@ from pipepar.core.garbage import StepCollector
 from pipepar.core.given import check_given
 from pipepar.core.loss_scale import LossScaler, loss_scale
 from pipepar.core.losses import Items, LossFn
+from pipepar.core.recompute_placement import check_placement, check_rebuilds, refuse_rebuilds
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import iter_layers
 from pipepar.hf import conventions as hf
@@ -78,6 +79,10 @@ class Pipe(nn.Module):
         deferred_batch_norm: batch-norm layers track their running statistics over the whole
             mini-batch, once per call (:mod:`pipepar.core.batchnorm`), not per micro-batch.
         schedule: a schedule name or object (:mod:`pipepar.core.schedule`).
+        recompute: where checkpointed micro-batches recompute: ``"in_place"`` inside their
+            backward, or ``"bubbles"``: as ``R`` actions placed in the workers' idle time
+            before the backward, holding no more rebuilt micro-batches at once than in place
+            (:mod:`pipepar.core.recompute_placement`); an ``nn.Sequential`` only.
         threads: math threads per CPU stage.
         trace: record a timeline in ``pipe.tracer``.
         gc_every: Python's cycle collector during :meth:`step`: ``None`` leaves it as it is;
@@ -130,6 +135,7 @@ class Pipe(nn.Module):
         split_inputs: Mapping[str | int, InputRule] | None = None,
         join_outputs: Mapping[str, OutputRule] | None = None,
         schedule: str | Schedule = "gpipe",
+        recompute: str = "in_place",
         threads: int | None = None,
         trace: bool = False,
         gc_every: int | None = None,
@@ -172,10 +178,15 @@ class Pipe(nn.Module):
             )
         # Offload keeps activations instead of recomputing them, unless told to recompute too.
         self.checkpoint = checkpoint or ("never" if self.offload else compute.default_checkpoint)
+        self.recompute = check_placement(recompute, self.checkpoint)
         workers = resolve_devices(devices, count_workers(schedule, compute.sizes, devices))
         # The schedule asked for (a name's built for one micro-batch): where the stages are
         # placed, checked now; each batch's is rebuilt for its count (``_schedule``).
         asked = schedule_for(schedule, len(compute.sizes), self.chunks, len(workers))
+        if chain:
+            check_rebuilds(asked, self.checkpoint)
+        else:
+            refuse_rebuilds(asked, self.recompute)
         placed = [workers[w] for w in asked.placement]
         stages = compute.place(placed, self.checkpoint)
         # The model's children first: a layer may have the name of a property that reads the

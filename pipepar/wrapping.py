@@ -43,6 +43,7 @@ def wrap(
     capacity: Any = None,
     schedule: str | Schedule | None = None,
     memory_budget: float | str | None = None,
+    recompute: str = "in_place",
     threads: int | None = None,
     trace: bool = False,
     runtime: RuntimeFit | None = None,
@@ -131,6 +132,13 @@ def wrap(
             of a device's stages it is a ValueError naming the least. The schedule is built
             here for ``chunks`` micro-batches (a shorter batch is refused, as with a
             :class:`~pipepar.core.schedule.Schedule`).
+        recompute: where checkpointed micro-batches run their stage again: ``"in_place"``
+            (the default) at the start of their backward, on the critical path; or
+            ``"bubbles"``: as ``R`` actions of the schedule, each in the latest time its
+            device would idle before that backward (on a simulated clock, with the stages'
+            times measured in the first training step), never holding more rebuilt
+            micro-batches at once than in place. The same numbers either way. An
+            ``nn.Sequential`` only (other models recompute unit by unit inside backward).
         trace: record a timeline of every action in ``pipe.tracer``.
         runtime: with ``sample`` (a searched layout): what this machine's runtime adds to each
             action, fitted to steps you measured (:func:`pipepar.planner.fit_runtime`); the
@@ -234,6 +242,7 @@ def wrap(
         split_inputs=split_inputs,
         join_outputs=join_outputs,
         schedule="gpipe" if schedule is None else schedule,
+        recompute=recompute,
         threads=threads,
         trace=trace,
         gc_every=gc_every,

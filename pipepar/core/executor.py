@@ -1,14 +1,15 @@
 """The one walk of a worker's schedule actions, for every runtime and every compute.
 
-A schedule (:mod:`pipepar.core.schedule`) gives each worker a list of actions: ``F``, ``B``
-and ``W`` of a stage on a micro-batch. Whoever runs them (a thread of one process, a rank of a
-process group) and whatever a stage computes (a chain of layers, or a model's own forward cut
-while it runs) walks that list the same way; :func:`walk` is that walk, and what differs is
-behind two seams:
+A schedule (:mod:`pipepar.core.schedule`) gives each worker a list of actions: ``F``,
+``R``, ``B`` and ``W`` of a stage on a micro-batch. Whoever runs them (a thread of one
+process, a rank of a process group) and whatever a stage computes (a chain of layers, or a
+model's own forward cut while it runs) walks that list the same way; :func:`walk` is that
+walk, and what differs is behind two seams:
 
-* the **compute** (:class:`Step`): a stage's ``forward(i, x)``, ``backward(i, g)`` and
-  ``weight(i)`` (:class:`~pipepar.core.step.StageStep` for a chain, and the cut's steps, whose
-  inputs and outputs are empty order tokens because the cut carries the values);
+* the **compute** (:class:`Step`): a stage's ``forward(i, x)``, ``rebuild(i)``,
+  ``backward(i, g)`` and ``weight(i)`` (:class:`~pipepar.core.step.StageStep` for a chain,
+  and the cut's steps, whose inputs and outputs are empty order tokens because the cut
+  carries the values);
 * the **carrier** (:class:`Carrier`): where an action's input comes from, where its output
   goes, and how a worker waits meanwhile (threads hand values on through slots; ranks hand
   them to their own next stage or send them to another rank). A carrier may fill a wait with
@@ -29,9 +30,10 @@ from typing import Any, Protocol
 from pipepar.core.errors import add_note
 from pipepar.core.schedule import Action
 
-__all__ = ["Carrier", "Step", "note_action", "walk"]
+__all__ = ["PHASES", "Carrier", "Step", "note_action", "walk"]
 
-_PHASES = {"F": "forward", "B": "backward", "W": "weight gradients"}
+PHASES = {"F": "forward", "R": "recompute", "B": "backward", "W": "weight gradients"}
+"""What each action kind is called in messages."""
 
 
 class Step(Protocol):
@@ -39,6 +41,10 @@ class Step(Protocol):
 
     def forward(self, i: int, x: Any) -> Any:
         """Micro-batch ``i``'s forward from its input ``x``: the output."""
+        ...
+
+    def rebuild(self, i: int) -> None:
+        """Micro-batch ``i``'s forward run again from its kept input, for its backward."""
         ...
 
     def backward(self, i: int, grads: Any) -> Any:
@@ -105,6 +111,7 @@ def walk(actions: Sequence[Action], steps: Steps, carrier: Carrier) -> None:
         >>> from pipepar.core.schedule import make
         >>> class Count:
         ...     def forward(self, i, x): return x + 1
+        ...     def rebuild(self, i): pass
         ...     def backward(self, i, g): return g
         ...     def weight(self, i): pass
         >>> class Keep:
@@ -139,6 +146,9 @@ def walk(actions: Sequence[Action], steps: Steps, carrier: Carrier) -> None:
             elif kind == "B":
                 # Phase 2 (B): output gradients in, compute, input gradients back.
                 give_backward(k, action, step.backward(i, take_backward(k, action)))
+            elif kind == "R":
+                # Phase 2 (R): the forward again from the kept input; nothing moves.
+                step.rebuild(i)
             elif claim_weight(k, action):
                 # Phase 2 (W): unless the carrier ran it while waiting; nothing moves.
                 try:
@@ -156,6 +166,6 @@ def note_action(error: BaseException, where: str, action: Action) -> None:
     the phase of ``action``."""
     if getattr(error, "_pipepar_noted", False):
         return
-    phase = _PHASES[action.kind]
+    phase = PHASES[action.kind]
     add_note(error, f"pipepar: raised in {where}, micro-batch {action.microbatch}, {phase}")
     error._pipepar_noted = True  # type: ignore[attr-defined]

@@ -6,7 +6,10 @@ a rank under torch.distributed. A schedule gives each worker an ordered list of 
 weight gradients. A stage whose list has no ``W`` for a micro-batch runs the whole backward in
 ``B``; with a ``W``, ``B`` computes only the gradient of the stage input (what the previous stage
 waits for) and ``W`` the parameter gradients later, in time the stage would otherwise idle
-(zero-bubble schedules, Qi et al. 2024).
+(zero-bubble schedules, Qi et al. 2024). ``1R3`` rebuilds micro-batch 3's activations on
+stage 1 (a recompute listed on its own, placed in time the worker would idle before ``1B3``):
+the forward ``F`` of that micro-batch keeps only the stage input, ``R`` runs the stage again and
+keeps its graph for ``B`` (:mod:`pipepar.core.recompute_placement` places them).
 
 With *virtual stages* a worker holds several stages: looped (stage ``s`` on worker ``s % K``,
 interleaved 1F1B) or V-shaped (worker ``w`` holds stages ``w`` and ``2K-1-w``, ZB-V).
@@ -31,9 +34,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["Action", "Schedule", "parse", "simulate", "timed", "validate"]
+__all__ = ["Action", "Schedule", "parse", "simulate", "timed", "unit_costs", "validate"]
 
-Kind = Literal["F", "B", "W"]
+Kind = Literal["F", "R", "B", "W"]
 
 
 @dataclass(frozen=True, order=True)
@@ -43,8 +46,9 @@ class Action:
     stage: int
     """Index of the (virtual) stage that runs the action."""
     kind: Kind
-    """``"F"`` forward, ``"B"`` backward (input gradient; everything if no W follows), ``"W"``
-    parameter gradients."""
+    """``"F"`` forward, ``"R"`` recompute (rebuild the forward's graph from the kept input),
+    ``"B"`` backward (input gradient; everything if no W follows), ``"W"`` parameter
+    gradients."""
     microbatch: int
     """Index of the micro-batch, 0-based."""
 
@@ -60,8 +64,9 @@ class Schedule:
     """Per-worker action lists for ``n_stages`` stages and ``n_microbatches`` micro-batches.
 
     A schedule is data: ``actions[w]`` is worker ``w``'s ordered list of :class:`Action`
-    (``F``: forward of a stage on a micro-batch; ``B``: its backward, or only the input
-    gradient when the schedule also lists a ``W``; ``W``: the deferred weight gradient).
+    (``F``: forward of a stage on a micro-batch; ``R``: its recompute, ahead of ``B``, for a
+    checkpointed micro-batch; ``B``: its backward, or only the input gradient when the
+    schedule also lists a ``W``; ``W``: the deferred weight gradient).
     The named schedules are built by :func:`gpipe`, :func:`one_f_one_b`, :func:`zb_h1`,
     :func:`interleaved_1f1b` and :func:`zb_v` (:func:`make` by name), your own by
     :func:`parse`; :func:`validate` checks that every dependency can be met without a
@@ -107,12 +112,15 @@ class Schedule:
     """Per-worker bound on stage micro-batches held between F and their last backward action;
     checked by :func:`validate`."""
     _split: frozenset[tuple[int, int]] = field(init=False, repr=False, compare=False)
+    _rebuilt: frozenset[tuple[int, int]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.placement:
             object.__setattr__(self, "placement", tuple(range(self.n_stages)))
         split = {(a.stage, a.microbatch) for work in self.actions for a in work if a.kind == "W"}
         object.__setattr__(self, "_split", frozenset(split))
+        rebuilt = {(a.stage, a.microbatch) for work in self.actions for a in work if a.kind == "R"}
+        object.__setattr__(self, "_rebuilt", frozenset(rebuilt))
 
     @property
     def n_workers(self) -> int:
@@ -158,6 +166,23 @@ class Schedule:
         """
         return _peak_held(self.actions[w], self, weight)
 
+    def worker_rebuilt(self, w: int) -> int:
+        """Peak number of stage micro-batches worker ``w`` holds rebuilt at once: their ``R``
+        has run and their last backward action not yet (before ``R`` such a micro-batch
+        holds only its stage input).
+
+        Example:
+            >>> parse("F0 F1 R0 R1 B0 B1").worker_rebuilt(0)
+            2
+            >>> parse("F0 F1 R0 B0 R1 B1").worker_rebuilt(0)
+            1
+        """
+        return int(_peak_held(self.actions[w], self, start="R"))
+
+    def rebuilds(self, s: int, i: int) -> bool:
+        """True if stage ``s`` rebuilds micro-batch ``i`` in a listed ``R``."""
+        return (s, i) in self._rebuilt
+
     def grid(self) -> str:
         """The schedule as a step x worker table, each action taking one step (see simulate)."""
         steps = simulate(self)
@@ -180,7 +205,7 @@ class Schedule:
             >>> round(one_f_one_b(2, 8).bubble(), 3)  # (K-1)/(M+K-1)
             0.111
         """
-        cost = costs or _unit_costs(self.virtual)
+        cost = costs or unit_costs(self.virtual)
         finish = timed(self, cost)
         span = max(finish.values(), default=0.0)
         busy = sum(cost(a, self.splits_backward(a.stage, a.microbatch)) for a in finish)
@@ -194,7 +219,7 @@ class Schedule:
 def parse(text: str | Sequence[str], *, name: str = "custom") -> Schedule:
     """Build a schedule from per-worker strings such as ``["F0 F1 B0 B1", "F0 B0 F1 B1"]``.
 
-    An action is ``F3``, ``B3`` or ``W3`` (stage = the worker) or ``2F3`` (stage 2).
+    An action is ``F3``, ``R3``, ``B3`` or ``W3`` (stage = the worker) or ``2F3`` (stage 2).
 
     Args:
         text: one string per worker (a sequence), or one string with workers separated by ``|``.
@@ -234,6 +259,8 @@ def _deps(action: Action, schedule: Schedule) -> tuple[tuple[int, str, int], ...
         return ((s - 1, "F", i),) if s > 0 else ()
     if action.kind == "B":
         return ((s + 1, "B", i),) if s < last else ((s, "F", i),)
+    if action.kind == "R":  # its own stage's F: the list's order
+        return ()
     return ((s, "B", i),)
 
 
@@ -328,7 +355,8 @@ def validate(schedule: Schedule) -> None:
     """Check that a schedule is complete, consistent, runnable and within its memory bound.
 
     Checks: every stage runs ``F(i)`` and ``B(i)`` once for each micro-batch ``i`` and at most
-    one ``W(i)``, after ``B(i)``; ``B(i)`` follows ``F(i)``; each stage is on one worker; the
+    one ``W(i)``, after ``B(i)``, and at most one ``R(i)``, after ``F(i)`` and before ``B(i)``;
+    ``B(i)`` follows ``F(i)``; each stage is on one worker; the
     workers can run their lists without deadlock; no worker holds more than
     ``max_in_flight[w]`` stage micro-batches at once.
 
@@ -373,13 +401,20 @@ def _check_stage(schedule: Schedule, s: int) -> None:
     m = schedule.n_microbatches
     for a in schedule.stage(s):
         key = (a.kind, a.microbatch)
-        if a.kind not in ("F", "B", "W") or not 0 <= a.microbatch < m:
-            raise ValueError(f"stage {s} lists {a!r}; kinds are F/B/W and micro-batches 0..{m - 1}")
+        if a.kind not in ("F", "R", "B", "W") or not 0 <= a.microbatch < m:
+            raise ValueError(
+                f"stage {s} lists {a!r}; kinds are F/R/B/W and micro-batches 0..{m - 1}"
+            )
         if key in seen:
             raise ValueError(f"stage {s} runs {a} twice; each action must appear once")
-        before = {"B": "F", "W": "B"}.get(a.kind)
+        before = {"R": "F", "B": "F", "W": "B"}.get(a.kind)
         if before is not None and (before, a.microbatch) not in seen:
             raise ValueError(f"stage {s} runs {a} before {before}{a.microbatch}; move it later")
+        if a.kind == "R" and ("B", a.microbatch) in seen:
+            raise ValueError(
+                f"stage {s} runs {a} after B{a.microbatch}; a recompute rebuilds what B "
+                "reads: move it before B"
+            )
         seen.add(key)
     missing = [f"{k}{i}" for k in ("F", "B") for i in range(m) if (k, i) not in seen]
     if missing:
@@ -387,15 +422,23 @@ def _check_stage(schedule: Schedule, s: int) -> None:
 
 
 def _peak_held(
-    work: Sequence[Action], schedule: Schedule, weight: Sequence[float] | None = None
+    work: Sequence[Action],
+    schedule: Schedule,
+    weight: Sequence[float] | None = None,
+    *,
+    start: str = "F",
 ) -> float:
+    """Peak of the micro-batches held from their ``start`` action (F, or R for those
+    rebuilt) to their last backward action, each weighed by its stage's ``weight``."""
     held, peak = 0.0, 0.0
     for a in work:
-        last = a.kind == "W" or (
-            a.kind == "B" and not schedule.splits_backward(a.stage, a.microbatch)
-        )
+        key = (a.stage, a.microbatch)
+        last = a.kind == "W" or (a.kind == "B" and not schedule.splits_backward(*key))
         w = 1.0 if weight is None else weight[a.stage]
-        held += w if a.kind == "F" else -w if last else 0.0
+        if a.kind == start:
+            held += w
+        elif last and (start == "F" or schedule.rebuilds(*key)):
+            held -= w
         peak = max(peak, held)
     return peak
 
@@ -427,15 +470,18 @@ def _parse_action(w: int, token: str) -> Action:
     while token[: len(digits) + 1].isdigit() and len(digits) < len(token):
         digits = token[: len(digits) + 1]
     kind, rest = token[len(digits) : len(digits) + 1].upper(), token[len(digits) + 1 :]
-    if kind not in ("F", "B", "W") or not rest.isdigit():
+    if kind not in ("F", "R", "B", "W") or not rest.isdigit():
         raise ValueError(
-            f"cannot read action {token!r} on worker {w}; write e.g. 'F0', 'B3', 'W3' or '2F0'"
+            f"cannot read action {token!r} on worker {w}; write e.g. 'F0', 'R3', 'B3', 'W3' "
+            "or '2F0'"
         )
     stage = int(digits) if digits else w
     return Action(stage, kind, int(rest))  # type: ignore[arg-type]
 
 
-def _unit_costs(v: int) -> Callable[[Action, bool], float]:
+def unit_costs(v: int) -> Callable[[Action, bool], float]:
+    """F = R = W = 1, B = 1 (2 for a whole backward), each divided by ``v`` stages per worker."""
+
     def cost(a: Action, split: bool) -> float:
         return (2.0 if a.kind == "B" and not split else 1.0) / v
 

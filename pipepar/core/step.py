@@ -9,6 +9,9 @@ caller's business; a :class:`StageStep` only computes:
   the stage owns a small autograd graph per micro-batch; keep the graph, or only the input when
   the micro-batch is checkpointed (recomputed in backward). Random operators draw from the
   (stage, micro-batch) stream of :mod:`pipepar.core.randomness`, so a recompute replays them.
+* :meth:`StageStep.rebuild` ``R(i)``: run a checkpointed micro-batch's stage again from its
+  kept input, ahead of its backward, with the same random numbers and batch norms that count
+  it once (as the recompute inside ``B`` does); ``B`` then finds the graph built.
 * :meth:`StageStep.backward` ``B(i)``: the gradient of the stage input; the parameter gradients
   too, unless the schedule runs them later in ``W(i)`` (:mod:`pipepar.core.split_backward`).
 * :meth:`StageStep.weight` ``W(i)``: the deferred parameter gradients.
@@ -294,6 +297,14 @@ class StageStep:
         B and then W (a split backward whose B computes an input gradient), or a plan of
         direct weight products before the engine (a stage with a large matrix)."""
         return self._large or (self.split(i) and self.input_grad)
+
+    # -- R ------------------------------------------------------------------------------------
+    def rebuild(self, i: int) -> None:
+        """Rebuild micro-batch ``i``'s graph from the input its forward kept (a listed ``R``),
+        so that its backward need not; a no-op where the forward kept the graph or nothing."""
+        rec = self._records.get(i)
+        if rec is not None and rec.output is None:
+            rec.output = self._recompute(rec, i)
 
     # -- B ------------------------------------------------------------------------------------
     def backward(self, i: int, grads: Grads) -> Grads:

@@ -94,6 +94,7 @@ class RankChain:
             self._transport,
             ctx.schedule,
             ctx.checkpoint,
+            recompute=ctx.recompute,
             on_final=self._sync.ready,
             offload=ctx.offload,
         )

@@ -41,6 +41,7 @@ from pipepar.core.garbage import StepCollector
 from pipepar.core.given import check_given
 from pipepar.core.loss_scale import LossScaler, loss_scale
 from pipepar.core.losses import Items
+from pipepar.core.recompute_placement import check_placement, placed_for, refuse_rebuilds
 from pipepar.core.schedule import Schedule
 from pipepar.distributed.chain import RankChain
 from pipepar.local.chain import chain_step_arguments, is_chain, one_input
@@ -98,6 +99,7 @@ class DistributedPipe(nn.Module):
         schedule: str | Schedule = "gpipe",
         dp: int = 1,
         checkpoint: str | None = None,
+        recompute: str = "in_place",
         device: torch.device | str | None = None,
         group: dist.ProcessGroup | None = None,
         state_dict: Mapping[str, Tensor] | None = None,
@@ -120,6 +122,7 @@ class DistributedPipe(nn.Module):
                 model, balance, split, chunks, schedule, dp, checkpoint, timeout, group,
                 deferred_batch_norm, batch_coupling, Rules.given(split_inputs, join_outputs),
             )  # fmt: skip
+            self._place_recomputes(recompute)
             self.dp_shard = check_dp_shard(dp_shard, self.dp)
             self._collector = StepCollector(gc_every)
         except (ValueError, TypeError) as error:
@@ -151,7 +154,7 @@ class DistributedPipe(nn.Module):
         self._guarded = Guard(self, self.mesh, self.close)
         context = PipeContext(
             self, self.mesh, self.schedule, self.device, self.chunks, self.checkpoint, self.dp,
-            self.dp_shard, self._guarded, self.offload,
+            self.dp_shard, self._guarded, self.recompute, self.offload,
         )  # fmt: skip
         compute.build(context, state_dict, routes)
 
@@ -212,6 +215,15 @@ class DistributedPipe(nn.Module):
             dist.get_world_size(group), self.schedule.n_workers, dp, n_stages=len(self.balance)
         )
         return compute
+
+    def _place_recomputes(self, recompute: str) -> None:
+        """``recompute=``, checked; the schedule every rank runs with its recomputes placed
+        (the same on every rank: the placement is a function of the schedule)."""
+        self.recompute = check_placement(recompute, self.checkpoint)
+        if isinstance(self._compute, RankChain):
+            self.schedule = placed_for(self.schedule, self.recompute, self.checkpoint)
+        else:
+            refuse_rebuilds(self.schedule, self.recompute)
 
     # -- grid position ------------------------------------------------------------------------
     @property

@@ -52,6 +52,7 @@ def wrap(
     dp: int | None = None,
     dp_shard: bool | None = None,
     checkpoint: str | None = None,
+    recompute: str = "in_place",
     deferred_batch_norm: bool = False,
     batch_coupling: str = "error",
     split_inputs: Mapping[str | int, InputRule] | None = None,
@@ -143,6 +144,9 @@ def wrap(
             the default is ``"except_last"`` for an ``nn.Sequential`` and ``"never"`` for other
             models, which recompute unit by unit, as :func:`pipepar.wrap` does); chosen with
             ``plan="auto"`` when None.
+        recompute: ``"in_place"`` or ``"bubbles"``, as in :func:`pipepar.wrap`: the
+            recomputes listed as ``R`` actions in each rank's idle time before the backward
+            (every rank places them alike); an ``nn.Sequential`` only.
         deferred_batch_norm: batch norms track their running statistics over each replica's
             whole mini-batch, once per step (:mod:`pipepar.core.batchnorm`).
         batch_coupling: ``"error"`` (default) or ``"per-micro-batch"``, as in
@@ -248,6 +252,7 @@ def wrap(
         schedule=schedule,
         dp=dp,
         checkpoint=checkpoint,
+        recompute=recompute,
         device=device,
         group=group,
         state_dict=state_dict,

@@ -211,6 +211,7 @@ def _run(pipe: PipeView, microbatches: list[Value], *, grad: bool, head: Any = N
         head=head,
         tracer=pipe.tracer,
         draws=pipe.draws,
+        timing=pipe.timing(),
     )
 
 

@@ -24,7 +24,7 @@ from pipepar.core.offload_plan import offloader_for
 from pipepar.core.randomness import DrawLog, Randomness, Recorded, Streams
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
-from pipepar.core.step import Grads, Head, StageStep
+from pipepar.core.step import Grads, Head, Recorder, StageStep
 from pipepar.local.carrier import Phase, ThreadCarrier
 from pipepar.local.weights import shared_stages
 from pipepar.local.worker import WorkerPool
@@ -108,6 +108,7 @@ class Run(ThreadRun):
         tracer: where to record a timeline, if any.
         draws: the pipe's record of which stages draw random numbers (kept across
             mini-batches, so stages that draw nothing run without the random-stream mode).
+        timing: also told about each computation (the stages' times), if given.
     """
 
     def __init__(
@@ -123,6 +124,7 @@ class Run(ThreadRun):
         head: Head | None = None,
         tracer: Tracer | None = None,
         draws: DrawLog | None = None,
+        timing: Recorder | None = None,
     ) -> None:
         super().__init__(stages, schedule, len(microbatches), shared_stages(schedule), tracer)
         # Several workers race for the generator: a stream per (stage, micro-batch) keeps runs
@@ -149,7 +151,7 @@ class Run(ThreadRun):
                 streams=streams,
                 split=functools.partial(schedule.splits_backward, stage.index),
                 head=head if stage.index == n - 1 else None,
-                record=self.record,
+                record=_both(self.record, timing),
                 offload=offloader,
             )
             for stage in self.stages
@@ -188,6 +190,18 @@ class Run(ThreadRun):
 
     def _each_input_grads(self) -> list[Grads]:
         return [self.slots.take(("B", -1, i)) for i in range(self.m)]  # type: ignore[misc]
+
+
+def _both(first: Recorder | None, second: Recorder | None) -> Recorder | None:
+    """One recorder telling both (either may be None)."""
+    if first is None or second is None:
+        return first or second
+
+    def record(stage: int, i: int, kind: str, start: float, end: float) -> None:
+        first(stage, i, kind, start, end)
+        second(stage, i, kind, start, end)
+
+    return record
 
 
 def _no_autocast() -> contextlib.AbstractContextManager[None]:

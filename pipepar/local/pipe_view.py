@@ -25,11 +25,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from pipepar.core.action_times import ActionTimes
 from pipepar.core.devices import DeviceSpec
 from pipepar.core.named_schedules import NAMES, VIRTUAL, make, n_workers
 from pipepar.core.randomness import DrawLog
+from pipepar.core.recompute_placement import placed_for
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
+from pipepar.core.step import Recorder
 from pipepar.local.worker import WorkerPool
 
 if TYPE_CHECKING:
@@ -51,6 +54,7 @@ class PipeSettings(Protocol):
     chunks: int
     checkpoint: str
     offload: bool
+    recompute: str
     threads: list[int]
     tracer: Tracer | None
     training: bool
@@ -87,6 +91,11 @@ class PipeView:
         self.draws = DrawLog()  # which stages draw random numbers, across mini-batches
         self._worker_devices = workers
         self._pool: WorkerPool | None = None
+        # What the stages took in a training mini-batch: the costs recomputes are placed on.
+        self.times = ActionTimes(len(stages))
+        # By (schedule, recompute, checkpoint, measured costs): the schedule and the one each
+        # batch runs.
+        self._placed: dict[tuple[int, str, str, bool], tuple[Schedule, Schedule]] = {}
 
     # -- the pipe's settings, as they are now -------------------------------------------------
     @property
@@ -132,8 +141,25 @@ class PipeView:
 
     # -- what runs a batch ----------------------------------------------------------------------
     def schedule(self, m: int) -> Schedule:
-        """The schedule of a batch of ``m`` micro-batches."""
-        return schedule_of_batch(self.asked, m, self.pipe.chunks)
+        """The schedule of a batch of ``m`` micro-batches, its recomputes placed as the pipe's
+        ``recompute`` says (:mod:`pipepar.core.recompute_placement`)."""
+        pipe = self.pipe
+        base = schedule_of_batch(self.asked, m, pipe.chunks)
+        measured = pipe.recompute == "bubbles" and self.times.settled
+        key = (id(base), pipe.recompute, pipe.checkpoint, measured)
+        found = self._placed.get(key)
+        if found is None or found[0] is not base:
+            cost = self.times.cost() if measured else None
+            placed = placed_for(base, pipe.recompute, pipe.checkpoint, cost=cost)
+            found = self._placed[key] = (base, placed)
+        return found[1]
+
+    def timing(self) -> Recorder | None:
+        """What records the stages' times for placing recomputes (until they are known), if
+        the pipe places them (``recompute="bubbles"``)."""
+        if self.pipe.recompute != "bubbles" or self.times.settled:
+            return None
+        return self.times.record
 
     def workers(self, *, backward: bool = False) -> WorkerPool | None:
         """The worker threads, or None to run on the caller's thread: with one worker, and for

@@ -34,6 +34,7 @@ from torch import nn
 
 from pipepar.core.named_schedules import VIRTUAL, make
 from pipepar.core.offload_plan import offloader_for
+from pipepar.core.recompute_placement import without_rebuilds
 from pipepar.core.schedule import Action, Schedule
 from pipepar.core.stage import Stage
 from pipepar.core.step import StageStep
@@ -55,7 +56,7 @@ def stage_order(schedule: str, chunks: int, stages: int, j: int) -> list[tuple[s
 
 def _schedule(schedule: str | Schedule, stages: int, chunks: int) -> Schedule:
     if isinstance(schedule, Schedule):
-        return schedule
+        return without_rebuilds(schedule, "measuring a stage")
     workers = stages // 2 if schedule in VIRTUAL else stages
     return make(schedule, stages, chunks, n_workers=max(1, workers))
 

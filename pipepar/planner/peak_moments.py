@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pipepar.core.named_schedules import VIRTUAL, make
 from pipepar.core.offload_plan import OffloadPlan
 from pipepar.core.recompute import should_checkpoint
+from pipepar.core.recompute_placement import without_rebuilds
 from pipepar.core.schedule import Action, Schedule
 
 __all__ = ["KINDS", "Moment", "moments", "schedule_for"]
@@ -219,6 +220,7 @@ def schedule_for(name: str | Schedule, devices: int, chunks: int) -> Schedule:
         4
     """
     if isinstance(name, Schedule):
+        name = without_rebuilds(name, "the planner's memory model")
         return make(name, name.n_stages, chunks, n_workers=devices)
     return make(name, devices * _stages_per_worker(name), chunks, n_workers=devices)
 

@@ -78,6 +78,7 @@ from itertools import accumulate
 
 from pipepar.core import validation
 from pipepar.core.named_schedules import make, n_workers
+from pipepar.core.recompute_placement import without_rebuilds
 from pipepar.core.schedule import Action, Schedule, timed
 from pipepar.planner.action_costs import StepModel
 from pipepar.planner.cluster import Cluster
@@ -240,6 +241,7 @@ def predict_step(
     runtime = check_runtime(runtime)
     m = max(1, min(chunks, profile.batch_size))
     order = make(schedule, len(stage_layers), m, n_workers=n_workers(schedule, len(stage_layers)))
+    without_rebuilds(order, "the planner's step time")
     _check_fits(machines, order.n_workers, dp)
     times = _layer_times(profile, machines, flops)
     model = StepModel(

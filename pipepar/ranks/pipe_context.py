@@ -32,6 +32,8 @@ class PipeContext:
         device: this rank's device.
         chunks: micro-batches per mini-batch.
         checkpoint: which micro-batches recompute (``"always"``, ``"except_last"``, ``"never"``).
+        recompute: where they recompute (``"in_place"`` or ``"bubbles"``:
+            :mod:`pipepar.core.recompute_placement`).
         dp: replicas of the pipeline.
         dp_shard: whether the replicas hold shards of the weights.
         guard: runs a call that talks to peers so that one rank's failure ends every rank.
@@ -48,6 +50,7 @@ class PipeContext:
     dp: int
     dp_shard: bool
     guard: Guard
+    recompute: str = "in_place"
     offload: bool = False
 
     @property

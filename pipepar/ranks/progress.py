@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch import Tensor
 
+from pipepar.core.executor import PHASES
 from pipepar.core.schedule import Action
 from pipepar.ranks.failure import CommError, Where, comm, wait
 
@@ -53,7 +54,7 @@ def describe(action: Action, *, several: bool = False) -> str:
         >>> describe(Action(1, "F", 3)), describe(Action(1, "W", 0), several=True)
         ('forward of micro-batch 3', 'weight gradients of micro-batch 0 of stage 1')
     """
-    phase = {"F": "forward", "B": "backward", "W": "weight gradients"}[action.kind]
+    phase = PHASES[action.kind]
     where = f" of stage {action.stage}" if several else ""
     return f"{phase} of micro-batch {action.microbatch}{where}"
 

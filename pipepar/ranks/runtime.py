@@ -24,6 +24,7 @@ from pipepar.core.microbatch import Value, scatter
 from pipepar.core.named_schedules import NAMES, make
 from pipepar.core.offload_plan import offloader_for
 from pipepar.core.randomness import Recorded
+from pipepar.core.recompute_placement import placed_for
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.core.step import StageStep
@@ -46,6 +47,8 @@ class Runtime:
         transport: its sends and receives.
         schedule: the whole pipeline's schedule.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``.
+        recompute: ``"in_place"`` or ``"bubbles"``: how a batch of fewer micro-batches than
+            ``schedule``'s places its recomputes (:mod:`pipepar.core.recompute_placement`).
         on_final: called with a stage's parameters once their gradients for the mini-batch
             are in ``.grad`` (e.g. to start averaging them over the replicas), and whether the
             rank has actions left to run meanwhile.
@@ -61,6 +64,7 @@ class Runtime:
         schedule: Schedule,
         checkpoint: str,
         *,
+        recompute: str = "in_place",
         on_final: OnFinal | None = None,
         offload: bool = False,
     ) -> None:
@@ -68,6 +72,7 @@ class Runtime:
         self.offload = offload
         self.mesh, self.transport, self.schedule = mesh, transport, schedule
         self.checkpoint, self.on_final = checkpoint, on_final
+        self.recompute = recompute
         self.chunks, self.last = schedule.n_microbatches, schedule.n_stages - 1
         self._full = schedule
         self._use(schedule)
@@ -133,7 +138,8 @@ class Runtime:
                 "evaluate, call pipe.step(...) under torch.no_grad() on every rank)"
             )
         if m != self.m:  # a batch with fewer rows than chunks runs fewer micro-batches
-            self._use(fewer_microbatches(self._full, m))
+            fewer = fewer_microbatches(self._full, m)
+            self._use(placed_for(fewer, self.recompute, self.checkpoint))
         known = self._shapes.get(signature)
         self._shares: Sequence[float] = []
         self._seeds: Sequence[float] = []

@@ -242,6 +242,18 @@ def test_offload_quick_rows_pair_each_schedule_with_and_without(tmp_path: Path) 
         assert row["rate_interval"][0] <= row["rate_interval"][1]
 
 
+def test_recompute_bubbles_quick_times_both_places_at_equal_memory(tmp_path: Path) -> None:
+    rows, text = _run("bench_recompute_bubbles.py", tmp_path, "--write")
+    assert "## Recompute in place vs in the bubbles" in text
+    got = [(r["schedule"], r["recompute"]) for r in rows]
+    assert got == [(s, p) for s in ("1f1b", "zb-h1", "zb-v") for p in ("in_place", "bubbles")]
+    for row in rows:
+        assert row["k"] == 2 and row["held"] >= 1  # the bound of recomputing in place
+        assert row["sim_bubbles"] < row["sim_in_place"]  # R runs while B waits
+        assert row["median"] > 0 and row["interval"][0] <= row["interval"][1]
+    assert rows[0]["of_in_place"] == 1.0
+
+
 def test_quick_mode_never_writes_the_real_results(tmp_path: Path) -> None:
     import argparse
 

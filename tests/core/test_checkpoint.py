@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -19,11 +20,13 @@ def test_should_checkpoint_modes() -> None:
 
 
 @pytest.mark.parametrize("checkpoint", ["always", "except_last"])
-def test_dropout_masks_match_under_recompute(checkpoint: str) -> None:
+@pytest.mark.parametrize("recompute", ["in_place", "bubbles"])
+def test_dropout_masks_match_under_recompute(checkpoint: str, recompute: str) -> None:
     # out = x * m0 * m1 * 4 elementwise, so d(sum out)/dx = out / x exactly when the masks that
-    # backward used (recomputed) are the masks the forward used.
+    # backward used (recomputed, in B or in an R of its own) are the masks the forward used.
     model = nn.Sequential(nn.Dropout(0.5), nn.Identity(), nn.Dropout(0.5))
-    pipe = pipepar.wrap(model, [2, 1], devices=["cpu", "cpu"], chunks=4, checkpoint=checkpoint)
+    options: dict[str, Any] = {"checkpoint": checkpoint, "recompute": recompute}
+    pipe = pipepar.wrap(model, [2, 1], devices=["cpu"] * 2, chunks=4, schedule="1f1b", **options)
     for _ in range(5):
         x = (torch.rand(16, 64) + 0.5).requires_grad_()
         out = pipe(x)

@@ -243,3 +243,51 @@ def test_parse_reads_virtual_stages_and_weight_actions() -> None:
 def test_a_v_schedule_deadlocking_is_reported() -> None:
     with pytest.raises(ValueError, match="deadlocks"):
         validate(parse("0F0 3F0 3B0 0B0 | 2F0 1F0 2B0 1B0"))
+
+
+# -- recompute actions (R) ----------------------------------------------------------------------
+def test_parse_reads_recompute_actions_and_the_grid_prints_them() -> None:
+    s = parse("F0 F1 R0 B0 R1 B1 | F0 F1 R1 R0 B0 B1")
+    validate(s)
+    assert _strs(s.stage(1)) == ["F0", "F1", "R1", "R0", "B0", "B1"]
+    assert s.rebuilds(0, 1) and not s.rebuilds(0, 2)
+    assert "R1" in s.grid()
+    assert repr(parse("0F0 0R0 0B0").worker(0)[1]) == "0R0"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("R0 F0 B0", "runs R0 before F0"),
+        ("F0 B0 R0", "runs R0 after B0; a recompute rebuilds what B reads"),
+        ("F0 R0 R0 B0", "runs R0 twice"),
+    ],
+)
+def test_validator_places_a_recompute_between_its_forward_and_backward(
+    text: str, message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        validate(parse(text))
+
+
+def test_a_rebuilt_microbatch_holds_its_graph_from_r_to_its_last_backward_action() -> None:
+    # Between F and R only the stage input is held: in flight, not rebuilt.
+    assert parse("F0 F1 R0 R1 B0 B1").worker_rebuilt(0) == 2
+    assert parse("F0 F1 R0 B0 R1 B1").worker_rebuilt(0) == 1
+    assert parse("F0 F1 R0 B0 R1 B1").worker_in_flight(0) == 2
+    # A split backward holds the graph until W; a micro-batch without R is not counted.
+    assert parse("F0 F1 R0 B0 R1 B1 W0 W1").worker_rebuilt(0) == 2
+    assert parse("F0 F1 R0 B0 B1").worker_rebuilt(0) == 1
+
+
+def test_a_recompute_waits_only_for_its_own_stage_and_costs_a_forward() -> None:
+    s = parse("F0 R0 B0 | F0 R0 B0")
+    # R of stage 0 runs while stage 1 still works (it needs nothing from stage 1).
+    assert [[str(a) if a else "." for a in row] for row in simulate(s)] == [
+        ["F0", "."],
+        ["R0", "F0"],
+        [".", "R0"],
+        [".", "B0"],
+        ["B0", "."],
+    ]
+    assert s.bubble() == pytest.approx(1 - 8 / 14)  # F = R = 1, B = 2: 7 time units
