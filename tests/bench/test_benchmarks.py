@@ -22,6 +22,8 @@ from tests.bench._scripts import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
+pytestmark = pytest.mark.bench
+
 
 def _run(script: str, tmp_path: Path, *extra: str) -> tuple[list[dict[str, Any]], str]:
     results, rows = tmp_path / "RESULTS.md", tmp_path / "rows.json"
