@@ -11,13 +11,17 @@ With ``bind_cores``, each rank binds its threads to its share of the cores first
 
 A rank times ``steps`` calls of ``step`` between two barriers; rank 0's seconds per step come
 back. :meth:`ProcessGroup.step_times` instead starts every step together on all ranks (a
-barrier before each) and returns each step's seconds, the slowest rank's. An error while
+barrier before each) and returns each step's seconds, the slowest rank's;
+:meth:`ProcessGroup.peaks` runs one step on every rank and returns each rank's largest rise in
+allocated CPU bytes during it, less what the step's ``static_bytes`` attribute names (what the
+step allocates whatever the schedule, such as the gradients it makes anew). An error while
 building or stepping comes back as its text instead of a time, and a group that stops
 answering is terminated.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
 import queue
 import socket
@@ -118,7 +122,7 @@ class ProcessGroup:
         if not self.alive:
             return "error: the process group died earlier"
         for box in self._inbox:
-            box.put((contender, m, steps))
+            box.put(("time", contender, m, steps))
         answers = self._gather()
         errors = [a for a in answers if isinstance(a, str)]
         return errors[0] if errors else float(answers[0])
@@ -131,10 +135,23 @@ class ProcessGroup:
         if not self.alive:
             return "error: the process group died earlier"
         for box in self._inbox:
-            box.put((contender, m, steps, warmup))
+            box.put(("steps", contender, m, steps, warmup))
         answers = self._gather()
         errors = [a for a in answers if isinstance(a, str)]
         return errors[0] if errors else [max(ts) for ts in zip(*answers)]
+
+    def peaks(self, contender: str, m: int) -> list[int] | str:
+        """Each rank's largest rise in allocated CPU bytes during one step of ``contender``
+        (after its warm-up), less the step's ``static_bytes``; or an error's text."""
+        if self.error is not None:
+            return self.error
+        if not self.alive:
+            return "error: the process group died earlier"
+        for box in self._inbox:
+            box.put(("peak", contender, m))
+        answers = self._gather()
+        errors = [a for a in answers if isinstance(a, str)]
+        return errors[0] if errors else [int(a) for a in answers]
 
     @property
     def alive(self) -> bool:
@@ -199,13 +216,20 @@ def _serve(
     outbox.put((rank, 0.0))
     steps: dict[tuple[str, int], Step] = {}
     while (request := inbox.get()) is not None:
-        contender, m, n, *warmup = request  # a warm-up count asks for every step's time
+        kind, contender, m, *counts = request
         try:
             if (contender, m) not in steps:
                 steps[(contender, m)] = build(contender, m)
                 _timed(steps[(contender, m)], 1)  # warm-up
             step = steps[(contender, m)]
-            outbox.put((rank, _each(step, n, warmup[0]) if warmup else _timed(step, n)))
+            answer: float | list[float] | int
+            if kind == "peak":
+                answer = _peak(step)
+            elif kind == "steps":
+                answer = _each(step, *counts)
+            else:
+                answer = _timed(step, *counts)
+            outbox.put((rank, answer))
         except Exception as error:
             outbox.put((rank, f"error: {type(error).__name__}: {str(error)[:200]}"))
     dist.destroy_process_group()
@@ -218,6 +242,18 @@ def _timed(step: Step, n: int) -> float:
         step()
     dist.barrier()
     return (time.perf_counter() - start) / n
+
+
+def _peak(step: Step) -> int:
+    """The largest rise in allocated CPU bytes during one step, less its ``static_bytes``."""
+    from pipepar.planner.allocator_log import AllocatorLog
+
+    gc.collect()
+    dist.barrier()
+    with AllocatorLog() as log:
+        step()
+    dist.barrier()
+    return log.largest_rise - int(getattr(step, "static_bytes", 0))
 
 
 def _each(step: Step, n: int, warmup: int) -> list[float]:

@@ -1,5 +1,5 @@
 """Small models written as their authors write them, without pipepar in mind: a nanoGPT-style
-language model with its own loss under ``targets=``, and a CLIP-like contrastive model."""
+language model with its own loss under ``targets=``, and CLIP-like contrastive models."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Contrastive", "NanoGPT", "Towers", "contrastive_loss", "nano_batch"]
+__all__ = ["Contrastive", "NanoGPT", "PairLogits", "Towers", "contrastive_loss", "nano_batch"]
 
 
 class _Block(nn.Module):
@@ -81,6 +81,18 @@ class Towers(nn.Module):
         for layer in self.text:
             texts = torch.tanh(layer(texts))
         return F.normalize(images, dim=-1), F.normalize(texts, dim=-1)
+
+
+class PairLogits(nn.Module):
+    """CLIP's logits without its loss: every image of the batch against every text."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.text = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+    def forward(self, images: Tensor, texts: Tensor) -> Tensor:
+        return self.image(images) @ self.text(texts).t()
 
 
 def contrastive_loss(images: Tensor, texts: Tensor) -> Tensor:

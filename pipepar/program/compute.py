@@ -45,6 +45,7 @@ from pipepar.program.losses import (
     callers,
     loss_head,
     step_shares,
+    watcher,
 )
 from pipepar.program.recompute import checkpoint_units
 from pipepar.program.rerun import Rerun
@@ -174,7 +175,9 @@ class ProgramCompute:
         grad = torch.is_grad_enabled()
         seeds = shares.seeds
         losses = []
-        for i, call in enumerate(callers(self.model, _on(calls, pipe.devices[0]), shares)):
+        placed = _on(calls, pipe.devices[0])
+        watch = watcher(shares, self.model, placed, self._forms)
+        for i, call in enumerate(callers(self.model, placed, watch)):
             loss = head(call(), i)
             seed = seeds[i]  # known once micro-batch 0's loss is
             if grad and seed != 0 and loss.requires_grad:
@@ -252,11 +255,12 @@ class ProgramCompute:
             )
             for c, xs in zip(calls, inputs)
         ]
-        if isinstance(shares, ModelLoss) and cuts:
-            shares.resolve = cuts[0].original_of
+        watch = watcher(shares, self.model, calls, self._forms)
+        if watch is not None and cuts:
+            watch.resolve = cuts[0].original_of
         batch = functools.partial(
             Batch,
-            callers(self.model, calls, shares),
+            callers(self.model, calls, watch),
             cuts,
             head=head,
             seeds=shares.seeds if head is not None and shares is not None else None,

@@ -45,6 +45,7 @@ __all__ = [
     "callers",
     "loss_head",
     "step_shares",
+    "watcher",
 ]
 
 
@@ -275,14 +276,26 @@ Learned = tuple[list[Form], "int | None"]
 """Per kind of call: each output leaf's form, and which leaf the output calls its loss."""
 
 
+def watcher(
+    shares: Shares | None, model: nn.Module, calls: Sequence[Call], forms: Forms
+) -> ModelLoss | None:
+    """What watches micro-batch 0's call of a kind of call: ``shares`` where it is the model's
+    own outputs (it learns the loss there); for a step with a ``loss_fn``, a
+    :class:`ModelLoss` that learns the outputs' forms only, so that an operation of the model
+    mixing the batch's rows stops the step, before any gradient, as it stops ``pipe(...)``."""
+    if isinstance(shares, ModelLoss):
+        return shares
+    return ModelLoss(model, calls, forms, loss=False) if calls else None
+
+
 def callers(
-    model: nn.Module, calls: Sequence[Call], shares: Shares | None
+    model: nn.Module, calls: Sequence[Call], watch: ModelLoss | None
 ) -> list[Callable[[], Any]]:
-    """Each micro-batch's call of the model; micro-batch 0's under a probe when the model's
-    outputs are still to be learned (see :class:`ModelLoss`)."""
+    """Each micro-batch's call of the model; micro-batch 0's under ``watch``'s probe while
+    the outputs of its kind are still to be learned (see :func:`watcher`)."""
 
     def caller(i: int, c: Call) -> Callable[[], Any]:
         call = lambda: model(*c.args, **c.kwargs)  # noqa: E731
-        return shares.watch(i, call) if isinstance(shares, ModelLoss) else call
+        return watch.watch(i, call) if watch is not None else call
 
     return [caller(i, c) for i, c in enumerate(calls)]

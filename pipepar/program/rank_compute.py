@@ -47,6 +47,7 @@ from pipepar.program.losses import (
     callers,
     loss_head,
     step_shares,
+    watcher,
 )
 from pipepar.program.rank_carrier import ProgramCarrier
 from pipepar.program.rank_messages import RankMessages
@@ -315,9 +316,10 @@ class RankProgram:
             own = steps.get(stage)
             return own.segment_context(stage, i) if own is not None else shadow(stage, i)
 
-        if isinstance(shares, ModelLoss) and cuts:
-            shares.resolve = cuts[0].original_of
-        batch = Batch(callers(self.model, calls, shares), cuts, context, head=head, seeds=seeds)
+        watch = watcher(shares, self.model, calls, self._forms)
+        if watch is not None and cuts:
+            watch.resolve = cuts[0].original_of
+        batch = Batch(callers(self.model, calls, watch), cuts, context, head=head, seeds=seeds)
         offloader = offloader_for(
             self._ctx.offload and grad and self.model.training, schedule, self._stages
         )

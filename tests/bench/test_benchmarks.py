@@ -247,6 +247,23 @@ def test_recompute_bubbles_quick_times_both_places_at_equal_memory(tmp_path: Pat
     assert rows[0]["of_in_place"] == 1.0
 
 
+def test_real_schedules_quick_measures_every_rank_of_gpt2(tmp_path: Path) -> None:
+    rows, text = _run("bench_real_schedules.py", tmp_path, "--write")
+    assert "## Memory-saving schedules on transformers' GPT-2" in text
+    assert [(r["schedule"], r["balance"]) for r in rows] == [
+        ("1f1b", [5, 4]),  # 4 blocks: embeddings with the first, norm and head with the last
+        ("v-min", [4, 1, 1, 3]),
+        ("1f1b+offload", [5, 4]),
+    ]
+    for row in rows:
+        assert len(row["measured"]) == len(row["predicted"]) == row["k"] == 2
+        assert row["peak"] == max(row["measured"]) > 0
+        for where in ("ranks", "one_process"):
+            assert row[where]["median"] > 0
+            assert row[where]["rate_interval"][0] <= row[where]["rate_interval"][1]
+    assert rows[0]["of_1f1b_memory"] == rows[0]["ranks"]["of_1f1b_rate"] == 1.0
+
+
 def test_quick_mode_never_writes_the_real_results(tmp_path: Path) -> None:
     import argparse
 

@@ -4,11 +4,14 @@ the batch refused by name), in one process."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 import pipepar
+from tests._foreign_models import PairLogits
 
 transformers = pytest.importorskip("transformers")
 
@@ -103,3 +106,47 @@ def test_own_token_losses_join_exactly(build, split: str) -> None:
         torch.testing.assert_close(pipe.step(**kwargs), expected.detach(), rtol=1e-5, atol=1e-6)
         for (name, a), b in zip(model.named_parameters(), plain.parameters()):
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class _ConvBN(nn.Module):
+    """A conv net as torchvision and timm write them: batch norm inside its blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+        self.body = nn.Sequential(nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+        self.head = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.stem(x)).mean((2, 3)))
+
+
+def _contrastive_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits, target)
+
+
+@pytest.mark.parametrize(
+    ("build", "split", "args", "target", "op"),
+    [
+        (_ConvBN, "body", (torch.randn(8, 3, 8, 8),), torch.randint(0, 5, (8,)), "batch_norm"),
+        (PairLogits, "text", (torch.randn(8, 8), torch.randn(8, 8)), torch.arange(8), "matmul"),
+    ],
+    ids=["batch-norm", "contrastive"],
+)
+def test_a_step_with_a_loss_fn_is_refused_where_the_model_mixes_rows(
+    build, split: str, args: tuple[torch.Tensor, ...], target: torch.Tensor, op: str
+) -> None:
+    """The model's own code mixing rows stops ``step(..., loss_fn=...)`` before any gradient,
+    as it stops ``pipe(...)``: the loss function cannot undo what each micro-batch computed
+    from its own rows."""
+    torch.manual_seed(0)
+    model = build()
+    plain = copy.deepcopy(model)
+    pipe = pipepar.wrap(model, split=[split], devices=["cpu"] * 2, chunks=4, schedule="1f1b")
+    with pytest.raises(pipepar.BatchCoupled, match=op):
+        pipe.step(*args, loss_fn=_contrastive_loss, target=target)
+    assert all(p.grad is None for p in model.parameters())
+    whole = pipepar.wrap(model, split=[split], devices=["cpu"] * 2, chunks=1)
+    got = whole.step(*args, loss_fn=_contrastive_loss, target=target)  # one micro-batch: exact
+    expected = _contrastive_loss(plain(*args), target)
+    torch.testing.assert_close(got, expected.detach())

@@ -1,6 +1,7 @@
 """What micro-batching may change, learned from the code's operations across two gloo ranks: a
 nanoGPT-style model's own loss (under ``targets=``, ignore_index=-1) joined exactly, a loss_fn
-that sums, and a contrastive model refused on every rank before any gradient."""
+that sums, and a contrastive model refused on every rank before any gradient, with its own
+loss or a loss_fn."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests._foreign_models import Contrastive, NanoGPT, nano_batch
+from tests._foreign_models import Contrastive, NanoGPT, PairLogits, nano_batch
 from tests._ranks import spawn
 from tests.program._real import ranks_equal_plain
 
@@ -22,6 +23,10 @@ def _summed(output: Any, target: torch.Tensor) -> torch.Tensor:
     logits, _ = output
     flat = logits.reshape(-1, logits.size(-1))
     return F.cross_entropy(flat, target.reshape(-1).clamp(min=0), reduction="sum")
+
+
+def _pairs(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, target)
 
 
 def _steps(pipe: Any, *args: Any, **kwargs: Any) -> tuple[float, dict[str, Any]]:
@@ -52,6 +57,13 @@ def _two_ranks(rank: int) -> dict[str, Any]:
         out["coupled"] = f"{type(err).__name__}: {err}"
     out["grads after refusal"] = [p.grad is None for p in contrastive.parameters()]
     contrastive.close()
+    towers = ppd.wrap(PairLogits(), split=["text"], chunks=2)
+    try:  # a loss_fn of the logits cannot undo that each micro-batch paired its own rows
+        towers.step(torch.randn(8, 8), torch.randn(8, 8), loss_fn=_pairs, target=torch.arange(8))
+        out["coupled by loss_fn"] = "no error"
+    except Exception as err:
+        out["coupled by loss_fn"] = f"{type(err).__name__}: {err}"
+    towers.close()
     return out
 
 
@@ -83,3 +95,8 @@ def test_contrastive_logits_are_refused_on_every_rank(ranks: dict[int, Any]) -> 
     for r in (0, 1):
         assert "mixes rows of the batch" in ranks[r]["coupled"], ranks[r]["coupled"]
         assert all(ranks[r]["grads after refusal"])
+
+
+def test_a_model_mixing_rows_is_refused_under_a_loss_fn_too(ranks: dict[int, Any]) -> None:
+    for r in (0, 1):
+        assert "mixes rows of the batch" in ranks[r]["coupled by loss_fn"], ranks[r]
