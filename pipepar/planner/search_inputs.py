@@ -161,14 +161,28 @@ def check_shards(values: object) -> list[bool]:
         >>> check_shards((False, True))
         [False, True]
     """
+    return _check_bools(
+        "shards", values, "(False, True) to try replicated and sharded data parallelism, "
+        "(False,) for replicated only", "True (sharded) or False (replicated)",
+    )  # fmt: skip
+
+
+def check_offloads(values: object) -> list[bool]:
+    """A non-empty sequence of ``False`` (no activation offload) and ``True`` (offload),
+    without repeats, ``False`` first (the search tries offload where that does not fit).
+
+    Example:
+        >>> check_offloads((True, False))
+        [False, True]
+    """
+    example = "(False, True) to try offload where a layout does not fit without it"
+    return sorted(_check_bools("offloads", values, example, "True (offload) or False (none)"))
+
+
+def _check_bools(name: str, values: object, example: str, meaning: str) -> list[bool]:
     if isinstance(values, (str, bool)) or not isinstance(values, Sequence) or not values:
-        raise TypeError(
-            f"shards must be a non-empty list of bools, got {values!r}; e.g. (False, True) to "
-            "try replicated and sharded data parallelism, (False,) for replicated only"
-        )
+        raise TypeError(f"{name} must be a non-empty list of bools, got {values!r}; e.g. {example}")
     for i, v in enumerate(values):
         if not isinstance(v, bool):
-            raise TypeError(
-                f"shards[{i}] is {v!r}, not a bool; pass True (sharded) or False (replicated)"
-            )
+            raise TypeError(f"{name}[{i}] is {v!r}, not a bool; pass {meaning}")
     return list(dict.fromkeys(values))

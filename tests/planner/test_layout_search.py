@@ -134,7 +134,10 @@ def test_search_finds_what_brute_force_finds(capacity: int) -> None:
     brute = _brute_force(capacity)
     assert brute, "the case must have layouts that fit"
     prof, flops = _profile(_mlp(), 8)  # scaled to each replica's rows by the search
-    options = dict(devices=4, batch=64, cluster=SLOW, capacity=capacity, flops=flops)
+    # brute force plans without activation offload (pipepar.plan has no offload)
+    options = dict(
+        devices=4, batch=64, cluster=SLOW, capacity=capacity, flops=flops, offloads=(False,)
+    )
     replicated = pipepar.search_layouts(prof, **options, top=None, shards=(False,))  # type: ignore[arg-type]
     assert {_key(x): x.step_ms for x in replicated} == pytest.approx(
         {(pp, name, m, c, shard): step for step, pp, name, m, c, shard in brute if not shard}
@@ -158,8 +161,9 @@ def test_the_brute_force_optimum_is_sharded_at_some_capacities() -> None:
     assert brute[0][-1] is True and any(not shard for *_, shard in brute)
     prof, flops = _profile(_mlp(), 8)
     best = pipepar.search_layouts(
-        prof, devices=4, batch=64, cluster=SLOW, capacity=45_000, flops=flops, top=1
-    )[0]
+        prof, devices=4, batch=64, cluster=SLOW, capacity=45_000, flops=flops, top=1,
+        offloads=(False,),
+    )[0]  # fmt: skip
     assert best.dp_shard and _key(best) == (*brute[0][1:5], True)
     assert best.step_ms == pytest.approx(brute[0][0]) and best.prediction.dp_shard
 
