@@ -1,5 +1,5 @@
 """Choose the whole layout: pipeline and data-parallel degrees, schedule, micro-batches,
-recompute and balance, ranked by predicted throughput.
+recompute, activation offload and balance, ranked by predicted throughput.
 
 For ``N`` devices and a global batch of ``G`` rows, every ``N = pp x dp`` is a candidate: ``dp``
 replicas of a pipeline over ``pp`` devices, each replica taking ``G / dp`` rows per step. With
@@ -35,6 +35,12 @@ How it prunes (``pp`` devices per pipeline):
   from the most frugal, and one recomputing less is not tried with an ``M`` where a more
   frugal one did not fit. Rows that ``M`` does not divide round the micro-batch up, and
   recomputing puts a forward's work space in the backward, so these are not proofs.
+
+Activation offload (``offloads``) is one more choice per layout: a (``pp``, schedule, ``M``,
+recompute) that does not fit is tried again with offload, its memory from
+:class:`~pipepar.planner.stage_memory.MemoryModel` with ``offload=True`` and its step with the
+copies' cost (:mod:`pipepar.planner.offload_time`); one that fits is not (offload only adds
+copies). For the prunes above, a layout fits if it does with or without offload.
 
 Schedules are built once per (``pp``, schedule, ``M``) and shared by the recompute policies.
 
