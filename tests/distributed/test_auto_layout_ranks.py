@@ -32,12 +32,25 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, WIDTH, generator=g), torch.randn(ROWS, WIDTH, generator=g)
 
 
-def _one_step(make: Any, *, meta: bool = False, **kwargs: Any) -> dict[str, Any]:
+def _wide() -> nn.Sequential:
+    """Activations of 128 KiB per micro-batch of 8 (offload sends them) on 2048 rows."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(128, 128), nn.GELU())])
+
+
+def _wide_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(2048, 128, generator=g), torch.randn(2048, 128, generator=g)
+
+
+def _one_step(
+    make: Any, *, meta: bool = False, batch: Any = _batch, **kwargs: Any
+) -> dict[str, Any]:
     """Wrap by plan="auto" on this rank, step on this replica's rows of the global batch;
     the layout and the step's differences from the plain model."""
     import torch.distributed as dist
 
-    x, y = _batch()
+    x, y = batch()
     plain = make()
     if meta:
         with torch.device("meta"):
@@ -66,6 +79,7 @@ def _one_step(make: Any, *, meta: bool = False, **kwargs: Any) -> dict[str, Any]
         "layout": layout.to_dict(),
         "pipe": (pipe.chunks, pipe.checkpoint, getattr(pipe.schedule, "name", pipe.schedule)),
         "dp_shard": pipe.dp_shard,
+        "offload": pipe.offload,
         "loss_error": abs(float(loss) - ref.item()),
         "grad_error": grad_error,
     }
@@ -96,6 +110,15 @@ def _cases(rank: int) -> dict[str, Any]:
         "meta": _one_step(_sequential, meta=True),
         "residual": _one_step(_residual, dp=1),
         "fitted": _one_step(_sequential, dp=1, runtime=RuntimeFit(action_ms=1e3)),
+        "offload": _one_step(  # 5.7 MB per device without offload, 3.3 MB with it
+            _wide,
+            batch=_wide_batch,
+            dp=1,
+            capacity=4_500_000,
+            schedule="gpipe",
+            chunks=8,
+            checkpoint="never",
+        ),
         "refused": _refused_everywhere(),
     }
 
@@ -103,14 +126,16 @@ def _cases(rank: int) -> dict[str, Any]:
 @pytest.mark.slow
 def test_every_rank_builds_rank_0s_layout_and_a_step_equals_the_plain_model() -> None:
     got = spawn(WORLD, _cases, timeout=240)
-    for case in ("free", "dp=2", "sharded", "dp=1", "meta", "residual", "fitted"):
+    for case in ("free", "dp=2", "sharded", "dp=1", "meta", "residual", "fitted", "offload"):
         first = got[0][case]
         layout = first["layout"]
         assert all(got[r][case]["layout"] == layout for r in got), case  # all ranks agree
-        assert layout["pp"] * layout["dp"] == WORLD and layout["rows"] * layout["dp"] == ROWS
+        rows = 2048 if case == "offload" else ROWS
+        assert layout["pp"] * layout["dp"] == WORLD and layout["rows"] * layout["dp"] == rows
         assert sum(layout["balance"]) == (8 if case != "residual" else 5), case
         assert first["pipe"] == (layout["chunks"], layout["checkpoint"], layout["schedule"])
         assert first["dp_shard"] == layout["dp_shard"], case
+        assert all(got[r][case]["offload"] == layout["offload"] for r in got), case
         for r in got:
             assert got[r][case]["loss_error"] < 1e-5, (case, r)
             assert got[r][case]["grad_error"] < 1e-5, (case, r)
@@ -118,6 +143,8 @@ def test_every_rank_builds_rank_0s_layout_and_a_step_equals_the_plain_model() ->
     fixed = got[0]["dp=1"]["layout"]
     assert (fixed["dp"], fixed["schedule"], fixed["checkpoint"]) == (1, "1f1b", "always")
     assert got[0]["residual"]["layout"]["dp"] == 1
+    assert got[0]["offload"]["layout"]["offload"]  # only offload fits 4.5 MB
+    assert not any(got[0][case]["layout"]["offload"] for case in ("free", "dp=1", "fitted"))
     fitted = got[0]["fitted"]["layout"]  # a second per action: as few micro-batches as can be
     assert fitted["chunks"] == 1 and fitted["step_ms"] > 2e3
     sharded = got[0]["sharded"]["layout"]  # dp_shard=True: only sharded layouts, so dp=2
