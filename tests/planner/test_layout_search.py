@@ -392,6 +392,21 @@ def test_cli_searches_a_model_that_is_not_a_transformer(
     assert "Predicted pipeline timeline" in page.read_text()
 
 
+def test_cli_search_offload_yes_offloads_every_layout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    js = tmp_path / "layouts.json"
+    options = ["--capacity", "1GiB", "--cluster", "h100x8", "--batch", "16", "--top", "2"]
+    code, out, err = _run(capsys, *GPT2, *options, "--offload", "yes", "--json", str(js))
+    assert code == 0, err
+    assert all(row["offload"] for row in json.loads(js.read_text())["layouts"])
+    assert "offload" in out
+    code, out, err = _run(capsys, *GPT2, *options, "--offload", "no", "--json", str(js))
+    assert code == 0, err
+    assert not any(row["offload"] for row in json.loads(js.read_text())["layouts"])
+    assert _run(capsys, *GPT2, "--offload", "no")[0] == 2  # not a layout search
+
+
 def test_cli_search_with_nothing_fitting_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, err = _run(
         capsys, *GPT2, "--capacity", "1KiB", "--cluster", "h100x8", "--batch", "16"
