@@ -40,7 +40,8 @@ Activation offload (``offloads``) is one more choice per layout: a (``pp``, sche
 recompute) that does not fit is tried again with offload, its memory from
 :class:`~pipepar.planner.stage_memory.MemoryModel` with ``offload=True`` and its step with the
 copies' cost (:mod:`pipepar.planner.offload_time`); one that fits is not (offload only adds
-copies). For the prunes above, a layout fits if it does with or without offload.
+copies). For the prunes above, a layout fits if it does with or without offload; once an
+``M`` fits only with offload, smaller ones are tried with offload only.
 
 Schedules are built once per (``pp``, schedule, ``M``) and shared by the recompute policies.
 
@@ -313,20 +314,25 @@ class _Search:
         """Micro-batch counts above ``misfit`` from the largest down, until one does not fit
         (fewer hold more rows at once); the most that did not fit, or ``misfit``."""
         counts = [m for m in self._chunk_counts(shape) if m > misfit]
+        offloads = self.options.offloads
         for m in counts:
-            fitting = self._fit(shape, self._schedule(name, shape.pp, m), checkpoint)
+            fitting = self._fit(shape, self._schedule(name, shape.pp, m), checkpoint, offloads)
             if fitting is None:
                 return m
             found, offload = fitting
+            if offload:  # nor does a smaller M fit without offload
+                offloads = [True]
             # a step at least as long as its busiest device cannot make the top otherwise
             if _busy_bound(found, self.options.runtime) <= self._threshold():
                 self._keep(self._layout(shape, found, offload))
         return misfit
 
-    def _fit(self, shape: _Shape, order: Schedule, checkpoint: str) -> tuple[Plan, bool] | None:
+    def _fit(
+        self, shape: _Shape, order: Schedule, checkpoint: str, offloads: list[bool]
+    ) -> tuple[Plan, bool] | None:
         """The plan of ``order`` that fits, and whether it offloads: without offload where it
-        fits so (offload only adds copies), else with it (where allowed); None if neither."""
-        for offload in self.options.offloads:
+        fits so (offload only adds copies), else with it (of ``offloads``); None if neither."""
+        for offload in offloads:
             memory = MemoryModel(
                 shape.profile,
                 order,
