@@ -18,7 +18,7 @@ import pipepar
 from pipepar.core.named_schedules import gpipe
 from pipepar.core.offload import MIN_BYTES
 from pipepar.core.offload_plan import Offloader, plan_offload
-from pipepar.planner.cluster import Cluster, Link
+from pipepar.planner.cluster import Cluster, Link, cluster_for
 from pipepar.planner.flop_count import count_flops
 from pipepar.planner.measure import measure_device
 from pipepar.planner.offload_time import offload_ms
@@ -187,3 +187,11 @@ def test_predicted_steps_with_offload() -> None:
             ).step_ms  # fmt: skip
     assert step["free", True] == pytest.approx(step["free", False])
     assert step["slow", True] > 2 * step["slow", False]
+
+
+def test_gpu_presets_copy_over_pcie_and_the_cpu_is_its_own_host() -> None:
+    for name in ("h100x8", "h200x8", "a100x8"):
+        host = Cluster.named(name).host
+        assert host is not None and host.bandwidth == 20e9, name
+    assert Cluster.named("cpu").host is None
+    assert cluster_for(torch.device("cpu"), 2).host is None
