@@ -157,8 +157,10 @@ def wrap(
             backward, as the schedule's action lists say (:mod:`pipepar.core.offload_plan`;
             on CUDA through pinned memory on a side stream). The numbers are unchanged. With
             ``checkpoint`` unset nothing is recomputed. See the memory guide. ``None``:
-            chosen by the search (only where a layout does not fit without it), or False
-            when ``balance`` or ``split`` is given.
+            chosen by the search (only where a layout does not fit without it, and only on
+            devices with memory of their own: never on CPU devices, whose memory is the
+            host's, so offload frees nothing there), or False when ``balance`` or ``split``
+            is given. ``True`` offloads on any device.
 
     Returns:
         The :class:`Pipe`: called like the model (``pipe(x)``, ``pipe(**batch)``), trained

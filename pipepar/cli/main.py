@@ -132,8 +132,9 @@ def _parser() -> argparse.ArgumentParser:
         "--offload",
         default="auto",
         choices=list(_OFFLOAD),
-        help="with --cluster: activation offload where a layout does not fit without it "
-        "(auto, the default), in every layout (yes), or never (no)",
+        help="with --cluster: activation offload where a layout does not fit without it, on "
+        "devices with memory of their own such as GPUs, never on the CPU (auto, the "
+        "default), in every layout (yes), or never (no)",
     )
     c = sub.add_parser("convert", help="turn a sharded checkpoint directory into one .pt file")
     c.add_argument("checkpoint", help="the directory pipepar.distributed.save_checkpoint wrote")
@@ -143,8 +144,8 @@ def _parser() -> argparse.ArgumentParser:
 
 _DP_SHARD = {"both": (False, True), "yes": (True,), "no": (False,)}
 """``--dp-shard``: the ``shards`` of :func:`pipepar.search_layouts`."""
-_OFFLOAD = {"auto": (False, True), "yes": (True,), "no": (False,)}
-"""``--offload``: the ``offloads`` of :func:`pipepar.search_layouts`."""
+_OFFLOAD: dict[str, tuple[bool, ...] | None] = {"auto": None, "yes": (True,), "no": (False,)}
+"""``--offload``: the ``offloads`` of :func:`pipepar.search_layouts` (auto: the search's)."""
 
 
 def _common(p: argparse.ArgumentParser) -> None:

@@ -191,8 +191,9 @@ def wrap(
             on CUDA through pinned memory on a side stream). The numbers are unchanged. With
             ``checkpoint`` unset nothing is recomputed. See the memory guide.
             Each rank offloads its own stages (ranks may differ). ``None``: chosen by the
-            search with ``plan="auto"`` (only where a layout does not fit without it), else
-            False.
+            search with ``plan="auto"`` (only where a layout does not fit without it, and
+            never on CPU devices, whose memory is the host's), else False. ``True``
+            offloads on any device.
 
     Returns:
         This rank's :class:`~pipepar.distributed.pipe.DistributedPipe`: its stages' weights

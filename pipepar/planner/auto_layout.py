@@ -73,7 +73,8 @@ class Given:
     """Whether the replicas shard each stage's state (``dp_shard=True``) or hold it whole."""
     offload: bool | None = None
     """Whether activation offload runs (``offload=True``); None: the search tries it where
-    a layout does not fit without it."""
+    a layout does not fit without it, on devices with memory of their own (a GPU's; not on
+    the CPU, whose memory is the host's)."""
 
     def __post_init__(self) -> None:
         if self.schedule is not None and self.schedule not in NAMES:
@@ -103,9 +104,10 @@ class Given:
         """Whether to try replicas holding whole state, sharded state, or both."""
         return (False, True) if self.dp_shard is None else (self.dp_shard,)
 
-    def offloads(self) -> tuple[bool, ...]:
-        """Whether to try layouts without activation offload, with it, or both."""
-        return (False, True) if self.offload is None else (self.offload,)
+    def offloads(self) -> tuple[bool, ...] | None:
+        """Whether to try layouts without activation offload, or with it; None: the search's
+        choice (``offloads`` of :func:`~pipepar.planner.layout_search.search_layouts`)."""
+        return None if self.offload is None else (self.offload,)
 
     def schedules(self) -> list[str]:
         """The schedules to search: the one given, else every one."""

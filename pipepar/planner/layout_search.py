@@ -41,7 +41,10 @@ recompute) that does not fit is tried again with offload, its memory from
 :class:`~pipepar.planner.stage_memory.MemoryModel` with ``offload=True`` and its step with the
 copies' cost (:mod:`pipepar.planner.offload_time`); one that fits is not (offload only adds
 copies). For the prunes above, a layout fits if it does with or without offload; once an
-``M`` fits only with offload, smaller ones are tried with offload only.
+``M`` fits only with offload, smaller ones are tried with offload only. Left to the search
+(``offloads=None``), offload is tried only on devices with memory of their own
+(``cluster.host`` set): on the CPU the host memory is the devices' memory, and a fit by
+offload would be a fit on paper only.
 
 Schedules are built once per (``pp``, schedule, ``M``) and shared by the recompute policies.
 
@@ -115,7 +118,7 @@ def search_layouts(
     profile_device: str = "meta",
     shards: Sequence[bool] = (False, True),
     runtime: RuntimeFit | None = None,
-    offloads: Sequence[bool] = (False, True),
+    offloads: Sequence[bool] | None = None,
 ) -> list[Layout]:
     """The fastest layouts of the model on ``devices`` devices that fit, fastest first.
 
@@ -147,7 +150,11 @@ def search_layouts(
             times as they are.
         offloads: whether to try layouts without activation offload (``False``) and with
             it (``True``, ``pipepar.wrap(..., offload=True)``); one with offload is tried
-            only where the same layout without it does not fit.
+            only where the same layout without it does not fit. None (the search's choice):
+            both where the devices have memory of their own (``cluster.host`` set, a GPU's),
+            none with offload where their memory is the host's (the CPU: offload there
+            frees torch's allocator, not the machine, so its fit would be false); pass
+            ``(True,)`` or ``(False, True)`` to price it there all the same.
 
     Returns:
         Up to ``top`` :class:`Layout` s, by throughput, fastest first.
@@ -163,6 +170,7 @@ def search_layouts(
     """
     n = check_count("devices", devices, "e.g. devices=8")
     rows = check_count("batch", batch, "e.g. batch=512 rows")
+    machines = search_cluster(cluster, n)
     options = _Options(
         schedules=check_choices("schedules", schedules, NAMES),
         chunks=sorted(set(check_counts("chunks", chunks)), reverse=True),
@@ -172,9 +180,8 @@ def search_layouts(
         top=None if top is None else check_count("top", top, "e.g. top=10, or None for all"),
         shards=check_shards(shards),
         runtime=runtime,
-        offloads=check_offloads(offloads),
+        offloads=check_offloads(offloads, machines),
     )
-    machines = search_cluster(cluster, n)
     cap = machines.memory_bytes if capacity is None else parse_bytes(capacity, name="capacity")
     prof, counted, runs = search_profile(
         model_or_profile,
@@ -440,6 +447,8 @@ class _Search:
             f"batch of {self.rows} rows"
         )
         fixes = "use larger or more devices, a smaller batch, or an optimizer with less state"
+        if self.cluster.host is None and True not in self.options.offloads:
+            fixes += " (activation offload is not tried: these devices' memory is the host's)"
         least = self._least_needed()
         if least is None:
             return f"{what}: {'; '.join(self.skipped) or 'nothing to try'}; {fixes}"

@@ -30,6 +30,7 @@ __all__ = [
     "check_choices",
     "check_count",
     "check_counts",
+    "check_offloads",
     "check_shards",
     "search_cluster",
     "search_profile",
@@ -167,14 +168,24 @@ def check_shards(values: object) -> list[bool]:
     )  # fmt: skip
 
 
-def check_offloads(values: object) -> list[bool]:
+def check_offloads(values: object, cluster: Cluster) -> list[bool]:
     """A non-empty sequence of ``False`` (no activation offload) and ``True`` (offload),
     without repeats, ``False`` first (the search tries offload where that does not fit).
 
+    ``None`` is the search's own choice: offload is tried only where the devices have memory
+    of their own (``cluster.host`` is a link, as on a GPU). Where the devices' memory is the
+    host's (``host=None``, the CPU), offload moves saved tensors out of torch's allocator but
+    not out of the machine, so a layout fitting only with it would fit on paper alone: the
+    search does not try it unless asked for (``(True,)`` or ``(False, True)`` given).
+
     Example:
-        >>> check_offloads((True, False))
+        >>> check_offloads((True, False), Cluster.named("cpu"))
         [False, True]
+        >>> [check_offloads(None, Cluster.named(name)) for name in ("cpu", "h100x8")]
+        [[False], [False, True]]
     """
+    if values is None:
+        return [False] if cluster.host is None else [False, True]
     example = "(False, True) to try offload where a layout does not fit without it"
     return sorted(_check_bools("offloads", values, example, "True (offload) or False (none)"))
 

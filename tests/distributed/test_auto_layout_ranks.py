@@ -92,13 +92,24 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _refused_everywhere() -> str:
-    """Nothing fits 1 KiB: rank 0's error, raised on every rank."""
+def _refused_everywhere(make: Any = _sequential, batch: Any = _batch, **kwargs: Any) -> str:
+    """Nothing fits (1 KiB by default): rank 0's error, raised on every rank."""
+    kwargs = {"capacity": "1KiB", **kwargs}
     try:
-        ppd.wrap(_sequential(), plan="auto", sample=_batch()[0], capacity="1KiB")
+        ppd.wrap(make(), plan="auto", sample=batch()[0], **kwargs)
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+OFFLOADED = {
+    "dp": 1,
+    "capacity": 4_500_000,
+    "schedule": "gpipe",
+    "chunks": 8,
+    "checkpoint": "never",
+}
+"""5.7 MB per device without offload, 3.3 MB with it: only offload fits."""
 
 
 def _cases(rank: int) -> dict[str, Any]:
@@ -110,16 +121,10 @@ def _cases(rank: int) -> dict[str, Any]:
         "meta": _one_step(_sequential, meta=True),
         "residual": _one_step(_residual, dp=1),
         "fitted": _one_step(_sequential, dp=1, runtime=RuntimeFit(action_ms=1e3)),
-        "offload": _one_step(  # 5.7 MB per device without offload, 3.3 MB with it
-            _wide,
-            batch=_wide_batch,
-            dp=1,
-            capacity=4_500_000,
-            schedule="gpipe",
-            chunks=8,
-            checkpoint="never",
-        ),
+        # asked for: the CPU ranks' memory is the host's, so the search would not choose it
+        "offload": _one_step(_wide, batch=_wide_batch, offload=True, **OFFLOADED),
         "refused": _refused_everywhere(),
+        "not offloaded": _refused_everywhere(_wide, _wide_batch, **OFFLOADED),
     }
 
 
@@ -143,7 +148,7 @@ def test_every_rank_builds_rank_0s_layout_and_a_step_equals_the_plain_model() ->
     fixed = got[0]["dp=1"]["layout"]
     assert (fixed["dp"], fixed["schedule"], fixed["checkpoint"]) == (1, "1f1b", "always")
     assert got[0]["residual"]["layout"]["dp"] == 1
-    assert got[0]["offload"]["layout"]["offload"]  # only offload fits 4.5 MB
+    assert got[0]["offload"]["layout"]["offload"]  # as asked
     assert not any(got[0][case]["layout"]["offload"] for case in ("free", "dp=1", "fitted"))
     fitted = got[0]["fitted"]["layout"]  # a second per action: as few micro-batches as can be
     assert fitted["chunks"] == 1 and fitted["step_ms"] > 2e3
@@ -152,6 +157,9 @@ def test_every_rank_builds_rank_0s_layout_and_a_step_equals_the_plain_model() ->
     assert got[0]["refused"].startswith("no layout fits 2 devices of 1.0 KiB")
     assert got[1]["refused"].startswith("group rank 0, which chooses the layout for every")
     assert "no layout fits" in got[1]["refused"]
+    for r in got:  # offload unset on CPU ranks: never chosen, so nothing fits 4.5 MB
+        assert "no layout fits" in got[r]["not offloaded"], r
+        assert "offload is not tried" in got[r]["not offloaded"], r
 
 
 @pytest.mark.parametrize(

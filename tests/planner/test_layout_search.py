@@ -404,6 +404,10 @@ def test_cli_search_offload_yes_offloads_every_layout(
     code, out, err = _run(capsys, *GPT2, *options, "--offload", "no", "--json", str(js))
     assert code == 0, err
     assert not any(row["offload"] for row in json.loads(js.read_text())["layouts"])
+    on_cpus = [*options[:2], "--cluster", "cpu", *options[4:]]  # asked for: priced there too
+    code, out, err = _run(capsys, *GPT2, *on_cpus, "--offload", "yes", "--json", str(js))
+    assert code == 0, err
+    assert all(row["offload"] for row in json.loads(js.read_text())["layouts"])
     assert _run(capsys, *GPT2, "--offload", "no")[0] == 2  # not a layout search
 
 

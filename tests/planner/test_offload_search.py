@@ -1,9 +1,12 @@
 """The layout search trades activation offload against recompute and the rest: offload where a
-layout does not fit without it, none where it does; the pipe built from the chosen layout
-offloads and trains as the plain model; the chosen layout's predicted peak follows the one
-measured with offload; where the copies cost little, offload beats recomputing, and where they
-cost much, recomputing wins. And what the copies add to the predicted step
-(:mod:`pipepar.planner.offload_time`)."""
+layout does not fit without it, none where it does, and on CPU devices (their memory is the
+host's) none unless asked for; the pipe built with the layout's offload trains as the plain
+model; the chosen layout's predicted peak follows the one measured with offload; where the
+copies cost little, offload beats recomputing, and where they cost much, recomputing wins. And
+what the copies add to the predicted step (:mod:`pipepar.planner.offload_time`).
+
+The search's choice is tested on a GPU preset (``Cluster.host`` set) over a profile on meta:
+it needs no GPU, as the choice is the planner's arithmetic."""
 
 from __future__ import annotations
 
@@ -18,8 +21,10 @@ import pipepar
 from pipepar.core.named_schedules import gpipe
 from pipepar.core.offload import MIN_BYTES
 from pipepar.core.offload_plan import Offloader, plan_offload
+from pipepar.planner.auto_layout import Given, choose_layout
 from pipepar.planner.cluster import Cluster, Link, cluster_for
 from pipepar.planner.flop_count import count_flops
+from pipepar.planner.layout import Layout
 from pipepar.planner.measure import measure_device
 from pipepar.planner.offload_time import offload_ms
 from pipepar.planner.step_time import predict_step
@@ -40,11 +45,51 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, WIDTH), torch.randn(ROWS, WIDTH)
 
 
+# -- the search's choice: only on devices with memory of their own ---------------------------
+def _choose(cluster: Cluster, offload: bool | None = None, capacity: int = CAPACITY) -> Layout:
+    """What pipepar.wrap(sample=...) chooses on two devices of ``cluster``, profiled on meta."""
+    x, _ = _batch()
+    given = Given(dp=1, offload=offload, **FIXED)  # type: ignore[arg-type]
+    return choose_layout(
+        _chain(), x, devices=2, given=given, cluster=cluster, capacity=capacity,
+        profile_device="meta",
+    )  # fmt: skip
+
+
+def test_where_only_offload_fits_a_gpu_search_offloads() -> None:
+    assert ROWS // M * WIDTH * 4 >= MIN_BYTES  # the micro-batches' activations are sent
+    gpus = Cluster.named("h100x8")
+    with pytest.raises(ValueError, match="no layout fits"):
+        _choose(gpus, offload=False)
+    layout = _choose(gpus)
+    assert layout.offload and "offload" in str(layout)
+    assert layout.to_dict()["offload"] is True and max(layout.peak_bytes) <= CAPACITY
+    assert not _choose(gpus, capacity=2**30).offload  # what fits without it does not offload
+
+
+def test_cpu_devices_never_offload_unless_asked() -> None:
+    """Their memory is the host's: offload would fit only on paper, so the search leaves it
+    out (nothing fits at CAPACITY) and given offload=True prices it."""
+    cpus = cluster_for(torch.device("cpu"), 2)
+    with pytest.raises(ValueError, match=r"no layout fits.*offload is not tried"):
+        _choose(cpus)
+    assert _choose(cpus, offload=True).offload
+    x, _ = _batch()
+    with pytest.raises(ValueError, match="no layout fits"):
+        pipepar.wrap(_chain(), sample=x, devices=["cpu", "cpu"], capacity=CAPACITY, **FIXED)
+    # every schedule and recompute: layouts that fit only with offload on a GPU, none on the CPU
+    search = dict(devices=2, batch=ROWS, capacity=CAPACITY, chunks=[M], top=None, optimizer=None)
+    on_gpus = pipepar.search_layouts(_chain(), x, cluster="h100x8", **search)  # type: ignore[arg-type]
+    on_cpus = pipepar.search_layouts(_chain(), x, cluster="cpu", **search)  # type: ignore[arg-type]
+    assert any(x.offload for x in on_gpus) and not any(x.offload for x in on_cpus)
+    asked = pipepar.search_layouts(_chain(), x, cluster="cpu", offloads=(False, True), **search)  # type: ignore[arg-type]
+    assert any(x.offload for x in asked)
+
+
 # -- the wrapped pipe --------------------------------------------------------------------------
-def test_only_offload_fits_so_the_pipe_offloads_and_trains_as_the_plain_model(
+def test_where_only_offload_fits_the_pipe_offloads_and_trains_as_the_plain_model(
     offloaders: list[Offloader],
 ) -> None:
-    assert ROWS // M * WIDTH * 4 >= MIN_BYTES  # the micro-batches' activations are sent
     x, y = _batch()
     with pytest.raises(ValueError, match="no layout fits"):
         pipepar.wrap(
@@ -52,11 +97,11 @@ def test_only_offload_fits_so_the_pipe_offloads_and_trains_as_the_plain_model(
         )
     plain = _chain()
     pipe = pipepar.wrap(
-        copy.deepcopy(plain), sample=x, devices=["cpu", "cpu"], capacity=CAPACITY, **FIXED
-    )
+        copy.deepcopy(plain), sample=x, devices=["cpu", "cpu"], capacity=CAPACITY, offload=True,
+        **FIXED,
+    )  # fmt: skip
     layout = pipe.layout
-    assert layout.offload and pipe.offload and "offload" in str(layout)
-    assert layout.to_dict()["offload"] is True and max(layout.peak_bytes) <= CAPACITY
+    assert layout.offload and pipe.offload and max(layout.peak_bytes) <= CAPACITY
     loss = pipe.step(x, y, nn.functional.mse_loss)
     assert offloaders[-1].counts().sent > 0  # the pipe did send activations out
     want = nn.functional.mse_loss(plain(x), y)
@@ -64,13 +109,6 @@ def test_only_offload_fits_so_the_pipe_offloads_and_trains_as_the_plain_model(
     torch.testing.assert_close(loss, want.detach())
     for got, expected in zip(pipe.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(got.grad, expected.grad, rtol=1e-5, atol=1e-6)
-
-
-def test_what_fits_without_offload_does_not_offload() -> None:
-    x, _ = _batch()
-    pipe = pipepar.wrap(_chain(), sample=x, devices=["cpu", "cpu"], capacity="1GiB", **FIXED)
-    assert not pipe.layout.offload and not pipe.offload
-    assert "offload" not in str(pipe.layout)
 
 
 def test_offload_given_is_kept() -> None:
@@ -85,10 +123,11 @@ def test_offload_given_is_kept() -> None:
 
 # -- the search --------------------------------------------------------------------------------
 def test_the_chosen_layouts_peak_follows_the_measured_one() -> None:
-    """With Adam's state, as measure_device steps."""
+    """With Adam's state, as measure_device steps (on the CPU; chosen for a GPU preset, where
+    the search offloads, as the memory is the same)."""
     x, _ = _batch()
     model = _chain()
-    options = dict(devices=2, batch=ROWS, cluster="cpu", shards=(False,), top=None)
+    options = dict(devices=2, batch=ROWS, cluster="h100x8", shards=(False,), top=None)
     fixed = dict(schedules=["gpipe"], chunks=[M], checkpoints=["never"])
 
     def one_pipeline(capacity: int | str) -> pipepar.Layout:
