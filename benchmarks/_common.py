@@ -237,6 +237,17 @@ def ratio_interval(
     return ratios[cut], ratios[resamples - 1 - cut]
 
 
+def training_step(pipe: Any, work: Workload) -> Step:
+    """One ``pipe.step`` on ``work``'s batch, its gradients let go after it (each timed step
+    makes them anew, as a training loop's ``zero_grad(set_to_none=True)`` has it)."""
+
+    def step() -> None:
+        pipe.step(work.x, work.y, work.loss)
+        pipe.zero_grad(set_to_none=True)
+
+    return step
+
+
 def step_times(step: Step, steps: int) -> list[float]:
     """Run ``step`` ``steps`` times; the seconds each call took."""
     times = []

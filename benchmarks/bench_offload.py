@@ -72,11 +72,7 @@ def rates(work: common.Workload, k: int, m: int, args: argparse.Namespace) -> di
             model = copy.deepcopy(work.model)
             pipe = pipepar.wrap(model, common.balance(work, k), devices=["cpu"] * k, chunks=m,
                                 schedule=name, checkpoint="never", offload=offload)  # fmt: skip
-
-            def step(pipe: Any = pipe) -> None:
-                pipe.step(work.x, work.y, work.loss)
-                pipe.zero_grad(set_to_none=True)
-
+            step = common.training_step(pipe, work)
             step()  # warm-up (and worker start)
             steps[_key(name, offload)] = common.local_block(step, block, 1)
             pipes.append(pipe)

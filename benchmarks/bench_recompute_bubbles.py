@@ -83,13 +83,7 @@ def _step(work: common.Workload, k: int, m: int, name: str, place: str) -> tuple
     balance = common.balance(work, _stages(name, k))
     pipe = pipepar.wrap(model, balance, devices=["cpu"] * k, chunks=m, schedule=name,
                         checkpoint="always", recompute=place)  # fmt: skip
-
-    def step() -> None:
-        pipe.step(work.x, work.y, work.loss)
-        for p in model.parameters():
-            p.grad = None
-
-    return step, pipe
+    return common.training_step(pipe, work), pipe
 
 
 def rates(

@@ -170,13 +170,7 @@ def _step(work: common.Workload, k: int, m: int, name: str) -> tuple[common.Step
     pipe = pipepar.wrap(model, common.balance(work, stages(name, k)), devices=["cpu"] * k,
                         chunks=m, schedule="auto" if budget else name, memory_budget=budget,
                         sample=work.x, checkpoint="never")  # fmt: skip
-
-    def step() -> None:
-        pipe.step(work.x, work.y, work.loss)
-        for p in model.parameters():
-            p.grad = None
-
-    return step, pipe
+    return common.training_step(pipe, work), pipe
 
 
 def rates(
@@ -213,12 +207,7 @@ def rank_builder(spec: dict[str, Any], rank: int, world: int) -> Callable[[str, 
         pipe = ppd.wrap(model, common.balance(work, stages(name, world)), chunks=m,
                         schedule="auto" if budget else name, memory_budget=budget,
                         sample=work.x, checkpoint="never")  # fmt: skip
-
-        def step() -> None:
-            pipe.step(work.x, work.y, work.loss)
-            pipe.zero_grad(set_to_none=True)
-
-        return step
+        return common.training_step(pipe, work)
 
     return build
 

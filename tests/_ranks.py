@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 import socket
 import traceback
 from collections.abc import Callable
@@ -69,7 +70,7 @@ def spawn(world: int, body: Callable[[int], Any], *, timeout: float = 300.0) -> 
     ]
     for p in procs:
         p.start()
-    got = dict(results.get(timeout=timeout) for _ in range(world))
+    got = {r: pickle.loads(data) for r, data in (results.get(timeout=timeout) for _ in procs)}
     for p in procs:
         p.join(timeout=60)
     for r, value in got.items():
@@ -92,7 +93,10 @@ def _rank(
     address = f"tcp://127.0.0.1:{port}"
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
     try:
-        results.put((rank, body(rank)))
+        value = body(rank)
     except BaseException:
-        results.put((rank, _Failed(traceback.format_exc())))
+        value = _Failed(traceback.format_exc())
+    # Pickled here, tensors by value: through the queue torch would share their storage as a
+    # file descriptor that the parent fetches from this process, which may have exited.
+    results.put((rank, pickle.dumps(value)))
     dist.destroy_process_group()

@@ -241,15 +241,10 @@ class StageStep:
     def forward(self, i: int, x: Value) -> Value:
         """Run micro-batch ``i`` (already on the stage's device); return the detached output."""
         start = time.perf_counter()
-        if self.offload is not None:
-            self.offload.before(self.stage.index, "F", i)
+        self._action_starts("F", i)
         leaf = _leaf(x, self.input_grad) if self.grad else x
         ckpt = self.grad and self.training and should_checkpoint(self.checkpoint, i, self.m)
-        with (
-            self._forward_context(i, ckpt),
-            self._offloading(i, ckpt),
-            torch.set_grad_enabled(self.grad and not ckpt),
-        ):
+        with self._forward_context(i, ckpt), torch.set_grad_enabled(self.grad and not ckpt):
             if i == 0 and self.stage.watch is not None:  # a chain's new kind of input
                 with self.stage.watch.watching(self.stage.index, leaf, self.m):
                     y = self._run(leaf, i)
@@ -261,6 +256,12 @@ class StageStep:
         self._tell(i, "forward", start)
         return y
 
+    def _action_starts(self, kind: str, i: int) -> None:
+        """Action ``kind`` of micro-batch ``i`` starts: the offload brings back what the
+        action leads (:meth:`~pipepar.core.offload_plan.Offloader.before`)."""
+        if self.offload is not None:
+            self.offload.before(self.stage.index, kind, i)
+
     def _run(self, x: Value, i: int) -> Value:
         y = self.stage.run(self.stage.protect(x) if self.grad else x)
         if self.head is not None:  # the loss takes the output as it is: nothing joins it
@@ -268,7 +269,14 @@ class StageStep:
         return check_output(self.stage, x, y)
 
     def _forward_context(self, i: int, replay: bool) -> contextlib.AbstractContextManager[Any]:
-        """:meth:`_context`, without a stack of contexts where there is at most one."""
+        """:meth:`_context`, without a stack of contexts where there is at most one; and,
+        where the offload plan sends micro-batch ``i`` out, what it saves goes to host memory
+        (a checkpointed micro-batch, ``replay``, saves nothing to send)."""
+        if self.offload is not None and self.grad and not replay:
+            stack = self._context(i, replay=replay)
+            saving = self.offload.saving(self.stage.index, i, hold=self._reads_twice(i))
+            stack.enter_context(saving)
+            return stack
         if self._contexts:
             return self._context(i, replay=replay)
         if self.streams is None:
@@ -284,13 +292,6 @@ class StageStep:
             stack.enter_context(torch.cuda.device(self.stage.device))
         stack.enter_context(self.autocast(cache=self._cast_cache))
         return stack
-
-    def _offloading(self, i: int, ckpt: bool) -> contextlib.AbstractContextManager[None]:
-        """Around micro-batch ``i``'s forward: what it saves goes to host memory if the
-        offload plan says so (a checkpointed micro-batch saves nothing to send)."""
-        if self.offload is None or ckpt or not self.grad:
-            return _NOTHING
-        return self.offload.saving(self.stage.index, i, hold=self._reads_twice(i))
 
     def _reads_twice(self, i: int) -> bool:
         """Whether micro-batch ``i``'s backward reads what its forward saved more than once:
@@ -312,8 +313,7 @@ class StageStep:
         device, ``None`` for outputs without one); return the input gradients, aligned with the
         input tensors (``None`` where an input needs none)."""
         start = time.perf_counter()
-        if self.offload is not None:
-            self.offload.before(self.stage.index, "B", i)
+        self._action_starts("B", i)
         rec = self._records.pop(i)
         y = rec.output if rec.output is not None else self._recompute(rec, i)
         pairs = [(t, g) for t, g in zip(tensors(y), grads) if t.requires_grad and g is not None]
@@ -430,8 +430,7 @@ class StageStep:
     # -- W ------------------------------------------------------------------------------------
     def weight(self, i: int) -> None:
         """Compute micro-batch ``i``'s deferred parameter gradients (no-op if B did them)."""
-        if self.offload is not None:
-            self.offload.before(self.stage.index, "W", i)
+        self._action_starts("W", i)
         work = self._weights.pop(i, None)
         if work is None:  # B did it all, and counted it
             return

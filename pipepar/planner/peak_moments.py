@@ -78,8 +78,8 @@ class Moment:
     inputs: tuple[int, ...]
     waiting: tuple[int, ...]
     sums: tuple[bool, ...]
-    away: tuple[int, ...] = ()
-    back_waiting: tuple[int, ...] = ()
+    away: tuple[int, ...]
+    back_waiting: tuple[int, ...]
 
     def counts(self) -> tuple[int, ...]:
         """All counts in one tuple (for dominance)."""

@@ -105,10 +105,9 @@ class Figures:
 
     def held(self, m: Moment, at: int) -> int:
         """Activation bytes held at moment ``m`` by the stage at position ``at`` of its worker."""
-        waiting = m.waiting[at] * self.waits
-        if m.away:  # offload
-            waiting += m.away[at] * self.away + m.back_waiting[at] * self.back_waits
-        return m.whole[at] * self.whole + m.inputs[at] * self.inputs + waiting + self.batch
+        waiting = m.waiting[at] * self.waits + m.back_waiting[at] * self.back_waits
+        away = m.away[at] * self.away  # offload: its input and output stay
+        return m.whole[at] * self.whole + m.inputs[at] * self.inputs + waiting + away + self.batch
 
 
 class _RangeMax:

@@ -439,14 +439,12 @@ class RankStep(SegmentStep):
         self._foreign = frozenset(range(len(link.ranks))) - self.mine
 
     def forward(self, i: int, x: Any) -> tuple[()]:
-        if self.offload is not None:
-            self.offload.before(self.stage.index, "F", i)
+        self._action_starts("F", i)
         self.batch.drivers[i].advance(self.until)
         return ()
 
     def backward(self, i: int, grads: Any) -> tuple[()]:
-        if self.offload is not None:
-            self.offload.before(self.stage.index, "B", i)
+        self._action_starts("B", i)
         ledger = self.batch.ledgers[i]
         pairs = self._leaving(i)
         entering = ledger.entering(self.stage.index)

@@ -179,8 +179,7 @@ class SegmentStep(StageStep):
     # -- F ------------------------------------------------------------------------------------
     def forward(self, i: int, x: Any) -> tuple[()]:
         start = time.perf_counter()
-        if self.offload is not None:
-            self.offload.before(self.stage.index, "F", i)
+        self._action_starts("F", i)
         self.batch.drivers[i].advance(self.stage.index)
         self._tell(i, "forward", start)
         return ()
@@ -188,8 +187,7 @@ class SegmentStep(StageStep):
     # -- B ------------------------------------------------------------------------------------
     def backward(self, i: int, grads: Grads) -> tuple[()]:
         start = time.perf_counter()
-        if self.offload is not None:
-            self.offload.before(self.stage.index, "B", i)
+        self._action_starts("B", i)
         ledger = self.batch.ledgers[i]
         pairs = ledger.leaving(self.stage.index)
         entering = ledger.entering(self.stage.index)

@@ -1,7 +1,8 @@
 """The benchmark scripts run in quick mode and write well-formed rows; speed is not checked.
 
-Each script runs in a subprocess (as a user runs it), writes its section to a temporary
-results file and its rows to JSON, which the tests check for shape and internal consistency.
+Each script runs in a process of its own, as a user runs it (:mod:`tests.bench._scripts`), writes
+its section to a temporary results file and its rows to JSON, which the tests check for shape and
+internal consistency.
 """
 
 from __future__ import annotations
@@ -9,8 +10,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,23 +18,17 @@ import torch
 
 from benchmarks import _common as common
 from benchmarks._results import RESULTS
+from tests.bench._scripts import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.bench
 
 
 def _run(script: str, tmp_path: Path, *extra: str) -> tuple[list[dict[str, Any]], str]:
     results, rows = tmp_path / "RESULTS.md", tmp_path / "rows.json"
-    cmd = [
-        sys.executable,
-        f"benchmarks/{script}",
-        "--quick",
-        "--results",
-        str(results),
-        "--json",
-        str(rows),
-        *extra,
-    ]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    args = ["--quick", "--results", str(results), "--json", str(rows), *extra]
+    done = run_script(script, *args)
     assert done.returncode == 0, done.stderr[-3000:]
     text = results.read_text()
     assert "Command: `python benchmarks/" in text and "Machine:" in text
@@ -287,8 +280,7 @@ def test_stats_and_unknown_workload() -> None:
 
 
 def test_distributed_quick_prints_every_variant() -> None:
-    cmd = [sys.executable, "benchmarks/bench_distributed.py", "--quick"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    done = run_script("bench_distributed.py", "--quick", timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = {
         line.split("|")[1].strip(): line.split("|")[2:-1]
@@ -309,8 +301,7 @@ def test_distributed_quick_prints_every_variant() -> None:
 
 
 def test_plan_quick_predicts_measured_peaks() -> None:
-    cmd = [sys.executable, "benchmarks/bench_plan.py", "--quick"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    done = run_script("bench_plan.py", "--quick", timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     worst = [line for line in done.stdout.splitlines() if line.startswith("worst |error|")]
     assert len(worst) == 1
@@ -382,8 +373,7 @@ def test_checkpoint_quick_saves_and_loads_both_formats(tmp_path: Path) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
 def test_gpu_bench_without_cuda_says_so_and_writes_nothing(tmp_path: Path) -> None:
     results = tmp_path / "RESULTS.md"
-    cmd = [sys.executable, "benchmarks/bench_gpu.py", "--write", "--results", str(results)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = run_script("bench_gpu.py", "--write", "--results", str(results), timeout=120)
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.count("\n") == 1 and "needs a CUDA device" in done.stderr
     assert not results.exists()
@@ -391,8 +381,7 @@ def test_gpu_bench_without_cuda_says_so_and_writes_nothing(tmp_path: Path) -> No
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without CUDA")
 def test_cuda_peaks_bench_without_cuda_says_so() -> None:
-    cmd = [sys.executable, "benchmarks/bench_cuda_peaks.py"]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = run_script("bench_cuda_peaks.py", timeout=120)
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.count("\n") == 1 and "needs a CUDA device" in done.stderr
 
