@@ -100,7 +100,9 @@ class Cluster:
     """The copy between one device's memory and the host's, each way (activation offload
     sends saved tensors over it and back): a GPU's PCIe link, its copies on a side stream
     beside compute. None: the device's memory is the host's (the CPU), and a copy is a
-    ``memcpy`` on the worker at :attr:`memory_bandwidth`."""
+    ``memcpy`` on the worker at :attr:`memory_bandwidth`; offload frees no memory of the
+    machine there, so the layout search chooses it only where this is set (given
+    ``offload=True``, it is priced either way). Set it for a GPU cluster of your own."""
 
     def __post_init__(self) -> None:
         for label, value in (("devices_per_node", self.devices_per_node), ("nodes", self.nodes)):
