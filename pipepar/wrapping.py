@@ -49,7 +49,7 @@ def wrap(
     runtime: RuntimeFit | None = None,
     gc_every: int | None = None,
     compile: CompileOption = None,
-    offload: bool = False,
+    offload: bool | None = None,
 ) -> Pipe:
     """Split ``module`` into pipeline stages and return the pipe.
 
@@ -156,7 +156,11 @@ def wrap(
             while the stage runs other actions, and have it back one action before its
             backward, as the schedule's action lists say (:mod:`pipepar.core.offload_plan`;
             on CUDA through pinned memory on a side stream). The numbers are unchanged. With
-            ``checkpoint`` unset nothing is recomputed. See the memory guide.
+            ``checkpoint`` unset nothing is recomputed. See the memory guide. ``None``:
+            chosen by the search (only where a layout does not fit without it, and only on
+            devices with memory of their own: never on CPU devices, whose memory is the
+            host's, so offload frees nothing there), or False when ``balance`` or ``split``
+            is given. ``True`` offloads on any device.
 
     Returns:
         The :class:`Pipe`: called like the model (``pipe(x)``, ``pipe(**batch)``), trained
@@ -215,8 +219,9 @@ def wrap(
                 checkpoint=checkpoint,
                 runtime=runtime,
                 rules=Rules.given(split_inputs, join_outputs),
+                offload=offload,
             )
-            balance, chunks, checkpoint, schedule = pipe_arguments(layout, schedule)
+            balance, chunks, checkpoint, schedule, offload = pipe_arguments(layout, schedule)
     stages = len(balance) if balance is not None else None if split is None else len(split) + 1
     workers = _device_count(devices, stages)
     schedule = auto_schedule(
@@ -246,7 +251,7 @@ def wrap(
         threads=threads,
         trace=trace,
         gc_every=gc_every,
-        offload=offload,
+        offload=False if offload is None else offload,
     )
     _keep_layout(pipe, layout)
     compile_units(list(pipe), compilers, default_compiler, module)

@@ -6,6 +6,7 @@ import gc
 import random
 import signal
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -33,3 +34,20 @@ def ctrl_c() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
+def offloaders(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The activation Offloaders the pipes make (to read what they moved)."""
+    from pipepar.core import offload_plan
+    from pipepar.core.offload_plan import Offloader
+
+    made: list[Offloader] = []
+    init = Offloader.__init__
+
+    def record(self: Offloader, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)  # type: ignore[arg-type]
+        made.append(self)
+
+    monkeypatch.setattr(offload_plan.Offloader, "__init__", record)
+    return made

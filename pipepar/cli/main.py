@@ -6,7 +6,8 @@
         --devices 8 --capacity 80GiB --chunks 8 --checkpoint always --schedule 1f1b
     pipepar plan --hf-config path/to/config.json --tokens 8,4096 --devices 8 --capacity 80GiB
     pipepar plan pipepar.zoo:llama3_70b --tokens 8,4096 --dtype bfloat16 \\
-        --devices 64 --capacity 80GiB --cluster h100x8 --batch 512 [--top 5] [--dp-shard both]
+        --devices 64 --capacity 80GiB --cluster h100x8 --batch 512 [--top 5] [--dp-shard both] \\
+        [--offload auto]
     pipepar convert CKPT_DIR OUT.pt
 
 MODEL is one of pipepar's example models (``pipepar.zoo:alexnet``, ``pipepar.zoo:llama3_70b``:
@@ -127,6 +128,14 @@ def _parser() -> argparse.ArgumentParser:
         help="with --cluster: for dp >= 2, try each stage's state sharded over the replicas "
         "(dp_shard=True), replicated, or both (default)",
     )
+    q.add_argument(
+        "--offload",
+        default="auto",
+        choices=list(_OFFLOAD),
+        help="with --cluster: activation offload where a layout does not fit without it, on "
+        "devices with memory of their own such as GPUs, never on the CPU (auto, the "
+        "default), in every layout (yes), or never (no)",
+    )
     c = sub.add_parser("convert", help="turn a sharded checkpoint directory into one .pt file")
     c.add_argument("checkpoint", help="the directory pipepar.distributed.save_checkpoint wrote")
     c.add_argument("out", help="the file to write, e.g. model.pt")
@@ -135,6 +144,8 @@ def _parser() -> argparse.ArgumentParser:
 
 _DP_SHARD = {"both": (False, True), "yes": (True,), "no": (False,)}
 """``--dp-shard``: the ``shards`` of :func:`pipepar.search_layouts`."""
+_OFFLOAD: dict[str, tuple[bool, ...] | None] = {"auto": None, "yes": (True,), "no": (False,)}
+"""``--offload``: the ``offloads`` of :func:`pipepar.search_layouts` (auto: the search's)."""
 
 
 def _common(p: argparse.ArgumentParser) -> None:
@@ -299,8 +310,12 @@ def _plan_units(args: argparse.Namespace) -> int:
 def _search_devices(args: argparse.Namespace, options: _Options) -> int | None:
     """With ``--cluster`` and ``--batch`` (a layout search), the device count; else None."""
     if args.cluster is None and args.batch is None:
-        if args.dp_shard != "both":
-            raise UsageError("--dp-shard goes with --cluster and --batch (a layout search)")
+        for flag, value, default in (
+            ("--dp-shard", args.dp_shard, "both"),
+            ("--offload", args.offload, "auto"),
+        ):
+            if value != default:
+                raise UsageError(f"{flag} goes with --cluster and --batch (a layout search)")
         return None
     from pipepar.planner.cluster import Cluster
 
@@ -343,6 +358,7 @@ def _search_and_write(
             flops=flops,
             top=args.top,
             shards=_DP_SHARD[args.dp_shard],
+            offloads=_OFFLOAD[args.offload],
         )
     except ValueError as err:
         raise PlanError(str(err)) from None

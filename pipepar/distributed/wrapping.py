@@ -65,7 +65,7 @@ def wrap(
     runtime: RuntimeFit | None = None,
     gc_every: int | None = None,
     compile: CompileOption = None,
-    offload: bool = False,
+    offload: bool | None = None,
 ) -> DistributedPipe:
     """Split ``model`` over the ranks of ``group``: ``len(balance)`` stages x ``dp`` replicas.
 
@@ -190,7 +190,10 @@ def wrap(
             backward, as the schedule's action lists say (:mod:`pipepar.core.offload_plan`;
             on CUDA through pinned memory on a side stream). The numbers are unchanged. With
             ``checkpoint`` unset nothing is recomputed. See the memory guide.
-            Each rank offloads its own stages (ranks may differ).
+            Each rank offloads its own stages (ranks may differ). ``None``: chosen by the
+            search with ``plan="auto"`` (only where a layout does not fit without it, and
+            never on CPU devices, whose memory is the host's), else False. ``True``
+            offloads on any device.
 
     Returns:
         This rank's :class:`~pipepar.distributed.pipe.DistributedPipe`: its stages' weights
@@ -233,10 +236,10 @@ def wrap(
             )
         layout = _auto_layout(
             model, plan, balance, split, sample, capacity, chunks, schedule, dp, checkpoint,
-            dp_shard, device, group, runtime, Rules.given(split_inputs, join_outputs),
+            dp_shard, offload, device, group, runtime, Rules.given(split_inputs, join_outputs),
         )  # fmt: skip
         balance, chunks, dp = list(layout.balance), layout.chunks, layout.dp
-        checkpoint, dp_shard = layout.checkpoint, layout.dp_shard
+        checkpoint, dp_shard, offload = layout.checkpoint, layout.dp_shard, layout.offload
         schedule = schedule if isinstance(schedule, Schedule) else layout.schedule
     dp_shard = False if dp_shard is None else dp_shard
     chunks = 1 if chunks is None else chunks
@@ -264,7 +267,7 @@ def wrap(
         join_outputs=join_outputs,
         dp_shard=dp_shard,
         gc_every=gc_every,
-        offload=offload,
+        offload=False if offload is None else offload,
     )
     keep_layout(pipe, layout)
     compile_units(modules_of(model, chain), compilers, default_compiler, model)
@@ -328,6 +331,7 @@ def _auto_layout(
     dp: int | None,
     checkpoint: str | None,
     dp_shard: bool | None,
+    offload: bool | None,
     device: torch.device | str | None,
     group: dist.ProcessGroup | None,
     runtime: RuntimeFit | None,
@@ -338,7 +342,10 @@ def _auto_layout(
     any communication; an error on rank 0 is broadcast too and raised on every rank."""
     _check_plan(plan, balance, split, sample)
     name, chunks = given_schedule(schedule, chunks)
-    given = Given(schedule=name, chunks=chunks, checkpoint=checkpoint, dp=dp, dp_shard=dp_shard)
+    given = Given(
+        schedule=name, chunks=chunks, checkpoint=checkpoint, dp=dp, dp_shard=dp_shard,
+        offload=offload,
+    )  # fmt: skip
     ensure_process_group()
     here = resolve_device(device, group)
     found: list[object] = [None]

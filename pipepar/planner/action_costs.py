@@ -17,7 +17,7 @@ with these costs.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from pipepar.core.recompute import should_checkpoint
@@ -104,6 +104,9 @@ class StepModel:
         ]
         self.params = [sum(profile.layers[i].params_bytes for i in span) for span in stage_layers]
         self.sent, self.returned = cut_bytes(profile, [span.stop - 1 for span in stage_layers])
+        self.extra: Mapping[Action, float] = {}
+        """Per action, time added to it (ms): activation offload's copies
+        (:mod:`pipepar.planner.offload_time`)."""
 
     def recompute(self, a: Action) -> float:
         checkpointed = should_checkpoint(self.checkpoint, a.microbatch, self.order.n_microbatches)
@@ -114,7 +117,12 @@ class StepModel:
 
     def cost(self, a: Action, split: bool) -> float:
         """The time of action ``a``; ``split``: whether the schedule runs a W after its B.
-        The runtime's fit applies to each (a W that does not run costs nothing)."""
+        The runtime's fit applies to each (a W that does not run costs nothing); then
+        :attr:`extra` is added."""
+        return self.own(a, split) + self.extra.get(a, 0.0)
+
+    def own(self, a: Action, split: bool) -> float:
+        """The time of action ``a`` without :attr:`extra`."""
         r, s, run = self.share[a.microbatch], a.stage, self.runtime
         n = len(self.layers[s])
         if a.kind == "F":

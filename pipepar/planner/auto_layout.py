@@ -71,6 +71,10 @@ class Given:
     """Data-parallel replicas (``1`` for a pipe in one process)."""
     dp_shard: bool | None = None
     """Whether the replicas shard each stage's state (``dp_shard=True``) or hold it whole."""
+    offload: bool | None = None
+    """Whether activation offload runs (``offload=True``); None: the search tries it where
+    a layout does not fit without it, on devices with memory of their own (a GPU's; not on
+    the CPU, whose memory is the host's)."""
 
     def __post_init__(self) -> None:
         if self.schedule is not None and self.schedule not in NAMES:
@@ -80,11 +84,12 @@ class Given:
             )
         if self.checkpoint is not None:  # a mode, or an object whose str() is one
             object.__setattr__(self, "checkpoint", validation.check_checkpoint(self.checkpoint))
-        if self.dp_shard is not None and not isinstance(self.dp_shard, bool):
-            raise TypeError(
-                f"dp_shard must be True, False or None (chosen by the search), got "
-                f"{self.dp_shard!r}"
-            )
+        for flag in ("dp_shard", "offload"):
+            value = getattr(self, flag)
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(
+                    f"{flag} must be True, False or None (chosen by the search), got {value!r}"
+                )
         for name in ("chunks", "dp"):
             value = getattr(self, name)
             if value is not None and (
@@ -98,6 +103,11 @@ class Given:
     def shards(self) -> tuple[bool, ...]:
         """Whether to try replicas holding whole state, sharded state, or both."""
         return (False, True) if self.dp_shard is None else (self.dp_shard,)
+
+    def offloads(self) -> tuple[bool, ...] | None:
+        """Whether to try layouts without activation offload, or with it; None: the search's
+        choice (``offloads`` of :func:`~pipepar.planner.layout_search.search_layouts`)."""
+        return None if self.offload is None else (self.offload,)
 
     def schedules(self) -> list[str]:
         """The schedules to search: the one given, else every one."""
@@ -253,6 +263,7 @@ def _search(
             chunks=chunks,
             checkpoints=given.checkpoints(),
             shards=given.shards(),
+            offloads=given.offloads(),
             top=None if given.dp is not None else 1,
             runtime=runtime,
         )
@@ -321,10 +332,12 @@ def local_layout(
     checkpoint: str | None,
     runtime: RuntimeFit | None = None,
     rules: Rules | None = None,
+    offload: bool | None = None,
 ) -> Layout:
     """The layout of a pipe in this process over ``devices`` (one pipeline, ``dp=1``), the
-    model profiled where its parameters are; ``schedule``, ``chunks`` and ``checkpoint`` are
-    fixed where given (not None); steps predicted with the ``runtime`` fit where given.
+    model profiled where its parameters are; ``schedule``, ``chunks``, ``checkpoint`` and
+    ``offload`` are fixed where given (not None); steps predicted with the ``runtime`` fit
+    where given.
 
     Example:
         >>> layout = local_layout(model, torch.randn(32, 64), devices=["cpu", "cpu"],
@@ -333,7 +346,9 @@ def local_layout(
         2
     """
     name, chunks = given_schedule(schedule, chunks)
-    given = Given(schedule=name, chunks=chunks, checkpoint=checkpoint, dp=1, dp_shard=False)
+    given = Given(
+        schedule=name, chunks=chunks, checkpoint=checkpoint, dp=1, dp_shard=False, offload=offload
+    )
     count = _device_count(devices)
     resolved = resolve_devices(devices, count)
     if not resolved:
@@ -358,16 +373,16 @@ def local_layout(
 
 def pipe_arguments(
     layout: Layout, schedule: str | Schedule | None
-) -> tuple[list[int], int, str, str | Schedule]:
+) -> tuple[list[int], int, str, str | Schedule, bool]:
     """What a pipe in this process takes from a chosen ``layout``: its balance, chunks,
-    checkpoint and schedule; a :class:`Schedule` the caller gave stays as given (the layout
-    was searched with its name).
+    checkpoint, schedule and offload; a :class:`Schedule` the caller gave stays as given (the
+    layout was searched with its name).
 
     Example:
-        >>> balance, chunks, checkpoint, schedule = pipe_arguments(layout, None)
+        >>> balance, chunks, checkpoint, schedule, offload = pipe_arguments(layout, None)
     """
     chosen = schedule if isinstance(schedule, Schedule) else layout.schedule
-    return list(layout.balance), layout.chunks, layout.checkpoint, chosen
+    return list(layout.balance), layout.chunks, layout.checkpoint, chosen, layout.offload
 
 
 @contextlib.contextmanager

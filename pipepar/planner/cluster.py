@@ -96,6 +96,13 @@ class Cluster:
     memory_bandwidth: float | None = None
     """Bytes per second one device reads or writes in its own memory (None: unknown). A step
     prediction adds each micro-batch's parameter gradients into the sums with it."""
+    host: Link | None = None
+    """The copy between one device's memory and the host's, each way (activation offload
+    sends saved tensors over it and back): a GPU's PCIe link, its copies on a side stream
+    beside compute. None: the device's memory is the host's (the CPU), and a copy is a
+    ``memcpy`` on the worker at :attr:`memory_bandwidth`; offload frees no memory of the
+    machine there, so the layout search chooses it only where this is set (given
+    ``offload=True``, it is priced either way). Set it for a GPU cluster of your own."""
 
     def __post_init__(self) -> None:
         for label, value in (("devices_per_node", self.devices_per_node), ("nodes", self.nodes)):
@@ -155,6 +162,12 @@ def _check_positive(label: str, value: float, example: str) -> None:
 
 
 # -- presets -----------------------------------------------------------------------------------
+_PCIE = Link(bandwidth=20 * _GB, latency=10e-6)
+"""A GPU's copy to or from pinned host memory, each way: PCIe 4.0 x16 carries about 25 GB/s
+and 5.0 x16 about 50 GB/s in theory; copies of activations, many and of many sizes, reach
+less, so a round 20 GB/s (replace it with a measured link for exact predictions)."""
+
+
 def _h100x8() -> Cluster:
     """NVIDIA DGX H100: 8 x H100 SXM5 80GB; BF16 dense 989 TFLOP/s each (NVIDIA's datasheet,
     1,979 with sparsity), HBM3 at 3.35 TB/s; NVLink 4, 900 GB/s per GPU both directions
@@ -170,6 +183,7 @@ def _h100x8() -> Cluster:
         intra=Link(bandwidth=450 * _GB, latency=10e-6),
         inter=Link(bandwidth=50 * _GB, latency=20e-6),
         memory_bandwidth=3350 * _GB,
+        host=_PCIE,
     )
 
 
@@ -200,6 +214,7 @@ def _a100x8() -> Cluster:
         intra=Link(bandwidth=300 * _GB, latency=10e-6),
         inter=Link(bandwidth=25 * _GB, latency=20e-6),
         memory_bandwidth=2039 * _GB,
+        host=_PCIE,
     )
 
 
@@ -290,6 +305,7 @@ def measure_local(device: str | torch.device = "cpu", *, seconds: float = 1.0) -
             device=props.name,
             devices_per_node=torch.cuda.device_count(),
             memory_bytes=int(props.total_memory),
+            host=_PCIE,
         )
     return replace(
         base,

@@ -2,7 +2,8 @@
 
 Pipeline degree ``pp`` (devices per pipeline), data-parallel degree ``dp`` (replicas of it),
 whether each stage's state is sharded over the replicas (``dp_shard``), schedule,
-micro-batches, recompute and balance, with the predicted step and memory. It is data:
+micro-batches, recompute, activation offload and balance, with the predicted step and
+memory. It is data:
 the search makes it, :mod:`pipepar.render.layout_table` draws a ranking of them, and its
 :attr:`Layout.plan` is the plan of one replica that ``pipepar.report`` shows.
 
@@ -76,6 +77,10 @@ class Layout:
     """Each stage's parameters, gradients and optimizer state sharded over its ``dp``
     replicas (``pipepar.distributed.wrap(..., dp=dp, dp_shard=True)``): weights all-gathered
     for the step, gradients reduce-scattered; False: replicated (all-reduced)."""
+    offload: bool = False
+    """Activation offload (``pipepar.wrap(..., offload=True)``): what each micro-batch's
+    forward saves goes to host memory until shortly before its backward. Its memory and its
+    copies are in :attr:`peak_bytes` and :attr:`step_ms`."""
 
     @property
     def bubble(self) -> float:
@@ -89,6 +94,7 @@ class Layout:
             "pp": self.pp,
             "dp": self.dp,
             "dp_shard": self.dp_shard,
+            "offload": self.offload,
             "schedule": self.schedule,
             "chunks": self.chunks,
             "checkpoint": self.checkpoint,
@@ -106,9 +112,10 @@ class Layout:
 
     def __str__(self) -> str:
         shard = " sharded" if self.dp_shard else ""
+        offload = " offload" if self.offload else ""
         return (
             f"pp={self.pp} dp={self.dp}{shard} {self.schedule} M={self.chunks} "
-            f"recompute={self.checkpoint}: {self.step_ms / 1e3:.3g} s/step, "
+            f"recompute={self.checkpoint}{offload}: {self.step_ms / 1e3:.3g} s/step, "
             f"{self.throughput:.3g} rows/s, bubble {self.bubble:.0%}, peak "
             f"{format_bytes(max(self.peak_bytes))} of {format_bytes(self.capacity_bytes)}"
         )

@@ -1,5 +1,5 @@
 """Choose the whole layout: pipeline and data-parallel degrees, schedule, micro-batches,
-recompute and balance, ranked by predicted throughput.
+recompute, activation offload and balance, ranked by predicted throughput.
 
 For ``N`` devices and a global batch of ``G`` rows, every ``N = pp x dp`` is a candidate: ``dp``
 replicas of a pipeline over ``pp`` devices, each replica taking ``G / dp`` rows per step. With
@@ -36,6 +36,16 @@ How it prunes (``pp`` devices per pipeline):
   frugal one did not fit. Rows that ``M`` does not divide round the micro-batch up, and
   recomputing puts a forward's work space in the backward, so these are not proofs.
 
+Activation offload (``offloads``) is one more choice per layout: a (``pp``, schedule, ``M``,
+recompute) that does not fit is tried again with offload, its memory from
+:class:`~pipepar.planner.stage_memory.MemoryModel` with ``offload=True`` and its step with the
+copies' cost (:mod:`pipepar.planner.offload_time`); one that fits is not (offload only adds
+copies). For the prunes above, a layout fits if it does with or without offload; once an
+``M`` fits only with offload, smaller ones are tried with offload only. Left to the search
+(``offloads=None``), offload is tried only on devices with memory of their own
+(``cluster.host`` set): on the CPU the host memory is the devices' memory, and a fit by
+offload would be a fit on paper only.
+
 Schedules are built once per (``pp``, schedule, ``M``) and shared by the recompute policies.
 
     >>> layouts = search_layouts(prof, devices=64, batch=512, cluster="h100x8",
@@ -69,6 +79,7 @@ from pipepar.planner.search_inputs import (
     check_choices,
     check_count,
     check_counts,
+    check_offloads,
     check_shards,
     search_cluster,
     search_profile,
@@ -107,6 +118,7 @@ def search_layouts(
     profile_device: str = "meta",
     shards: Sequence[bool] = (False, True),
     runtime: RuntimeFit | None = None,
+    offloads: Sequence[bool] | None = None,
 ) -> list[Layout]:
     """The fastest layouts of the model on ``devices`` devices that fit, fastest first.
 
@@ -136,6 +148,13 @@ def search_layouts(
             :func:`~pipepar.planner.step_time.predict_step` takes it (fitted to measured
             steps by :func:`pipepar.planner.calibrate.fit_runtime`); None: the profile's
             times as they are.
+        offloads: whether to try layouts without activation offload (``False``) and with
+            it (``True``, ``pipepar.wrap(..., offload=True)``); one with offload is tried
+            only where the same layout without it does not fit. None (the search's choice):
+            both where the devices have memory of their own (``cluster.host`` set, a GPU's),
+            none with offload where their memory is the host's (the CPU: offload there
+            frees torch's allocator, not the machine, so its fit would be false); pass
+            ``(True,)`` or ``(False, True)`` to price it there all the same.
 
     Returns:
         Up to ``top`` :class:`Layout` s, by throughput, fastest first.
@@ -151,6 +170,7 @@ def search_layouts(
     """
     n = check_count("devices", devices, "e.g. devices=8")
     rows = check_count("batch", batch, "e.g. batch=512 rows")
+    machines = search_cluster(cluster, n)
     options = _Options(
         schedules=check_choices("schedules", schedules, NAMES),
         chunks=sorted(set(check_counts("chunks", chunks)), reverse=True),
@@ -160,8 +180,8 @@ def search_layouts(
         top=None if top is None else check_count("top", top, "e.g. top=10, or None for all"),
         shards=check_shards(shards),
         runtime=runtime,
+        offloads=check_offloads(offloads, machines),
     )
-    machines = search_cluster(cluster, n)
     cap = machines.memory_bytes if capacity is None else parse_bytes(capacity, name="capacity")
     prof, counted, runs = search_profile(
         model_or_profile,
@@ -187,6 +207,7 @@ class _Options:
     top: int | None
     shards: list[bool]  # replicated (False) and/or sharded (True), for dp >= 2
     runtime: RuntimeFit | None
+    offloads: list[bool]  # without offload (False) first, then with it (True)
 
 
 @dataclass(frozen=True)
@@ -300,20 +321,36 @@ class _Search:
         """Micro-batch counts above ``misfit`` from the largest down, until one does not fit
         (fewer hold more rows at once); the most that did not fit, or ``misfit``."""
         counts = [m for m in self._chunk_counts(shape) if m > misfit]
+        offloads = self.options.offloads
         for m in counts:
-            memory = MemoryModel(
-                shape.profile,
-                self._schedule(name, shape.pp, m),
-                checkpoint=checkpoint,
-                foreach=[t.foreach for t in shape.targets],
-            )
-            found = fit(shape.profile, memory, shape.targets)
-            if found is None:
+            fitting = self._fit(shape, self._schedule(name, shape.pp, m), checkpoint, offloads)
+            if fitting is None:
                 return m
+            found, offload = fitting
+            if offload:  # nor does a smaller M fit without offload
+                offloads = [True]
             # a step at least as long as its busiest device cannot make the top otherwise
             if _busy_bound(found, self.options.runtime) <= self._threshold():
-                self._keep(self._layout(shape, found))
+                self._keep(self._layout(shape, found, offload))
         return misfit
+
+    def _fit(
+        self, shape: _Shape, order: Schedule, checkpoint: str, offloads: list[bool]
+    ) -> tuple[Plan, bool] | None:
+        """The plan of ``order`` that fits, and whether it offloads: without offload where it
+        fits so (offload only adds copies), else with it (of ``offloads``); None if neither."""
+        for offload in offloads:
+            memory = MemoryModel(
+                shape.profile,
+                order,
+                checkpoint=checkpoint,
+                foreach=[t.foreach for t in shape.targets],
+                offload=offload,
+            )
+            found = fit(shape.profile, memory, shape.targets)
+            if found is not None:
+                return found, offload
+        return None
 
     def _chunk_counts(self, shape: _Shape) -> list[int]:
         """The micro-batch counts to try for a replica, largest first."""
@@ -326,7 +363,7 @@ class _Search:
         return self.schedules[key]
 
     def _predict(
-        self, shape: _Shape, order: Schedule, balance: list[int], checkpoint: str
+        self, shape: _Shape, order: Schedule, balance: list[int], checkpoint: str, offload: bool
     ) -> StepPrediction:
         return predict_step(
             shape.timing,
@@ -339,11 +376,12 @@ class _Search:
             flops=shape.flops,
             dp_shard=shape.shard,
             runtime=self.options.runtime,
+            offload=offload,
         )
 
-    def _layout(self, shape: _Shape, found: Plan) -> Layout:
+    def _layout(self, shape: _Shape, found: Plan, offload: bool) -> Layout:
         order = self.schedules[(found.schedule, shape.pp, found.chunks)]
-        pred = self._predict(shape, order, found.balance, found.checkpoint)
+        pred = self._predict(shape, order, found.balance, found.checkpoint, offload)
         peaks = {s.worker: s.device_peak_bytes for s in found.stages}
         return Layout(
             pp=shape.pp,
@@ -360,6 +398,7 @@ class _Search:
             prediction=pred,
             plan=replace(found, prediction=pred),
             dp_shard=shape.shard,
+            offload=offload,
         )
 
     # -- ranking ------------------------------------------------------------------------------
@@ -371,10 +410,11 @@ class _Search:
             del self.kept[self.options.top :]
 
     def _rank(self, x: Layout) -> tuple[Any, ...]:
-        """Fastest first; then the least memory, the shortest pipeline, the order given,
-        replicated before sharded."""
+        """Fastest first; then without offload before with it, the least memory, the shortest
+        pipeline, the order given, replicated before sharded."""
         return (
             x.step_ms,
+            x.offload,
             max(x.peak_bytes),
             x.pp,
             self.options.schedules.index(x.schedule),
@@ -407,6 +447,8 @@ class _Search:
             f"batch of {self.rows} rows"
         )
         fixes = "use larger or more devices, a smaller batch, or an optimizer with less state"
+        if self.cluster.host is None and True not in self.options.offloads:
+            fixes += " (activation offload is not tried: these devices' memory is the host's)"
         least = self._least_needed()
         if least is None:
             return f"{what}: {'; '.join(self.skipped) or 'nothing to try'}; {fixes}"
@@ -416,13 +458,15 @@ class _Search:
             f"{what}: the least any needs is about {format_bytes(need)} per device (pp="
             f"{shape.pp}, dp={shape.dp}{' sharded' if shape.shard else ''}, {order.name}, "
             f"{order.n_microbatches} micro-batches, "
-            f"checkpoint={memory.checkpoint!r}), {format_bytes(need - self.capacity)} more; "
+            f"checkpoint={memory.checkpoint!r}{', offload' if memory.offload else ''}), "
+            f"{format_bytes(need - self.capacity)} more; "
             f"{fixes}"
         )
 
     def _least_needed(self) -> tuple[int, _Shape, MemoryModel] | None:
         """About the least capacity a layout needs: with the schedule that holds the least
-        (1F1B, of those searched), the most micro-batches and the most frugal recompute. Each
+        (1F1B, of those searched), the most micro-batches, the most frugal recompute and
+        offload where it may be tried. Each
         ``pp`` costs a search of its own, so they go from the least parameter bytes per
         device (a lower bound of the need) up, while that bound is below the least found."""
         name = next(n for n in _LEAN if n in self.options.schedules)
@@ -437,7 +481,11 @@ class _Search:
             order = self._schedule(name, pp, self._chunk_counts(shape)[0])
             foreach = [t.foreach for t in shape.targets]
             memory = MemoryModel(
-                shape.profile, order, checkpoint=self.options.checkpoints[-1], foreach=foreach
+                shape.profile,
+                order,
+                checkpoint=self.options.checkpoints[-1],
+                foreach=foreach,
+                offload=self.options.offloads[-1],
             )
             need = _needed(memory, foreach[0])
             if best is None or need < best[0]:

@@ -30,6 +30,7 @@ __all__ = [
     "check_choices",
     "check_count",
     "check_counts",
+    "check_offloads",
     "check_shards",
     "search_cluster",
     "search_profile",
@@ -161,14 +162,38 @@ def check_shards(values: object) -> list[bool]:
         >>> check_shards((False, True))
         [False, True]
     """
+    return _check_bools(
+        "shards", values, "(False, True) to try replicated and sharded data parallelism, "
+        "(False,) for replicated only", "True (sharded) or False (replicated)",
+    )  # fmt: skip
+
+
+def check_offloads(values: object, cluster: Cluster) -> list[bool]:
+    """A non-empty sequence of ``False`` (no activation offload) and ``True`` (offload),
+    without repeats, ``False`` first (the search tries offload where that does not fit).
+
+    ``None`` is the search's own choice: offload is tried only where the devices have memory
+    of their own (``cluster.host`` is a link, as on a GPU). Where the devices' memory is the
+    host's (``host=None``, the CPU), offload moves saved tensors out of torch's allocator but
+    not out of the machine, so a layout fitting only with it would fit on paper alone: the
+    search does not try it unless asked for (``(True,)`` or ``(False, True)`` given).
+
+    Example:
+        >>> check_offloads((True, False), Cluster.named("cpu"))
+        [False, True]
+        >>> [check_offloads(None, Cluster.named(name)) for name in ("cpu", "h100x8")]
+        [[False], [False, True]]
+    """
+    if values is None:
+        return [False] if cluster.host is None else [False, True]
+    example = "(False, True) to try offload where a layout does not fit without it"
+    return sorted(_check_bools("offloads", values, example, "True (offload) or False (none)"))
+
+
+def _check_bools(name: str, values: object, example: str, meaning: str) -> list[bool]:
     if isinstance(values, (str, bool)) or not isinstance(values, Sequence) or not values:
-        raise TypeError(
-            f"shards must be a non-empty list of bools, got {values!r}; e.g. (False, True) to "
-            "try replicated and sharded data parallelism, (False,) for replicated only"
-        )
+        raise TypeError(f"{name} must be a non-empty list of bools, got {values!r}; e.g. {example}")
     for i, v in enumerate(values):
         if not isinstance(v, bool):
-            raise TypeError(
-                f"shards[{i}] is {v!r}, not a bool; pass True (sharded) or False (replicated)"
-            )
+            raise TypeError(f"{name}[{i}] is {v!r}, not a bool; pass {meaning}")
     return list(dict.fromkeys(values))

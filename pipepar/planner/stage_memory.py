@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
 
+from pipepar.core.offload import MIN_BYTES
 from pipepar.core.offload_plan import plan_offload
 from pipepar.core.schedule import Schedule
 from pipepar.core.step import LARGE_MATRIX
@@ -263,7 +264,7 @@ class MemoryModel:
             self._new_grad_upto.append(last)
 
     def _build_storages(self, prof: Profile, n: int) -> None:
-        saved, freed = [0] * n, [0] * n
+        saved, freed, small = [0] * n, [0] * n, [0] * n
         entering = [0] * (n + 2)  # difference array: bytes entering layer a (its input)
         self._unsaved_out: list[list[tuple[int, int]]] = [[] for _ in range(n)]
         self._kept_out = [0] * n  # saved by layer b and part of its output: lives on
@@ -275,6 +276,8 @@ class MemoryModel:
                     input_saver[j] = min(input_saver[j], s.first_saver)
             if s.saved and s.creator >= 0:
                 saved[s.creator] += s.nbytes
+                if s.nbytes * self.scale < MIN_BYTES:  # offload leaves it on the device
+                    small[s.creator] += s.nbytes
             if s.first_saver is not None and s.creator >= 0:
                 freed[s.first_saver] += s.nbytes
                 if s.last_output is not None and s.last_output >= s.first_saver:
@@ -287,6 +290,7 @@ class MemoryModel:
                     for b in range(s.creator, min(s.last_output, n - 1) + 1):
                         self._unsaved_out[b].append((s.creator, s.nbytes))
         self._saved = _prefix(saved)
+        self._small = _prefix(small)
         self._freed = _prefix(freed)
         # The direct products' saved inputs, at the layer whose backward would free them.
         self._saved_at = [0] * n
@@ -298,12 +302,14 @@ class MemoryModel:
     # -- figures ------------------------------------------------------------------------------
     def held(self, a: int, b: int) -> tuple[int, int, int]:
         """(whole, checkpointed, offloaded) bytes one whole-batch "micro-batch" keeps on stage
-        a..b: everything; its input; its input and output (what offload leaves)."""
+        a..b: everything; its input; what offload leaves: its input and output, and saved
+        tensors too small to send (a micro-batch's share under ``MIN_BYTES``)."""
         stage_input = self._input[a]
         inside = self._saved[b + 1] - self._saved[a]
         output = sum(nbytes for creator, nbytes in self._unsaved_out[b] if creator >= a)
-        out = self._out[b]
-        return stage_input + inside + output, stage_input, stage_input + min(out, inside + output)
+        out, small = self._out[b], self._small[b + 1] - self._small[a]
+        away = stage_input + min(out + small, inside + output)
+        return stage_input + inside + output, stage_input, away
 
     def figures(self, a: int, b: int) -> Figures:
         """The figures of a stage holding layers ``a..b`` (inclusive), per micro-batch."""

@@ -56,6 +56,9 @@ What the model assumes:
   ``action_ms``, a recompute ``scale x recompute_scale`` x the forward: workers slowing each
   other, the runtime's own work per action, checkpointing's bookkeeping. Without it the
   actions take the profile's times, which on a shared host predicts short.
+- **Offload** (``offload=True``): the copies of saved activations to host memory and back
+  (:mod:`pipepar.planner.offload_time`): on a GPU only the part a copy takes beyond the
+  action it runs beside; on the CPU every copy, on the worker.
 - Not counted: the optimizer step, a loss computed outside the model, sums of weights tied
   across stages, the all-reduce's buckets (one message per stage here), links shared by
   concurrent collectives, the re-shard after the step (it frees memory, moves nothing).
@@ -83,6 +86,7 @@ from pipepar.core.schedule import Action, Schedule, timed
 from pipepar.planner.action_costs import StepModel
 from pipepar.planner.cluster import Cluster
 from pipepar.planner.dp_comm import position, reduce_spans, ring_ms
+from pipepar.planner.offload_time import offload_ms, sent_bytes
 from pipepar.planner.predicted_actions import PredictedAction
 from pipepar.planner.profile import Profile
 from pipepar.planner.runtime_fit import RuntimeFit, check_runtime
@@ -194,6 +198,7 @@ def predict_step(
     weight_share: float = 0.5,
     dp_shard: bool = False,
     runtime: RuntimeFit | None = None,
+    offload: bool = False,
 ) -> StepPrediction:
     """Predict the time of one training step of ``profile`` split by ``balance``.
 
@@ -217,6 +222,9 @@ def predict_step(
             (:class:`~pipepar.planner.runtime_fit.RuntimeFit`, fitted by
             :func:`~pipepar.planner.calibrate.fit_runtime`); default: nothing, the profile's
             times as they are.
+        offload: activation offload runs (``pipepar.wrap(..., offload=True)``): its copies
+            to host memory and back, where they do not run beside compute, lengthen the
+            actions (:mod:`pipepar.planner.offload_time`).
 
     Returns:
         The :class:`StepPrediction`.
@@ -255,6 +263,14 @@ def predict_step(
         runtime=runtime,
         memory_bandwidth=machines.memory_bandwidth,
     )
+    if validation.check_offload(offload):
+        model.extra = offload_ms(
+            order,
+            sent_bytes(profile, order, stage_layers, checkpoint),
+            checkpoint=checkpoint,
+            cost=lambda a: model.own(a, order.splits_backward(a.stage, a.microbatch)),
+            cluster=machines,
+        )
     return _predict(model, machines, dp, dp_shard, "measured" if flops is None else "flops")
 
 

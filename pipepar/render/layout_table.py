@@ -96,7 +96,7 @@ def render_layouts(layouts: Sequence[Layout], *, width: int = 160, color: bool =
             x.schedule,
             str(x.chunks),
             str(x.plan.micro_batch_rows),
-            x.checkpoint,
+            x.checkpoint + (", offload" if x.offload else ""),
             balance_text(x.balance, most=6),
             duration_text(x.step_ms),
             f"{x.throughput:.4g}",

@@ -32,12 +32,25 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(ROWS, WIDTH, generator=g), torch.randn(ROWS, WIDTH, generator=g)
 
 
-def _one_step(make: Any, *, meta: bool = False, **kwargs: Any) -> dict[str, Any]:
+def _wide() -> nn.Sequential:
+    """Activations of 128 KiB per micro-batch of 8 (offload sends them) on 2048 rows."""
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(128, 128), nn.GELU())])
+
+
+def _wide_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(2048, 128, generator=g), torch.randn(2048, 128, generator=g)
+
+
+def _one_step(
+    make: Any, *, meta: bool = False, batch: Any = _batch, **kwargs: Any
+) -> dict[str, Any]:
     """Wrap by plan="auto" on this rank, step on this replica's rows of the global batch;
     the layout and the step's differences from the plain model."""
     import torch.distributed as dist
 
-    x, y = _batch()
+    x, y = batch()
     plain = make()
     if meta:
         with torch.device("meta"):
@@ -66,6 +79,7 @@ def _one_step(make: Any, *, meta: bool = False, **kwargs: Any) -> dict[str, Any]
         "layout": layout.to_dict(),
         "pipe": (pipe.chunks, pipe.checkpoint, getattr(pipe.schedule, "name", pipe.schedule)),
         "dp_shard": pipe.dp_shard,
+        "offload": pipe.offload,
         "loss_error": abs(float(loss) - ref.item()),
         "grad_error": grad_error,
     }
@@ -78,13 +92,24 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _refused_everywhere() -> str:
-    """Nothing fits 1 KiB: rank 0's error, raised on every rank."""
+def _refused_everywhere(make: Any = _sequential, batch: Any = _batch, **kwargs: Any) -> str:
+    """Nothing fits (1 KiB by default): rank 0's error, raised on every rank."""
+    kwargs = {"capacity": "1KiB", **kwargs}
     try:
-        ppd.wrap(_sequential(), plan="auto", sample=_batch()[0], capacity="1KiB")
+        ppd.wrap(make(), plan="auto", sample=batch()[0], **kwargs)
     except ValueError as error:
         return str(error)
     return "no error"
+
+
+OFFLOADED = {
+    "dp": 1,
+    "capacity": 4_500_000,
+    "schedule": "gpipe",
+    "chunks": 8,
+    "checkpoint": "never",
+}
+"""5.7 MB per device without offload, 3.3 MB with it: only offload fits."""
 
 
 def _cases(rank: int) -> dict[str, Any]:
@@ -96,21 +121,26 @@ def _cases(rank: int) -> dict[str, Any]:
         "meta": _one_step(_sequential, meta=True),
         "residual": _one_step(_residual, dp=1),
         "fitted": _one_step(_sequential, dp=1, runtime=RuntimeFit(action_ms=1e3)),
+        # asked for: the CPU ranks' memory is the host's, so the search would not choose it
+        "offload": _one_step(_wide, batch=_wide_batch, offload=True, **OFFLOADED),
         "refused": _refused_everywhere(),
+        "not offloaded": _refused_everywhere(_wide, _wide_batch, **OFFLOADED),
     }
 
 
 @pytest.mark.slow
 def test_every_rank_builds_rank_0s_layout_and_a_step_equals_the_plain_model() -> None:
     got = spawn(WORLD, _cases, timeout=240)
-    for case in ("free", "dp=2", "sharded", "dp=1", "meta", "residual", "fitted"):
+    for case in ("free", "dp=2", "sharded", "dp=1", "meta", "residual", "fitted", "offload"):
         first = got[0][case]
         layout = first["layout"]
         assert all(got[r][case]["layout"] == layout for r in got), case  # all ranks agree
-        assert layout["pp"] * layout["dp"] == WORLD and layout["rows"] * layout["dp"] == ROWS
+        rows = 2048 if case == "offload" else ROWS
+        assert layout["pp"] * layout["dp"] == WORLD and layout["rows"] * layout["dp"] == rows
         assert sum(layout["balance"]) == (8 if case != "residual" else 5), case
         assert first["pipe"] == (layout["chunks"], layout["checkpoint"], layout["schedule"])
         assert first["dp_shard"] == layout["dp_shard"], case
+        assert all(got[r][case]["offload"] == layout["offload"] for r in got), case
         for r in got:
             assert got[r][case]["loss_error"] < 1e-5, (case, r)
             assert got[r][case]["grad_error"] < 1e-5, (case, r)
@@ -118,6 +148,8 @@ def test_every_rank_builds_rank_0s_layout_and_a_step_equals_the_plain_model() ->
     fixed = got[0]["dp=1"]["layout"]
     assert (fixed["dp"], fixed["schedule"], fixed["checkpoint"]) == (1, "1f1b", "always")
     assert got[0]["residual"]["layout"]["dp"] == 1
+    assert got[0]["offload"]["layout"]["offload"]  # as asked
+    assert not any(got[0][case]["layout"]["offload"] for case in ("free", "dp=1", "fitted"))
     fitted = got[0]["fitted"]["layout"]  # a second per action: as few micro-batches as can be
     assert fitted["chunks"] == 1 and fitted["step_ms"] > 2e3
     sharded = got[0]["sharded"]["layout"]  # dp_shard=True: only sharded layouts, so dp=2
@@ -125,6 +157,9 @@ def test_every_rank_builds_rank_0s_layout_and_a_step_equals_the_plain_model() ->
     assert got[0]["refused"].startswith("no layout fits 2 devices of 1.0 KiB")
     assert got[1]["refused"].startswith("group rank 0, which chooses the layout for every")
     assert "no layout fits" in got[1]["refused"]
+    for r in got:  # offload unset on CPU ranks: never chosen, so nothing fits 4.5 MB
+        assert "no layout fits" in got[r]["not offloaded"], r
+        assert "offload is not tried" in got[r]["not offloaded"], r
 
 
 @pytest.mark.parametrize(

@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 import pipepar
-from pipepar.core import offload_plan
 from pipepar.core.named_schedules import NAMES, VIRTUAL
 from pipepar.core.offload import MIN_BYTES
 from pipepar.core.offload_plan import Offloader
@@ -75,20 +74,6 @@ def test_offload_with_recompute_and_in_evaluation() -> None:
         assert _equal(_step(pipe, x, y), kept)
     with torch.no_grad():  # nothing is saved, nothing sent
         assert torch.equal(pipe.eval()(x), _chain(0.1).eval()(x))
-
-
-@pytest.fixture
-def offloaders(monkeypatch: pytest.MonkeyPatch) -> list[Offloader]:
-    """The Offloaders the pipes make (to read what they moved)."""
-    made: list[Offloader] = []
-    init = Offloader.__init__
-
-    def record(self: Offloader, *args: object, **kwargs: object) -> None:
-        init(self, *args, **kwargs)  # type: ignore[arg-type]
-        made.append(self)
-
-    monkeypatch.setattr(offload_plan.Offloader, "__init__", record)
-    return made
 
 
 def test_a_model_cut_while_it_runs_steps_as_without_offload(offloaders: list[Offloader]) -> None:

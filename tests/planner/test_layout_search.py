@@ -134,7 +134,10 @@ def test_search_finds_what_brute_force_finds(capacity: int) -> None:
     brute = _brute_force(capacity)
     assert brute, "the case must have layouts that fit"
     prof, flops = _profile(_mlp(), 8)  # scaled to each replica's rows by the search
-    options = dict(devices=4, batch=64, cluster=SLOW, capacity=capacity, flops=flops)
+    # brute force plans without activation offload (pipepar.plan has no offload)
+    options = dict(
+        devices=4, batch=64, cluster=SLOW, capacity=capacity, flops=flops, offloads=(False,)
+    )
     replicated = pipepar.search_layouts(prof, **options, top=None, shards=(False,))  # type: ignore[arg-type]
     assert {_key(x): x.step_ms for x in replicated} == pytest.approx(
         {(pp, name, m, c, shard): step for step, pp, name, m, c, shard in brute if not shard}
@@ -158,8 +161,9 @@ def test_the_brute_force_optimum_is_sharded_at_some_capacities() -> None:
     assert brute[0][-1] is True and any(not shard for *_, shard in brute)
     prof, flops = _profile(_mlp(), 8)
     best = pipepar.search_layouts(
-        prof, devices=4, batch=64, cluster=SLOW, capacity=45_000, flops=flops, top=1
-    )[0]
+        prof, devices=4, batch=64, cluster=SLOW, capacity=45_000, flops=flops, top=1,
+        offloads=(False,),
+    )[0]  # fmt: skip
     assert best.dp_shard and _key(best) == (*brute[0][1:5], True)
     assert best.step_ms == pytest.approx(brute[0][0]) and best.prediction.dp_shard
 
@@ -386,6 +390,25 @@ def test_cli_searches_a_model_that_is_not_a_transformer(
     assert code == 0, err
     assert "Layouts, fastest first (4 devices of 1.0 GiB, 32 rows per step, a100x8)" in out
     assert "Predicted pipeline timeline" in page.read_text()
+
+
+def test_cli_search_offload_yes_offloads_every_layout(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    js = tmp_path / "layouts.json"
+    options = ["--capacity", "1GiB", "--cluster", "h100x8", "--batch", "16", "--top", "2"]
+    code, out, err = _run(capsys, *GPT2, *options, "--offload", "yes", "--json", str(js))
+    assert code == 0, err
+    assert all(row["offload"] for row in json.loads(js.read_text())["layouts"])
+    assert "offload" in out
+    code, out, err = _run(capsys, *GPT2, *options, "--offload", "no", "--json", str(js))
+    assert code == 0, err
+    assert not any(row["offload"] for row in json.loads(js.read_text())["layouts"])
+    on_cpus = [*options[:2], "--cluster", "cpu", *options[4:]]  # asked for: priced there too
+    code, out, err = _run(capsys, *GPT2, *on_cpus, "--offload", "yes", "--json", str(js))
+    assert code == 0, err
+    assert all(row["offload"] for row in json.loads(js.read_text())["layouts"])
+    assert _run(capsys, *GPT2, "--offload", "no")[0] == 2  # not a layout search
 
 
 def test_cli_search_with_nothing_fitting_exits_1(capsys: pytest.CaptureFixture[str]) -> None:

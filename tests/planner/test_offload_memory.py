@@ -11,6 +11,7 @@ from torch import nn
 
 import pipepar
 from pipepar.core.named_schedules import make
+from pipepar.core.offload import MIN_BYTES
 from pipepar.planner.measure import measure_device
 from pipepar.planner.stage_memory import MemoryModel
 
@@ -40,3 +41,22 @@ def test_predicted_peaks_with_offload_follow_the_measured_ones(
         got = measure_device(model, x, balance, device=w, chunks=8, schedule=schedule, offload=True)
         assert -0.01 <= predicted[True][w] / got - 1 <= over, (w, predicted[True][w], got)
     assert predicted[True][0] < predicted[False][0]  # the first device holds less
+
+
+def test_tensors_too_small_to_send_stay_in_the_prediction() -> None:
+    """Saved tensors under offload's MIN_BYTES stay on the device (their copy would cost more
+    than it frees): here every one, so offload changes neither peak."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.GELU())])
+    x = torch.randn(1024, 32)
+    assert MIN_BYTES > 1024 // 8 * 32 * 4  # a micro-batch's tensor
+    prof = pipepar.profile(model, x, device="meta", optimizer="adam")
+    memory = MemoryModel(
+        prof, make("gpipe", 2, 8, n_workers=2), checkpoint="never", foreach=[False] * 2,
+        offload=True,
+    )  # fmt: skip
+    for w, layers in enumerate([(0, 3), (4, 7)]):
+        predicted = sum(p.peak_bytes for p in memory.device(w, [layers]))
+        got = measure_device(model, x, [4, 4], device=w, chunks=8, schedule="gpipe", offload=True)
+        kept = measure_device(model, x, [4, 4], device=w, chunks=8, schedule="gpipe")
+        assert got == kept and predicted == pytest.approx(got, rel=0.01), (w, predicted, got)
