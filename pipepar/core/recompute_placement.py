@@ -21,8 +21,9 @@ This module only reorders a list; what ``R`` computes is :meth:`pipepar.core.ste
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 
+from pipepar.core.action_times import Cost
 from pipepar.core.recompute import should_checkpoint
 from pipepar.core.schedule import Action, Schedule, timed, unit_costs
 
@@ -33,6 +34,7 @@ __all__ = [
     "checkpointed",
     "place_recomputes",
     "placed_for",
+    "places_recomputes",
     "refuse_rebuilds",
     "without_rebuilds",
 ]
@@ -41,7 +43,6 @@ PLACEMENTS = ("in_place", "bubbles")
 """``recompute=`` of ``wrap``: inside ``B`` (``"in_place"``), or as ``R`` actions placed by
 :func:`place_recomputes` (``"bubbles"``)."""
 
-Cost = Callable[[Action, bool], float]
 _EPS = 1e-9
 
 
@@ -75,9 +76,21 @@ def placed_for(
     if _lists_rebuilds(schedule):
         check_rebuilds(schedule, checkpoint)
         return schedule
-    if recompute != "bubbles":
+    if not places_recomputes(schedule, recompute):
         return schedule
     return place_recomputes(schedule, checkpointed(schedule, checkpoint), cost=cost)
+
+
+def places_recomputes(schedule: Schedule, recompute: str) -> bool:
+    """Whether :func:`placed_for` places ``schedule``'s recomputes (on the costs it is given),
+    rather than running it as it is.
+
+    Example:
+        >>> from pipepar.core.named_schedules import one_f_one_b
+        >>> places_recomputes(one_f_one_b(2, 2), "bubbles")
+        True
+    """
+    return recompute == "bubbles" and not _lists_rebuilds(schedule)
 
 
 def checkpointed(schedule: Schedule, mode: str) -> set[tuple[int, int]]:

@@ -97,6 +97,7 @@ class RankChain:
             recompute=ctx.recompute,
             on_final=self._sync.ready,
             offload=ctx.offload,
+            asked=ctx.asked,
         )
 
     # -- running --------------------------------------------------------------------------------
@@ -134,6 +135,7 @@ class RankChain:
                 same_inputs()
             loss = None if loss_sum is None else loss_sum.float().reshape(1)
             self._sync.finish(extra=loss)  # buckets were posted as their stages finished
+        self._ctx.schedule = self._runtime.full  # placed again once the stages are timed
         return self._share_loss(loss)
 
     def _replica_mean(self, loss: Tensor) -> Tensor:

@@ -154,9 +154,10 @@ class DistributedPipe(nn.Module):
         self._guarded = Guard(self, self.mesh, self.close)
         context = PipeContext(
             self, self.mesh, self.schedule, self.device, self.chunks, self.checkpoint, self.dp,
-            self.dp_shard, self._guarded, self.recompute, self.offload,
+            self.dp_shard, self._guarded, self.recompute, self.offload, self._asked,
         )  # fmt: skip
         compute.build(context, state_dict, routes)
+        self._context = context
 
     def _configure(
         self,
@@ -209,21 +210,30 @@ class DistributedPipe(nn.Module):
         self.checkpoint: str = checkpoint or compute.default_checkpoint
         self.balance: list[int] = list(compute.sizes)
         """Units (an ``nn.Sequential``'s layers) per stage, of the whole pipeline."""
-        self.schedule = check_schedule(schedule, len(self.balance), self.chunks)
+        self._schedule = self._asked = check_schedule(schedule, len(self.balance), self.chunks)
         ensure_process_group()
         self.dp = check_grid(
-            dist.get_world_size(group), self.schedule.n_workers, dp, n_stages=len(self.balance)
+            dist.get_world_size(group), self._schedule.n_workers, dp, n_stages=len(self.balance)
         )
         return compute
 
     def _place_recomputes(self, recompute: str) -> None:
         """``recompute=``, checked; the schedule every rank runs with its recomputes placed
-        (the same on every rank: the placement is a function of the schedule)."""
+        on unit costs (the same on every rank: the placement is a function of the schedule;
+        the compute places them again on the stages' times, shared by every rank)."""
         self.recompute = check_placement(recompute, self.checkpoint)
         if isinstance(self._compute, RankChain):
-            self.schedule = placed_for(self.schedule, self.recompute, self.checkpoint)
+            self._schedule = placed_for(self._asked, self.recompute, self.checkpoint)
         else:
-            refuse_rebuilds(self.schedule, self.recompute)
+            refuse_rebuilds(self._asked, self.recompute)
+
+    @property
+    def schedule(self) -> Schedule:
+        """What every rank of the pipeline runs for a full mini-batch; with
+        ``recompute="bubbles"``, its recomputes placed on the stages' times measured in the
+        second training step, from the third on (:mod:`pipepar.ranks.shared_times`)."""
+        context: PipeContext | None = self.__dict__.get("_context")
+        return self._schedule if context is None else context.schedule
 
     # -- grid position ------------------------------------------------------------------------
     @property

@@ -28,7 +28,8 @@ class PipeContext:
     Args:
         module: the pipe (an ``nn.Module``): the compute adds this rank's modules to it.
         mesh: the rank's position in the pp x dp grid, its groups and progress.
-        schedule: what every rank of the pipeline runs.
+        schedule: what every rank of the pipeline runs for a full mini-batch (with
+            ``recompute="bubbles"``, the compute places it again once the stages are timed).
         device: this rank's device.
         chunks: micro-batches per mini-batch.
         checkpoint: which micro-batches recompute (``"always"``, ``"except_last"``, ``"never"``).
@@ -39,6 +40,7 @@ class PipeContext:
         guard: runs a call that talks to peers so that one rank's failure ends every rank.
         offload: whether saved activations go to host memory between F and B
             (:mod:`pipepar.core.offload_plan`).
+        asked: the schedule as asked, before its recomputes were placed (None: ``schedule``).
     """
 
     module: nn.Module
@@ -52,6 +54,7 @@ class PipeContext:
     guard: Guard
     recompute: str = "in_place"
     offload: bool = False
+    asked: Schedule | None = None
 
     @property
     def stages(self) -> list[int]:
