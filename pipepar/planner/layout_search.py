@@ -319,20 +319,29 @@ class _Search:
 
     def _chunks(self, shape: _Shape, name: str, checkpoint: str, misfit: int) -> int:
         """Micro-batch counts above ``misfit`` from the largest down, until one does not fit
-        (fewer hold more rows at once); the most that did not fit, or ``misfit``."""
+        (fewer hold more rows at once); the most that did not fit, or ``misfit``.
+
+        With offload among the options, a count that does not fit does not end the walk: a
+        larger count cuts each micro-batch's saved tensors smaller, and those under
+        :data:`~pipepar.core.offload.MIN_BYTES` stay on the device, so fewer micro-batches
+        may fit where more did not."""
         counts = [m for m in self._chunk_counts(shape) if m > misfit]
         offloads = self.options.offloads
+        most = misfit
         for m in counts:
             fitting = self._fit(shape, self._schedule(name, shape.pp, m), checkpoint, offloads)
             if fitting is None:
-                return m
+                if True not in offloads:
+                    return m
+                most = max(most, m)
+                continue
             found, offload = fitting
             if offload:  # nor does a smaller M fit without offload
                 offloads = [True]
             # a step at least as long as its busiest device cannot make the top otherwise
             if _busy_bound(found, self.options.runtime) <= self._threshold():
                 self._keep(self._layout(shape, found, offload))
-        return misfit
+        return most
 
     def _fit(
         self, shape: _Shape, order: Schedule, checkpoint: str, offloads: list[bool]

@@ -155,6 +155,19 @@ def _trade(host: Link) -> pipepar.Layout:
     )[0]  # fmt: skip
 
 
+def test_fewer_micro_batches_are_tried_where_more_did_not_fit_with_offload() -> None:
+    """At 64 micro-batches each one's saved tensors are under MIN_BYTES and stay: nothing
+    fits; at 8 they go out and it fits. The search's walk down the counts goes on past 64."""
+    assert ROWS // 64 * WIDTH * 4 < MIN_BYTES <= ROWS // M * WIDTH * 4
+    x, _ = _batch()
+    search = dict(devices=2, batch=ROWS, capacity=CAPACITY, top=None, optimizer=None)
+    found = pipepar.search_layouts(
+        _chain(), x, cluster="h100x8", chunks=[64, M], schedules=["gpipe"],
+        checkpoints=["never"], **search,
+    )  # type: ignore[arg-type]  # fmt: skip
+    assert found and all(x.chunks == M and x.offload for x in found)
+
+
 def test_the_search_trades_offload_against_recompute() -> None:
     """At 3.5 MB no layout fits without recomputing or offloading: with free copies offload
     (and no recompute) is fastest; over a slow link, recomputing is."""
