@@ -94,14 +94,15 @@ def checkpointed(schedule: Schedule, mode: str) -> set[tuple[int, int]]:
 
 
 def refuse_rebuilds(schedule: Schedule, recompute: str) -> None:
-    """For a compute that recomputes only inside ``B`` (a model cut while it runs recomputes
-    unit by unit there): refuse ``recompute="bubbles"`` and a schedule that lists ``R``."""
+    """For a compute that recomputes only inside ``B`` (a model cut while it runs across
+    ranks recomputes unit by unit there): refuse ``recompute="bubbles"`` and a schedule that
+    lists ``R``."""
     if recompute == "bubbles" or _lists_rebuilds(schedule):
         raise ValueError(
             f"recompute={recompute!r} with schedule {schedule.name!r} places recomputes as R "
-            "actions, which only an nn.Sequential pipe runs; a model cut while it runs "
-            "recomputes unit by unit inside its backward: pass recompute='in_place' and a "
-            "schedule without R (or wrap an nn.Sequential)"
+            "actions, which a model cut while it runs across ranks does not run yet (it "
+            "recomputes unit by unit inside its backward): pass recompute='in_place' and a "
+            "schedule without R, or wrap an nn.Sequential, or run in one process (pipepar.wrap)"
         )
 
 
