@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -19,7 +20,7 @@ from torchvision.models.resnet import BasicBlock
 
 import pipepar
 from models import transformers_zoo as zoo
-from pipepar.core.schedule import parse
+from pipepar.core.schedule import Action, Schedule, parse
 from pipepar.program.step import SegmentStep
 from tests.program._real import _close, _same_grads
 from tests.program.test_recompute import _Tracked
@@ -308,3 +309,48 @@ def test_a_unit_that_saves_otherwise_when_recomputed_is_named() -> None:
     )  # fmt: skip
     with pytest.raises(RuntimeError, match=r"recomputing _Fickle saved more than the"):
         pipe(torch.randn(4, 8)).sum().backward()
+
+
+class _Slow(nn.Linear):
+    """A linear layer that takes 20 ms more: a stage much slower than the others."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        time.sleep(0.02)
+        return super().forward(x)
+
+
+class _Layers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Slow(8, 8), *(nn.Linear(8, 8) for _ in range(3))])
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+def _moved(schedule: Schedule) -> int:
+    """R listed anywhere but just before their own B."""
+    pairs = [p for w in schedule.actions for p in zip(w, (*w[1:], None))]
+    return sum(1 for a, b in pairs if a.kind == "R" and b != Action(a.stage, "B", a.microbatch))
+
+
+def test_after_the_first_step_recomputes_are_placed_on_the_measured_stage_times() -> None:
+    """On unit costs no R of this ZB-V moves; measured, stage 0 is slow, and the other stage
+    of its device idles: R fill those waits, and the numbers stay the plain model's."""
+    torch.manual_seed(0)
+    plain = _Layers()
+    pipe = _wrap(
+        copy.deepcopy(plain),
+        ["layers.1", "layers.2", "layers.3"],
+        "zb-v",
+        checkpoint="always",
+        recompute="bubbles",
+    )
+    assert _moved(pipe.schedule) == 0
+    for _ in range(2):
+        x, y = torch.randn(8, 8), torch.randn(8, 8)
+        loss = pipe.step(x, loss_fn=F.mse_loss, target=y)
+        _close(loss, F.mse_loss(plain(x), y), "loss")
+    assert _moved(pipe.schedule) > 0
