@@ -30,7 +30,7 @@ from pipepar.core.garbage import StepCollector
 from pipepar.core.given import check_given
 from pipepar.core.loss_scale import LossScaler, loss_scale
 from pipepar.core.losses import Items, LossFn
-from pipepar.core.recompute_placement import check_placement, check_rebuilds, refuse_rebuilds
+from pipepar.core.recompute_placement import check_placement, check_rebuilds
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import iter_layers
 from pipepar.hf import conventions as hf
@@ -82,7 +82,8 @@ class Pipe(nn.Module):
         recompute: where checkpointed micro-batches recompute: ``"in_place"`` inside their
             backward, or ``"bubbles"``: as ``R`` actions placed in the workers' idle time
             before the backward, holding no more rebuilt micro-batches at once than in place
-            (:mod:`pipepar.core.recompute_placement`); an ``nn.Sequential`` only.
+            (:mod:`pipepar.core.recompute_placement`); a model cut while it runs recomputes its
+            checkpointed units there (:mod:`pipepar.program.unit_calls`).
         threads: math threads per CPU stage.
         trace: record a timeline in ``pipe.tracer``.
         gc_every: Python's cycle collector during :meth:`step`: ``None`` leaves it as it is;
@@ -183,10 +184,7 @@ class Pipe(nn.Module):
         # The schedule asked for (a name's built for one micro-batch): where the stages are
         # placed, checked now; each batch's is rebuilt for its count (``_schedule``).
         asked = schedule_for(schedule, len(compute.sizes), self.chunks, len(workers))
-        if chain:
-            check_rebuilds(asked, self.checkpoint)
-        else:
-            refuse_rebuilds(asked, self.recompute)
+        check_rebuilds(asked, self.checkpoint)
         placed = [workers[w] for w in asked.placement]
         stages = compute.place(placed, self.checkpoint)
         # The model's children first: a layer may have the name of a property that reads the

@@ -137,8 +137,9 @@ def wrap(
             ``"bubbles"``: as ``R`` actions of the schedule, each in the latest time its
             device would idle before that backward (on a simulated clock, with the stages'
             times measured in the first training step), never holding more rebuilt
-            micro-batches at once than in place. The same numbers either way. An
-            ``nn.Sequential`` only (other models recompute unit by unit inside backward).
+            micro-batches at once than in place. The same numbers either way. Any model: an
+            ``nn.Sequential``'s stage runs again whole; other models' checkpointed units run
+            again one by one, as inside backward.
         trace: record a timeline of every action in ``pipe.tracer``.
         runtime: with ``sample`` (a searched layout): what this machine's runtime adds to each
             action, fitted to steps you measured (:func:`pipepar.planner.fit_runtime`); the

@@ -16,7 +16,8 @@ hold it, if the bound allows; otherwise it stays before ``B``. The default bound
 in-place listing holds, so the moves add no memory.
 
 This module only reorders a list; what ``R`` computes is :meth:`pipepar.core.step.StageStep
-.rebuild`'s business.
+.rebuild`'s business (a stage's layers run again; a model cut while it runs overrides it to
+run its checkpointed units again).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ __all__ = [
     "place_recomputes",
     "placed_for",
     "places_recomputes",
-    "refuse_rebuilds",
     "without_rebuilds",
 ]
 
@@ -104,18 +104,6 @@ def checkpointed(schedule: Schedule, mode: str) -> set[tuple[int, int]]:
     m = schedule.n_microbatches
     kept = [i for i in range(m) if should_checkpoint(mode, i, m)]
     return {(s, i) for s in range(schedule.n_stages) for i in kept}
-
-
-def refuse_rebuilds(schedule: Schedule, recompute: str) -> None:
-    """For a compute that recomputes only inside ``B`` (a model cut while it runs recomputes
-    unit by unit there): refuse ``recompute="bubbles"`` and a schedule that lists ``R``."""
-    if recompute == "bubbles" or _lists_rebuilds(schedule):
-        raise ValueError(
-            f"recompute={recompute!r} with schedule {schedule.name!r} places recomputes as R "
-            "actions, which only an nn.Sequential pipe runs; a model cut while it runs "
-            "recomputes unit by unit inside its backward: pass recompute='in_place' and a "
-            "schedule without R (or wrap an nn.Sequential)"
-        )
 
 
 def without_rebuilds(schedule: Schedule, what: str) -> Schedule:

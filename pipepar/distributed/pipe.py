@@ -41,7 +41,7 @@ from pipepar.core.garbage import StepCollector
 from pipepar.core.given import check_given
 from pipepar.core.loss_scale import LossScaler, loss_scale
 from pipepar.core.losses import Items
-from pipepar.core.recompute_placement import check_placement, placed_for, refuse_rebuilds
+from pipepar.core.recompute_placement import check_placement, placed_for
 from pipepar.core.schedule import Schedule
 from pipepar.distributed.chain import RankChain
 from pipepar.local.chain import chain_step_arguments, is_chain, one_input
@@ -222,10 +222,7 @@ class DistributedPipe(nn.Module):
         on unit costs (the same on every rank: the placement is a function of the schedule;
         the compute places them again on the stages' times, shared by every rank)."""
         self.recompute = check_placement(recompute, self.checkpoint)
-        if isinstance(self._compute, RankChain):
-            self._schedule = placed_for(self._asked, self.recompute, self.checkpoint)
-        else:
-            refuse_rebuilds(self._asked, self.recompute)
+        self._schedule = placed_for(self._asked, self.recompute, self.checkpoint)
 
     @property
     def schedule(self) -> Schedule:

@@ -30,7 +30,7 @@ from pipepar.local.weights import shared_stages
 from pipepar.local.worker import WorkerPool
 from pipepar.recording.tracer import Tracer
 
-__all__ = ["Run", "ThreadRun"]
+__all__ = ["Run", "ThreadRun", "both_recorders"]
 
 EVERY: Phase = lambda a: True  # noqa: E731
 FORWARD: Phase = lambda a: a.kind == "F"  # noqa: E731
@@ -151,7 +151,7 @@ class Run(ThreadRun):
                 streams=streams,
                 split=functools.partial(schedule.splits_backward, stage.index),
                 head=head if stage.index == n - 1 else None,
-                record=_both(self.record, timing),
+                record=both_recorders(self.record, timing),
                 offload=offloader,
             )
             for stage in self.stages
@@ -192,7 +192,7 @@ class Run(ThreadRun):
         return [self.slots.take(("B", -1, i)) for i in range(self.m)]  # type: ignore[misc]
 
 
-def _both(first: Recorder | None, second: Recorder | None) -> Recorder | None:
+def both_recorders(first: Recorder | None, second: Recorder | None) -> Recorder | None:
     """One recorder telling both (either may be None)."""
     if first is None or second is None:
         return first or second

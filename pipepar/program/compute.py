@@ -280,6 +280,7 @@ class ProgramCompute:
             draws=pipe.draws,
             checkpoint=pipe.checkpoint,
             offload=pipe.offload,
+            timing=pipe.timing(),
             aliases=[of_stage(self._uses, aliases, s) for s in range(len(self.sizes))],
         )
 

@@ -336,6 +336,7 @@ class RankProgram:
                 input_grad=True,
                 streams=None,  # one driver computes at a time: draws in order
                 split=functools.partial(schedule.splits_backward, stage.index),
+                rebuilds=functools.partial(schedule.rebuilds, stage.index),
                 cuts=cuts,
                 link=self._link,
                 mine=self._mine,

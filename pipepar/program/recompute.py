@@ -19,7 +19,11 @@ The recomputed unit sees what its first run saw:
   run left them (:func:`pipepar.core.recompute.recomputing_as_before`).
 
 Which stage recomputes is decided per stage and micro-batch by the stage's step, which enters
-:func:`recomputing_units` around that stage's stretch of the forward.
+:func:`recomputing_units` around that stage's stretch of the forward. A micro-batch whose
+recompute the schedule lists as an ``R`` action runs its units as
+:class:`~pipepar.program.unit_calls.UnitCall` instead of under torch's checkpoint: the same
+recompute in the same contexts, run when the ``R`` comes rather than when the backward first
+reads what a unit saved.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from pipepar.core.batchnorm import watched_as_before
 from pipepar.core.randomness import DrawPoint, draw_point
 from pipepar.core.recompute import recomputing_as_before
 from pipepar.program.driver import unit_lock
+from pipepar.program.unit_calls import UnitCall, UnitCalls
 
 __all__ = ["checkpoint_units", "recomputing_units"]
 
@@ -45,15 +50,17 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def recomputing_units(on: bool) -> Iterator[None]:
+def recomputing_units(on: bool, into: UnitCalls | None = None) -> Iterator[None]:
     """While entered on this thread, units made by :func:`checkpoint_units` run checkpointed
-    (``on``) or as usual."""
-    outer = getattr(_local, "on", False)
-    _local.on = on
+    (``on``) or as usual; checkpointed, under torch's checkpoint (recomputed when the backward
+    reads what they saved), or with ``into``, as calls noted there (recomputed when
+    :meth:`UnitCalls.recompute` is called, else when the backward reads them)."""
+    outer = getattr(_local, "on", False), getattr(_local, "into", None)
+    _local.on, _local.into = on, into
     try:
         yield
     finally:
-        _local.on = outer
+        _local.on, _local.into = outer
 
 
 def checkpoint_units(modules: Sequence[nn.Module]) -> None:
@@ -84,14 +91,22 @@ class _Checkpointable:
         replay = _Replay(module)
         given = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
         versions = _versions(given)
-        out = checkpoint(
-            forward,
-            *args,
-            use_reentrant=False,
-            preserve_rng_state=False,
-            context_fn=replay.contexts,
-            **kwargs,
-        )
+        into: UnitCalls | None = getattr(_local, "into", None)
+        if into is not None:
+            call = UnitCall(
+                forward, args, kwargs, name=type(module).__name__, first=replay.first, again=replay
+            )
+            with recomputing_units(False):  # a unit inside it saves as its own operations
+                out = into.run(call)
+        else:
+            out = checkpoint(
+                forward,
+                *args,
+                use_reentrant=False,
+                preserve_rng_state=False,
+                context_fn=replay.contexts,
+                **kwargs,
+            )
         if _versions(given) != versions:
             raise ValueError(
                 f"{type(module).__name__} writes into its own argument in place, so it cannot "
@@ -120,10 +135,11 @@ class _Replay:
         self._stacks: list[contextlib.ExitStack] = []
 
     def contexts(self) -> tuple[contextlib.AbstractContextManager[Any], _Replay]:
-        return self._first(), self
+        return self.first(), self
 
     @contextlib.contextmanager
-    def _first(self) -> Iterator[None]:
+    def first(self) -> Iterator[None]:
+        """Around the first run: note where the random draws stand and the stand-ins."""
         self.point = draw_point()
         self.stand_ins = []
         for m in self.module.modules():

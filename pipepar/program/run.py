@@ -24,7 +24,8 @@ from pipepar.core.offload_plan import offloader_for
 from pipepar.core.randomness import DrawLog, Randomness, Streams
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
-from pipepar.local.executor import Phase, ThreadRun
+from pipepar.core.step import Recorder
+from pipepar.local.executor import Phase, ThreadRun, both_recorders
 from pipepar.local.weights import shared_stages
 from pipepar.local.worker import WorkerPool
 from pipepar.program.step import Batch, SegmentContext, SegmentStep
@@ -54,6 +55,8 @@ class ProgramRun(ThreadRun):
         aliases: per stage, its ``(weight, alias)`` pairs (:mod:`pipepar.program.aliases`).
         offload: whether saved activations go to host memory between F and B
             (:mod:`pipepar.core.offload_plan`).
+        timing: also told about each computation (the stages' times, on which the pipe
+            places recomputes), if given.
 
     An idle worker runs a runnable W early, its own or, on a shared CPU, the other worker's,
     as a chain's run does (:mod:`pipepar.local.weights`): a W reads
@@ -80,6 +83,7 @@ class ProgramRun(ThreadRun):
         checkpoint: str = "never",
         aliases: Sequence[Sequence[tuple[nn.Parameter, Tensor]]] | None = None,
         offload: bool = False,
+        timing: Recorder | None = None,
     ) -> None:
         self.batch = batch(_context_of(weakref.ref(self)))
         m = len(self.batch.drivers)
@@ -104,7 +108,8 @@ class ProgramRun(ThreadRun):
                 input_grad=True,
                 streams=streams,
                 split=functools.partial(schedule.splits_backward, stage.index),
-                record=self.record,
+                rebuilds=functools.partial(schedule.rebuilds, stage.index),
+                record=both_recorders(self.record, timing),
                 offload=offloader,
             )
             for stage in self.stages

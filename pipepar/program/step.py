@@ -6,7 +6,9 @@ rather than a call of its layers, and whose inputs and outputs are the values th
 crossing into and out of the stage. Backward and the deferred weight gradients are the step's
 own: the same gradient sums, B/W split and hand-off of final sums as for ``nn.Sequential``
 stages. A stage that recomputes a micro-batch runs its units checkpointed
-(:mod:`pipepar.program.recompute`).
+(:mod:`pipepar.program.recompute`): inside its backward, or, where the schedule lists an ``R``
+for it, in that ``R`` (:mod:`pipepar.program.unit_calls`); a rebuilt micro-batch's backward
+then reads what the recompute saved, and may split into B and W.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pipepar.core.step import Grads, StageStep
 from pipepar.program.cut import Crossing, Cut, Ledger
 from pipepar.program.driver import Driver
 from pipepar.program.recompute import recomputing_units
+from pipepar.program.unit_calls import UnitCalls
 from pipepar.program.weight_copies import SharedCopies
 
 __all__ = ["Batch", "SegmentContext", "SegmentStep"]
@@ -115,6 +118,8 @@ class SegmentStep(StageStep):
         params: the parameters this stage holds (tied ones once, on their first stage).
         aliases: ``(weight, alias)`` for each weight another stage holds that this one uses
             (:mod:`pipepar.program.aliases`): the alias takes a gradient as a held weight.
+        rebuilds: ``rebuilds(i)`` is True where the schedule lists an ``R`` of micro-batch
+            ``i`` on this stage (its units' recompute runs there, :meth:`rebuild`).
         **kwargs: as for :class:`~pipepar.core.step.StageStep`.
     """
 
@@ -126,10 +131,14 @@ class SegmentStep(StageStep):
         batch: Batch,
         params: list[nn.Parameter],
         aliases: Sequence[tuple[nn.Parameter, Tensor]] = (),
+        rebuilds: Callable[[int], bool] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(stage, m, **kwargs)
         self.batch = batch
+        self._rebuilds = rebuilds or (lambda i: False)
+        self._calls: dict[int, UnitCalls] = {}
+        """By micro-batch: its checkpointed unit calls, where an ``R`` recomputes them."""
         self.held = params
         """The weights this stage holds that take a gradient (:meth:`param_grads`' order)."""
         self._aliased = [(p, leaf) for p, leaf in aliases if leaf.requires_grad]
@@ -163,7 +172,8 @@ class SegmentStep(StageStep):
             stack.enter_context(saving)
         elif first is not None:
             stack.enter_context(self._copies.saving())
-        stack.enter_context(recomputing_units(ckpt))
+        into = self._calls.setdefault(i, UnitCalls()) if ckpt and self._rebuilds(i) else None
+        stack.enter_context(recomputing_units(ckpt, into))
         return stack
 
     def _recomputes(self, i: int) -> bool:
@@ -171,7 +181,21 @@ class SegmentStep(StageStep):
         return self.grad and self.training and should_checkpoint(self.checkpoint, i, self.m)
 
     def _saved_readable(self, i: int) -> bool:
-        return not self._recomputes(i)
+        calls = self._calls.get(i)
+        return not self._recomputes(i) or (calls is not None and calls.rebuilt)
+
+    # -- R ------------------------------------------------------------------------------------
+    def rebuild(self, i: int) -> None:
+        """Recompute micro-batch ``i``'s checkpointed unit calls on this stage (a listed
+        ``R``): its backward then reads what they save, as it would have kept it."""
+        calls = self._calls.get(i)
+        if calls is None or calls.rebuilt:
+            return
+        start = time.perf_counter()
+        self._action_starts("R", i)
+        with self._device():
+            calls.recompute()
+        self._tell(i, "recompute", start)
 
     def _walked(self, i: int) -> NextNodes | None:
         return self.batch.ledgers[i].take_walked(self.stage.index)
@@ -207,6 +231,7 @@ class SegmentStep(StageStep):
         # What the stage made (its outputs, the loss) holds the stage's graph; the model's
         # forward has returned, and every stage it fed has run its B.
         self.batch.ledgers[i].release(self.stage.index, received=self._foreign)
+        self._calls.pop(i, None)
 
     def _deliver(
         self, ledger: Ledger, entering: list[Crossing], grads: Sequence[Tensor | None]
@@ -242,4 +267,5 @@ class SegmentStep(StageStep):
         super().release()
         self._sums = [None] * len(self.params)
         self._per_call = {}
+        self._calls.clear()
         self._copies.clear()

@@ -11,7 +11,6 @@ from pipepar.core.recompute_placement import (
     checkpointed,
     place_recomputes,
     placed_for,
-    refuse_rebuilds,
     without_rebuilds,
 )
 from pipepar.core.schedule import Action, parse, timed, unit_costs, validate
@@ -124,10 +123,6 @@ def test_recompute_option_and_schedules_with_r_are_checked() -> None:
     with pytest.raises(ValueError, match="lists 0R1 but checkpoint='except_last' keeps"):
         check_rebuilds(with_r, "except_last")
     check_rebuilds(with_r, "always")
-    with pytest.raises(ValueError, match=r"only an nn\.Sequential pipe runs"):
-        refuse_rebuilds(with_r, "in_place")
-    with pytest.raises(ValueError, match=r"only an nn\.Sequential pipe runs"):
-        refuse_rebuilds(make("1f1b", 2, 2, n_workers=2), "bubbles")
     assert placed_for(with_r, "in_place", "always") is with_r  # R listed: run as it is
 
 
