@@ -156,7 +156,8 @@ def across_ranks(
 ) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
     """Each contender's measured activation peak per rank, and the samples/s of its steps."""
     block = math.ceil(args.steps / args.rounds)
-    group = ProcessGroup(k, "benchmarks.bench_real_schedules:rank_builder", {"quick": args.quick})
+    spec = {"quick": args.quick}  # a real model's first call on a loaded machine: minutes
+    group = ProcessGroup(k, "benchmarks.bench_real_schedules:rank_builder", spec, timeout=1200)
     try:
         peaks = {}
         for name in args.schedules:

@@ -113,7 +113,8 @@ def _resnet() -> nn.Module:
 def test_batch_norm_counts_each_micro_batch_once_when_recomputed_in_the_bubbles(
     schedule: str, cuts: int
 ) -> None:
-    """A torchvision ResNet (batch norm per micro-batch): loss, gradients and running
+    """A torchvision ResNet, batch norm per micro-batch as asked (``batch_coupling=``; it
+    would be refused otherwise): loss, gradients and running
     statistics of the plain model run micro-batch by micro-batch, over two steps (within
     the rounding of its whole-batch backward, which a pipe keeping its activations shows
     too), and those of the pipe recomputing in place."""
@@ -125,6 +126,7 @@ def test_batch_norm_counts_each_micro_batch_once_when_recomputed_in_the_bubbles(
             schedule,
             checkpoint="always",
             recompute=recompute,
+            batch_coupling="per-micro-batch",
         )
         for recompute in ("in_place", "bubbles")
     }
