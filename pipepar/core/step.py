@@ -326,12 +326,16 @@ class StageStep:
         rec = self._records.pop(i)
         y = rec.output if rec.output is not None else self._recompute(rec, i)
         pairs = [(t, g) for t, g in zip(tensors(y), grads) if t.requires_grad and g is not None]
-        inputs = [t for t in tensors(rec.input) if t.requires_grad]
+        xs = tensors(rec.input)
+        inputs = [t for t in xs if t.requires_grad]
         grads_in: Sequence[Tensor | None] = [None] * len(inputs)
         if pairs:
             grads_in = self._backward(i, pairs, inputs)
-        it = iter(grads_in)
-        aligned = tuple(next(it) if t.requires_grad else None for t in tensors(rec.input))
+        if len(grads_in) == len(inputs) == len(xs):  # every input took a gradient
+            aligned = tuple(grads_in)
+        else:
+            it = iter(grads_in)
+            aligned = tuple(next(it) if t.requires_grad else None for t in xs)
         self._backward_ran(i)
         self._tell(i, "backward", start)
         return aligned
