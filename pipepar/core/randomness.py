@@ -421,9 +421,13 @@ class _QuietWatch:
     def __init__(self) -> None:
         self._key: int | None = None
         self._guard = threading.Lock()
+        self._added: set[int] = set()
+        """The stages the open window lists already (their later blocks add nothing)."""
 
     def add(self, stage: int, flags: Hashable) -> None:
         """A quiet block of ``stage`` (under ``flags``) starts."""
+        if stage in self._added:  # the window lists it, with the flags of its first block
+            return
         with self._guard:
             if self._key is None:
                 with _CPU_LOCK:  # read in order with any seed draw
@@ -431,6 +435,7 @@ class _QuietWatch:
                 self._key = _WATCH.opened(_Window(start))
             window = _WATCH.open[self._key]
             window.stages.setdefault(stage, flags)
+            self._added.add(stage)
 
     def close(self, log: DrawLog) -> None:
         """After the mini-batch's blocks: if a generator moved since the first quiet block
@@ -438,6 +443,7 @@ class _QuietWatch:
         all again, and a warning says so."""
         with self._guard:
             key, self._key = self._key, None
+            self._added = set()
         if key is None:
             return
         with _CPU_LOCK:

@@ -30,6 +30,7 @@ Symbols: ``K`` workers, ``M`` micro-batches, ``V`` stages per worker.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -131,6 +132,17 @@ class Schedule:
     def virtual(self) -> int:
         """Stages per worker V (1 for GPipe, 1F1B and ZB-H1)."""
         return self.n_stages // max(1, self.n_workers)
+
+    @functools.cached_property
+    def serial(self) -> tuple[Action, ...]:
+        """Every worker's actions in one order that never waits for an input: :func:`simulate`'s
+        steps one after another (what one thread runs for all the workers), made once.
+
+        Example:
+            >>> parse("F0 B0 | F0 B0").serial  # stage 0 on worker 0, stage 1 on worker 1
+            (0F0, 1F0, 1B0, 0B0)
+        """
+        return tuple(a for row in simulate(self) for a in row if a is not None)
 
     def worker(self, w: int) -> tuple[Action, ...]:
         """The ordered actions of worker ``w``."""

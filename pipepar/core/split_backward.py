@@ -51,6 +51,7 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node
 
 from pipepar.core import engine
+from pipepar.core.grad_mode import GradMode
 
 __all__ = [
     "CAST",
@@ -248,7 +249,7 @@ class WeightWork:
 
     def run_direct(self, add: Adder) -> None:
         """Hand every direct term and its recorded gradient to ``add``; then forget them."""
-        with torch.no_grad():  # the saved inputs are part of the graph: record nothing
+        with GradMode(False):  # the saved inputs are part of the graph: record nothing
             for term in self.direct:
                 grads = self.grads.get(term.junction)
                 add(term, grads[0] if grads else None)
@@ -748,7 +749,7 @@ def backward_whole(
     finally:
         for h in handles:
             h.remove()
-    with torch.no_grad():  # (inside the engine, hooks run without recording)
+    with GradMode(False):  # (inside the engine, hooks run without recording)
         for k, g in zip(plan.captured, result[len(inputs) : len(inputs) + len(edges)]):
             for term in terms.get(k, []):
                 add(term, g)

@@ -26,7 +26,7 @@ import contextlib
 import functools
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +35,7 @@ from torch import Tensor
 
 from pipepar.core import engine
 from pipepar.core.backward_plans import BackwardPlans
+from pipepar.core.grad_mode import GradMode
 from pipepar.core.microbatch import Value, check_rows, map_tensors, tensors
 from pipepar.core.offload_plan import Offloader
 from pipepar.core.randomness import Randomness
@@ -116,7 +117,8 @@ class _Later:
 
 
 class _Sums:
-    """One backward pass's side of the gradient sums (see :meth:`StageStep._summing`)."""
+    """One backward pass's side of the gradient sums (see :meth:`StageStep._summing`): a
+    context that removes the pass's hooks, if it registered any, when the pass is over."""
 
     def __init__(
         self,
@@ -127,7 +129,15 @@ class _Sums:
         self.step, self.shared, self.final = step, shared, final
         self.fresh: list[int] = []
         self.hooked = False
+        self.handles: list[Any] = []
         self._keep: set[int] | None = None
+
+    def __enter__(self) -> _Sums:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self.handles:
+            handle.remove()
 
     @property
     def keep(self) -> set[int]:
@@ -137,20 +147,19 @@ class _Sums:
             self._keep = {t.untyped_storage().data_ptr() for t in self.shared}
         return self._keep
 
-    def add(self, grads: Iterable[tuple[Tensor, Tensor | None]]) -> None:
-        """Sum the pass's (parameter, gradient) pairs, unless hooks summed them already: those
-        into sums of their own in one call (``torch._foreach_add_``, each sum and gradient
-        added as ``add_`` adds them), the others one by one."""
+    def add(self, grads: Iterable[tuple[int, Tensor | None]]) -> None:
+        """Sum the pass's (parameter index, gradient) pairs, unless hooks summed them
+        already: those into sums of their own in one call (``torch._foreach_add_``, each sum
+        and gradient added as ``add_`` adds them), the others one by one."""
         if self.hooked:
             return
         step = self.step
-        index, sums, owned, final = step._index, step._sums, step._owned, self.final
+        sums, owned, final = step._sums, step._owned, self.final
         totals: list[Tensor] = []
         parts: list[Tensor] = []
-        for param, g in grads:
+        for k, g in grads:
             if g is None:
                 continue
-            k = index[id(param)]
             total = sums[k]
             if total is not None and owned[k] and final is None and g.layout == _STRIDED:
                 totals.append(total)
@@ -244,7 +253,7 @@ class StageStep:
         self._action_starts("F", i)
         leaf = _leaf(x, self.input_grad) if self.grad else x
         ckpt = self.grad and self.training and should_checkpoint(self.checkpoint, i, self.m)
-        with self._forward_context(i, ckpt), torch.set_grad_enabled(self.grad and not ckpt):
+        with self._forward_context(i, ckpt), GradMode(self.grad and not ckpt):
             if i == 0 and self.stage.watch is not None:  # a chain's new kind of input
                 with self.stage.watch.watching(self.stage.index, leaf, self.m):
                     y = self._run(leaf, i)
@@ -317,12 +326,16 @@ class StageStep:
         rec = self._records.pop(i)
         y = rec.output if rec.output is not None else self._recompute(rec, i)
         pairs = [(t, g) for t, g in zip(tensors(y), grads) if t.requires_grad and g is not None]
-        inputs = [t for t in tensors(rec.input) if t.requires_grad]
+        xs = tensors(rec.input)
+        inputs = [t for t in xs if t.requires_grad]
         grads_in: Sequence[Tensor | None] = [None] * len(inputs)
         if pairs:
             grads_in = self._backward(i, pairs, inputs)
-        it = iter(grads_in)
-        aligned = tuple(next(it) if t.requires_grad else None for t in tensors(rec.input))
+        if len(grads_in) == len(inputs) == len(xs):  # every input took a gradient
+            aligned = tuple(grads_in)
+        else:
+            it = iter(grads_in)
+            aligned = tuple(next(it) if t.requires_grad else None for t in xs)
         self._backward_ran(i)
         self._tell(i, "backward", start)
         return aligned
@@ -344,7 +357,7 @@ class StageStep:
         outs, gouts = [t for t, _ in pairs], [g for _, g in pairs]
         readable = self._saved_readable(i)
         known = self._walked(i)  # taken in any case: kept no longer than this backward needs
-        with self._device(), self.autocast(enabled=False):
+        with self._backward_context():
             if readable and self.split(i) and all(t.grad_fn is not None for t in outs):
                 if not inputs:  # B has nothing to compute: W runs the whole backward
                     self._weights[i] = _Later(outs, gouts, known)
@@ -411,7 +424,7 @@ class StageStep:
             else:
                 result = engine.grad(outs, [*inputs, *self.params], gouts, retain_graph=retain)
                 grads_in = list(result[: len(inputs)])
-                sums.add(zip(self.params, result[len(inputs) :]))
+                sums.add(enumerate(result[len(inputs) :]))
         self._disown(sums.fresh, [g for g in grads_in if g is not None])
         return grads_in
 
@@ -436,7 +449,7 @@ class StageStep:
             return
         start = time.perf_counter()
         last = self._closing()
-        with self._device(), self.autocast(enabled=False):
+        with self._backward_context():
             if isinstance(work, _Later):
                 self._whole(work.outputs, work.grads, [], last=last, known=work.known)
             else:
@@ -458,7 +471,8 @@ class StageStep:
             shared += [g for _, g in work.roots]
             params = work.generic_params()
             with self._summing(shared, last=last, params=params, after=True) as sums:
-                sums.add(work.run())
+                index = self._index
+                sums.add((index[id(p)], g) for p, g in work.run())
             self._disown(sums.fresh, [])
         work.run_direct(self._direct_adder(work.direct, last))
 
@@ -477,14 +491,13 @@ class StageStep:
         if self.offload is not None:
             self.offload.clear()
 
-    @contextlib.contextmanager
     def _summing(
         self, shared: Sequence[Tensor], *, last: bool, params: Sequence[Tensor], after: bool
-    ) -> Iterator[_Sums]:
+    ) -> _Sums:
         """Add each gradient of ``params`` (those the pass computes) into its sum, and on the
-        ``last`` pass hand each final sum to :attr:`on_final`. Yields a :class:`_Sums` whose
-        ``fresh`` lists the indices of the sums that took a gradient of this pass as their
-        buffer.
+        ``last`` pass hand each final sum to :attr:`on_final`. Returns a :class:`_Sums` (a
+        context: any hooks go at its end) whose ``fresh`` lists the indices of the sums that
+        took a gradient of this pass as their buffer.
 
         ``after``: the pass returns every gradient it computes, and the caller hands them to
         :meth:`_Sums.add` (in any order: each parameter's sum takes its micro-batches in the
@@ -498,16 +511,11 @@ class StageStep:
         final = self.on_final if last else None
         sums = _Sums(self, shared, final)
         if after and final is None and self._small:
-            yield sums
-            return
+            return sums
         index = self._index
-        handles = [p.register_hook(self._adder(index[id(p)], sums)) for p in params]
+        sums.handles = [p.register_hook(self._adder(index[id(p)], sums)) for p in params]
         sums.hooked = True
-        try:
-            yield sums
-        finally:
-            for handle in handles:
-                handle.remove()
+        return sums
 
     def _adder(self, k: int, sums: _Sums) -> Callable[[Tensor], None]:
         def add(g: Tensor) -> None:
@@ -542,17 +550,20 @@ class StageStep:
         adding into an owned sum itself; on the ``last`` pass hand each parameter's sum to
         :attr:`on_final` after its last term (a parameter may have several: a weight used
         twice)."""
-        left = Counter(self._index[id(t.param)] for t in terms)
         final = self.on_final if last else None
+        # Terms left per parameter: counted only where a final sum is handed over.
+        left = Counter(self._index[id(t.param)] for t in terms) if final is not None else None
 
         def add(term: Direct, grad: Tensor | None) -> None:
             k = self._index[id(term.param)]
             if grad is not None:
                 self._sums[k] = term.add(grad, self._sums[k], self._owned[k])
                 self._owned[k] = True  # a new product, or the owned sum it was added into
+            if left is None or final is None:
+                return
             left[k] -= 1
             done = self._sums[k]
-            if final is not None and left[k] == 0 and done is not None:
+            if left[k] == 0 and done is not None:
                 final(k, done)
                 self._sums[k] = None
 
@@ -570,9 +581,16 @@ class StageStep:
             if ptrs[self._sums[k].untyped_storage().data_ptr()] > 1:  # type: ignore[union-attr]
                 self._owned[k] = False
 
-    def _device(self) -> contextlib.AbstractContextManager[Any]:
-        device = self.stage.device
-        return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    def _backward_context(self) -> contextlib.AbstractContextManager[Any]:
+        """What a backward action runs in: the stage's device, autocast off (see
+        :meth:`Autocast.__call__`); nothing to enter on a CPU stage without autocast."""
+        if not self._contexts:
+            return _NOTHING
+        stack = contextlib.ExitStack()
+        if self.stage.device.type == "cuda":
+            stack.enter_context(torch.cuda.device(self.stage.device))
+        stack.enter_context(self.autocast(enabled=False))
+        return stack
 
     def _tell(self, i: int, kind: str, start: float) -> None:
         if self.record is not None:
@@ -599,11 +617,15 @@ def _last_layer(stage: Stage) -> str:
 
 
 def _leaf(value: Value, requires_grad: bool) -> Value:
-    def detach(t: Tensor) -> Tensor:
-        d = t.detach()
-        return d.requires_grad_() if requires_grad and d.is_floating_point() else d
+    """``value`` detached, each floating tensor requiring a gradient if ``requires_grad``."""
+    if isinstance(value, Tensor):
+        return _leaf_tensor(value, requires_grad)
+    return tuple(_leaf_tensor(t, requires_grad) for t in value)
 
-    return map_tensors(value, detach)
+
+def _leaf_tensor(t: Tensor, requires_grad: bool) -> Tensor:
+    d = t.detach()
+    return d.requires_grad_() if requires_grad and d.is_floating_point() else d
 
 
 _STRIDED = torch.strided

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from pipepar.core.executor import Step, note_action, walk
-from pipepar.core.schedule import Action, Schedule, simulate
+from pipepar.core.schedule import Action, Schedule
 from pipepar.core.stage import Stage
 from pipepar.local.transfer import move
 from pipepar.local.weights import WeightQueue
@@ -87,8 +87,7 @@ class ThreadCarrier:
         caller's, entered once per worker (see :meth:`_job`)."""
         self._steps = steps
         if pool is None:
-            order = [a for row in simulate(self.schedule) for a in row if a is not None]
-            walk([a for a in order if phase(a)], steps, self)
+            walk([a for a in self.schedule.serial if phase(a)], steps, self)
             return
         lists = [[a for a in work if phase(a)] for work in self.schedule.actions]
         drain = any(a.kind == "W" for work in lists for a in work)

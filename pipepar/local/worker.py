@@ -54,11 +54,17 @@ class Slots:
 
     ``take`` blocks until the value is there. With ``blocking=False`` a missing value is a bug in
     the schedule and raises at once instead of hanging.
+
+    A hand-off happens at every action, so it enters the condition's lock itself (a C call, not
+    the condition's Python methods) and wakes the workers only while one waits (counted under
+    the lock; with one thread running every action, never).
     """
 
     def __init__(self, *, blocking: bool = True) -> None:
         self._values: dict[Hashable, object] = {}
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._waiting = 0  # threads inside a wait on the condition
         self._aborted = False
         self._blocking = blocking
 
@@ -66,15 +72,24 @@ class Slots:
         """Deliver ``value`` under ``key`` and wake the worker waiting for it."""
         if _DEBUG:
             _log.debug("put %s", key)
-        with self._cond:
+        with self._lock:
             self._values[key] = value
-            self._cond.notify_all()
+            if self._waiting:
+                self._cond.notify_all()
+
+    def _wait(self, timeout: float | None = None) -> None:
+        """Wait on the condition (the lock held), counted so that a hand-off wakes it."""
+        self._waiting += 1
+        try:
+            self._cond.wait(timeout)
+        finally:
+            self._waiting -= 1
 
     def take(self, key: Hashable, idle: Callable[[], bool] | None = None) -> object:
         """Remove and return the value under ``key``, waiting for it if needed; if ``idle()``
         says there is other work while the value is missing, return :data:`IDLE` instead of
         waiting (checked again whenever a value arrives)."""
-        with self._cond:
+        with self._lock:
             while key not in self._values:
                 if self._aborted:
                     raise Aborted
@@ -82,7 +97,7 @@ class Slots:
                     raise RuntimeError(f"pipepar schedule bug: {key} taken before it was put")
                 if idle is not None and idle():
                     return IDLE
-                self._cond.wait()
+                self._wait()
             if _DEBUG:
                 _log.debug("take %s", key)
             return self._values.pop(key)
@@ -90,11 +105,11 @@ class Slots:
     def wait_until(self, ready: Callable[[], bool], poll: float) -> None:
         """Return once ``ready()``; asked again on every hand-off and every ``poll`` seconds
         (for changes that come without one). Raises :class:`Aborted` if aborted meanwhile."""
-        with self._cond:
+        with self._lock:
             while not ready():
                 if self._aborted:
                     raise Aborted
-                self._cond.wait(poll)
+                self._wait(poll)
 
     def check(self) -> None:
         """Raise :class:`Aborted` if the pipeline was aborted."""
@@ -103,7 +118,7 @@ class Slots:
 
     def abort(self) -> None:
         """Wake every waiting worker with :class:`Aborted` and drop the values held."""
-        with self._cond:
+        with self._lock:
             self._aborted = True
             self._values.clear()
             self._cond.notify_all()

@@ -291,3 +291,25 @@ def test_a_recompute_waits_only_for_its_own_stage_and_costs_a_forward() -> None:
         ["B0", "."],
     ]
     assert s.bubble() == pytest.approx(1 - 8 / 14)  # F = R = 1, B = 2: 7 time units
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_serial_runs_every_action_once_each_after_what_it_waits_for(name: str) -> None:
+    stages = 4 if name in VIRTUAL else 2
+    s = make(name, stages, 5, n_workers=2)
+    order = s.serial
+    assert sorted(order) == sorted(a for work in s.actions for a in work)
+    at = {a: k for k, a in enumerate(order)}
+    for a in order:
+        s_, i = a.stage, a.microbatch
+        if a.kind == "F" and s_ > 0:
+            assert at[Action(s_ - 1, "F", i)] < at[a]
+        if a.kind == "B":
+            assert at[Action(s_, "F", i)] < at[a]
+            if s_ < stages - 1:
+                assert at[Action(s_ + 1, "B", i)] < at[a]
+        if a.kind == "W":
+            assert at[Action(s_, "B", i)] < at[a]
+    for work in s.actions:  # each worker's own order kept
+        assert [at[a] for a in work] == sorted(at[a] for a in work)
+    assert s.serial is order  # made once
