@@ -193,7 +193,8 @@ class SegmentStep(StageStep):
             return
         start = time.perf_counter()
         self._action_starts("R", i)
-        with self._device():
+        cuda = self.stage.device.type == "cuda"
+        with torch.cuda.device(self.stage.device) if cuda else contextlib.nullcontext():
             calls.recompute()
         self._tell(i, "recompute", start)
 
