@@ -112,7 +112,10 @@ def tied_groups(
     out = []
     for stages, ps in shared.items():
         members = sorted({ranks[s] for s in stages})
-        if me not in members or len(members) == 1:
+        if len(members) == 1:
+            continue
+        if me not in members:
+            _count_a_group()
             continue
         # Only the members create it: each replica makes its own groups with its own ranks,
         # which a world-wide new_group (every rank, the same arguments) would not allow.
@@ -120,3 +123,16 @@ def tied_groups(
         assert isinstance(group, dist.ProcessGroup)
         out.append((stages[0], group, ps))
     return out
+
+
+def _count_a_group() -> None:
+    """Make a group of this rank alone, so that it has made as many groups as the members of
+    a group it is not in.
+
+    torch names a group made with ``use_local_synchronization=True`` after its ranks and the
+    count of groups the calling rank has made so far, and only the members count the group
+    made. Were the other ranks not to count one too, the next group made across members and
+    others (a second pipe's, or the user's own) would get a different name on each side, and
+    its ranks would wait for each other forever.
+    """
+    dist.new_group([dist.get_rank()], use_local_synchronization=True, group_desc="pipepar-count")
