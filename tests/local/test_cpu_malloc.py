@@ -104,7 +104,7 @@ def _blocks(probes: Probes, probe: Probe) -> list[int]:
     """Per case of ``probe``, run in turn in one fresh interpreter: the number of mmapped
     blocks a 24 MiB tensor takes after a pipe on its devices ran."""
     proc = probes[probe]
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=300)  # a hang guard; the four share the cores
     assert proc.returncode == 0, err
     return [int(line) for line in out.split()]
 
