@@ -9,7 +9,9 @@ The fault is armed by ``_recovery_main.py`` around the unchanged example.
 
 from __future__ import annotations
 
+import os
 import re
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ import pytest
 import torch
 
 from pipepar.persist.sharded import to_single_file
+from tests._ranks import context, settle
 from tests.distributed import _launch, _recovery_main
 
 SCRIPT = Path(_recovery_main.__file__)
@@ -93,11 +96,36 @@ def _differences(got: Any, want: Any, where: str = "") -> list[str]:
     return [] if got == want else [where]
 
 
+def _uninterrupted_rank(rank: int, port: int, out: Path, env: dict[str, str]) -> None:
+    """Rank ``rank`` of the example's run without a fault, in the environment torchrun gives
+    a rank of one node of 2 (the example starts its process group from it)."""
+    place = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": 2, "LOCAL_WORLD_SIZE": 2}
+    where = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": 1}
+    settle(env | {k: str(v) for k, v in (place | where).items()})
+    torch.set_num_threads(1)
+    sys.argv = [str(SCRIPT), *TRAIN, "--out", str(out)]
+    _recovery_main.hybrid_train.main()
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The final checkpoint of the run without a fault."""
+    """The final checkpoint of the run without a fault: the example's ``main`` on 2 ranks
+    forked from the tests' preloaded server (the same computation as under torchrun, without
+    three interpreters importing torch; the faulty runs are launched by torchrun)."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
-    _succeeds(_start(tmp, "run", ["--out", str(tmp / "ckpt")], nodes=1))
+    ctx, port, env = context(), _launch.free_port(), dict(os.environ)
+    ranks = [
+        ctx.Process(target=_uninterrupted_rank, args=(r, port, tmp / "ckpt", env)) for r in (0, 1)
+    ]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join(LIMIT_S)
+        if rank.exitcode is None:
+            rank.kill()
+            rank.join()
+    codes = [rank.exitcode for rank in ranks]
+    assert codes == [0, 0], f"the uninterrupted run failed: exit codes {codes} (output: stderr)"
     final = _final(tmp / "ckpt")
     assert final["extra"] == {"step": STEPS - 1}, final["extra"]
     return final

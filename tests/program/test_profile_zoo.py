@@ -23,7 +23,12 @@ from torch import nn
 from torchvision.models import get_model, get_model_builder, list_models
 from torchvision.models.convnext import CNBlockConfig, ConvNeXt
 from torchvision.models.densenet import DenseNet
+from torchvision.models.efficientnet import EfficientNet, MBConvConfig
 from torchvision.models.maxvit import MaxVit
+from torchvision.models.mobilenetv2 import MobileNetV2
+from torchvision.models.mobilenetv3 import InvertedResidualConfig, MobileNetV3
+from torchvision.models.regnet import BlockParams, RegNet
+from torchvision.models.shufflenetv2 import ShuffleNetV2
 from torchvision.models.swin_transformer import SwinTransformer
 from torchvision.models.vision_transformer import VisionTransformer
 
@@ -66,13 +71,20 @@ def _narrow(name: str, width: int = 64) -> Build:
 
 
 # Families whose smallest model takes long to profile on CPU (hundreds of operations, or
-# attention over 224 pixels) run their own code at a few channels and layers.
+# attention over 224 pixels) run their own code at a few channels and layers: each keeps its
+# kinds of blocks (strided and residual ones, squeeze-excitation where the family has it).
 def _convnext() -> nn.Module:
     return ConvNeXt([CNBlockConfig(8, 16, 2), CNBlockConfig(16, None, 2)], num_classes=CLASSES)
 
 
 def _densenet() -> nn.Module:
     return DenseNet(8, (2, 2), num_init_features=16, bn_size=2, num_classes=CLASSES)
+
+
+def _efficientnet() -> nn.Module:
+    """efficientnet_b0's MBConv blocks (squeeze-excitation, a residual one) in two stages."""
+    stages = [MBConvConfig(1, 3, 1, 8, 8, 1), MBConvConfig(6, 3, 2, 8, 16, 2)]
+    return EfficientNet(stages, dropout=0.2, num_classes=CLASSES)
 
 
 def _maxvit() -> nn.Module:
@@ -89,6 +101,37 @@ def _maxvit() -> nn.Module:
     )
 
 
+def _mobilenetv2() -> nn.Module:
+    """Expansions 1 and 6, strided and residual inverted residuals, at a quarter width."""
+    stages = [[1, 16, 1, 1], [6, 24, 2, 2], [6, 32, 2, 2]]
+    return MobileNetV2(CLASSES, width_mult=0.25, inverted_residual_setting=stages)
+
+
+def _mobilenetv3() -> nn.Module:
+    """mobilenet_v3_small's first blocks (ReLU and hardswish, with and without
+    squeeze-excitation, strided and residual) at half width."""
+    blocks = [
+        InvertedResidualConfig(16, 3, 16, 16, True, "RE", 2, 1, 0.5),
+        InvertedResidualConfig(16, 3, 72, 24, False, "RE", 2, 1, 0.5),
+        InvertedResidualConfig(24, 3, 88, 24, False, "RE", 1, 1, 0.5),
+        InvertedResidualConfig(24, 5, 96, 40, True, "HS", 2, 1, 0.5),
+    ]
+    return MobileNetV3(blocks, last_channel=64, num_classes=CLASSES)
+
+
+def _regnet() -> nn.Module:
+    """regnet_y_400mf's design (grouped bottlenecks with squeeze-excitation) 4 blocks deep."""
+    design = BlockParams.from_init_params(
+        depth=4, w_0=8, w_a=8.0, w_m=2.0, group_width=8, se_ratio=0.25
+    )
+    return RegNet(design, num_classes=CLASSES, stem_width=8)
+
+
+def _shufflenet() -> nn.Module:
+    """Downsampling and channel-split units in three stages, narrow."""
+    return ShuffleNetV2([2, 1, 1], [8, 16, 32, 64, 128], num_classes=CLASSES)
+
+
 def _swin() -> nn.Module:
     return SwinTransformer([4, 4], 8, [2, 2], [1, 2], [2, 2], num_classes=CLASSES)
 
@@ -102,17 +145,17 @@ FAMILIES: dict[str, tuple[Build, int]] = {
     "alexnet": (_narrow("alexnet"), 64),
     "convnext": (_convnext, 32),
     "densenet": (_densenet, 32),
-    "efficientnet": (_zoo("efficientnet_b0"), 32),
+    "efficientnet": (_efficientnet, 32),
     "googlenet": (_zoo("googlenet", aux_logits=False, init_weights=False), 32),
     # AuxLogits: a unit the sample does not call in eval mode
     "inception": (_zoo("inception_v3", aux_logits=True, init_weights=False), 75),
     "maxvit": (_maxvit, 32),
     "mnasnet": (_zoo("mnasnet0_5"), 32),
-    "mobilenetv2": (_zoo("mobilenet_v2"), 32),
-    "mobilenetv3": (_zoo("mobilenet_v3_small"), 32),
-    "regnet": (_zoo("regnet_y_400mf"), 32),
+    "mobilenetv2": (_mobilenetv2, 32),
+    "mobilenetv3": (_mobilenetv3, 32),
+    "regnet": (_regnet, 32),
     "resnet": (_zoo("resnet18"), 32),
-    "shufflenetv2": (_zoo("shufflenet_v2_x0_5"), 32),
+    "shufflenetv2": (_shufflenet, 32),
     "squeezenet": (_zoo("squeezenet1_0"), 32),
     "swin_transformer": (_swin, 32),
     "vgg": (_narrow("vgg11_bn"), 32),
