@@ -197,7 +197,7 @@ def wrap(
     chain = is_chain(module, split, sample)
     layout = None
     if schedule == AUTO and balance is None and split is None and split_spec is None:
-        refuse_searched(schedule)
+        refuse_searched(schedule, memory_budget)
     if split_spec is not None or (balance is None and split is None):
         # Only a layout to find loads the planner (and, for any model, the cut): a chain with
         # its balance given runs without either.

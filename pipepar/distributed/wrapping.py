@@ -219,7 +219,7 @@ def wrap(
         >>> mine = x[pipe.dp_rank * rows : (pipe.dp_rank + 1) * rows]  # doctest: +SKIP
     """
     if schedule == AUTO and plan is not None:
-        refuse_searched(schedule)
+        refuse_searched(schedule, memory_budget)
     layout = None
     default_compiler = compiler_of(compile)
     model, compilers = take_compiled(model)
@@ -242,7 +242,7 @@ def wrap(
         )  # fmt: skip
         balance, chunks, dp = list(layout.balance), layout.chunks, layout.dp
         checkpoint, dp_shard, offload = layout.checkpoint, layout.dp_shard, layout.offload
-        schedule = schedule if isinstance(schedule, Schedule) else layout.schedule
+        schedule = schedule if isinstance(schedule, Schedule) else layout.pipe_schedule
     dp_shard = False if dp_shard is None else dp_shard
     chunks = 1 if chunks is None else chunks
     schedule = "gpipe" if schedule is None else schedule
