@@ -121,7 +121,9 @@ def wrap(
             given. ``"auto"`` (with ``balance`` or ``split``): the fastest order found within
             ``memory_budget``, its stages taken as equally fast; with twice as many stages as
             ``devices`` a V (as ``"zb-v"``) or a loop (as ``"interleaved-1f1b"``) may be
-            chosen.
+            chosen. ``"auto"`` with ``sample`` and no stages: the search tries the named
+            schedules and, where no named V fits, the order built for what each device has
+            left of ``capacity`` (``pipe.layout.order``; no ``memory_budget`` then).
         memory_budget: with ``schedule="auto"``, what each device may hold of its stages'
             micro-batches at once, between a micro-batch's forward and its last backward
             action: a number of micro-batches of all the device's stages (1F1B's first device

@@ -126,7 +126,9 @@ def wrap(
             or chosen with ``plan="auto"``. ``"auto"`` (with ``balance`` or ``split``): the
             fastest order found within ``memory_budget``, built alike on every rank for
             ``pp = group size // dp`` ranks per pipeline (with ``2 * pp`` stages a V or a
-            loop may be chosen).
+            loop may be chosen); with ``plan="auto"``: the search tries the named schedules
+            and the order built for the capacity (``pipe.layout.order``), as
+            :func:`pipepar.wrap` does.
         memory_budget: with ``schedule="auto"``, what each rank may hold of its stages'
             micro-batches at once, in the forms :func:`pipepar.wrap` takes (micro-batches,
             ``"50%"`` of 1F1B's, or bytes such as ``"2GiB"`` with ``sample``).

@@ -11,7 +11,9 @@ gradients and optimizer state, each stage's micro-batch weighed by its activatio
 top at a device's peak (gradients a backward makes, a forward's work space), so the built
 order is checked against the planner's walk of each device's actions
 (:class:`~pipepar.planner.stage_memory.MemoryModel`); while some device exceeds its capacity,
-its budget is lowered by the excess and the order built again, a few rounds at most.
+its budget is lowered by the excess and the order built again, :data:`ROUNDS` at most; then
+the order that holds one micro-batch on a device's two stages at most is taken, if it fits
+(it is checked first: where it does not fit, no build is tried).
 
 The split is the one that comes closest to fitting under V-Min (the V that holds the least):
 the same placement of two stages per device, its memory balanced.

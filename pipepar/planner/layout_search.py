@@ -48,6 +48,11 @@ offload would be a fit on paper only.
 
 Schedules are built once per (``pp``, schedule, ``M``) and shared by the recompute policies.
 
+``"auto"`` among the schedules (opt-in) is the order built for the capacity each device has
+left (:mod:`~pipepar.planner.auto_fit`), tried only where none of the named V schedules fits
+that (``pp``, ``M``, recompute) without offload: the budget search costs up to seconds, and
+where a named V fits it does as well.
+
     >>> layouts = search_layouts(prof, devices=64, batch=512, cluster="h100x8",
     ...                          capacity="80GiB", flops=count_flops(model, sample, prof))
     >>> best = layouts[0]
@@ -141,7 +146,12 @@ def search_layouts(
         optimizer: whose state to count (see :func:`pipepar.profile`).
         flops: per layer, the (forward, backward) FLOPs of the profile's batch, for a profile
             without times; counted here when a model is given.
-        schedules: the schedules to try.
+        schedules: the schedules to try: names of
+            :data:`~pipepar.core.named_schedules.NAMES`, and ``"auto"`` (not by default):
+            where no named V schedule fits a pipeline of ``pp >= 2`` at a count of
+            micro-batches and recompute, the order built for what each device has left of
+            ``capacity`` (:mod:`pipepar.planner.auto_fit`; without offload), kept in
+            :attr:`Layout.order`.
         chunks: the micro-batch counts to try (those up to a replica's rows).
         checkpoints: the recompute policies to try.
         top: how many layouts to return (the rest are pruned early); None for every layout
