@@ -41,9 +41,10 @@ from pipepar.planner.stage_memory import MemoryModel
 
 __all__ = ["ROUNDS", "fit_auto", "v_split"]
 
-ROUNDS = 2
-"""How many times an order is built for lowered budgets before the search gives up on it
-(each build is the budget search, the costliest step of the layout search)."""
+ROUNDS = 1
+"""How many times an order is built (the first for the room each device has, each next for a
+budget lowered by the excess) before the frugal order is taken: each build is the budget
+search, a fifth of a second or more, the costliest step of the layout search."""
 
 
 def fit_auto(
