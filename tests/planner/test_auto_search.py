@@ -8,6 +8,7 @@ The search runs on a profile on meta: its choice is the planner's arithmetic."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -81,6 +82,8 @@ def test_where_no_named_schedule_fits_the_search_builds_one_that_does() -> None:
     )  # fmt: skip
     assert step.step_ms == pytest.approx(layout.step_ms, rel=0.5)
     assert [a.to_dict() for a in layout.prediction.actions] and layout.prediction.schedule == "auto"
+    # as distributed.wrap(plan="auto") sends it from group rank 0 to every rank
+    assert pickle.loads(pickle.dumps(layout)).pipe_schedule.actions == order.actions
 
 
 def test_where_the_named_schedules_fit_comfortably_nothing_changes() -> None:
