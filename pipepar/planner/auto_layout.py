@@ -289,13 +289,19 @@ def _why_not(prof: Profile, devices: int, given: Given, capacity: int) -> str:
             capacity=capacity,
             optimizer=None,
             chunks=chunks,
-            schedule=given.schedule or "1f1b",
+            schedule=_named(given.schedule),
             checkpoint=given.checkpoint or "always",
         )
     except ValueError as error:
-        name, policy = given.schedule or "1f1b", given.checkpoint or "always"
+        name, policy = _named(given.schedule), given.checkpoint or "always"
         return f"with {name}, {chunks} micro-batches and checkpoint={policy!r}: {error}"
     return "see pipepar.search_layouts(..., top=None) for the layouts considered"
+
+
+def _named(schedule: str | None) -> str:
+    """The named schedule that tells why nothing fits: the one given, else 1F1B (also for
+    ``"auto"``, which :func:`~pipepar.planner.plan.plan` does not build)."""
+    return schedule if schedule in NAMES else "1f1b"
 
 
 def capacity_bytes(capacity: object, devices: int, default: int) -> int:
