@@ -50,8 +50,9 @@ Schedules are built once per (``pp``, schedule, ``M``) and shared by the recompu
 
 ``"auto"`` among the schedules (opt-in) is the order built for the capacity each device has
 left (:mod:`~pipepar.planner.auto_fit`), tried only where none of the named V schedules fits
-that (``pp``, ``M``, recompute) without offload: the budget search costs up to seconds, and
-where a named V fits it does as well.
+that (``pp``, ``M``, recompute) without offload, and only at the largest ``M`` where it fits
+(per ``pp`` and recompute): the budget search costs up to seconds, and where a named V fits it
+does as well.
 
     >>> layouts = search_layouts(prof, devices=64, batch=512, cluster="h100x8",
     ...                          capacity="80GiB", flops=count_flops(model, sample, prof))
@@ -364,6 +365,8 @@ class _Search:
             # a step at least as long as its busiest device cannot make the top otherwise
             if _busy_bound(found, self.options.runtime) <= self._threshold():
                 self._keep(self._layout(shape, found, offload))
+            if name == AUTO:  # built for the most micro-batches that fit: fewer are not built
+                return most
         return most
 
     def _fit(
