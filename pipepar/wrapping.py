@@ -121,7 +121,9 @@ def wrap(
             given. ``"auto"`` (with ``balance`` or ``split``): the fastest order found within
             ``memory_budget``, its stages taken as equally fast; with twice as many stages as
             ``devices`` a V (as ``"zb-v"``) or a loop (as ``"interleaved-1f1b"``) may be
-            chosen.
+            chosen. ``"auto"`` with ``sample`` and no stages: the search tries the named
+            schedules and, where no named V fits, the order built for what each device has
+            left of ``capacity`` (``pipe.layout.order``; no ``memory_budget`` then).
         memory_budget: with ``schedule="auto"``, what each device may hold of its stages'
             micro-batches at once, between a micro-batch's forward and its last backward
             action: a number of micro-batches of all the device's stages (1F1B's first device
@@ -198,7 +200,7 @@ def wrap(
     chain = is_chain(module, split, sample)
     layout = None
     if schedule == AUTO and balance is None and split is None and split_spec is None:
-        refuse_searched(schedule)
+        refuse_searched(schedule, memory_budget)
     if split_spec is not None or (balance is None and split is None):
         # Only a layout to find loads the planner (and, for any model, the cut): a chain with
         # its balance given runs without either.

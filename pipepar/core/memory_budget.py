@@ -56,23 +56,28 @@ def auto_schedule(
             )
         return schedule
     if n_stages is None:
-        refuse_searched(schedule)
-        return schedule
+        raise ValueError(
+            "schedule='auto' builds the order for the stages; pass balance=[...] or "
+            "split=[...] with it, or a sample for the layout search to choose them"
+        )
     if isinstance(memory_budget, str) and not memory_budget.strip().endswith("%"):
         return sized(parse_bytes(memory_budget, name="memory_budget"))
     return for_budget(memory_budget, n_stages, chunks, n_workers=n_workers)
 
 
-def refuse_searched(schedule: object) -> None:
-    """``schedule="auto"`` where the layout is to be searched: a ValueError before the search.
+def refuse_searched(schedule: object, memory_budget: object) -> None:
+    """``schedule="auto"`` with ``memory_budget`` where the layout is to be searched: a
+    ValueError before the search (the search builds its order for the devices' capacity).
 
     Raises:
-        ValueError: for ``"auto"``.
+        ValueError: for ``"auto"`` with a budget.
     """
-    if schedule == AUTO:
+    if schedule == AUTO and memory_budget is not None:
         raise ValueError(
-            "schedule='auto' builds the order for stages you give; pass balance=[...] or "
-            "split=[...] with it (a searched layout chooses among the named schedules)"
+            f"memory_budget={memory_budget!r} bounds the order built for stages you give, but "
+            "the layout is to be searched (no balance or split): the search builds "
+            "schedule='auto' for what each device has left of capacity=...; pass "
+            "balance=[...] or split=[...] with memory_budget, or capacity=... without it"
         )
 
 

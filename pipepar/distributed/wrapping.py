@@ -126,7 +126,9 @@ def wrap(
             or chosen with ``plan="auto"``. ``"auto"`` (with ``balance`` or ``split``): the
             fastest order found within ``memory_budget``, built alike on every rank for
             ``pp = group size // dp`` ranks per pipeline (with ``2 * pp`` stages a V or a
-            loop may be chosen).
+            loop may be chosen); with ``plan="auto"``: the search tries the named schedules
+            and the order built for the capacity (``pipe.layout.order``), as
+            :func:`pipepar.wrap` does.
         memory_budget: with ``schedule="auto"``, what each rank may hold of its stages'
             micro-batches at once, in the forms :func:`pipepar.wrap` takes (micro-batches,
             ``"50%"`` of 1F1B's, or bytes such as ``"2GiB"`` with ``sample``).
@@ -219,7 +221,7 @@ def wrap(
         >>> mine = x[pipe.dp_rank * rows : (pipe.dp_rank + 1) * rows]  # doctest: +SKIP
     """
     if schedule == AUTO and plan is not None:
-        refuse_searched(schedule)
+        refuse_searched(schedule, memory_budget)
     layout = None
     default_compiler = compiler_of(compile)
     model, compilers = take_compiled(model)
@@ -242,7 +244,7 @@ def wrap(
         )  # fmt: skip
         balance, chunks, dp = list(layout.balance), layout.chunks, layout.dp
         checkpoint, dp_shard, offload = layout.checkpoint, layout.dp_shard, layout.offload
-        schedule = schedule if isinstance(schedule, Schedule) else layout.schedule
+        schedule = schedule if isinstance(schedule, Schedule) else layout.pipe_schedule
     dp_shard = False if dp_shard is None else dp_shard
     chunks = 1 if chunks is None else chunks
     schedule = "gpipe" if schedule is None else schedule

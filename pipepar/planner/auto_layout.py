@@ -29,6 +29,7 @@ from torch import nn
 from pipepar.batching.rules import Rules
 from pipepar.core import validation
 from pipepar.core.devices import DeviceSpec, resolve_devices
+from pipepar.core.memory_budget import AUTO
 from pipepar.core.named_schedules import NAMES
 from pipepar.core.schedule import Schedule
 from pipepar.core.units import format_bytes, parse_bytes
@@ -62,7 +63,7 @@ class Given:
     """
 
     schedule: str | None = None
-    """A schedule name of :data:`pipepar.core.named_schedules.NAMES`."""
+    """A schedule name of :data:`pipepar.core.named_schedules.NAMES`, or ``"auto"``."""
     chunks: int | None = None
     """Micro-batches per replica and step."""
     checkpoint: str | None = None
@@ -77,10 +78,10 @@ class Given:
     the CPU, whose memory is the host's)."""
 
     def __post_init__(self) -> None:
-        if self.schedule is not None and self.schedule not in NAMES:
+        if self.schedule is not None and self.schedule not in (*NAMES, AUTO):
             raise ValueError(
-                f"schedule={self.schedule!r} is not one of {list(NAMES)}; pass one of those, "
-                "or leave it unset for the search to choose"
+                f"schedule={self.schedule!r} is not one of {[*NAMES, AUTO]}; pass one of "
+                "those, or leave it unset for the search to choose"
             )
         if self.checkpoint is not None:  # a mode, or an object whose str() is one
             object.__setattr__(self, "checkpoint", validation.check_checkpoint(self.checkpoint))
@@ -110,7 +111,11 @@ class Given:
         return None if self.offload is None else (self.offload,)
 
     def schedules(self) -> list[str]:
-        """The schedules to search: the one given, else every one."""
+        """The schedules to search: the one given, else every named one; for ``"auto"``
+        every named one and the order built for the capacity (tried where no named V
+        schedule fits)."""
+        if self.schedule == AUTO:
+            return [*NAMES, AUTO]
         return [self.schedule] if self.schedule else list(NAMES)
 
     def chunk_counts(self) -> list[int]:
@@ -284,13 +289,19 @@ def _why_not(prof: Profile, devices: int, given: Given, capacity: int) -> str:
             capacity=capacity,
             optimizer=None,
             chunks=chunks,
-            schedule=given.schedule or "1f1b",
+            schedule=_named(given.schedule),
             checkpoint=given.checkpoint or "always",
         )
     except ValueError as error:
-        name, policy = given.schedule or "1f1b", given.checkpoint or "always"
+        name, policy = _named(given.schedule), given.checkpoint or "always"
         return f"with {name}, {chunks} micro-batches and checkpoint={policy!r}: {error}"
     return "see pipepar.search_layouts(..., top=None) for the layouts considered"
+
+
+def _named(schedule: str | None) -> str:
+    """The named schedule that tells why nothing fits: the one given, else 1F1B (also for
+    ``"auto"``, which :func:`~pipepar.planner.plan.plan` does not build)."""
+    return schedule if schedule in NAMES else "1f1b"
 
 
 def capacity_bytes(capacity: object, devices: int, default: int) -> int:
@@ -381,7 +392,7 @@ def pipe_arguments(
     Example:
         >>> balance, chunks, checkpoint, schedule, offload = pipe_arguments(layout, None)
     """
-    chosen = schedule if isinstance(schedule, Schedule) else layout.schedule
+    chosen = schedule if isinstance(schedule, Schedule) else layout.pipe_schedule
     return list(layout.balance), layout.chunks, layout.checkpoint, chosen, layout.offload
 
 

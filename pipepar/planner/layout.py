@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pipepar.core.schedule import Schedule
 from pipepar.core.units import format_bytes
 from pipepar.planner.plan import Plan
 from pipepar.planner.step_time import StepPrediction
@@ -81,6 +82,17 @@ class Layout:
     """Activation offload (``pipepar.wrap(..., offload=True)``): what each micro-batch's
     forward saves goes to host memory until shortly before its backward. Its memory and its
     copies are in :attr:`peak_bytes` and :attr:`step_ms`."""
+    order: Schedule | None = None
+    """For :attr:`schedule` ``"auto"``: the order built for this layout's split and the
+    capacity its devices have left (:mod:`pipepar.planner.auto_fit`), whose action lists
+    :attr:`prediction` and :attr:`peak_bytes` are of; a pipe built from the layout runs it.
+    None for a named schedule (built from its name)."""
+
+    @property
+    def pipe_schedule(self) -> str | Schedule:
+        """What a pipe built from this layout takes as ``schedule=``: the built
+        :attr:`order`, else the schedule's name."""
+        return self.order if self.order is not None else self.schedule
 
     @property
     def bubble(self) -> float:

@@ -48,6 +48,12 @@ offload would be a fit on paper only.
 
 Schedules are built once per (``pp``, schedule, ``M``) and shared by the recompute policies.
 
+``"auto"`` among the schedules (opt-in) is the order built for the capacity each device has
+left (:mod:`~pipepar.planner.auto_fit`), tried only where none of the named V schedules fits
+that (``pp``, ``M``, recompute) without offload, and only at the largest ``M`` where it fits
+(per ``pp`` and recompute): the budget search costs up to seconds, and where a named V fits it
+does as well.
+
     >>> layouts = search_layouts(prof, devices=64, batch=512, cluster="h100x8",
     ...                          capacity="80GiB", flops=count_flops(model, sample, prof))
     >>> best = layouts[0]
@@ -63,9 +69,11 @@ from typing import Any
 
 from torch import nn
 
+from pipepar.core.memory_budget import AUTO
 from pipepar.core.named_schedules import NAMES, VIRTUAL
 from pipepar.core.schedule import Schedule
 from pipepar.core.units import format_bytes, parse_bytes
+from pipepar.planner.auto_fit import fit_auto
 from pipepar.planner.cluster import Cluster
 from pipepar.planner.layout import Layout
 from pipepar.planner.peak_moments import schedule_for
@@ -95,6 +103,9 @@ CHUNKS = (1, 2, 4, 8, 16, 32, 64)
 
 _FRUGAL = ("never", "except_last", "always")
 """Recompute policies from the fastest to the one needing the least memory."""
+
+_V = ("zb-v", "v-half", "v-min")
+"""The named schedules of two stages per device in a V: ``"auto"`` is tried where none fits."""
 
 _LEAN = ("1f1b", "gpipe", "zb-h1", "interleaved-1f1b", "zb-v", "v-min", "v-half")
 """Schedules whose need is told when nothing fits, the first of them searched: 1F1B's (the
@@ -136,7 +147,12 @@ def search_layouts(
         optimizer: whose state to count (see :func:`pipepar.profile`).
         flops: per layer, the (forward, backward) FLOPs of the profile's batch, for a profile
             without times; counted here when a model is given.
-        schedules: the schedules to try.
+        schedules: the schedules to try: names of
+            :data:`~pipepar.core.named_schedules.NAMES`, and ``"auto"`` (not by default):
+            where no named V schedule fits a pipeline of ``pp >= 2`` at a count of
+            micro-batches and recompute, the order built for what each device has left of
+            ``capacity`` (:mod:`pipepar.planner.auto_fit`; without offload), kept in
+            :attr:`Layout.order`.
         chunks: the micro-batch counts to try (those up to a replica's rows).
         checkpoints: the recompute policies to try.
         top: how many layouts to return (the rest are pruned early); None for every layout
@@ -172,7 +188,7 @@ def search_layouts(
     rows = check_count("batch", batch, "e.g. batch=512 rows")
     machines = search_cluster(cluster, n)
     options = _Options(
-        schedules=check_choices("schedules", schedules, NAMES),
+        schedules=check_choices("schedules", schedules, (*NAMES, AUTO)),
         chunks=sorted(set(check_counts("chunks", chunks)), reverse=True),
         checkpoints=sorted(
             check_choices("checkpoints", checkpoints, CHECKPOINTS), key=_FRUGAL.index
@@ -242,6 +258,8 @@ class _Search:
         self.devices, self.rows, self.options = devices, rows, options
         self.kept: list[Layout] = []
         self.schedules: dict[tuple[str, int, int], Schedule] = {}
+        self.plans: dict[tuple[Any, ...], Plan | None] = {}  # fits, by shape, order, recompute
+        self.built: dict[tuple[Any, ...], Schedule] = {}  # "auto"'s orders, by shape, M, ...
         self.shapes: dict[tuple[int, bool], tuple[int, int]] = {}  # (pp, shard) -> (dp, rows)
         self.statics: dict[tuple[int, bool], int] = {}  # (dp, shard) -> state bytes, all layers
         self.skipped: list[str] = []  # why a pp or schedule was not tried
@@ -252,7 +270,7 @@ class _Search:
         does not fit, one that recomputes less does not either."""
         for shape in self._shapes():
             for name in self.options.schedules:
-                stages = shape.pp * (2 if name in VIRTUAL else 1)
+                stages = shape.pp * _per_device(name)
                 if stages > len(self.prof):
                     self.skipped.append(
                         f"{name} on pp={shape.pp}: {stages} stages for {len(self.prof)} layers"
@@ -329,7 +347,13 @@ class _Search:
         offloads = self.options.offloads
         most = misfit
         for m in counts:
-            fitting = self._fit(shape, self._schedule(name, shape.pp, m), checkpoint, offloads)
+            if name != AUTO:
+                fitting = self._fit(shape, self._schedule(name, shape.pp, m), checkpoint, offloads)
+            elif shape.pp < 2 or self._v_fits(shape, m, checkpoint):
+                continue  # one device runs its stages in turn; where a named V fits, it does
+                # as well as the costly budget search
+            else:
+                fitting = self._fit_auto(shape, m, checkpoint, offloads)
             if fitting is None:
                 if True not in offloads:
                     return m
@@ -341,6 +365,8 @@ class _Search:
             # a step at least as long as its busiest device cannot make the top otherwise
             if _busy_bound(found, self.options.runtime) <= self._threshold():
                 self._keep(self._layout(shape, found, offload))
+            if name == AUTO:  # built for the most micro-batches that fit: fewer are not built
+                return most
         return most
 
     def _fit(
@@ -349,6 +375,16 @@ class _Search:
         """The plan of ``order`` that fits, and whether it offloads: without offload where it
         fits so (offload only adds copies), else with it (of ``offloads``); None if neither."""
         for offload in offloads:
+            found = self._plan(shape, order, checkpoint, offload)
+            if found is not None:
+                return found, offload
+        return None
+
+    def _plan(self, shape: _Shape, order: Schedule, checkpoint: str, offload: bool) -> Plan | None:
+        """The plan of ``order`` that fits, or None; kept, as ``"auto"`` asks the V's again."""
+        key = (shape.pp, shape.dp, shape.shard, order.name, order.n_microbatches, checkpoint,
+               offload)  # fmt: skip
+        if key not in self.plans:
             memory = MemoryModel(
                 shape.profile,
                 order,
@@ -356,10 +392,30 @@ class _Search:
                 foreach=[t.foreach for t in shape.targets],
                 offload=offload,
             )
-            found = fit(shape.profile, memory, shape.targets)
-            if found is not None:
-                return found, offload
-        return None
+            self.plans[key] = fit(shape.profile, memory, shape.targets)
+        return self.plans[key]
+
+    def _v_fits(self, shape: _Shape, m: int, checkpoint: str) -> bool:
+        """Whether a named V schedule fits ``m`` micro-batches without offload."""
+        return any(
+            self._plan(shape, self._schedule(v, shape.pp, m), checkpoint, False) is not None
+            for v in _V
+        )
+
+    def _fit_auto(
+        self, shape: _Shape, m: int, checkpoint: str, offloads: list[bool]
+    ) -> tuple[Plan, bool] | None:
+        """The plan of the order built for what each device has left (:mod:`~pipepar.
+        planner.auto_fit`), and False (it does not offload); None if it does not fit or
+        offload alone is asked for."""
+        if False not in offloads:
+            return None
+        found = fit_auto(shape.profile, shape.targets, chunks=m, checkpoint=checkpoint)
+        if found is None:
+            return None
+        plan, order = found
+        self.built[(shape.pp, shape.dp, shape.shard, m, checkpoint)] = order
+        return plan, False
 
     def _chunk_counts(self, shape: _Shape) -> list[int]:
         """The micro-batch counts to try for a replica, largest first."""
@@ -389,7 +445,11 @@ class _Search:
         )
 
     def _layout(self, shape: _Shape, found: Plan, offload: bool) -> Layout:
-        order = self.schedules[(found.schedule, shape.pp, found.chunks)]
+        if found.schedule == AUTO:
+            key = (shape.pp, shape.dp, shape.shard, found.chunks, found.checkpoint)
+            order = self.built[key]
+        else:
+            order = self.schedules[(found.schedule, shape.pp, found.chunks)]
         pred = self._predict(shape, order, found.balance, found.checkpoint, offload)
         peaks = {s.worker: s.device_peak_bytes for s in found.stages}
         return Layout(
@@ -408,6 +468,7 @@ class _Search:
             plan=replace(found, prediction=pred),
             dp_shard=shape.shard,
             offload=offload,
+            order=order if found.schedule == AUTO else None,
         )
 
     # -- ranking ------------------------------------------------------------------------------
@@ -478,13 +539,13 @@ class _Search:
         offload where it may be tried. Each
         ``pp`` costs a search of its own, so they go from the least parameter bytes per
         device (a lower bound of the need) up, while that bound is below the least found."""
-        name = next(n for n in _LEAN if n in self.options.schedules)
+        name = next((n for n in _LEAN if n in self.options.schedules), "v-min")
         best: tuple[int, _Shape, MemoryModel] | None = None
         bounds = {key: self._static(dp, key[1]) / key[0] for key, (dp, _) in self.shapes.items()}
         for pp, shard in sorted(self.shapes, key=lambda key: bounds[key]):
             if best is not None and bounds[(pp, shard)] >= best[0]:
                 break
-            if pp * (2 if name in VIRTUAL else 1) > len(self.prof):
+            if pp * _per_device(name) > len(self.prof):
                 continue
             shape = self._shape(pp, *self.shapes[(pp, shard)], shard)
             order = self._schedule(name, pp, self._chunk_counts(shape)[0])
@@ -500,6 +561,11 @@ class _Search:
             if best is None or need < best[0]:
                 best = (need, shape, memory)
         return best
+
+
+def _per_device(name: str) -> int:
+    """Stages per device of schedule ``name`` (``"auto"`` builds a V or a loop of two)."""
+    return 2 if name in VIRTUAL or name == AUTO else 1
 
 
 def _sharded(shard: bool, dp: int) -> str:

@@ -43,7 +43,7 @@ from pipepar.planner.sharded_state import sharded
 from pipepar.planner.stage_memory import MemoryModel, StageMemory
 from pipepar.planner.step_time import StepPrediction
 
-__all__ = ["Plan", "StagePlan", "fit", "plan"]
+__all__ = ["Plan", "StagePlan", "at_balance", "fit", "plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -381,6 +381,27 @@ def fit(prof: Profile, model: MemoryModel, targets: list[Target]) -> Plan | None
     best = search(model, shares, times)
     if best is None:
         return None
+    return _plan_of(prof, model, targets, best)
+
+
+def at_balance(
+    prof: Profile, model: MemoryModel, targets: list[Target], balance: Sequence[int]
+) -> Plan:
+    """The plan of ``prof`` split as ``balance`` (layers per stage) for the schedule and
+    checkpointing of ``model``, fitting or not: each stage's figures, ``device_peak_bytes``
+    its device's exact peak (a search that builds a schedule for a split checks it so)."""
+    best, a = [], 0
+    for j, size in enumerate(balance):
+        best.append(Candidate(j, range(a, a + size), 0, 0.0))
+        a += size
+    return _plan_of(prof, model, targets, best)
+
+
+def _plan_of(
+    prof: Profile, model: MemoryModel, targets: list[Target], best: list[Candidate]
+) -> Plan:
+    order = model.schedule
+    times = [layer.time_ms or 0.0 for layer in prof.layers] if prof.timed else None
     return Plan(
         balance=[len(c.layers) for c in best],
         stages=_stage_plans(model, order, targets, best, prof),

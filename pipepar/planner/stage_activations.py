@@ -32,7 +32,13 @@ from pipepar.planner.model_profile import profile
 from pipepar.planner.profile import Profile
 from pipepar.planner.stage_memory import MemoryModel
 
-__all__ = ["activation_bytes", "bytes_schedule", "predicted_activations"]
+__all__ = [
+    "activation_bytes",
+    "bytes_schedule",
+    "predicted_activations",
+    "stage_ranges",
+    "stage_weights",
+]
 
 
 def activation_bytes(
@@ -65,7 +71,7 @@ def activation_bytes(
         2
     """
     prof, mode = _profiled(model, sample, balance, checkpoint, chain)
-    return _weights(prof, list(balance or ()), 1 if chunks is None else chunks, mode)
+    return stage_weights(prof, list(balance or ()), 1 if chunks is None else chunks, mode)
 
 
 def bytes_schedule(
@@ -93,7 +99,7 @@ def bytes_schedule(
     """
     prof, mode = _profiled(model, sample, balance, checkpoint, chain)
     stages, m = list(balance or ()), 1 if chunks is None else chunks
-    weights = _weights(prof, stages, m, mode)
+    weights = stage_weights(prof, stages, m, mode)
     least = least_budget(len(stages), n_workers, weights)
     level, least_peak = float(budget), None
     while True:
@@ -119,7 +125,7 @@ def predicted_activations(
     """Per device, the planner's peak less its parameters, gradients and optimizer state."""
     memory = MemoryModel(prof, schedule, checkpoint=checkpoint,
                          foreach=[False] * schedule.n_workers)  # fmt: skip
-    ranges = _ranges(balance)
+    ranges = stage_ranges(balance)
     out = []
     for w in range(schedule.n_workers):
         mine = [ranges[s] for s in schedule.stages_of(w)]
@@ -155,18 +161,21 @@ def _profiled(
     return prof, checkpoint or ("except_last" if chain else "never")
 
 
-def _weights(prof: Profile, balance: list[int], m: int, mode: str) -> list[float]:
+def stage_weights(prof: Profile, balance: list[int], m: int, mode: str) -> list[float]:
+    """Per stage of ``balance``, what one of its ``m`` micro-batches holds under recompute
+    ``mode`` (its whole activations, or its input under ``"always"``), at least one byte."""
     n = len(balance)
     memory = MemoryModel(prof, gpipe(n, m), checkpoint=mode, foreach=[False] * n)
     out = []
-    for a, b in _ranges(balance):
+    for a, b in stage_ranges(balance):
         figures = memory.figures(a, b)
         held = figures.inputs if mode == "always" else figures.whole
         out.append(float(max(1, held)))
     return out
 
 
-def _ranges(balance: Sequence[int]) -> list[tuple[int, int]]:
+def stage_ranges(balance: Sequence[int]) -> list[tuple[int, int]]:
+    """Per stage of ``balance``, its first and last layer."""
     out, a = [], 0
     for size in balance:
         out.append((a, a + size - 1))

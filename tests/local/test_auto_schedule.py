@@ -117,7 +117,10 @@ def test_bad_budgets_name_the_argument_and_the_least(
         pipepar.wrap(model, [2, 2], devices=2, chunks=4, **kwargs)
 
 
-def test_auto_needs_the_stages() -> None:
+def test_a_budget_needs_the_stages() -> None:
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(4)])
-    with pytest.raises(ValueError, match="schedule='auto' builds the order for stages you give"):
-        pipepar.wrap(model, sample=torch.randn(8, WIDTH), devices=2, schedule="auto")
+    with pytest.raises(ValueError, match="memory_budget=2 bounds the order built for stages"):
+        pipepar.wrap(model, sample=torch.randn(8, WIDTH), devices=2, schedule="auto",
+                     memory_budget=2)  # fmt: skip
+    pipe = pipepar.wrap(model, sample=torch.randn(8, WIDTH), devices=2, schedule="auto")
+    assert pipe.layout is not None  # searched: the named schedules and the order built
