@@ -14,17 +14,23 @@ back. :meth:`ProcessGroup.step_times` instead starts every step together on all 
 barrier before each) and returns each step's seconds, the slowest rank's;
 :meth:`ProcessGroup.peaks` runs one step on every rank and returns each rank's largest rise in
 allocated CPU bytes during it, less what the step's ``static_bytes`` attribute names (what the
-step allocates whatever the schedule, such as the gradients it makes anew). An error while
+step allocates whatever the schedule, such as the gradients it makes anew). The rise is read
+from the C allocator's bytes in use (glibc's ``mallinfo2``), sampled by a thread every 0.2 ms,
+since ``torch.profiler`` sees only the allocations of the thread that started it and a rank
+of a model cut while it runs computes its forwards on threads of its own. An error while
 building or stepping comes back as its text instead of a time, and a group that stops
 answering is terminated.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import importlib
 import queue
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -246,14 +252,51 @@ def _timed(step: Step, n: int) -> float:
 
 def _peak(step: Step) -> int:
     """The largest rise in allocated CPU bytes during one step, less its ``static_bytes``."""
-    from pipepar.planner.allocator_log import AllocatorLog
-
     gc.collect()
     dist.barrier()
-    with AllocatorLog() as log:
+    with MallocPeak() as peak:
         step()
     dist.barrier()
-    return log.largest_rise - int(getattr(step, "static_bytes", 0))
+    return peak.rise - int(getattr(step, "static_bytes", 0))
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]  # fmt: skip
+
+
+class MallocPeak:
+    """The highest rise of the C allocator's bytes in use (every thread's) inside the block,
+    sampled every ``every`` seconds: a plateau of held activations is seen, a spike shorter
+    than a sample may not be."""
+
+    def __init__(self, every: float = 2e-4) -> None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        self._info = libc.mallinfo2
+        self._info.restype = _MallInfo2
+        self.every, self.rise = every, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def in_use(self) -> int:
+        info = self._info()
+        return int(info.uordblks + info.hblkhd)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.rise = max(self.rise, self.in_use() - self._start)
+            time.sleep(self.every)
+
+    def __enter__(self) -> MallocPeak:
+        self._start = self.in_use()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.rise = max(self.rise, self.in_use() - self._start)
 
 
 def _each(step: Step, n: int, warmup: int) -> list[float]:

@@ -4,10 +4,11 @@ schedule's activation peak on every rank beside the planner's prediction, and it
 across ranks and in one process, all against 1F1B's in the same run.
 
 Memory: ``pipepar.distributed.wrap`` on K spawned gloo ranks (one stage per rank for 1F1B, two
-for the V schedules). After a warm-up step each rank runs one step with the CPU allocator's
-events recorded (:class:`pipepar.planner.allocator_log.AllocatorLog`); its activation peak is the
-largest rise in allocated bytes during the step less the rank's parameter gradients (made anew
-each step). The messages between ranks are counted in it, as they are in a rank's memory. The
+for the V schedules). After a warm-up step each rank runs one step while a thread samples the C
+allocator's bytes in use every 0.2 ms (:class:`benchmarks._procs.MallocPeak`: every thread's
+allocations, the forwards of a model cut while it runs are computed on threads of the rank's
+own, which ``torch.profiler``'s allocator events do not see); its activation peak is the largest
+rise during the step less the rank's parameter gradients (made anew each step). The messages between ranks are counted in it, as they are in a rank's memory. The
 prediction beside it is the planner's (:class:`pipepar.planner.stage_memory.MemoryModel` over a
 ``meta`` profile of the same model and batch) for that device, less its parameters and
 gradients. ``+offload`` rows run the schedule with ``offload=True``: on the CPU what is away sits
@@ -245,8 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     text = table(rows)
     note = (
         f"Job: {work.description}, no optimizer, checkpoint='never', M={args.chunks}. "
-        "Activation peak: a rank's largest rise in allocated CPU bytes over one step after a "
-        "warm-up step, less its parameter gradients (messages between ranks included); "
+        "Activation peak: a rank's largest rise in the C allocator's bytes in use (sampled "
+        "every 0.2 ms, every thread) over one step after a warm-up step, less its parameter "
+        "gradients (messages between ranks included); "
         "predicted: the planner's MemoryModel for that device over a meta profile, less its "
         "parameters and gradients. Rates: pipepar.distributed.wrap on K spawned gloo ranks "
         "(every step after a barrier, the slowest rank's time) and pipepar.wrap on K 'cpu' "
