@@ -8,11 +8,12 @@ for the V schedules). After a warm-up step each rank runs one step while a threa
 allocator's bytes in use every 0.2 ms (:class:`benchmarks._procs.MallocPeak`: every thread's
 allocations, the forwards of a model cut while it runs are computed on threads of the rank's
 own, which ``torch.profiler``'s allocator events do not see); its activation peak is the largest
-rise during the step less the rank's parameter gradients (made anew each step). The messages between ranks are counted in it, as they are in a rank's memory. The
-prediction beside it is the planner's (:class:`pipepar.planner.stage_memory.MemoryModel` over a
-``meta`` profile of the same model and batch) for that device, less its parameters and
-gradients. ``+offload`` rows run the schedule with ``offload=True``: on the CPU what is away sits
-in memory outside torch's allocator, as host memory is outside a GPU's.
+rise during the step less the rank's parameter gradients (made anew each step). The messages
+between ranks are counted in it, as they are in a rank's memory. The prediction beside it is the
+planner's (:class:`pipepar.planner.stage_memory.MemoryModel` over a ``meta`` profile of the same
+model and batch) for that device, less its parameters and gradients. ``+offload`` rows run the
+schedule with ``offload=True``: on the CPU what is away sits in pages of its own, outside
+torch's allocator and the C heap, as host memory is outside a GPU's.
 
 Rate: the same pipes, the schedules alternating in blocks of steps (the order rotating each
 round), every step started by a barrier, the slowest rank's time; and ``pipepar.wrap`` on K

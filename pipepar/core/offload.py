@@ -27,6 +27,7 @@ sum resident at once) are kept in :class:`OffloadCounts`.
 from __future__ import annotations
 
 import contextlib
+import mmap
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -259,11 +260,13 @@ class ActivationStore:
 
 
 def _outside_torch(t: Tensor) -> Tensor:
-    """The stand-in's host copy of ``t``: in memory Python owns (a ``bytearray``), not torch's
-    CPU allocator, so that what torch counts as allocated drops as it would on a GPU. The copy
-    has the strides of ``t`` (dense, see :func:`_dense`)."""
-    buffer = bytearray(t.numel() * t.element_size())
-    flat = torch.frombuffer(buffer, dtype=t.dtype) if buffer else torch.empty(0, dtype=t.dtype)
+    """The stand-in's host copy of ``t``: in pages of its own (an anonymous ``mmap``), outside
+    torch's CPU allocator and the C heap under it, so that what either counts as allocated
+    drops as a GPU's would. The copy has the strides of ``t`` (dense, see :func:`_dense`)."""
+    size = t.numel() * t.element_size()
+    if size == 0:
+        return torch.empty(0, dtype=t.dtype).as_strided(t.shape, t.stride())
+    flat = torch.frombuffer(mmap.mmap(-1, size), dtype=t.dtype)
     host = flat.as_strided(t.shape, t.stride())
     host.copy_(t.detach())
     return host
