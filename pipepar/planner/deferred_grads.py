@@ -20,6 +20,12 @@ direct route too (products only: it runs a norm's kernel anyway), but only on a 
 weight matrix of at least ``2**17`` elements (:class:`pipepar.core.step.StageStep`); its terms
 come from the plan of a whole backward (``plan_backward(reach=True)``).
 
+The same run gives B's own peak (:attr:`DeferredGrads.input_peak`): B frees what the forward
+saved as it goes, except what W reads (the products' saved inputs) and the gradients it
+records, which a whole backward frees as soon as it used them. Neither the points of a whole
+backward nor those of one keeping its graph describe that (a transformer block's B holds its
+MLP's hidden activation while the GELU's gradient is made: a whole backward had freed it).
+
 This module only measures; when W runs and what is alive then is the schedule's business
 (:mod:`pipepar.planner.peak_moments`).
 """
@@ -37,7 +43,7 @@ from torch.utils._pytree import tree_flatten
 
 from pipepar.core.split_backward import BackwardWalk, plan_backward, run_input
 from pipepar.planner.layer_trace import stand_ins
-from pipepar.planner.memory_tracker import storage_key
+from pipepar.planner.memory_tracker import MemoryTracker, storage_key
 
 __all__ = ["DeferredGrads", "deferred_grads"]
 
@@ -63,6 +69,9 @@ class DeferredGrads:
         whole_direct_bytes: ``direct_bytes`` of an unsplit backward.
         largest: elements of the largest weight matrix: with ``2**17`` or more, a stage holding
             the layer takes the direct route in an unsplit backward too.
+        input_peak: the most bytes B of the layer holds beyond what was alive before its
+            incoming gradient (that gradient included; what it freed of the forward's
+            storages taken off); 0 where not measured.
     """
 
     nbytes: int
@@ -74,6 +83,7 @@ class DeferredGrads:
     saved_input_bytes: int = 0
     whole_direct_bytes: int = 0
     largest: int = 0
+    input_peak: int = 0
 
 
 def deferred_grads(layers: Sequence[nn.Module], sample: Any) -> list[DeferredGrads]:
@@ -93,18 +103,26 @@ def deferred_grads(layers: Sequence[nn.Module], sample: Any) -> list[DeferredGra
         leaves = _leaves(x)
         params = stand_ins(layer, _META)
         copies = _copies(leaves)
-        with torch.enable_grad():  # on copies: an in-place layer must not write into a leaf
-            out = functional_call(layer, params, (copies,))
-        weights = [p for p in params.values() if p.requires_grad]
-        found.append(_split(out, leaves, weights, copies=copies))
+        # Tracked from the forward on: B's frees of what it saved count.
+        with MemoryTracker() as tracker:
+            with torch.enable_grad():  # on copies: an in-place layer must not write into a leaf
+                out = functional_call(layer, params, (copies,))
+            weights = [p for p in params.values() if p.requires_grad]
+            found.append(_split(out, leaves, weights, copies=copies, tracker=tracker))
         x = _detach(out)
     return found
 
 
 def _split(
-    out: Any, leaves: Any, weights: list[torch.Tensor], *, copies: Any = None
+    out: Any,
+    leaves: Any,
+    weights: list[torch.Tensor],
+    *,
+    copies: Any = None,
+    tracker: MemoryTracker | None = None,
 ) -> DeferredGrads:
-    """The split of one layer's backward; ``copies``: what the layer ran on, if not ``leaves``."""
+    """The split of one layer's backward; ``copies``: what the layer ran on, if not ``leaves``;
+    ``tracker``: one active since the layer's forward, to measure B's peak."""
     outs = [t for t in _tensors(out) if t.requires_grad]
     large = max((p.numel() for p in weights if p.dim() == 2), default=0)
     if not outs:
@@ -116,7 +134,12 @@ def _split(
     whole = _in_place(plan_backward(outs, incoming, inputs, weights, reach=True))
     plan = plan_backward(outs, incoming, inputs, weights)
     direct, saved = _in_place(plan), _saved(plan)
+    start = 0
+    if tracker is not None:  # from before the incoming gradient
+        start = tracker.live_bytes - sum(_nbytes(g) for g in incoming)
+        tracker.reset_peak()
     _, work = run_input(plan, outs, incoming, inputs)
+    peak = tracker.peak_bytes - start if tracker is not None else 0
     if work is None:
         return DeferredGrads(0, False, False, whole_direct_bytes=whole, largest=large)
     kept: dict[int, int] = {}
@@ -140,6 +163,7 @@ def _split(
         saved_input_bytes=sum(n for key, n in saved.items() if key in layer_input),
         whole_direct_bytes=whole,
         largest=large,
+        input_peak=peak,
     )
 
 

@@ -380,6 +380,7 @@ def _layer(
         direct_saved_bytes=deferred.saved_bytes,
         direct_saved_input_bytes=deferred.saved_input_bytes,
         whole_direct_grad_bytes=deferred.whole_direct_bytes,
+        split_input_peak_bytes=deferred.input_peak,
         largest_matrix=deferred.largest,
         **costs,
     )

@@ -98,6 +98,10 @@ class LayerProfile:
         whole_direct_grad_bytes: ``direct_grad_bytes`` of an unsplit backward.
         largest_matrix: elements of the layer's largest weight matrix; with ``2**17`` or more
             a stage's unsplit backward takes that direct route too.
+        split_input_peak_bytes: the most bytes B of a split backward of the layer holds
+            beyond what was alive before its incoming gradient (which it includes): what
+            W reads and the gradients B records stay, the rest of what the forward saved is
+            freed as B goes; 0 where not measured.
 
     Example:
         >>> prof = pipepar.profile(zoo.mlp(depth=2, width=16), torch.randn(8, 16))
@@ -137,6 +141,7 @@ class LayerProfile:
     direct_saved_input_bytes: int = 0
     whole_direct_grad_bytes: int = 0
     largest_matrix: int = 0
+    split_input_peak_bytes: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -320,6 +325,7 @@ def profile(
                 direct_saved_bytes=deferred[i].saved_bytes,
                 direct_saved_input_bytes=deferred[i].saved_input_bytes,
                 whole_direct_grad_bytes=deferred[i].whole_direct_bytes,
+                split_input_peak_bytes=deferred[i].input_peak,
                 largest_matrix=deferred[i].largest,
                 **costs[i],
             )

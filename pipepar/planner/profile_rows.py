@@ -41,6 +41,7 @@ _ROW_BYTES = (
     "deferred_grad_bytes",
     "direct_saved_bytes",
     "direct_saved_input_bytes",
+    "split_input_peak_bytes",
 )
 """LayerProfile fields that are bytes for the whole batch and grow with its rows."""
 

@@ -19,7 +19,9 @@ shared by two layers counts once; one that crosses a stage boundary counts on bo
 - transients: a forward's work space; a whole backward's peak with the parameter gradients it
   makes (``G``, unscaled); the end of a whole backward (its input gradient, the incoming
   gradient and the new ``G`` alive, its activations freed); B of a split backward (the gradients
-  it records and the input gradient); W (the ``G`` it makes; on stage 0 the whole backward,
+  it records and the input gradient; inside each layer at least B's own peak measured on the
+  split, :mod:`pipepar.planner.deferred_grads`: it keeps what W reads, which the points of a
+  whole backward have freed by then); W (the ``G`` it makes; on stage 0 the whole backward,
   freeing as it goes); the optimizer step (per tensor on
   CPU, all at once with the ``foreach`` kernels torch picks on CUDA). Once the stage's gradient
   sums exist, a direct product adds into its sum in place (``addmm_``): ``summed`` are the same
@@ -132,13 +134,20 @@ def _prefix(values: list[int]) -> list[int]:
     return [0, *accumulate(values)]
 
 
+def _split_peak(layer: LayerProfile, r: float) -> int:
+    """B's own peak as measured on the split itself, at ``r`` times the profiled batch: it
+    keeps what W reads and the gradients it records, which the points of a whole backward
+    have freed once used (0 where not measured)."""
+    return round(r * layer.split_input_peak_bytes)
+
+
 def _input_grad_peak(layer: LayerProfile, r: float) -> int:
     """The most bytes other than parameter gradients a layer's backward holds when it keeps
     the graph, at ``r`` times the profiled batch (B of a split backward makes no parameter
     gradients)."""
     if not layer.retained_points:
-        return round(r * layer.backward_peak_bytes)
-    return round(r * max(other for other, _ in layer.retained_points))
+        return max(round(r * layer.backward_peak_bytes), _split_peak(layer, r))
+    return max(round(r * max(other for other, _ in layer.retained_points)), _split_peak(layer, r))
 
 
 def _backward_peak(layer: LayerProfile, r: float, *, new: int | None = None) -> int:
@@ -154,10 +163,10 @@ def _backward_peak(layer: LayerProfile, r: float, *, new: int | None = None) -> 
 
 def _freeing_peak(layer: LayerProfile, r: float) -> int:
     """A layer's backward peak without parameter gradients, freeing what it saved: B of a
-    split backward that does not keep the graph."""
+    split backward that does not keep the graph (at least B's own measured peak)."""
     if not layer.backward_points:
-        return round(r * layer.backward_peak_bytes)
-    return max(round(r * other) for other, _ in layer.backward_points)
+        return max(round(r * layer.backward_peak_bytes), _split_peak(layer, r))
+    return max(max(round(r * other) for other, _ in layer.backward_points), _split_peak(layer, r))
 
 
 @dataclass(frozen=True)

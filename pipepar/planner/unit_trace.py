@@ -422,12 +422,15 @@ def deferred_units(call: UnitCall) -> list[DeferredGrads]:
     :func:`pipepar.planner.deferred_grads.deferred_grads` measures it per layer; ``call``
     should be on meta (sizes only), or on a real device where the model cannot run on meta."""
     found = []
-    with meta_modes(call.device, call.values):  # the backwards too: their meta kernels
+    # The backwards too under the meta modes (their meta kernels); tracked from the forwards
+    # on, so that B's frees of what they saved count in its peak.
+    with meta_modes(call.device, call.values), MemoryTracker() as tracker:
         graphs, _, output = unit_forward(call, lambda i: None)
         del output
         for graph in graphs:
             ins = tuple(c.leaf for c in graph.into)
-            found.append(_split(tuple(_as_handed(t) for t in graph.outs), ins, graph.weights))
+            outs = tuple(_as_handed(t) for t in graph.outs)
+            found.append(_split(outs, ins, graph.weights, tracker=tracker))
             graph.outs, graph.into = [], []
     return found
 

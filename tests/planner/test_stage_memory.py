@@ -207,3 +207,23 @@ def test_v_schedules_are_predicted_to_hold_less_than_1f1b_on_a_gpt() -> None:
     # than those counts say: a micro-batch waiting for W also keeps the gradients W starts from)
     assert one > half > least
     assert least < 0.6 * one
+
+
+def test_split_b_keeps_what_w_reads_at_its_own_peak() -> None:
+    # B of a block whose W needs no autograd frees what the forward saved as it goes, but not
+    # the MLP's hidden activation (fc2's saved input, for W): while the GELU's gradient is
+    # made it is still alive, where a whole backward had freed it. V-Min's second device
+    # peaks there; the points of a whole backward alone under-predicted it by ~3%.
+    model = models.gpt(2, 64, 2, 64, 16)
+    ids = torch.randint(64, (32, 16))
+    prof = profile(model, ids, device="meta", optimizer="adam")
+    assert all(x.split_input_peak_bytes > 0 for x in prof.layers[1:])
+    balance, k, m = [1, 1, 1, 2], 2, 4
+    order = make("v-min", 4, m, n_workers=k)
+    mm = MemoryModel(prof, order, checkpoint="never", foreach=[False] * k)
+    ranges = [(0, 0), (1, 1), (2, 2), (3, 4)]
+    for w in range(k):
+        want = sum(p.peak_bytes for p in mm.device(w, [ranges[s] for s in order.stages_of(w)]))
+        got = measure_device(model, ids, balance, device=w, chunks=m, optimizer="adam",
+                             schedule=order)  # fmt: skip
+        assert -0.01 <= (want - got) / got < 0.05, (w, want, got)
