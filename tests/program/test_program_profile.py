@@ -140,7 +140,7 @@ def test_llama3_70b_plans_in_seconds_on_meta() -> None:
     assert len(prof) == len(pipepar.units(model)) == 84
     layout = dict(devices=8, capacity="80GiB", chunks=8, checkpoint="always", schedule="1f1b")
     plan = pipepar.plan(prof, optimizer="sgd-momentum", **layout)
-    assert time.perf_counter() - start < 30
+    assert time.perf_counter() - start < 60  # about 11-14 s on an idle 2-core machine
     assert len(plan.balance) == 8 and sum(plan.balance) == 84
     assert all(s.fits and s.device_peak_bytes <= 80 * 2**30 for s in plan.stages)
     table = pipepar.report.table(plan)

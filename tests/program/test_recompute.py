@@ -240,8 +240,9 @@ def test_deferred_batch_norm_tracks_the_whole_batch() -> None:
         for checkpoint in ("never", "always")
     }
     per_microbatch = pipepar.wrap(
-        copy.deepcopy(plain), split=["layer3"], devices=["cpu", "cpu"], chunks=4
-    )
+        copy.deepcopy(plain), split=["layer3"], devices=["cpu", "cpu"], chunks=4,
+        batch_coupling="per-micro-batch",
+    )  # fmt: skip
     for _ in range(2):
         x, y = torch.randn(8, 3, 32, 32), torch.randint(10, (8,))
         for pipe in (*deferred.values(), per_microbatch):
@@ -334,6 +335,7 @@ def test_batch_norm_under_recompute_counts_each_micro_batch_once(schedule: str) 
             chunks=4,
             schedule=schedule,
             checkpoint=checkpoint,
+            batch_coupling="per-micro-batch",  # asked for: refused otherwise
         )
         for checkpoint in ("never", *MODES)
     }

@@ -98,6 +98,12 @@ class Shortcut(nn.Module):
         return h
 
 
+PER_MICRO_BATCH = {"batch_coupling": "per-micro-batch"}
+"""The models below pick their path by the first row (refused as mixing rows unless asked
+for); every row of a test's batch takes the same path (:func:`_signed`), so each micro-batch
+takes the plain model's."""
+
+
 def _signed(sign: float) -> Tensor:
     x = torch.randn(4, 8)
     x[:, 0] = sign * x[:, 0].abs()  # every row: each micro-batch takes the same path
@@ -124,8 +130,9 @@ def test_a_call_that_leaves_the_route_is_still_right(
     torch.manual_seed(0)
     plain = model_class().eval()  # no dropout: the plain model draws in another order
     pipe = pipepar.wrap(
-        copy.deepcopy(plain), split=["blocks.2"], devices=["cpu"] * 2, chunks=2, schedule=schedule
-    ).eval()
+        copy.deepcopy(plain), split=["blocks.2"], devices=["cpu"] * 2, chunks=2,
+        schedule=schedule, **PER_MICRO_BATCH,
+    ).eval()  # fmt: skip
     _steps_leaving_and_rejoining_the_route(pipe, plain)
 
 
@@ -135,9 +142,11 @@ def test_a_step_run_again_draws_the_same_random_numbers() -> None:
     torch.manual_seed(0)
     model = Branching().train()
     following = pipepar.wrap(
-        copy.deepcopy(model), split=["blocks.2"], devices=["cpu"] * 2, chunks=2
+        copy.deepcopy(model), split=["blocks.2"], devices=["cpu"] * 2, chunks=2, **PER_MICRO_BATCH
     )
-    learning = pipepar.wrap(copy.deepcopy(model), split=["blocks.2"], devices=["cpu"] * 2, chunks=2)
+    learning = pipepar.wrap(
+        copy.deepcopy(model), split=["blocks.2"], devices=["cpu"] * 2, chunks=2, **PER_MICRO_BATCH
+    )
     for step, sign in enumerate((-1.0, -1.0, 1.0)):
         x = _signed(sign)
         losses, states = [], []
@@ -259,7 +268,7 @@ def test_a_middle_stage_that_leaves_the_route_is_still_right(schedule: str) -> N
     plain = MiddleShortcut()
     pipe = pipepar.wrap(
         copy.deepcopy(plain), split=["blocks.1", "blocks.3"], devices=["cpu"] * 3, chunks=2,
-        schedule=schedule,
+        schedule=schedule, **PER_MICRO_BATCH,
     )  # fmt: skip
     _steps_leaving_and_rejoining_the_route(pipe, plain)
 
