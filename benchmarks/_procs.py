@@ -123,41 +123,33 @@ class ProcessGroup:
 
     def time(self, contender: str, m: int, steps: int) -> float | str:
         """Seconds per step of ``contender`` with ``m`` micro-batches, or an error's text."""
-        if self.error is not None:
-            return self.error
-        if not self.alive:
-            return "error: the process group died earlier"
-        for box in self._inbox:
-            box.put(("time", contender, m, steps))
-        answers = self._gather()
-        errors = [a for a in answers if isinstance(a, str)]
-        return errors[0] if errors else float(answers[0])
+        answers = self._ask("time", contender, m, steps)
+        return answers if isinstance(answers, str) else float(answers[0])
 
     def step_times(self, contender: str, m: int, steps: int, warmup: int = 0) -> list[float] | str:
         """Seconds of each of ``steps`` steps (after ``warmup`` untimed ones), the slowest
         rank's, every step started by a barrier on all ranks; or an error's text."""
-        if self.error is not None:
-            return self.error
-        if not self.alive:
-            return "error: the process group died earlier"
-        for box in self._inbox:
-            box.put(("steps", contender, m, steps, warmup))
-        answers = self._gather()
-        errors = [a for a in answers if isinstance(a, str)]
-        return errors[0] if errors else [max(ts) for ts in zip(*answers)]
+        answers = self._ask("steps", contender, m, steps, warmup)
+        return answers if isinstance(answers, str) else [max(ts) for ts in zip(*answers)]
 
     def peaks(self, contender: str, m: int) -> list[int] | str:
         """Each rank's largest rise in allocated CPU bytes during one step of ``contender``
         (after its warm-up), less the step's ``static_bytes``; or an error's text."""
+        answers = self._ask("peak", contender, m)
+        return answers if isinstance(answers, str) else [int(a) for a in answers]
+
+    def _ask(self, *request: Any) -> list[Any] | str:
+        """Every rank's answer to ``request``, in rank order; or the text of the group's error,
+        or of the first rank's that failed."""
         if self.error is not None:
             return self.error
         if not self.alive:
             return "error: the process group died earlier"
         for box in self._inbox:
-            box.put(("peak", contender, m))
+            box.put(request)
         answers = self._gather()
         errors = [a for a in answers if isinstance(a, str)]
-        return errors[0] if errors else [int(a) for a in answers]
+        return errors[0] if errors else answers
 
     @property
     def alive(self) -> bool:
