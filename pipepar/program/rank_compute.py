@@ -57,9 +57,9 @@ from pipepar.program.recompute import checkpoint_units
 from pipepar.program.route import Routes, signature
 from pipepar.program.shadow import skip_elsewhere
 from pipepar.program.step import Batch
+from pipepar.ranks.measured_placement import MeasuredPlacement
 from pipepar.ranks.pipe_context import PipeContext
 from pipepar.ranks.replicas import broadcast_from_first, spread_over_replicas
-from pipepar.ranks.runtime import fewer_microbatches
 from pipepar.ranks.sharding import ShardedSync, shard_like
 
 __all__ = ["RankProgram"]
@@ -131,6 +131,9 @@ class RankProgram:
         self._tied = tied_groups(lay, self.stage_of_unit, ranks)
         self._stages = [_stage(lay, self.stage_of_unit, s, ctx.device) for s in mine]
         self._link = RankMessages(mesh, ctx.device, schedule.placement)
+        self._placement = MeasuredPlacement(
+            schedule, ctx.asked, ctx.recompute, ctx.checkpoint, mine, mesh, ctx.device
+        )
         if state_dict is None:  # replicas start from replica 0's weights
             ctx.guard(lambda: broadcast_from_first([p.data for p in self._held], mesh))
         self._shards = list(self._held)
@@ -227,9 +230,8 @@ class RankProgram:
         last stage's ranks; None on the others."""
         ctx = self._ctx
         calls = split_call(args, kwargs, ctx.chunks, self.rules, self.model)
-        schedule = fewer_microbatches(ctx.schedule, len(calls))
         shares = ModelLoss(self.model, calls, self._forms, loss=False)
-        batch, _ = ctx.guard(lambda: self._gathered_walk(calls, schedule, shares))
+        batch, _ = ctx.guard(lambda: self._gathered_walk(calls, shares))
         try:
             if ctx.schedule.n_stages - 1 not in self._mine:
                 return None
@@ -256,7 +258,7 @@ class RankProgram:
                 "the batch has no rows: pass at least one sample on dimension 0 of the tensors "
                 "of pipe.step(...) (every rank of the pipeline gets the same batch)"
             )
-        schedule = fewer_microbatches(ctx.schedule, len(calls))
+        schedule = self._placement.placed(len(calls))  # fewer rows: fewer micro-batches
         shares = step_shares(call.loss_fn, self.model, calls, targets, call.items, self._forms)
         if ctx.schedule.n_stages - 1 in self._mine:  # where the shares seed the backward
             shares = spread_over_replicas(shares, mesh=ctx.mesh, device=ctx.device)
@@ -267,14 +269,17 @@ class RankProgram:
             batch, steps = self._walk(calls, schedule, shares, head, grad=grad)
             if grad:
                 self._write_grads(steps)
+        self._placement.ran(grad)  # after the timed step: placed again on the shared times
+        ctx.schedule = self._placement.full
         try:
             return self._loss(batch, shares.weights)
         finally:
             batch.close()
 
     def _gathered_walk(
-        self, calls: list[Call], schedule: Schedule, shares: ModelLoss | None
+        self, calls: list[Call], shares: ModelLoss | None
     ) -> tuple[Batch, list[RankStep]]:
+        schedule = self._placement.placed(len(calls))
         with self._gathered():
             return self._walk(calls, schedule, shares, None, grad=False)
 
@@ -340,6 +345,7 @@ class RankProgram:
                 cuts=cuts,
                 link=self._link,
                 mine=self._mine,
+                record=self._placement.recorder(grad),
             )
             for stage in self._stages
         }

@@ -5,7 +5,9 @@ and its gradient back, on a channel of its own per pair of stages; the values on
 takes from another rank travel in one message (:meth:`RankMessages.send_many`), and the receive
 of a gradient can be posted when its value leaves (:meth:`RankMessages.expect`), before the peer
 sends it: on gloo a receive posted after its message came waits a round trip between the ranks'
-transport threads.
+transport threads. The link counts the seconds spent blocked in its waits
+(:attr:`RankMessages.waited`): an action whose forward code receives a value times its own
+computation as its duration less what the link waited meanwhile.
 A message's tensors are real: the Python modes of the code that sends or receives it (a shadow
 stage's meta modes) do not see its operations (:func:`_outside_modes`).
 """
@@ -13,6 +15,7 @@ stage's meta modes) do not see its operations (:func:`_outside_modes`).
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -68,6 +71,10 @@ class RankMessages:
         self._sends: list[tuple[dist.Work | None, str]] = []
         self._buffers: list[Tensor] = []  # alive until sent
         self._expected: dict[tuple[int, int, int], tuple[Tensor, str, list[dist.Work | None]]] = {}
+        self.waited = 0.0
+        """Seconds spent so far blocked in this link's waits (a message still on its way):
+        an action's own time is its duration less the growth of this count meanwhile. One
+        thread waits at a time: a rank's drivers take turns with its walk."""
         self.early = False
         """Whether :meth:`expect` posts a receive at once (only where each stage's backwards
         run in the order of its forwards: the messages of a channel meet the receives posted
@@ -96,7 +103,7 @@ class RankMessages:
         key = (id(like), producer, consumer)
         if kind == GRADIENT and key in self._expected:
             out, what, work = self._expected.pop(key)
-            self.progress.wait(work.pop(), what)
+            self._wait(work.pop(), what)
             return out
         out = torch.empty(like.shape, dtype=like.dtype, device=self.device)
         self._recv(out, self._what(out, kind), kind, producer, consumer)
@@ -168,12 +175,20 @@ class RankMessages:
         raises if it failed."""
         sends, buffers = self._sends, self._buffers
         while sends and (sends[0][0] is None or sends[0][0].is_completed()):
-            self.progress.wait(*sends[0])
+            self._wait(*sends[0])
             sends.pop(0)
             buffers.pop(0)
 
     def _recv(self, buffer: Tensor, value: str, kind: int, producer: int, consumer: int) -> None:
-        self.progress.wait(*self._posted_recv(buffer, value, kind, producer, consumer))
+        self._wait(*self._posted_recv(buffer, value, kind, producer, consumer))
+
+    def _wait(self, work: dist.Work | None, what: str) -> None:
+        """Wait for ``work`` (bounded, reported), counting the time in :attr:`waited`."""
+        start = time.perf_counter()
+        try:
+            self.progress.wait(work, what)
+        finally:
+            self.waited += time.perf_counter() - start
 
     def _posted_recv(
         self, buffer: Tensor, value: str, kind: int, producer: int, consumer: int

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from collections.abc import Callable, Collection, Hashable, Sequence
 from typing import Any
 
@@ -437,13 +438,17 @@ class RankStep(SegmentStep):
         later = [s for s in self.mine if s > self.stage.index]
         self.until = min(later) - 1 if later else len(link.ranks) - 1
         self._foreign = frozenset(range(len(link.ranks))) - self.mine
+        self._waited = 0.0  # link.waited when the running action started
 
     def forward(self, i: int, x: Any) -> tuple[()]:
+        start = time.perf_counter()
         self._action_starts("F", i)
         self.batch.drivers[i].advance(self.until)
+        self._tell(i, "forward", start)
         return ()
 
     def backward(self, i: int, grads: Any) -> tuple[()]:
+        start = time.perf_counter()
         self._action_starts("B", i)
         ledger = self.batch.ledgers[i]
         pairs = self._leaving(i)
@@ -460,7 +465,21 @@ class RankStep(SegmentStep):
                 sent = g if g is not None else torch.zeros_like(crossing.leaf)
                 self.link.send(sent, GRADIENT, crossing.producer, self.stage.index)
         self._backward_ran(i)
+        self._tell(i, "backward", start)
         return ()
+
+    def _action_starts(self, kind: str, i: int) -> None:
+        self._waited = self.link.waited  # what the link waited before this action
+        super()._action_starts(kind, i)
+
+    def _tell(self, i: int, kind: str, start: float) -> None:
+        """Report the action's own computation: its duration less the time the link waited
+        for messages meanwhile (an activation a forward receives from another rank, the
+        gradients a backward receives), which another rank's speed decides, not this
+        stage's."""
+        if self.record is not None:
+            end = time.perf_counter() - (self.link.waited - self._waited)
+            self.record(self.stage.index, i, kind, start, max(end, start))
 
     def _finished(self, i: int) -> None:
         super()._finished(i)

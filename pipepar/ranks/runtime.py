@@ -18,23 +18,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipepar.core.action_times import Cost
 from pipepar.core.executor import walk
 from pipepar.core.losses import Items, LossFn, LossShares, loss_shares
 from pipepar.core.microbatch import Value, scatter
-from pipepar.core.named_schedules import NAMES, make
 from pipepar.core.offload_plan import offloader_for
 from pipepar.core.randomness import Recorded
-from pipepar.core.recompute_placement import placed_for, places_recomputes
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.core.step import StageStep
 from pipepar.ranks.carrier import ChainCarrier, Shapes, final_positions, next_of_kind
+from pipepar.ranks.measured_placement import MeasuredPlacement
 from pipepar.ranks.mesh import Mesh
-from pipepar.ranks.shared_times import SharedTimes, check_same_schedule
 from pipepar.ranks.transport import Transport
 
-__all__ = ["Runtime", "fewer_microbatches"]
+__all__ = ["Runtime"]
 OnFinal = Callable[[list[torch.nn.Parameter], bool], None]
 """``on_final(params, overlapped)``: a stage's gradients are final (``overlapped``: the rank has
 actions left to run)."""
@@ -53,7 +50,7 @@ class Runtime:
             (:mod:`pipepar.core.recompute_placement`). With ``"bubbles"`` and ``asked``, each
             batch's are placed on unit costs until a training mini-batch (the second) has
             timed the stages, then on those times, shared by every rank of the grid
-            (:mod:`pipepar.ranks.shared_times`).
+            (:mod:`pipepar.ranks.measured_placement`).
         on_final: called with a stage's parameters once their gradients for the mini-batch
             are in ``.grad`` (e.g. to start averaging them over the replicas), and whether the
             rank has actions left to run meanwhile.
@@ -82,15 +79,9 @@ class Runtime:
         self.checkpoint, self.on_final = checkpoint, on_final
         self.recompute = recompute
         self.chunks, self.last = schedule.n_microbatches, schedule.n_stages - 1
-        self._asked = asked or schedule
-        self._timed = (
-            SharedTimes(schedule.n_stages, self.stages)
-            if asked is not None and places_recomputes(asked, recompute)
-            else None
+        self._placement = MeasuredPlacement(
+            schedule, asked, recompute, checkpoint, self.stages, mesh, transport.device
         )
-        self._cost: Cost | None = None  # unit costs until the stages' times are shared
-        self._placed_by_count = {schedule.n_microbatches: schedule}
-        self._checked: set[int] = set()  # counts whose schedule placed on times all ranks hold
         self._use(schedule)
         self._shapes: dict[int, Shapes] = {}
         self._signatures: dict[tuple[Any, ...], int] = {}
@@ -153,7 +144,7 @@ class Runtime:
                 f"{_CALLS[theirs]}; every rank of a pipeline must make the same call (to "
                 "evaluate, call pipe.step(...) under torch.no_grad() on every rank)"
             )
-        placed = self._placed_checked(m)  # fewer rows than chunks: fewer micro-batches
+        placed = self._placement.placed(m)  # fewer rows than chunks: fewer micro-batches
         if placed is not self.schedule:
             self._use(placed)
         known = self._shapes.get(signature)
@@ -181,35 +172,14 @@ class Runtime:
         self.mesh.progress.begin("end of the mini-batch")
         if known is None:
             self._shapes[signature] = carrier.seen
-        if grad and self._timed is not None and self._timed.due():
-            self._cost = self._timed.share(self.mesh, self.transport.device)
-            self._placed_by_count.clear()  # placed again, on the times, from the next batch
+        self._placement.ran(grad)  # after the timed batch: placed again on the shared times
         return carrier
 
     @property
     def full(self) -> Schedule:
         """The schedule of a full mini-batch (``chunks`` micro-batches), as every rank runs
         it (its recomputes placed on the stages' times once they are shared)."""
-        return self._placed(self.chunks)
-
-    def _placed(self, m: int) -> Schedule:
-        """The schedule of a batch of ``m`` micro-batches, its recomputes placed (on the
-        shared times once known), each count placed once."""
-        found = self._placed_by_count.get(m)
-        if found is None:
-            base = fewer_microbatches(self._asked, m)
-            found = placed_for(base, self.recompute, self.checkpoint, cost=self._cost)
-            self._placed_by_count[m] = found
-        return found
-
-    def _placed_checked(self, m: int) -> Schedule:
-        """:meth:`_placed`, checked the same on every rank the first time the count is placed
-        on measured times (every rank reaches this at the same mini-batch)."""
-        schedule = self._placed(m)
-        if self._cost is not None and m not in self._checked:
-            check_same_schedule(schedule, self.mesh, self.transport.device)
-            self._checked.add(m)
-        return schedule
+        return self._placement.full
 
     def _use(self, schedule: Schedule) -> None:
         """Run ``schedule`` (the pipe's, or one for fewer micro-batches) from now on."""
@@ -270,7 +240,7 @@ class Runtime:
                 head=loss if s == self.last and head is not None else None,
                 on_final=functools.partial(self._param_final, stage),
                 offload=offloader,
-                record=self._timed.recorder() if grad and self._timed is not None else None,
+                record=self._placement.recorder(grad),
             )
             for s, stage in self.stages.items()
         }
@@ -320,21 +290,6 @@ def _add_grad(p: Tensor, g: Tensor) -> None:
 
 _CALLS = ("a training step", "an evaluation", "a forward")
 """What a mini-batch runs: every rank of the pipeline must run the same (checked)."""
-
-
-@functools.lru_cache(maxsize=16)
-def fewer_microbatches(schedule: Schedule, m: int) -> Schedule:
-    """``schedule`` rebuilt for ``m`` micro-batches (a batch with fewer rows than chunks)."""
-    if m == schedule.n_microbatches:
-        return schedule
-    if schedule.name not in NAMES:
-        raise ValueError(
-            f"the batch gives {m} micro-batches but the schedule object was built for "
-            f"{schedule.n_microbatches}; pass at least {schedule.n_microbatches} rows (or "
-            f"{schedule.n_microbatches} microbatches=), or a schedule by name (which is "
-            "rebuilt for each batch's count)"
-        )
-    return make(schedule.name, schedule.n_stages, m, n_workers=schedule.n_workers)
 
 
 def _given(values: list[Any], name: str) -> list[Tensor]:

@@ -166,3 +166,81 @@ def test_the_replicas_share_the_slowest_times_and_a_differing_schedule_is_refuse
         assert "placed their recomputes into different schedules" in out["differ"]
         assert out["cost"] and out["lacking"] is None  # incomplete times: unit costs stay
         assert out["times"] == {(0, "F"): 3.0, (0, "B"): 6.0, (1, "F"): 3.0, (1, "B"): 6.0}
+
+
+def _nano_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randint(0, 11, (rows, 6), generator=g), torch.randint(0, 11, (rows, 6), generator=g)
+
+
+def _nap(*args: Any) -> None:
+    time.sleep(0.05)  # stage 0's forward (and its recompute) 50 ms longer, whatever the load
+
+
+def _cut_training(rank: int) -> dict[str, Any]:
+    """A nanoGPT cut while it runs (any model's path across ranks), stage 0 napping."""
+    import pipepar.distributed as ppd
+    from pipepar.core.action_times import cost_of
+    from pipepar.core.named_schedules import make
+    from pipepar.core.recompute_placement import checkpointed, place_recomputes, placed_for
+    from tests._foreign_models import NanoGPT
+
+    shared = _spy_on_sharing()
+    torch.manual_seed(0)
+    plain = NanoGPT(layers=4)
+    model = copy.deepcopy(plain)
+    model.h[0].fc.register_forward_pre_hook(_nap)
+    pipe = ppd.wrap(model, split=["h.1", "h.2", "h.3"], chunks=4, schedule="zb-v",
+                    checkpoint="always", recompute="bubbles")  # fmt: skip
+    base = make("zb-v", 4, 4, n_workers=2)
+    unit = placed_for(base, "bubbles", "always")
+    out: dict[str, Any] = {"unit before": pipe.schedule == unit, "moved before": _moved(unit)}
+    opt, plain_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (pipe, plain))
+    gaps = []
+    for step, rows in enumerate(ROWS):
+        idx, targets = _nano_batch(step, rows)
+        loss = pipe.step(idx, targets)  # the model's own loss
+        expected = plain(idx, targets)[1]
+        expected.backward()
+        own = dict(plain.named_parameters())
+        gap = abs(loss - float(expected.detach()))
+        for name, p in pipe.named_parameters():
+            gap = max(gap, float((p.grad - own[name].grad).abs().max()))
+        gaps.append(gap)
+        for o in (opt, plain_opt):
+            o.step()
+            o.zero_grad()
+        if step < 2:
+            out[f"shared after step {step}"] = len(shared)
+            out[f"unit after step {step}"] = pipe.schedule == unit
+    out["gaps"], out["times"], out["sharings"] = gaps, shared[:1], len(shared)
+    for times in shared[:1]:
+        measured = place_recomputes(base, checkpointed(base, "always"), cost=cost_of(times))
+        out["measured"] = pipe.schedule == measured
+    out["unit after"] = pipe.schedule == unit
+    out["moved after"] = _moved(pipe.schedule)
+    out["schedule"] = [[repr(a) for a in work] for work in pipe.schedule.actions]
+    pipe.close()
+    return out
+
+
+def test_a_model_cut_while_it_runs_places_on_its_stages_own_times_without_waits() -> None:
+    """The cut model's forward receives its stage's inputs inside F (and B its gradients):
+    each action is timed without the link's waits, so a stage waiting on a slow peer does not
+    look slow itself, and every rank places the same schedule on the shared times."""
+    results = spawn(2, _cut_training)
+    for out in results.values():
+        assert out["unit before"] and out["moved before"] == 0
+        assert out["unit after step 0"]
+        assert not out["unit after step 1"] and not out["unit after"] and out["moved after"] > 0
+        assert out["shared after step 0"] == 0 and out["shared after step 1"] == 1
+        assert out["sharings"] == 1
+        assert out["measured"]
+        assert max(out["gaps"]) < 1e-5, out["gaps"]
+    first, second = results[0]["times"][0], results[1]["times"][0]
+    assert first == second
+    assert {s for s, _ in first} == {0, 1, 2, 3}
+    # Stage 1's forward waits ~50 ms for stage 0's activations on every micro-batch (timed
+    # with that wait, it came out as long as stage 0's own); without it, a fraction of it.
+    assert first[0, "F"] > 3 * first[1, "F"], first
+    assert results[0]["schedule"] == results[1]["schedule"]
