@@ -148,9 +148,10 @@ def wrap(
             ``plan="auto"`` when None.
         recompute: ``"in_place"`` or ``"bubbles"``, as in :func:`pipepar.wrap`: the
             recomputes listed as ``R`` actions in each rank's idle time before the backward
-            (every rank places them alike: on unit costs; an ``nn.Sequential``'s from the
-            third training step on the stages' times measured in the second and shared by
-            every rank); any model, as in one process.
+            (every rank places them alike: on unit costs, then from the third training
+            step on the stages' times measured in the second and shared by every rank; a
+            model cut while it runs times its actions without their waits for messages);
+            any model, as in one process.
         deferred_batch_norm: batch norms track their running statistics over each replica's
             whole mini-batch, once per step (:mod:`pipepar.core.batchnorm`).
         batch_coupling: ``"error"`` (default) or ``"per-micro-batch"``, as in

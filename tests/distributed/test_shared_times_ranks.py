@@ -1,7 +1,8 @@
 """``recompute="bubbles"`` across ranks places the recomputes on the stages' measured times
 from the second training step on: the ranks share their times once, every rank places the same
 schedule on them (a differing one is refused on every rank), and every step keeps the plain
-model's numbers."""
+model's numbers; an ``nn.Sequential``'s chain and a model cut while it runs (whose forward
+actions wait for messages: timed without those waits)."""
 
 from __future__ import annotations
 
@@ -64,25 +65,38 @@ def _spy_on_sharing() -> list[dict[tuple[int, str], float]]:
 
 def _training(rank: int) -> dict[str, Any]:
     import pipepar.distributed as ppd
+
+    model = _model()
+    plain = copy.deepcopy(model)
+    pipe = ppd.wrap(model, [2, 2, 2, 2], chunks=4, schedule="zb-v", checkpoint="always",
+                    recompute="bubbles")  # fmt: skip
+
+    def losses(step: int, rows: int) -> tuple[float, torch.Tensor]:
+        torch.manual_seed(100 + step)
+        x, y = torch.randn(rows, 8), torch.randn(rows, 8)
+        loss = pipe.step(x if pipe.stage_index == 0 else None, y, nn.functional.mse_loss)
+        return loss, nn.functional.mse_loss(plain(x), y)
+
+    return _trained(pipe, plain, losses)
+
+
+def _trained(pipe: Any, plain: nn.Module, losses: Any) -> dict[str, Any]:
+    """Train ``pipe`` (a zb-v over 4 stages, 4 chunks, recomputing in the bubbles) and
+    ``plain`` side by side over :data:`ROWS` (``losses(step, rows)``: the pipe's loss and the
+    plain model's); what the sharing gave, where the schedule's R went, every step's largest
+    gap to the plain model."""
     from pipepar.core.action_times import cost_of
     from pipepar.core.named_schedules import make
     from pipepar.core.recompute_placement import checkpointed, place_recomputes, placed_for
 
     shared = _spy_on_sharing()
-    model = _model()
-    plain = copy.deepcopy(model)
-    pipe = ppd.wrap(model, [2, 2, 2, 2], chunks=4, schedule="zb-v", checkpoint="always",
-                    recompute="bubbles")  # fmt: skip
     base = make("zb-v", 4, 4, n_workers=2)
     unit = placed_for(base, "bubbles", "always")
     out: dict[str, Any] = {"unit before": pipe.schedule == unit, "moved before": _moved(unit)}
     opt, plain_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (pipe, plain))
     gaps = []
     for step, rows in enumerate(ROWS):
-        torch.manual_seed(100 + step)
-        x, y = torch.randn(rows, 8), torch.randn(rows, 8)
-        loss = pipe.step(x if pipe.stage_index == 0 else None, y, nn.functional.mse_loss)
-        expected = nn.functional.mse_loss(plain(x), y)
+        loss, expected = losses(step, rows)
         expected.backward()
         own = dict(plain.named_parameters())
         gap = abs(loss - float(expected.detach()))
@@ -106,8 +120,8 @@ def _training(rank: int) -> dict[str, Any]:
     return out
 
 
-def test_after_the_first_step_every_rank_places_on_the_shared_measured_times() -> None:
-    results = spawn(2, _training)
+def _placed_on_shared_times(results: dict[int, dict[str, Any]]) -> dict[tuple[int, str], float]:
+    """Check what both tests of a pipe placed on measured times check; the times shared."""
     for out in results.values():
         assert out["unit before"] and out["moved before"] == 0  # unit costs move no R here
         assert out["unit after step 0"]  # the second step runs it too, and times the stages
@@ -121,8 +135,13 @@ def test_after_the_first_step_every_rank_places_on_the_shared_measured_times() -
     first, second = results[0]["times"][0], results[1]["times"][0]
     assert first == second  # the same numbers, bit for bit
     assert {s for s, _ in first} == {0, 1, 2, 3}  # each rank's own stages, joined
-    assert first[0, "F"] > 5 * first[1, "F"]  # stage 0 naps
     assert results[0]["schedule"] == results[1]["schedule"]
+    return first
+
+
+def test_after_the_first_step_every_rank_places_on_the_shared_measured_times() -> None:
+    times = _placed_on_shared_times(spawn(2, _training))
+    assert times[0, "F"] > 5 * times[1, "F"]  # stage 0 naps
 
 
 def _check(rank: int) -> dict[str, Any]:
@@ -169,78 +188,40 @@ def test_the_replicas_share_the_slowest_times_and_a_differing_schedule_is_refuse
 
 
 def _nano_batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and targets of a step."""
     g = torch.Generator().manual_seed(100 + step)
-    return torch.randint(0, 11, (rows, 6), generator=g), torch.randint(0, 11, (rows, 6), generator=g)
+    ids, targets = (torch.randint(0, 11, (rows, 6), generator=g) for _ in range(2))
+    return ids, targets
 
 
 def _nap(*args: Any) -> None:
-    time.sleep(0.05)  # stage 0's forward (and its recompute) 50 ms longer, whatever the load
+    time.sleep(0.1)  # stage 0's forward (and its recompute) 100 ms longer, whatever the load
 
 
 def _cut_training(rank: int) -> dict[str, Any]:
     """A nanoGPT cut while it runs (any model's path across ranks), stage 0 napping."""
     import pipepar.distributed as ppd
-    from pipepar.core.action_times import cost_of
-    from pipepar.core.named_schedules import make
-    from pipepar.core.recompute_placement import checkpointed, place_recomputes, placed_for
     from tests._foreign_models import NanoGPT
 
-    shared = _spy_on_sharing()
     torch.manual_seed(0)
     plain = NanoGPT(layers=4)
     model = copy.deepcopy(plain)
     model.h[0].fc.register_forward_pre_hook(_nap)
     pipe = ppd.wrap(model, split=["h.1", "h.2", "h.3"], chunks=4, schedule="zb-v",
                     checkpoint="always", recompute="bubbles")  # fmt: skip
-    base = make("zb-v", 4, 4, n_workers=2)
-    unit = placed_for(base, "bubbles", "always")
-    out: dict[str, Any] = {"unit before": pipe.schedule == unit, "moved before": _moved(unit)}
-    opt, plain_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (pipe, plain))
-    gaps = []
-    for step, rows in enumerate(ROWS):
+
+    def losses(step: int, rows: int) -> tuple[float, torch.Tensor]:
         idx, targets = _nano_batch(step, rows)
-        loss = pipe.step(idx, targets)  # the model's own loss
-        expected = plain(idx, targets)[1]
-        expected.backward()
-        own = dict(plain.named_parameters())
-        gap = abs(loss - float(expected.detach()))
-        for name, p in pipe.named_parameters():
-            gap = max(gap, float((p.grad - own[name].grad).abs().max()))
-        gaps.append(gap)
-        for o in (opt, plain_opt):
-            o.step()
-            o.zero_grad()
-        if step < 2:
-            out[f"shared after step {step}"] = len(shared)
-            out[f"unit after step {step}"] = pipe.schedule == unit
-    out["gaps"], out["times"], out["sharings"] = gaps, shared[:1], len(shared)
-    for times in shared[:1]:
-        measured = place_recomputes(base, checkpointed(base, "always"), cost=cost_of(times))
-        out["measured"] = pipe.schedule == measured
-    out["unit after"] = pipe.schedule == unit
-    out["moved after"] = _moved(pipe.schedule)
-    out["schedule"] = [[repr(a) for a in work] for work in pipe.schedule.actions]
-    pipe.close()
-    return out
+        return pipe.step(idx, targets), plain(idx, targets)[1]  # the model's own loss
+
+    return _trained(pipe, plain, losses)
 
 
 def test_a_model_cut_while_it_runs_places_on_its_stages_own_times_without_waits() -> None:
     """The cut model's forward receives its stage's inputs inside F (and B its gradients):
     each action is timed without the link's waits, so a stage waiting on a slow peer does not
     look slow itself, and every rank places the same schedule on the shared times."""
-    results = spawn(2, _cut_training)
-    for out in results.values():
-        assert out["unit before"] and out["moved before"] == 0
-        assert out["unit after step 0"]
-        assert not out["unit after step 1"] and not out["unit after"] and out["moved after"] > 0
-        assert out["shared after step 0"] == 0 and out["shared after step 1"] == 1
-        assert out["sharings"] == 1
-        assert out["measured"]
-        assert max(out["gaps"]) < 1e-5, out["gaps"]
-    first, second = results[0]["times"][0], results[1]["times"][0]
-    assert first == second
-    assert {s for s, _ in first} == {0, 1, 2, 3}
-    # Stage 1's forward waits ~50 ms for stage 0's activations on every micro-batch (timed
+    times = _placed_on_shared_times(spawn(2, _cut_training))
+    # Stage 1's forward waits ~100 ms for stage 0's activations on every micro-batch (timed
     # with that wait, it came out as long as stage 0's own); without it, a fraction of it.
-    assert first[0, "F"] > 3 * first[1, "F"], first
-    assert results[0]["schedule"] == results[1]["schedule"]
+    assert times[0, "F"] > 3 * times[1, "F"], times
