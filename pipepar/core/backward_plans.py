@@ -14,7 +14,9 @@ if a check fails, the graph is planned afresh. A graph of another shape (a branc
 this micro-batch and not the last) is planned afresh too, and its plan kept beside the others.
 
 A plan keeps no node and no tensor of the graph it was made on (only positions, and the
-stage's parameters), so it keeps nothing alive past the micro-batch.
+stage's parameters), so it keeps nothing alive past the micro-batch, and a stage keeps its
+plans from one mini-batch to the next (:func:`plans_over`): a step replays the last step's
+plans instead of making each one again.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from pipepar.core.split_backward import (
     scale_operand,
 )
 
-__all__ = ["BackwardPlans", "graph_shape"]
+__all__ = ["BackwardPlans", "graph_shape", "plans_over"]
 
 _KEPT = 16
 """Shapes of graph whose plans a stage keeps (the oldest is dropped beyond that)."""
@@ -163,6 +165,19 @@ class BackwardPlans:
         self.made = 0
         """Plans made by reading a whole graph (the others were replayed)."""
 
+    def over(self, params: dict[int, Tensor]) -> bool:
+        """Whether these plans are over exactly ``params`` (by ``id``; the plans hold the
+        parameters, so an ``id`` is never another tensor's while they are kept)."""
+        mine = self.params
+        return len(params) == len(mine) and all(mine.get(k) is p for k, p in params.items())
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy plans afresh over the copied parameters (the plans name the originals)."""
+        return {"params": list(self.params.values())}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        BackwardPlans.__init__(self, {id(p): p for p in state["params"]})
+
     def plan(
         self,
         outputs: Sequence[Tensor],
@@ -189,6 +204,13 @@ class BackwardPlans:
                 del self._plans[next(iter(self._plans))]
             self._plans[key] = kept
         return walk
+
+
+def plans_over(kept: BackwardPlans | None, params: dict[int, Tensor]) -> BackwardPlans:
+    """``kept`` if it plans over exactly ``params`` (:meth:`BackwardPlans.over`), else new
+    plans over them: a stage keeps its plans from one mini-batch to the next, and starts
+    afresh when the parameters that take a gradient change (one frozen, one replaced)."""
+    return kept if kept is not None and kept.over(params) else BackwardPlans(params)
 
 
 def _positions(walk: BackwardWalk, nodes: list[Node], outputs: Sequence[Tensor]) -> _Plan:
@@ -224,12 +246,12 @@ def _replay(
 ) -> BackwardWalk | None:
     """``plan`` on a graph of its shape (``nodes`` in :func:`graph_shape`'s order); ``None``
     if a direct term cannot read what it needs there."""
-    junctions = [(nodes[k], list(params)) for k, params in plan.junctions]
+    junctions = [(nodes[k], [*params]) for k, params in plan.junctions]
     direct: list[Direct] = []
     saved: dict[int, Tensor | NormSaved | ScaleSaved | None] = {}  # each junction's, read once
     for t in plan.terms:
-        if t.kind == "bias":
-            direct.append(Direct(t.param, t.junction, None, t.transposed, cast=t.cast))
+        if t.kind == "bias":  # reads nothing of the graph: the plan's term as it was
+            direct.append(Direct(t.param, t.junction, None, t.transposed, None, 0, t.cast))
             continue
         what = saved.get(t.junction)
         if what is None:
@@ -237,18 +259,13 @@ def _replay(
         if what is None or not fits(t.param, t.cast, _computes_with(what)):
             return None
         if isinstance(what, Tensor):  # a product's saved input
-            direct.append(Direct(t.param, t.junction, what, t.transposed, cast=t.cast))
+            direct.append(Direct(t.param, t.junction, what, t.transposed, None, 0, t.cast))
         else:
-            direct.append(Direct(t.param, t.junction, None, False, kernel=what, edge=t.edge))
-    work = WeightWork(
-        junctions=junctions,
-        roots=[(outputs[j], grads[j]) for j in plan.roots],
-        root_params=list(plan.root_params),
-        keep=outputs,
-        direct=direct,
-    )
+            direct.append(Direct(t.param, t.junction, None, False, what, t.edge))
+    roots = [(outputs[j], grads[j]) for j in plan.roots]
+    work = WeightWork(junctions, {}, roots, [*plan.root_params], outputs, direct)
     on_path = {nodes[k] for k in plan.on_path}
-    return BackwardWalk(work, on_path, list(plan.captured), plan.conflict)
+    return BackwardWalk(work, on_path, [*plan.captured], plan.conflict)
 
 
 def _read(node: Node, t: _Term) -> Tensor | NormSaved | ScaleSaved | None:
