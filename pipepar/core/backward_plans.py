@@ -246,12 +246,12 @@ def _replay(
 ) -> BackwardWalk | None:
     """``plan`` on a graph of its shape (``nodes`` in :func:`graph_shape`'s order); ``None``
     if a direct term cannot read what it needs there."""
-    junctions = [(nodes[k], [*params]) for k, params in plan.junctions]
+    junctions = [(nodes[k], list(params)) for k, params in plan.junctions]
     direct: list[Direct] = []
     saved: dict[int, Tensor | NormSaved | ScaleSaved | None] = {}  # each junction's, read once
     for t in plan.terms:
-        if t.kind == "bias":  # reads nothing of the graph: the plan's term as it was
-            direct.append(Direct(t.param, t.junction, None, t.transposed, None, 0, t.cast))
+        if t.kind == "bias":
+            direct.append(Direct(t.param, t.junction, None, t.transposed, cast=t.cast))
             continue
         what = saved.get(t.junction)
         if what is None:
@@ -259,13 +259,18 @@ def _replay(
         if what is None or not fits(t.param, t.cast, _computes_with(what)):
             return None
         if isinstance(what, Tensor):  # a product's saved input
-            direct.append(Direct(t.param, t.junction, what, t.transposed, None, 0, t.cast))
+            direct.append(Direct(t.param, t.junction, what, t.transposed, cast=t.cast))
         else:
-            direct.append(Direct(t.param, t.junction, None, False, what, t.edge))
-    roots = [(outputs[j], grads[j]) for j in plan.roots]
-    work = WeightWork(junctions, {}, roots, [*plan.root_params], outputs, direct)
+            direct.append(Direct(t.param, t.junction, None, False, kernel=what, edge=t.edge))
+    work = WeightWork(
+        junctions=junctions,
+        roots=[(outputs[j], grads[j]) for j in plan.roots],
+        root_params=list(plan.root_params),
+        keep=outputs,
+        direct=direct,
+    )
     on_path = {nodes[k] for k in plan.on_path}
-    return BackwardWalk(work, on_path, [*plan.captured], plan.conflict)
+    return BackwardWalk(work, on_path, list(plan.captured), plan.conflict)
 
 
 def _read(node: Node, t: _Term) -> Tensor | NormSaved | ScaleSaved | None:

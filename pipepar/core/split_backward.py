@@ -142,7 +142,7 @@ class ScaleSaved:
         return [self.other]
 
 
-@dataclass(slots=True)
+@dataclass
 class Direct:
     """One parameter gradient of a junction, computed without autograd.
 
@@ -207,7 +207,7 @@ def by_id(params: Sequence[Tensor]) -> dict[int, Tensor]:
     return {id(p): p for p in params if p.requires_grad}
 
 
-@dataclass(slots=True)
+@dataclass
 class WeightWork:
     """What W needs: per junction, its recorded gradients and the parameters it leads to."""
 
@@ -261,7 +261,7 @@ def _grad(outputs: Sequence[Any], params: Sequence[Tensor], grads: Sequence[Tens
     return [(p, g) for p, g in zip(params, result) if g is not None]
 
 
-@dataclass(slots=True)
+@dataclass
 class BackwardWalk:
     """The graph walk of one micro-batch's backward: what B and W (or one pass) do.
 
