@@ -14,7 +14,9 @@ if a check fails, the graph is planned afresh. A graph of another shape (a branc
 this micro-batch and not the last) is planned afresh too, and its plan kept beside the others.
 
 A plan keeps no node and no tensor of the graph it was made on (only positions, and the
-stage's parameters), so it keeps nothing alive past the micro-batch.
+stage's parameters), so it keeps nothing alive past the micro-batch, and a stage keeps its
+plans from one mini-batch to the next (:func:`plans_over`): a step replays the last step's
+plans instead of making each one again.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from pipepar.core.split_backward import (
     scale_operand,
 )
 
-__all__ = ["BackwardPlans", "graph_shape"]
+__all__ = ["BackwardPlans", "graph_shape", "plans_over"]
 
 _KEPT = 16
 """Shapes of graph whose plans a stage keeps (the oldest is dropped beyond that)."""
@@ -163,6 +165,19 @@ class BackwardPlans:
         self.made = 0
         """Plans made by reading a whole graph (the others were replayed)."""
 
+    def over(self, params: dict[int, Tensor]) -> bool:
+        """Whether these plans are over exactly ``params`` (by ``id``; the plans hold the
+        parameters, so an ``id`` is never another tensor's while they are kept)."""
+        mine = self.params
+        return len(params) == len(mine) and all(mine.get(k) is p for k, p in params.items())
+
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy plans afresh over the copied parameters (the plans name the originals)."""
+        return {"params": list(self.params.values())}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        BackwardPlans.__init__(self, {id(p): p for p in state["params"]})
+
     def plan(
         self,
         outputs: Sequence[Tensor],
@@ -189,6 +204,13 @@ class BackwardPlans:
                 del self._plans[next(iter(self._plans))]
             self._plans[key] = kept
         return walk
+
+
+def plans_over(kept: BackwardPlans | None, params: dict[int, Tensor]) -> BackwardPlans:
+    """``kept`` if it plans over exactly ``params`` (:meth:`BackwardPlans.over`), else new
+    plans over them: a stage keeps its plans from one mini-batch to the next, and starts
+    afresh when the parameters that take a gradient change (one frozen, one replaced)."""
+    return kept if kept is not None and kept.over(params) else BackwardPlans(params)
 
 
 def _positions(walk: BackwardWalk, nodes: list[Node], outputs: Sequence[Tensor]) -> _Plan:

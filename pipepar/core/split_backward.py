@@ -695,27 +695,48 @@ def run_input(
     retain = work.generic()
     if not retain:
         work.keep = None
-    captured = set(plan.captured)
+    # Phase 1: a pre-hook on each junction the pass runs records the gradient reaching it; a
+    # junction it need not run is a target of the pass instead (captured).
+    captured = plan.captured
+    record = work.grads.__setitem__
     handles = [
-        _record(node, k, work) for k, (node, _) in enumerate(work.junctions) if k not in captured
+        node.register_prehook(functools.partial(record, k))
+        for k, (node, _) in enumerate(work.junctions)
+        if k not in captured
     ]
-    edges = [GradientEdge(work.junctions[k][0], 0) for k in plan.captured]
+    edges = [GradientEdge(work.junctions[k][0], 0) for k in captured]
+    targets: Sequence[Tensor | GradientEdge] = [*inputs, *edges] if edges else inputs
+    # Phase 2: one engine pass from the outputs on the input path.
+    on_path = plan.on_path
+    outs: list[Tensor] = []
+    gouts: list[Tensor] = []
+    for t, g in zip(outputs, grads):
+        if t.grad_fn in on_path:
+            outs.append(t)
+            gouts.append(g)
     try:
-        pairs = [(t, g) for t, g in zip(outputs, grads) if t.grad_fn in plan.on_path]
-        result: Sequence[Tensor | None] = [None] * (len(inputs) + len(edges))
-        if pairs and (inputs or edges):
-            result = engine.grad(
-                [t for t, _ in pairs],
-                _targets(inputs, edges),
-                [g for _, g in pairs],
-                retain_graph=retain,
-            )
-    finally:
-        for h in handles:
-            h.remove()
-    for k, g in zip(plan.captured, result[len(inputs) :]):
-        work.grads[k] = (g,)
-    return list(result[: len(inputs)]), work
+        result: Sequence[Tensor | None] = (
+            engine.grad(outs, targets, gouts, retain_graph=retain)
+            if outs and targets
+            else [None] * len(targets)
+        )
+    except BaseException:
+        _remove(handles)
+        raise
+    # A pass that kept the graph may run the junctions again (W's generic work): the hooks go
+    # now. One that freed it can never run them again: they go with the nodes.
+    if retain:
+        _remove(handles)
+    # Phase 3: the captured junctions' gradients are the pass's last results.
+    n = len(inputs)
+    for k, got in zip(captured, result[n:]):
+        work.grads[k] = (got,)
+    return list(result[:n]), work
+
+
+def _remove(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def backward_whole(
@@ -768,9 +789,3 @@ def _compute(node: Node, terms: list[Direct], add: Adder) -> Any:
             term.saved = None  # freed with the node, as autograd frees it
 
     return node.register_prehook(hook)
-
-
-def _record(node: Node, k: int, work: WeightWork) -> Any:
-    """Record the gradients reaching junction ``node`` as ``work.grads[k]`` (the tuple the
-    hook is handed; a bound method of the dict, so no Python frame runs per call)."""
-    return node.register_prehook(functools.partial(work.grads.__setitem__, k))

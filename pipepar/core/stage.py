@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from pipepar.core.backward_plans import BackwardPlans
 from pipepar.core.first_calls import FirstCalls
 from pipepar.core.microbatch import Value, check_value, map_tensors
 
@@ -54,6 +55,8 @@ class Stage:
         module: the layers as a :class:`StageModule`, the module that :meth:`run` calls.
         watch: what a new kind of input is watched under (a chain's
             :class:`~pipepar.core.first_calls.FirstCalls`); None: nothing.
+        plans: the backward plans of the stage's graphs, kept from one mini-batch to the next
+            (:func:`~pipepar.core.backward_plans.plans_over`); None until a backward plans.
     """
 
     index: int
@@ -62,6 +65,7 @@ class Stage:
     device: torch.device
     names: list[str] | None = None
     watch: FirstCalls | None = field(default=None, compare=False, repr=False)
+    plans: BackwardPlans | None = field(default=None, init=False, compare=False, repr=False)
     in_place_first: bool = field(init=False)
     module: StageModule = field(init=False, repr=False, compare=False)
 

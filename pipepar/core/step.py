@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from pipepar.core import engine
-from pipepar.core.backward_plans import BackwardPlans
+from pipepar.core.backward_plans import BackwardPlans, plans_over
 from pipepar.core.grad_mode import GradMode
 from pipepar.core.microbatch import Value, check_rows, map_tensors, tensors
 from pipepar.core.offload_plan import Offloader
@@ -380,9 +380,10 @@ class StageStep:
         known: NextNodes | None = None,
     ) -> BackwardWalk:
         """:func:`~pipepar.core.split_backward.plan_backward` over the stage's parameters,
-        made once per shape of graph in a step (:mod:`pipepar.core.backward_plans`)."""
+        made once per shape of graph and kept by the stage across mini-batches
+        (:mod:`pipepar.core.backward_plans`)."""
         if self._plans is None:
-            self._plans = BackwardPlans(by_id(self.params))
+            self._plans = self.stage.plans = plans_over(self.stage.plans, by_id(self.params))
         return self._plans.plan(outs, gouts, inputs, reach=reach, known=known)
 
     def _walked(self, i: int) -> NextNodes | None:

@@ -8,6 +8,8 @@ case runs a split StageStep (B, then W) and compares the gradient sums with the 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import Tensor, nn
@@ -50,10 +52,11 @@ def _plain(
 
 
 def _split(
-    layers: list[nn.Module], xs: list[Tensor], gs: list[Tensor]
+    layers: list[nn.Module], xs: list[Tensor], gs: list[Tensor], stage: Stage | None = None
 ) -> tuple[StageStep, list[Tensor | None]]:
-    """A split StageStep over the micro-batches (every B, then every W); its input grads."""
-    stage = Stage(1, 0, layers, torch.device("cpu"))
+    """A split StageStep over the micro-batches (every B, then every W) of ``stage`` (one of
+    ``layers`` by default); its input grads."""
+    stage = stage or Stage(1, 0, layers, torch.device("cpu"))
     step = StageStep(stage, len(xs), checkpoint="never", grad=True, input_grad=True)
     step.split = lambda i: True
     for i, x in enumerate(xs):
@@ -64,12 +67,13 @@ def _split(
     return step, inputs
 
 
-def _check(layers: list[nn.Module], xs: list[Tensor]) -> StageStep:
-    """Run ``layers`` split and plain on ``xs``; assert the same bits; return the step."""
+def _check(layers: list[nn.Module], xs: list[Tensor], stage: Stage | None = None) -> StageStep:
+    """Run ``layers`` split (as ``stage`` if given) and plain on ``xs``; assert the same bits;
+    return the step."""
     with torch.no_grad():
         gs = [torch.randn_like(nn.Sequential(*layers)(x)) for x in xs]
     want, want_inputs = _plain(layers, xs, gs)
-    step, inputs = _split(layers, xs, gs)
+    step, inputs = _split(layers, xs, gs, stage)
     got = step.param_grads()
     for a, b in zip(got, want):
         assert (a is None) == (b is None)
@@ -90,6 +94,26 @@ def test_micro_batches_of_one_shape_share_one_plan() -> None:
     layers: list[nn.Module] = [nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh()]
     step = _check(layers, [torch.randn(3, 8) for _ in range(M)])
     assert _made(step) == 1
+
+
+def test_a_stage_keeps_its_plans_from_one_mini_batch_to_the_next() -> None:
+    """A step replays the plans its stage made in the last one; a parameter replaced starts
+    new plans (the kept ones name the old one), and a copied stage plans over its own."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh()]
+    stage = Stage(1, 0, layers, torch.device("cpu"))
+    xs = [torch.randn(3, 8) for _ in range(M)]
+    first = _check(layers, xs, stage)
+    second = _check(layers, xs, stage)
+    assert second._plans is first._plans and _made(second) == 1
+    last = layers[2]
+    assert isinstance(last, nn.Linear)
+    last.weight = nn.Parameter(last.weight.detach().clone())
+    third = _check(layers, xs, stage)
+    assert third._plans is not first._plans and _made(third) == 1
+    twin = copy.deepcopy(stage)
+    copied = _check(twin.layers, xs, twin)
+    assert copied._plans is not third._plans and _made(copied) == 1
 
 
 def test_a_branch_taken_on_some_micro_batches_gets_its_own_plan() -> None:
