@@ -73,6 +73,7 @@ from pipepar.core.memory_budget import AUTO
 from pipepar.core.named_schedules import NAMES, VIRTUAL
 from pipepar.core.schedule import Schedule
 from pipepar.core.units import format_bytes, parse_bytes
+from pipepar.local.chain import is_chain
 from pipepar.planner.auto_fit import fit_auto
 from pipepar.planner.cluster import Cluster
 from pipepar.planner.layout import Layout
@@ -197,6 +198,7 @@ def search_layouts(
         shards=check_shards(shards),
         runtime=runtime,
         offloads=check_offloads(offloads, machines),
+        ranks="chain" if is_chain(model_or_profile, None, sample) else "program",
     )
     cap = machines.memory_bytes if capacity is None else parse_bytes(capacity, name="capacity")
     prof, counted, runs = search_profile(
@@ -224,6 +226,7 @@ class _Options:
     shards: list[bool]  # replicated (False) and/or sharded (True), for dp >= 2
     runtime: RuntimeFit | None
     offloads: list[bool]  # without offload (False) first, then with it (True)
+    ranks: str = "program"  # the runtime across ranks: what receives it posts ahead
 
 
 @dataclass(frozen=True)
@@ -391,6 +394,7 @@ class _Search:
                 checkpoint=checkpoint,
                 foreach=[t.foreach for t in shape.targets],
                 offload=offload,
+                ranks=self.options.ranks,
             )
             self.plans[key] = fit(shape.profile, memory, shape.targets)
         return self.plans[key]
@@ -410,7 +414,8 @@ class _Search:
         offload alone is asked for."""
         if False not in offloads:
             return None
-        found = fit_auto(shape.profile, shape.targets, chunks=m, checkpoint=checkpoint)
+        found = fit_auto(shape.profile, shape.targets, chunks=m, checkpoint=checkpoint,
+                         ranks=self.options.ranks)  # fmt: skip
         if found is None:
             return None
         plan, order = found
@@ -556,6 +561,7 @@ class _Search:
                 checkpoint=self.options.checkpoints[-1],
                 foreach=foreach,
                 offload=self.options.offloads[-1],
+                ranks=self.options.ranks,
             )
             need = _needed(memory, foreach[0])
             if best is None or need < best[0]:

@@ -52,6 +52,7 @@ from pipepar.core.offload_plan import plan_offload
 from pipepar.core.schedule import Schedule
 from pipepar.core.step import LARGE_MATRIX
 from pipepar.planner.peak_moments import Moment, moments
+from pipepar.planner.posted_receives import PostedReceives, receives_of
 from pipepar.planner.profile import LayerProfile, Profile
 
 __all__ = ["Figures", "MemoryModel", "StageMemory"]
@@ -99,6 +100,7 @@ class Figures:
     waits: int
     away: int
     back_waits: int
+    output: int
     splits: bool
     transient: dict[str, int]
     summed: dict[str, int]
@@ -199,6 +201,10 @@ class MemoryModel:
         foreach: per worker, whether the optimizer step runs its multi-tensor kernels.
         offload: whether activation offload runs (``pipepar.wrap(..., offload=True)``): a
             micro-batch sent out holds its input only until it is brought back.
+        ranks: the runtime across ranks the devices are (``"program"``: ``pipepar.distributed``
+            on any model; ``"chain"``: on an ``nn.Sequential``), whose receives posted ahead
+            of their messages a device also holds (:mod:`pipepar.planner.posted_receives`);
+            None: one process.
 
     Example:
         >>> model = MemoryModel(prof, make("gpipe", 2, 4, n_workers=2), checkpoint="never",
@@ -215,8 +221,11 @@ class MemoryModel:
         checkpoint: str,
         foreach: Sequence[bool],
         offload: bool = False,
+        ranks: str | None = None,
     ) -> None:
         self.schedule, self.checkpoint, self.foreach = schedule, checkpoint, list(foreach)
+        receives = receives_of(ranks)
+        self.posted = None if receives is None else PostedReceives(receives, schedule)
         self.offload = plan_offload(schedule) if offload else None
         self.chunks, self.stages = schedule.n_microbatches, schedule.n_stages
         self._in_flight = [schedule.in_flight(s) for s in range(schedule.n_stages)]
@@ -365,6 +374,7 @@ class MemoryModel:
             waits=waits,
             away=away,
             back_waits=whole + kept,
+            output=incoming,
             splits=self._unsplit[b + 1] == self._unsplit[a],
             transient=transient,
             summed=summed,
@@ -463,6 +473,9 @@ class MemoryModel:
         for at, f in enumerate(figs):
             if f is not None:
                 total += f.params + f.optimizer + f.held(m, at) + (f.grads if m.sums[at] else 0)
+        if self.posted is not None:
+            edges = [(f.inputs, f.output) if f is not None else None for f in figs]
+            total += self.posted.bytes(w, m, edges)
         return total + self._transient(m, figs, w)
 
     def _transient(self, m: Moment, figs: list[Figures | None], w: int) -> int:
