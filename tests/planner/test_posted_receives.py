@@ -12,7 +12,7 @@ from pipepar.core.named_schedules import gpipe, make
 from pipepar.planner.peak_moments import moments
 from pipepar.planner.posted_receives import CHAIN, PROGRAM, PostedReceives
 from pipepar.planner.profile import profile
-from pipepar.planner.stage_memory import MemoryModel
+from pipepar.planner.stage_memory import MemoryModel, StageMemory
 
 OUT, IN = 1000, 7  # a stage's output and input bytes per micro-batch (told apart in sums)
 
@@ -88,3 +88,21 @@ def test_a_ranks_peak_counts_its_posted_receives() -> None:
 def test_an_unknown_runtime_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match=r"ranks must be None .* got 'mpi'"):
         _device_peak("mpi", 0)
+
+
+def test_posted_receives_are_the_holding_stages_not_the_acting_ones() -> None:
+    """A device's peak split per stage gives the buffers to the stage that posted them (its
+    activations, which a stage's own bound keeps whichever stage acts), not to the transient
+    of the action running then."""
+    layers = [m for _ in range(2) for m in (nn.Linear(32, 32), nn.Tanh())]
+    prof = profile(nn.Sequential(*layers), torch.randn(64, 32), device="meta", optimizer=None)
+
+    def first(ranks: str | None) -> StageMemory:
+        memory = MemoryModel(prof, make("1f1b", 2, 4, n_workers=2), checkpoint="never",
+                             foreach=[False, False], ranks=ranks)  # fmt: skip
+        return memory.device(0, [(0, 1)])[0]
+
+    alone, across = first(None), first("program")
+    grown = across.activation_bytes - alone.activation_bytes
+    assert grown > 0 and grown % (16 * 32 * 4) == 0
+    assert across.transient_bytes == alone.transient_bytes
