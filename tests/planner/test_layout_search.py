@@ -95,7 +95,6 @@ def _every_layout(model: nn.Module, devices: int, batch: int, capacity: int):  #
                     schedule=name,
                     checkpoint=checkpoint,
                     shard=dp if shard else 1,
-                    ranks="program",  # a layout's devices are ranks
                 )
             except ValueError:
                 continue

@@ -106,3 +106,27 @@ def test_posted_receives_are_the_holding_stages_not_the_acting_ones() -> None:
     grown = across.activation_bytes - alone.activation_bytes
     assert grown > 0 and grown % (16 * 32 * 4) == 0
     assert across.transient_bytes == alone.transient_bytes
+
+
+def test_the_layout_search_counts_them_for_ranks_only() -> None:
+    """``search_layouts(..., ranks=...)`` (what ``pipepar.distributed.wrap(plan="auto")``
+    asks) predicts the sending rank's peak with its posted receives; ``ranks=None`` (one
+    process, ``pipepar.wrap``) without."""
+    from pipepar.planner.cluster import cluster_for
+    from pipepar.planner.layout_search import search_layouts
+
+    layers = [m for _ in range(2) for m in (nn.Linear(32, 32), nn.Tanh())]
+    search = dict(devices=2, batch=64, cluster=cluster_for(torch.device("cpu"), 2),
+                  schedules=["1f1b"], chunks=[4], checkpoints=["never"], shards=(False,),
+                  optimizer=None, top=None)  # fmt: skip
+
+    def peaks(ranks: str | None) -> tuple[int, ...]:
+        found = search_layouts(nn.Sequential(*layers), torch.randn(64, 32), **search,  # type: ignore[arg-type]
+                               ranks=ranks)  # fmt: skip
+        return next(x for x in found if x.pp == 2).peak_bytes
+
+    alone, chain = peaks(None), peaks("chain")
+    assert chain[0] - alone[0] == 16 * 32 * 4  # a gradient received ahead
+    assert chain[1] - alone[1] == 16 * 32 * 4  # an input received ahead
+    with pytest.raises(ValueError, match="ranks must be None"):
+        peaks("mpi")
