@@ -110,7 +110,8 @@ def predicted(prof: pipepar.Profile, contender: str, k: int, m: int, blocks: int
     name, offload = schedule_of(contender)
     n = stages(contender, k)
     order = make(name, n, m, n_workers=k)
-    memory = MemoryModel(prof, order, checkpoint="never", foreach=[False] * k, offload=offload)
+    memory = MemoryModel(prof, order, checkpoint="never", foreach=[False] * k, offload=offload,
+                         ranks="program")  # fmt: skip
     ranges = common.stage_ranges(balance(blocks, n))
     out = []
     for w in range(k):

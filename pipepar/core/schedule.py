@@ -160,6 +160,17 @@ class Schedule:
         """True if stage ``s`` runs micro-batch ``i``'s parameter gradients in a separate W."""
         return (s, i) in self._split
 
+    def in_order(self) -> bool:
+        """Whether every stage runs its forwards, and its backwards, in micro-batch order (so
+        the gradients of a pair of stages come back in the order their values were sent)."""
+        for s in range(self.n_stages):
+            actions = self.stage(s)
+            for kind in ("F", "B", "W"):
+                order = [a.microbatch for a in actions if a.kind == kind]
+                if order != sorted(order):
+                    return False
+        return True
+
     def in_flight(self, s: int) -> int:
         """Peak number of micro-batches stage ``s`` holds: forward run, last backward not yet."""
         return int(_peak_held(self.stage(s), self))

@@ -425,4 +425,5 @@ def _search_here(
         profile_device="meta" if on_meta else str(here),
         runtime=runtime,
         rules=rules,
+        ranks="chain" if is_chain(model, None, sample) else "program",  # posted receives
     )

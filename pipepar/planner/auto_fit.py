@@ -54,6 +54,7 @@ def fit_auto(
     chunks: int,
     checkpoint: str,
     split: list[int] | None = None,
+    ranks: str | None = None,
 ) -> tuple[Plan, Schedule] | None:
     """The plan of the fastest budget-built order of ``split`` (two stages per device) whose
     every device's predicted peak is within its target's capacity, and that order; None if
@@ -65,18 +66,20 @@ def fit_auto(
         chunks: micro-batches (M).
         checkpoint: the recompute policy.
         split: layers per stage (``2 * len(targets)`` stages); None: :func:`v_split`'s.
+        ranks: the runtime across ranks whose posted receives a device holds too
+            (:class:`~pipepar.planner.stage_memory.MemoryModel`); None: one process.
     """
     k = len(targets)
     caps = [t.capacity for t in targets]
     if 2 * k > len(prof) or None in caps:
         return None
     room = [int(c or 0) for c in caps]
-    split = split or v_split(prof, targets, chunks, checkpoint)
+    split = split or v_split(prof, targets, chunks, checkpoint, ranks)
     weights = stage_weights(prof, split, chunks, checkpoint)
     ranges = stage_ranges(split)
     foreach = [t.foreach for t in targets]
     memory = MemoryModel(prof, v_min(2 * k, chunks), checkpoint=checkpoint, foreach=foreach)
-    frugal = _fitted(prof, _frugal(k, chunks), checkpoint, targets, split)
+    frugal = _fitted(prof, _frugal(k, chunks), checkpoint, targets, split, ranks)
     if frugal is None:
         return None
     level = [float(room[w] - _static(memory, ranges, (w, 2 * k - 1 - w))) for w in range(k)]
@@ -86,7 +89,7 @@ def fit_auto(
                                     label="capacity")  # fmt: skip
         except ValueError:  # less room than one micro-batch on all of a device's stages
             break
-        memory = MemoryModel(prof, order, checkpoint=checkpoint, foreach=foreach)
+        memory = MemoryModel(prof, order, checkpoint=checkpoint, foreach=foreach, ranks=ranks)
         plan = at_balance(prof, memory, targets, split)
         peaks = _peaks(plan)
         if all(peaks[w] <= room[w] for w in range(k)):
@@ -99,13 +102,16 @@ def fit_auto(
     return frugal
 
 
-def v_split(prof: Profile, targets: list[Target], chunks: int, checkpoint: str) -> list[int]:
+def v_split(
+    prof: Profile, targets: list[Target], chunks: int, checkpoint: str, ranks: str | None = None
+) -> list[int]:
     """Layers per stage of the split that comes closest to fitting V-Min over ``targets``
-    (each stage given half its device's capacity), fitting or not."""
+    (each stage given half its device's capacity), fitting or not; ``ranks``: as
+    :func:`fit_auto` takes it."""
     k = len(targets)
     order = v_min(2 * k, chunks)
     memory = MemoryModel(prof, order, checkpoint=checkpoint,
-                         foreach=[t.foreach for t in targets])  # fmt: skip
+                         foreach=[t.foreach for t in targets], ranks=ranks)  # fmt: skip
     halves = [targets[order.placement[s]] for s in range(2 * k)]
     shares = [t if t.capacity is None else replace(t, capacity=t.capacity // 2) for t in halves]
     return [len(c.layers) for c in unconstrained(memory, shares)]
@@ -122,11 +128,17 @@ def _frugal(k: int, m: int) -> Schedule:
 
 
 def _fitted(
-    prof: Profile, order: Schedule, checkpoint: str, targets: list[Target], split: list[int]
+    prof: Profile,
+    order: Schedule,
+    checkpoint: str,
+    targets: list[Target],
+    split: list[int],
+    ranks: str | None,
 ) -> tuple[Plan, Schedule] | None:
     """The plan of ``order`` split as ``split`` and the order, if every device's predicted
     peak is within its capacity; else None."""
-    memory = MemoryModel(prof, order, checkpoint=checkpoint, foreach=[t.foreach for t in targets])
+    foreach = [t.foreach for t in targets]
+    memory = MemoryModel(prof, order, checkpoint=checkpoint, foreach=foreach, ranks=ranks)
     plan = at_balance(prof, memory, targets, split)
     peaks = _peaks(plan)
     fits = all(peaks[w] <= (t.capacity or 0) for w, t in enumerate(targets))

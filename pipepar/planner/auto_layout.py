@@ -167,6 +167,7 @@ def choose_layout(
     profile_device: str = "meta",
     runtime: RuntimeFit | None = None,
     rules: Rules | None = None,
+    ranks: str | None = None,
 ) -> Layout:
     """The fastest layout of ``model`` on ``devices`` devices that fits ``capacity`` bytes
     each, within what ``given`` fixes; steps predicted with the ``runtime`` fit where given
@@ -175,7 +176,8 @@ def choose_layout(
     ``sample`` is one step's whole batch (all replicas' rows): each of the ``dp`` replicas
     takes ``rows / dp`` of them. The model is profiled on ``profile_device`` (measured times
     there; on ``meta`` its times come from FLOP counts at the cluster's rate). No optimizer
-    state is counted, as the wrappers do not know the optimizer.
+    state is counted, as the wrappers do not know the optimizer. ``ranks``: as
+    :func:`~pipepar.planner.layout_search.search_layouts` takes it (None: one process).
 
     Raises:
         ValueError: when a given value cannot hold (more stages than layers, ``dp`` not
@@ -199,7 +201,7 @@ def choose_layout(
         rules=rules,
     )
     _check_given(given, devices, prof)
-    layouts = _search(prof, flops, devices, given, cluster, capacity, runtime, runs)
+    layouts = _search(prof, flops, devices, given, cluster, capacity, runtime, runs, ranks)
     if given.dp is None:
         return layouts[0]
     chosen = [x for x in layouts if x.dp == given.dp]
@@ -251,6 +253,7 @@ def _search(
     capacity: int,
     runtime: RuntimeFit | None,
     chunks: list[int],
+    ranks: str | None = None,
 ) -> list[Layout]:
     """The layouts that fit, fastest first; every one when ``dp`` is given (to filter), else
     the fastest; ``chunks``: the counts whose micro-batches the model runs. When none fits,
@@ -271,6 +274,7 @@ def _search(
             offloads=given.offloads(),
             top=None if given.dp is not None else 1,
             runtime=runtime,
+            ranks=ranks,
         )
     except ValueError as error:
         raise ValueError(f"{error}; {_why_not(prof, devices, given, capacity)}") from None

@@ -80,6 +80,7 @@ from pipepar.planner.peak_moments import schedule_for
 from pipepar.planner.plan import CHECKPOINTS, Plan, fit
 from pipepar.planner.plan_search import unconstrained
 from pipepar.planner.plan_targets import Target, resolve_targets
+from pipepar.planner.posted_receives import receives_of
 from pipepar.planner.profile import Profile
 from pipepar.planner.profile_rows import at_rows
 from pipepar.planner.runtime_fit import RuntimeFit
@@ -130,6 +131,7 @@ def search_layouts(
     shards: Sequence[bool] = (False, True),
     runtime: RuntimeFit | None = None,
     offloads: Sequence[bool] | None = None,
+    ranks: str | None = None,
 ) -> list[Layout]:
     """The fastest layouts of the model on ``devices`` devices that fit, fastest first.
 
@@ -171,6 +173,10 @@ def search_layouts(
             none with offload where their memory is the host's (the CPU: offload there
             frees torch's allocator, not the machine, so its fit would be false); pass
             ``(True,)`` or ``(False, True)`` to price it there all the same.
+        ranks: the devices are ranks of ``pipepar.distributed``: ``"program"`` (any model)
+            or ``"chain"`` (an ``nn.Sequential``), whose receives posted ahead of their
+            messages each device holds too (:mod:`pipepar.planner.posted_receives`); None:
+            one process (``pipepar.wrap``).
 
     Returns:
         Up to ``top`` :class:`Layout` s, by throughput, fastest first.
@@ -197,7 +203,9 @@ def search_layouts(
         shards=check_shards(shards),
         runtime=runtime,
         offloads=check_offloads(offloads, machines),
+        ranks=ranks,
     )
+    receives_of(ranks)  # an unknown name fails here, before the profile
     cap = machines.memory_bytes if capacity is None else parse_bytes(capacity, name="capacity")
     prof, counted, runs = search_profile(
         model_or_profile,
@@ -224,6 +232,7 @@ class _Options:
     shards: list[bool]  # replicated (False) and/or sharded (True), for dp >= 2
     runtime: RuntimeFit | None
     offloads: list[bool]  # without offload (False) first, then with it (True)
+    ranks: str | None  # the runtime across ranks (what receives it posts ahead), or None
 
 
 @dataclass(frozen=True)
@@ -391,6 +400,7 @@ class _Search:
                 checkpoint=checkpoint,
                 foreach=[t.foreach for t in shape.targets],
                 offload=offload,
+                ranks=self.options.ranks,
             )
             self.plans[key] = fit(shape.profile, memory, shape.targets)
         return self.plans[key]
@@ -410,7 +420,8 @@ class _Search:
         offload alone is asked for."""
         if False not in offloads:
             return None
-        found = fit_auto(shape.profile, shape.targets, chunks=m, checkpoint=checkpoint)
+        found = fit_auto(shape.profile, shape.targets, chunks=m, checkpoint=checkpoint,
+                         ranks=self.options.ranks)  # fmt: skip
         if found is None:
             return None
         plan, order = found
@@ -556,6 +567,7 @@ class _Search:
                 checkpoint=self.options.checkpoints[-1],
                 foreach=foreach,
                 offload=self.options.offloads[-1],
+                ranks=self.options.ranks,
             )
             need = _needed(memory, foreach[0])
             if best is None or need < best[0]:

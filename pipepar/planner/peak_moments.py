@@ -32,8 +32,8 @@ brings it back starts, and whole again from then on; after a split B it waits fo
 (what came back stays until W, which reads it again).
 
     >>> s = make("gpipe", 2, 4, n_workers=2)
-    >>> [m.kind for m in moments(s, 1, "never", splits=(True,))][:2]
-    ['forward', 'backward']
+    >>> [m.kind for m in moments(s, 1, "never", splits=(True,))][:3]
+    ['forward', 'forward', 'backward']
 """
 
 from __future__ import annotations
@@ -70,6 +70,13 @@ class Moment:
             input and output stay.
         back_waiting: micro-batches brought back from host memory waiting for W: whole, plus
             the gradients recorded for W.
+        unanswered: micro-batches whose forward ran and whose backward has not begun (the
+            one whose backward this is left out): across ranks, a receive of each one's
+            output gradient may be posted (:mod:`pipepar.planner.posted_receives`).
+        inputs_ahead: 1 where the stage has run a forward and has one still to run (a
+            receive of its input may be posted ahead), else 0.
+        grads_ahead: 1 where the stage's backward has begun and has a micro-batch still to
+            run after this moment (a receive of its gradient may be posted ahead), else 0.
     """
 
     kind: str
@@ -80,15 +87,20 @@ class Moment:
     sums: tuple[bool, ...]
     away: tuple[int, ...]
     back_waiting: tuple[int, ...]
+    unanswered: tuple[int, ...] = ()
+    inputs_ahead: tuple[int, ...] = ()
+    grads_ahead: tuple[int, ...] = ()
 
     def counts(self) -> tuple[int, ...]:
         """All counts in one tuple (for dominance)."""
         sums = (int(s) for s in self.sums)
-        return (*self.whole, *self.inputs, *self.waiting, *sums, *self.away, *self.back_waiting)
+        held = (*self.whole, *self.inputs, *self.waiting, *sums, *self.away, *self.back_waiting)
+        return (*held, *self.unanswered, *self.inputs_ahead, *self.grads_ahead)
 
 
 _Key = tuple[int, int]  # (stage, micro-batch)
 _HELD = ("whole", "inputs", "waiting", "away", "back_waiting")
+_UNANSWERED = ("whole", "inputs", "away")  # held before their backward begins
 
 
 class _Walk:
@@ -107,6 +119,8 @@ class _Walk:
         self.stages = schedule.stages_of(w)
         self.held: dict[_Key, str] = {}  # what each micro-batch in flight is held as
         self.sums = [False] * len(self.stages)
+        self.forwards = [0] * len(self.stages)  # run so far (the acting one included)
+        self.backwards = [0] * len(self.stages)
         self.found: list[Moment] = []
 
     def moment(self, kind: str, at: int, key: _Key | None = None, as_: str | None = None) -> None:
@@ -117,11 +131,18 @@ class _Walk:
             if as_ is not None:
                 held[key] = as_
         count = [[0] * len(self.stages) for _ in _HELD]
-        for (s, _), what in held.items():
+        unanswered = [0] * len(self.stages)
+        for (s, i), what in held.items():
             count[_HELD.index(what)][self.stages.index(s)] += 1
+            if what in _UNANSWERED and (s, i) != key:
+                unanswered[self.stages.index(s)] += 1
         whole, inputs, waiting, away, back = (tuple(c) for c in count)
         sums = tuple(self.sums)
-        self.found.append(Moment(kind, at, whole, inputs, waiting, sums, away, back))
+        m = self.schedule.n_microbatches
+        inputs_ahead = tuple(int(0 < f < m) for f in self.forwards)
+        grads_ahead = tuple(int(0 < b < m) for b in self.backwards)
+        self.found.append(Moment(kind, at, whole, inputs, waiting, sums, away, back,
+                                 tuple(unanswered), inputs_ahead, grads_ahead))  # fmt: skip
 
     def run(self, a: Action) -> None:
         key, at = (a.stage, a.microbatch), self.stages.index(a.stage)
@@ -134,6 +155,7 @@ class _Walk:
                 if self.held.get(back) == "away":
                     self.held[back] = "whole"
         if a.kind == "F":
+            self.forwards[at] += 1
             ckpt = should_checkpoint(self.checkpoint, key[1], m)
             self.held[key] = "inputs" if ckpt else "whole"
             self.moment("forward", at)
@@ -143,6 +165,7 @@ class _Walk:
         # What B holds of the micro-batch: its graph, and on the first stage, whose B only
         # keeps it for W, the incoming gradient too.
         during = "waiting" if split and first else "whole"
+        self.backwards[at] += a.kind == "B"
         if a.kind == "B" and self.held.get(key) == "inputs":
             # A checkpointed micro-batch is recomputed first: a forward's work space on top.
             self.moment("forward", at, key, during)

@@ -294,6 +294,7 @@ def plan(
     checkpoint: str = "except_last",
     profile_device: str | torch.device = "meta",
     shard: int = 1,
+    ranks: str | None = None,
 ) -> Plan:
     """Choose how many layers each stage gets so every stage fits and the slowest is fastest.
 
@@ -325,6 +326,9 @@ def plan(
             are split over (``pipepar.distributed.wrap(..., dp=shard, dp_shard=True)``); each
             device is then one rank of its group: the step's gathered weights and gradient
             sums plus its shards (:mod:`pipepar.planner.sharded_state`).
+        ranks: the devices are ranks of ``pipepar.distributed`` (``"program"``: any model;
+            ``"chain"``: an ``nn.Sequential``): each also holds the receives it posts ahead
+            of their messages (:mod:`pipepar.planner.posted_receives`); None: one process.
 
     Returns:
         The :class:`Plan`.
@@ -357,7 +361,8 @@ def plan(
             f"the model has {len(prof)} layers; use at most {most} devices or a schedule with "
             "one stage per device"
         )
-    model = MemoryModel(prof, order, checkpoint=checkpoint, foreach=[t.foreach for t in targets])
+    foreach = [t.foreach for t in targets]
+    model = MemoryModel(prof, order, checkpoint=checkpoint, foreach=foreach, ranks=ranks)
     shares = _stage_targets(order, targets)
     check_cut_points(model.startable, len(shares), prof)
     found = fit(prof, model, targets)

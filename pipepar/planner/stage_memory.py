@@ -52,6 +52,7 @@ from pipepar.core.offload_plan import plan_offload
 from pipepar.core.schedule import Schedule
 from pipepar.core.step import LARGE_MATRIX
 from pipepar.planner.peak_moments import Moment, moments
+from pipepar.planner.posted_receives import PostedReceives, receives_of
 from pipepar.planner.profile import LayerProfile, Profile
 
 __all__ = ["Figures", "MemoryModel", "StageMemory"]
@@ -67,7 +68,8 @@ class StageMemory:
         grads_bytes: parameter gradients.
         optimizer_bytes: optimizer state.
         activation_bytes: activations the stage holds at the peak (net of what the backward
-            running then has already freed, when the peak comes before all gradients exist).
+            running then has already freed, when the peak comes before all gradients exist),
+            across ranks with the buffers of the receives it has posted ahead.
         transient_bytes: the rest of the peak: work space, gradients being made, gradients
             recorded for W, the optimizer step.
         peak_bytes: the stage's part of its device's peak.
@@ -99,6 +101,7 @@ class Figures:
     waits: int
     away: int
     back_waits: int
+    output: int
     splits: bool
     transient: dict[str, int]
     summed: dict[str, int]
@@ -199,6 +202,10 @@ class MemoryModel:
         foreach: per worker, whether the optimizer step runs its multi-tensor kernels.
         offload: whether activation offload runs (``pipepar.wrap(..., offload=True)``): a
             micro-batch sent out holds its input only until it is brought back.
+        ranks: the runtime across ranks the devices are (``"program"``: ``pipepar.distributed``
+            on any model; ``"chain"``: on an ``nn.Sequential``), whose receives posted ahead
+            of their messages a device also holds (:mod:`pipepar.planner.posted_receives`);
+            None: one process.
 
     Example:
         >>> model = MemoryModel(prof, make("gpipe", 2, 4, n_workers=2), checkpoint="never",
@@ -215,8 +222,11 @@ class MemoryModel:
         checkpoint: str,
         foreach: Sequence[bool],
         offload: bool = False,
+        ranks: str | None = None,
     ) -> None:
         self.schedule, self.checkpoint, self.foreach = schedule, checkpoint, list(foreach)
+        receives = receives_of(ranks)
+        self.posted = None if receives is None else PostedReceives(receives, schedule)
         self.offload = plan_offload(schedule) if offload else None
         self.chunks, self.stages = schedule.n_microbatches, schedule.n_stages
         self._in_flight = [schedule.in_flight(s) for s in range(schedule.n_stages)]
@@ -365,6 +375,7 @@ class MemoryModel:
             waits=waits,
             away=away,
             back_waits=whole + kept,
+            output=incoming,
             splits=self._unsplit[b + 1] == self._unsplit[a],
             transient=transient,
             summed=summed,
@@ -463,7 +474,19 @@ class MemoryModel:
         for at, f in enumerate(figs):
             if f is not None:
                 total += f.params + f.optimizer + f.held(m, at) + (f.grads if m.sums[at] else 0)
-        return total + self._transient(m, figs, w)
+        return total + sum(self._posted(m, figs, w).values()) + self._transient(m, figs, w)
+
+    def _posted(self, m: Moment, figs: list[Figures | None], w: int) -> dict[int, int]:
+        """Per stage position of worker ``w``, the bytes of the receives it has posted at
+        ``m`` (none in one process)."""
+        if self.posted is None:
+            return {}
+        out = {}
+        for at, f in enumerate(figs):
+            if f is not None:
+                edges = [(f.inputs, f.output) if k == at else None for k in range(len(figs))]
+                out[at] = self.posted.bytes(w, m, edges)
+        return out
 
     def _transient(self, m: Moment, figs: list[Figures | None], w: int) -> int:
         present = [f for f in figs if f is not None]
@@ -480,12 +503,14 @@ class MemoryModel:
         self, m: Moment, figs: list[Figures | None], peak: int, w: int
     ) -> list[StageMemory]:
         """Split the device's peak into per-stage parts: each stage's static bytes and what it
-        holds; the rest is transient (the acting stage's). Before a stage's gradients all
-        exist (a first backward), the peak can be less than the static bytes plus what was
-        held when the backward began: what it had freed comes off the activations."""
+        holds (its receives posted ahead with it); the rest is transient (the acting stage's).
+        Before a stage's gradients all exist (a first backward), the peak can be less than the
+        static bytes plus what was held when the backward began: what it had freed comes off
+        the activations."""
         stages = self.schedule.stages_of(w)
         present = [(at, f) for at, f in enumerate(figs) if f is not None]
-        act = {at: f.held(m, at) for at, f in present}
+        posted = self._posted(m, figs, w)
+        act = {at: f.held(m, at) + posted.get(at, 0) for at, f in present}
         static = sum(f.params + f.grads + f.optimizer for _, f in present)
         rest = peak - static - sum(act.values())
         order = sorted(act, key=lambda at: at != m.acting)  # take from the acting stage first

@@ -193,6 +193,15 @@ class Ledger:
             for key in gone:
                 self.grads.pop(key, None)
 
+    def drop_grads(self, originals: Collection[Tensor]) -> None:
+        """Let go of the gradients found for ``originals``: values a stage sent to another
+        rank's stages (recorded by the rank's cut, not as crossings here), once the stage's
+        backward has used them; kept, each would hold a micro-batch's gradient to the
+        mini-batch's end."""
+        with self._releasing:
+            for t in originals:
+                self.grads.pop(id(t), None)
+
     def forget(self) -> None:
         self.crossings.clear()
         self._leaves.clear()

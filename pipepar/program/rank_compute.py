@@ -364,7 +364,7 @@ class RankProgram:
         for driver in batch.drivers:
             pool.submit(driver.run)
         actions = [a for a in schedule.worker(self._ctx.mesh.stage) if grad or a.kind == "F"]
-        self._link.early = grad and _in_order(schedule)
+        self._link.early = grad and schedule.in_order()
         first = min(self._mine)
         early_ok = self._link.early and early_weights.enabled()
         order = early_weights.EarlyWeights(actions) if early_ok else None
@@ -461,18 +461,6 @@ def _stage(
     start = sum(1 for t in stage_of_unit if t < s)
     names = [u.path.replace(".", "/") for u in units]
     return Stage(s, start, [u.module for u in units], device, names=names)
-
-
-def _in_order(schedule: Schedule) -> bool:
-    """Whether every stage runs its forwards, and its backwards, in micro-batch order (so the
-    gradients of a pair of stages come back in the order their values were sent)."""
-    for s in range(schedule.n_stages):
-        actions = schedule.stage(s)
-        for kind in ("F", "B", "W"):
-            order = [a.microbatch for a in actions if a.kind == kind]
-            if order != sorted(order):
-                return False
-    return True
 
 
 def _ahead(actions: Sequence[Any], first: int) -> dict[int, int]:

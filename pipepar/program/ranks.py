@@ -483,7 +483,10 @@ class RankStep(SegmentStep):
 
     def _finished(self, i: int) -> None:
         super()._finished(i)
-        self.cuts[i].release(self.stage.index)
+        s = self.stage.index
+        self.batch.ledgers[i].drop_grads([c.original for c in self.cuts[i].exports
+                                          if c.producer == s])  # fmt: skip
+        self.cuts[i].release(s)
 
     def defers_weights(self, i: int) -> bool:
         """Whether B of micro-batch ``i`` will compute no weight gradient: nothing enters the

@@ -519,9 +519,8 @@ def test_gradients_are_awaited_early_only_where_backwards_keep_the_forwards_orde
     of its forwards (not under GPipe, whose backwards run last micro-batch first)."""
     from pipepar.core.named_schedules import gpipe, make
     from pipepar.core.schedule import parse
-    from pipepar.program.rank_compute import _in_order
 
-    assert not _in_order(gpipe(2, 4))
+    assert not gpipe(2, 4).in_order()
     for name, stages in (("1f1b", 2), ("zb-h1", 2), ("interleaved-1f1b", 4), ("zb-v", 4)):
-        assert _in_order(make(name, stages, 8, n_workers=2)), name
-    assert not _in_order(parse(["F0 F1 B1 B0", "F0 F1 B0 B1"]))
+        assert make(name, stages, 8, n_workers=2).in_order(), name
+    assert not parse(["F0 F1 B1 B0", "F0 F1 B0 B1"]).in_order()
