@@ -60,8 +60,17 @@ class ArgumentStates:
         self.changed = False
 
     def settle(self) -> None:
-        """After the first run: note whether it changed any object it was given."""
-        self.changed = any(_state(obj) != state for obj, state in self._before.values())
+        """After the first run: note whether it changed any object it was given. A meta tensor
+        it replaced by a real one is kept as replaced: across ranks, a value another rank's
+        stage made is held on ``meta`` and the first run received its real value, which the
+        recompute (running outside the run's modes) cannot receive again."""
+        self.changed = False
+        for obj, state in self._before.values():
+            after = _state(obj)
+            if after != state:
+                self.changed = True
+                if state.keys:
+                    state.values = _received(state.values, dict(after.values))
 
     def as_before(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -121,6 +130,19 @@ class _Held:
         return all(a is b for a, b in zip(self.values, other.values))
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def _received(before: list[Any], after: dict[Any, Any]) -> list[Any]:
+    """``before``'s items, each meta tensor the run replaced by a real one of its shape taken
+    as replaced."""
+    return [(k, after[k] if _realised(v, after.get(k)) else v) for k, v in before]
+
+
+def _realised(before: Any, after: Any) -> bool:
+    if not (isinstance(before, Tensor) and isinstance(after, Tensor)):
+        return False
+    with torch._C.DisableTorchFunction():  # read unseen by the pipe's modes
+        return before.is_meta and not after.is_meta and before.shape == after.shape
 
 
 def _followed(value: Any) -> bool:
