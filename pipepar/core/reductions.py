@@ -206,6 +206,14 @@ class Probe(TorchFunctionMode):
         if exc[0] is None and self._resize is not None:
             raise BatchCoupled(self._resize)
 
+    def computed_rows(self, values: Sequence[Tensor]) -> None:
+        """Mark ``values`` (what the model computed for the micro-batch, handed to a loss) as
+        per-row values with their rows on dimension 0, not replayable from the inputs: an
+        operation over those rows (``out.var(0)``, ``out - out.mean(0)``) is then refused."""
+        for t in values:
+            if id(t) not in self._forms:
+                self._set(t, Rows(None, 0))
+
     def release(self) -> None:
         """Let go of the call's values (the forms learned stay with whoever asked for them)."""
         self._forms.clear()
