@@ -1,5 +1,6 @@
 """Small models written as their authors write them, without pipepar in mind: a nanoGPT-style
-language model with its own loss under ``targets=``, and CLIP-like contrastive models."""
+language model with its own loss under ``targets=``, one keeping a key cache its blocks append
+to, and CLIP-like contrastive models."""
 
 from __future__ import annotations
 
@@ -7,7 +8,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["Contrastive", "NanoGPT", "PairLogits", "Towers", "contrastive_loss", "nano_batch"]
+__all__ = [
+    "CachedLM",
+    "Contrastive",
+    "NanoGPT",
+    "PairLogits",
+    "Towers",
+    "contrastive_loss",
+    "nano_batch",
+]
 
 
 class _Block(nn.Module):
@@ -47,6 +56,38 @@ def nano_batch(rows: int = 8) -> tuple[Tensor, Tensor]:
     targets = torch.randint(0, 11, (rows, 6), generator=g)
     targets[:3, 2:], targets[5] = -1, -1
     return idx, targets
+
+
+class _CachedBlock(nn.Module):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.pos = nn.Embedding(32, 16)
+        self.key = nn.Linear(16, 16)
+
+    def forward(self, x: Tensor, cache: dict[int, Tensor]) -> Tensor:
+        past = cache.get(self.index)
+        start = 0 if past is None else past.shape[1]  # positions go on after the cached ones
+        k = self.key(x + self.pos(torch.arange(start, start + x.shape[1])))
+        cache[self.index] = k if past is None else torch.cat([past, k], 1)
+        return x + torch.tanh(k)
+
+
+class CachedLM(nn.Module):
+    """Blocks that append their keys to a cache (a dict the forward makes) and number their
+    positions after what it holds, as a language model with a key-value cache does."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(11, 16)
+        self.h = nn.ModuleList(_CachedBlock(i) for i in range(layers))
+        self.head = nn.Linear(16, 11)
+
+    def forward(self, idx: Tensor, targets: Tensor) -> Tensor:
+        x, cache = self.wte(idx), {}
+        for block in self.h:
+            x = block(x, cache)
+        return F.cross_entropy(self.head(x).flatten(0, 1), targets.flatten(), ignore_index=-1)
 
 
 class Contrastive(nn.Module):

@@ -273,6 +273,7 @@ class LossShares(Sequence[float]):
             if probe is None:
                 loss = scalar_loss(loss_fn(output, targets[i]), self.what)
             else:
+                probe.computed_rows(_row_leaves(output, self.rows[i]))
                 with probe:
                     value = loss_fn(output, targets[i])
                 loss = scalar_loss(value, self.what)
@@ -381,6 +382,17 @@ def loss_shares(
             "e.g. items=lambda y: (y != -100).sum()"
         )
     return LossShares(rows, sources, counts=[float(items(t)) for t in targets])
+
+
+def _row_leaves(output: Any, rows: int) -> list[Tensor]:
+    """The tensors of a micro-batch's output that hold its ``rows`` on dimension 0 (the
+    stage's output check holds a chain's to it; a model's others mixing rows were refused by
+    its forward's probe)."""
+    return [
+        t
+        for t in pytree.tree_leaves(output)
+        if isinstance(t, Tensor) and t.dim() > 0 and t.shape[0] == rows
+    ]
 
 
 def batch_tensors(values: Sequence[Any]) -> list[list[Tensor]]:

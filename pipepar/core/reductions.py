@@ -206,6 +206,14 @@ class Probe(TorchFunctionMode):
         if exc[0] is None and self._resize is not None:
             raise BatchCoupled(self._resize)
 
+    def computed_rows(self, values: Sequence[Tensor]) -> None:
+        """Mark ``values`` (what the model computed for the micro-batch, handed to a loss) as
+        per-row values with their rows on dimension 0, not replayable from the inputs: an
+        operation over those rows (``out.var(0)``, ``out - out.mean(0)``) is then refused."""
+        for t in values:
+            if id(t) not in self._forms:
+                self._set(t, Rows(None, 0))
+
     def release(self) -> None:
         """Let go of the call's values (the forms learned stay with whoever asked for them)."""
         self._forms.clear()
@@ -495,7 +503,9 @@ class Probe(TorchFunctionMode):
             return Averaged(self._count(bound["input"], Rows(), lambda t: t.shape[0], "rows"))
         if name == "ctc_loss":
             return Unknown(f"F.{name}()", where, "its mean divides each sequence by its length")
-        elementwise = func(**{**_shapes_only(bound), "reduction": "none"})
+        elementwise = _elementwise(func, bound)
+        if elementwise is None:
+            return Unknown(f"F.{name}()", where, "its elements could not be told from its shapes")
         target = bound.get("target")
         if isinstance(target, Tensor) and elementwise.shape == target.shape:
             return Averaged(
@@ -593,6 +603,20 @@ def _real_targets(target: Tensor, bound: dict[str, Any]) -> Tensor:
     if weight is None:
         return real.sum()
     return (weight.to(target.device)[target.clamp(0, len(weight) - 1)] * real).sum()
+
+
+def _elementwise(func: Callable[..., Any], bound: dict[str, Any]) -> Tensor | None:
+    """What a loss's elements look like (a meta tensor of their shape): the loss run on meta
+    with ``reduction="none"``, or, for one that reads its arguments' values there
+    (``F.gaussian_nll_loss`` checks its variances), its input and target broadcast."""
+    try:
+        out: Tensor = func(**{**_shapes_only(bound), "reduction": "none"})
+        return out
+    except (RuntimeError, NotImplementedError):
+        shapes = [bound[k].shape for k in ("input", "target") if isinstance(bound.get(k), Tensor)]
+        if not shapes:
+            return None
+        return torch.empty(torch.broadcast_shapes(*shapes), device="meta")
 
 
 def _shapes_only(bound: dict[str, Any]) -> dict[str, Any]:

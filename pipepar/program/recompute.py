@@ -15,6 +15,9 @@ The recomputed unit sees what its first run saw:
   and several stages draw at once);
 - **the same weights**: a weight tied to an earlier stage's (held there, used here through a
   stand-in leaf) is the stand-in again;
+- **the same argument objects**: an object the first run changed (a key-value cache its layer
+  appended to) is given to the recompute as it was before
+  (:mod:`pipepar.program.argument_states`);
 - **batch-norm statistics updated once**: the running statistics are put back as the first
   run left them (:func:`pipepar.core.recompute.recomputing_as_before`).
 
@@ -41,6 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from pipepar.core.batchnorm import watched_as_before
 from pipepar.core.randomness import DrawPoint, draw_point
 from pipepar.core.recompute import recomputing_as_before
+from pipepar.program.argument_states import replaying
 from pipepar.program.driver import unit_lock
 from pipepar.program.unit_calls import UnitCall, UnitCalls
 
@@ -89,6 +93,7 @@ class _Checkpointable:
         if not getattr(_local, "on", False) or not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         replay = _Replay(module)
+        forward = replaying(forward, args, kwargs)  # a recompute sees the objects as they were
         given = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor)]
         versions = _versions(given)
         into: UnitCalls | None = getattr(_local, "into", None)

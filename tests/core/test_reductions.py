@@ -40,6 +40,7 @@ X, Y = torch.randn(6, 5), torch.tensor([0, 1, -1, 2, -1, 4])
         (lambda x, y: F.mse_loss(x, torch.zeros_like(x)), 30.0),
         (lambda x, y: x.pow(2).mean() * 0.5 + 1.0, 30.0),
         (lambda x, y: F.cross_entropy(x, y.clamp(min=0), reduction="none").mean(0), 6.0),
+        (lambda x, y: F.gaussian_nll_loss(x, torch.zeros_like(x), x.exp()), 30.0),
     ],
     ids=[
         "ce-ignore",
@@ -49,6 +50,7 @@ X, Y = torch.randn(6, 5), torch.tensor([0, 1, -1, 2, -1, 4])
         "mse",
         "mean-plus-const",
         "per-row-mean-over-dim-0",
+        "reads-its-values",  # F.gaussian_nll_loss checks its variances: no meta run
     ],
 )
 def test_means_are_learned_with_their_count(fn, count) -> None:

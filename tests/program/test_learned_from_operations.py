@@ -150,3 +150,36 @@ def test_a_step_with_a_loss_fn_is_refused_where_the_model_mixes_rows(
     got = whole.step(*args, loss_fn=_contrastive_loss, target=target)  # one micro-batch: exact
     expected = _contrastive_loss(plain(*args), target)
     torch.testing.assert_close(got, expected.detach())
+
+
+def _spread(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return out.var(0).sum() + torch.nn.functional.mse_loss(out, target)
+
+
+def _centred(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - out.mean(0)) - target).pow(2).mean()
+
+
+@pytest.mark.parametrize("loss_fn", [_spread, _centred], ids=["var", "centred"])
+@pytest.mark.parametrize("chain", [True, False], ids=["sequential", "module"])
+def test_a_loss_fn_mixing_the_outputs_rows_is_refused(loss_fn, chain: bool) -> None:
+    """A loss over the model's output rows (``out.var(0)``, ``out - out.mean(0)``) would be
+    computed on each micro-batch's rows: refused before any gradient, for an ``nn.Sequential``
+    and for any other model (each micro-batch's loss was silently another number)."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(8, 8), nn.Linear(8, 8)
+    model = nn.Sequential(a, nn.Tanh(), b) if chain else _TwoLayers(a, b)
+    pipe = pipepar.wrap(model, split=["2" if chain else "b"], devices=["cpu"] * 2, chunks=2)
+    x, target = torch.randn(6, 8), torch.randn(6, 8)
+    with pytest.raises(pipepar.BatchCoupled, match="in loss_fn mixes rows of the batch"):
+        pipe.step(x, target=target, loss_fn=loss_fn)
+    assert all(p.grad is None for p in model.parameters())
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self, a: nn.Module, b: nn.Module) -> None:
+        super().__init__()
+        self.a, self.b = a, b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))

@@ -19,6 +19,7 @@ from torchvision.models.resnet import BasicBlock
 import pipepar
 from models import transformers_zoo as zoo
 from pipepar.core.named_schedules import VIRTUAL
+from tests._foreign_models import CachedLM, nano_batch
 from tests.program._real import (
     SPLITS,
     _batch,
@@ -349,3 +350,45 @@ def test_batch_norm_under_recompute_counts_each_micro_batch_once(schedule: str) 
             torch.testing.assert_close(
                 b, kept[name], rtol=1e-5, atol=1e-6, msg=f"{name}, checkpoint={checkpoint}"
             )
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_recompute_sees_the_cache_its_first_run_saw(schedule: str) -> None:
+    """Blocks that append their keys to a cache and number their positions after it: each
+    recompute (one per B and W under zb-h1) gets the cache as the block's first run found it,
+    not with that run's keys added (positions shifted: silently other gradients)."""
+    torch.manual_seed(0)
+    plain = CachedLM()
+    idx, targets = nano_batch()
+    pipe = pipepar.wrap(
+        copy.deepcopy(plain), split=["h.2"], devices=["cpu", "cpu"], chunks=2,
+        schedule=schedule, checkpoint="always",
+    )  # fmt: skip
+    loss = pipe.step(idx, targets)
+    expected = plain(idx, targets)
+    expected.backward()
+    _close(loss, expected.detach(), "loss")
+    _same_grads(pipe, plain)
+
+
+def test_a_transformers_cache_is_recomputed_as_it_was() -> None:
+    """Gemma2 (eager attention, an explicit mask) builds a key-value cache in training: its
+    recompute under checkpoint="always" attends over the first run's keys, not twice as many
+    (a size mismatch in backward before)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Gemma2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=4,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    plain = transformers.Gemma2ForCausalLM(config)
+    pipe = pipepar.wrap(
+        copy.deepcopy(plain), split=["model.layers.1"], devices=["cpu", "cpu"], chunks=2,
+        checkpoint="always",
+    )  # fmt: skip
+    ids = torch.randint(1, 64, (4, 8))
+    loss = pipe.step(input_ids=ids, labels=ids)
+    expected = plain(input_ids=ids, labels=ids).loss
+    expected.backward()
+    _close(loss, expected.detach(), "loss")
+    _same_grads(pipe, plain)
