@@ -169,3 +169,15 @@ def test_a_chain_does_not_load_the_cut() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT.parent
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_a_rank_does_not_load_the_flop_counter_at_import() -> None:
+    """Every rank of a job imports ``pipepar.distributed``; torch's flop counter (which loads
+    triton, ~0.3 s a process) is for a layout search on an untimed profile only."""
+    code = "import sys, pipepar.distributed\n" + (
+        "print(sorted(m for m in ('triton', 'torch.utils.flop_counter') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT.parent
+    )
+    assert out.stdout.strip() == "[]"

@@ -20,7 +20,6 @@ from torch import nn
 from pipepar.batching.rules import Rules
 from pipepar.planner.call_times import profile_for_chunks
 from pipepar.planner.cluster import Cluster
-from pipepar.planner.flop_count import count_flops
 from pipepar.planner.model_profile import profile
 from pipepar.planner.plan_inputs import check_profile
 from pipepar.planner.profile import Profile
@@ -74,6 +73,10 @@ def search_profile(
             rules,
         )
         if not prof.timed and flops is None:
+            # imported here: torch's flop counter loads triton (~0.3 s), which every rank's
+            # `import pipepar.distributed` paid for a search most processes never run
+            from pipepar.planner.flop_count import count_flops
+
             flops = count_flops(model_or_profile, sample, prof)
     else:
         raise TypeError(
