@@ -19,6 +19,11 @@ per worker, looped as interleaved 1F1B, and for ``V = 2`` the V of ZB-V):
 
 A larger budget keeps every candidate of a smaller one, so more budget is never slower.
 
+The list-scheduled orders and their simulated times depend on the stages, micro-batches and
+costs alone, not on the budget or the weights (those say how far up the bounds go and which
+orders fit): they are built once and kept for later calls, as a layout search asks for the
+same stages with other weights and budgets.
+
 What a worker holds is weighed per stage (:meth:`~pipepar.core.schedule.Schedule.worker_held`):
 by default a micro-batch of a stage weighs ``1/V`` (a virtual stage holds ``1/V`` of its
 worker's layers), so the budget is in micro-batches of a whole worker, the unit of 1F1B's ``K``;
@@ -155,7 +160,7 @@ def _fastest(
         held = [cand.worker_held(w, weights) for w in range(k)]
         if any(h > b * (1 + 1e-9) for h, b in zip(held, bounds)):
             continue
-        key = (_span(cand, cost, delays), max(held))
+        key = (_known_span(cand, cost, delays), max(held))
         if best is None or key < best[:2]:
             best = (*key, cand)
     assert best is not None  # the serial schedule fits any feasible budget
@@ -174,31 +179,60 @@ def _candidates(
         for split in (False, True):
             for reserve in (False, True) if v > 1 else (False,):
                 for model in costs:
-                    yield from _bounded(placement, k, m, top, split, reserve, model)
+                    yield from _bounded(_series(placement, k, m, split, reserve, model), top)
         if v == 2 and placement == _v_placement(k):
-            yield from (_orders_schedule(placement, m, repeated(v_block(k, st), k, m))
-                        for st in STYLES)  # fmt: skip
+            yield from _v_blocks(k, m)
         yield from _named(n, m, k, placement)
 
 
-def _bounded(
-    placement: tuple[int, ...],
-    k: int,
-    m: int,
-    top: int,
-    split: bool,
-    reserve: bool,
-    cost: Cost,
-) -> Iterator[Schedule]:
+class _Series:
+    """List scheduling of one placement under the uniform bounds 1, 2, ..., each order built
+    when first asked for and kept, with the unbounded order.
+
+    The orders depend on neither the budget nor the weights (those only say how far up the
+    bounds go and which orders fit), so calls with other budgets or weights for the same
+    stages and micro-batches (a search's recompute policies, shardings and lowered budgets)
+    reuse them: list scheduling is most of the search's time."""
+
+    def __init__(
+        self, placement: tuple[int, ...], k: int, m: int, split: bool, reserve: bool, cost: Cost
+    ) -> None:
+        self.args = (placement, k, m, split, reserve, cost)
+        self.free = _greedy(placement, k, m, len(placement) * m, split, reserve, cost)
+        self.orders: list[Schedule | None] = []  # under bound c at [c - 1]
+
+    def order(self, c: int) -> Schedule | None:
+        """The order under bound ``c`` (None: it cannot progress under it)."""
+        placement, k, m, split, reserve, cost = self.args
+        while len(self.orders) < c:
+            self.orders.append(_greedy(placement, k, m, len(self.orders) + 1, split, reserve, cost))
+        return self.orders[c - 1]
+
+
+@lru_cache(maxsize=32)  # a few calls' series: a series may hold thousands of actions per order
+def _series(
+    placement: tuple[int, ...], k: int, m: int, split: bool, reserve: bool, cost: Cost
+) -> _Series:
+    return _Series(placement, k, m, split, reserve, cost)
+
+
+def _bounded(series: _Series, top: int) -> Iterator[Schedule]:
     """List scheduling under every uniform bound from 1 to ``top``, up to the first whose order
     is the unbounded one (a larger bound, then, has no say: the same order)."""
-    free = _greedy(placement, k, m, len(placement) * m, split, reserve, cost)
+    free = series.free
     for c in range(1, top + 1):
-        got = _greedy(placement, k, m, c, split, reserve, cost)
+        got = series.order(c)
         if got is not None:
             yield got
             if free is not None and got.actions == free.actions:
                 return
+
+
+@lru_cache(maxsize=64)
+def _v_blocks(k: int, m: int) -> tuple[Schedule, ...]:
+    """The V's building blocks of every style repeated over ``m`` micro-batches."""
+    placement = _v_placement(k)
+    return tuple(_orders_schedule(placement, m, repeated(v_block(k, st), k, m)) for st in STYLES)
 
 
 def _greedy(
@@ -247,6 +281,11 @@ def _orders_schedule(
 ) -> Schedule:
     actions = tuple(tuple(Action(s, kind, i) for s, kind, i in work) for work in orders)  # type: ignore[arg-type]
     return Schedule("auto", len(placement), m, actions, placement)
+
+
+@lru_cache(maxsize=512)  # a candidate of one call is timed again by the next alike
+def _known_span(schedule: Schedule, cost: Cost, delays: Delay) -> float:
+    return _span(schedule, cost, delays)
 
 
 def _span(schedule: Schedule, cost: Cost, delays: Delay) -> float:

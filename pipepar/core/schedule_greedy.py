@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 __all__ = ["Cost", "greedy_orders", "unit_cost"]
 
+_NEVER = float("inf")  # the finish of an action not yet run
+
 Op = tuple[int, str, int]  # (stage, kind, micro-batch)
 Cost = Callable[[int, str, bool], float]
 """``cost(stage, kind, split)``: how long the list scheduler takes an action to run."""
@@ -41,6 +43,7 @@ class _Worker:
     held: int = 0
     order: list[Op] = field(default_factory=list)
     weights: list[Op] = field(default_factory=list)  # W's not yet run, oldest first
+    left: int = 0  # actions not yet run
 
 
 @dataclass
@@ -53,9 +56,6 @@ class _State:
     finish: dict[Op, float] = field(default_factory=dict)
     next_f: dict[int, int] = field(default_factory=dict)  # stage -> next micro-batch forward
     next_b: dict[int, int] = field(default_factory=dict)  # stage -> next micro-batch backward
-
-    def ready(self, op: Op, t: float) -> bool:
-        return op in self.finish and self.finish[op] <= t
 
 
 def greedy_orders(
@@ -90,44 +90,57 @@ def greedy_orders(
     workers = [
         _Worker([s for s, w in enumerate(placement) if w == j], max(1, bound[j])) for j in range(k)
     ]
-    total = sum(len(wk.stages) for wk in workers) * m * (3 if split else 2)
-    while sum(len(wk.order) for wk in workers) < total:
-        busy = [wk for wk in workers if _left(wk, m, split)]
-        t = min(wk.clock for wk in busy)
-        now = [wk for wk in busy if wk.clock == t]
-        picks = [(wk, _pick(wk, state)) for wk in now]
-        runnable = [(wk, op) for wk, op in picks if op is not None]
-        if not runnable:
+    for wk in workers:
+        wk.left = len(wk.stages) * m * (3 if split else 2)
+    for _ in range(sum(wk.left for wk in workers)):  # one action run each time round
+        busy = [wk for wk in workers if wk.left]
+        first = _first_runnable(busy, state)
+        while first is None:  # no worker free first can start one: on to the next event
+            t = min(wk.clock for wk in busy)
             later = _next_event(t, state, busy)
-            for wk in now:
-                wk.clock = later
-            continue
-        _run(*runnable[0], state)
+            for wk in busy:
+                if wk.clock == t:
+                    wk.clock = later
+            first = _first_runnable(busy, state)
+        _run(*first, state)
     return [wk.order for wk in workers]
 
 
-def _left(worker: _Worker, m: int, split: bool) -> bool:
-    return len(worker.order) < len(worker.stages) * m * (3 if split else 2)
+def _first_runnable(busy: list[_Worker], state: _State) -> tuple[_Worker, Op] | None:
+    """The first of the workers free first (in worker order) that can start an action, and
+    that action; None if none can."""
+    t = min(wk.clock for wk in busy)
+    for wk in busy:
+        if wk.clock == t:
+            op = _pick(wk, state)
+            if op is not None:
+                return wk, op
+    return None
 
 
 def _pick(worker: _Worker, state: _State) -> Op | None:
-    t, n = worker.clock, len(state.placement)
-    backs = []
+    t, last, m, finish = worker.clock, len(state.placement) - 1, state.m, state.finish
+    back: tuple[int, int] | None = None  # (micro-batch, -stage): the earliest, then deepest
     for s in worker.stages:
         i = state.next_b.get(s, 0)
-        if i < state.m and state.ready((s, "F", i), t):
-            dep = (s, "F", i) if s == n - 1 else (s + 1, "B", i)
-            if state.ready(dep, t):
-                backs.append((i, -s, (s, "B", i)))
-    if backs:
-        return min(backs)[2]
-    fwds = []
-    for s in worker.stages:
+        if i < m and finish.get((s, "F", i), _NEVER) <= t:
+            dep = (s, "F", i) if s == last else (s + 1, "B", i)
+            if finish.get(dep, _NEVER) <= t and (back is None or (i, -s) < back):
+                back = (i, -s)
+    if back is not None:
+        return (-back[1], "B", back[0])
+    deepest: Op | None = None
+    for s in worker.stages:  # the deepest stage whose next forward can start
         i = state.next_f.get(s, 0)
-        if i < state.m and (s == 0 or state.ready((s - 1, "F", i), t)) and _room(worker, s, state):
-            fwds.append((-s, i, (s, "F", i)))
-    if fwds:
-        return min(fwds)[2]
+        if (
+            i < m
+            and (s == 0 or finish.get((s - 1, "F", i), _NEVER) <= t)
+            and _room(worker, s, state)
+            and (deepest is None or s > deepest[0])
+        ):
+            deepest = (s, "F", i)
+    if deepest is not None:
+        return deepest
     return worker.weights[0] if worker.weights else None
 
 
@@ -150,6 +163,7 @@ def _run(worker: _Worker, op: Op, state: _State) -> None:
     worker.clock += state.cost(s, kind, state.split)
     state.finish[op] = worker.clock
     worker.order.append(op)
+    worker.left -= 1
     if kind == "F":
         worker.held += _taken(worker, s, state)
         state.next_f[s] = i + 1
