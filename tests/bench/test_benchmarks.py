@@ -691,3 +691,12 @@ def test_host_time_counts_each_schedules_actions_and_divides_by_them() -> None:
     assert by["pipepar:zb-v"]["step_x_1f1b"] == pytest.approx(1.5)
     assert by["pipepar:zb-v"]["x_1f1b"] == pytest.approx((30_000 / 96) / (20_000 / 32))
     assert by["limit:"]["us_per_action"] is None and by["limit:"]["x_1f1b"] is None
+
+
+def test_auto_search_cost_runs_both_searches() -> None:
+    done = run_script("bench_auto_search.py", "--options", "fixed")
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| fixed"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert int(cells[3]) >= 1  # the search with "auto" ran the budget search
+    assert re.fullmatch(r"\d+ / \d+ \([1-9]\d* auto\)", cells[6])  # and kept an auto layout
