@@ -56,6 +56,7 @@ __all__ = [
     "batch_tensors",
     "loss_shares",
     "joined_loss",
+    "kept_loss",
     "nothing",
     "scalar_loss",
     "split_target",
@@ -441,6 +442,22 @@ def weighted_sum(values: Sequence[Tensor], shares: Sequence[float]) -> Tensor:
     ``nan``: a mean over nothing)."""
     terms = [v * w for v, w in zip(values, shares) if w != 0]
     return sum(terms[1:], terms[0]) if terms else torch.zeros_like(values[0])
+
+
+def kept_loss(value: Any) -> Any:
+    """A micro-batch's loss as a step keeps it until the mini-batch's end: detached, each tensor
+    in a storage of its own size. torch's element-wise losses (``mse_loss``, ``l1_loss``,
+    ``smooth_l1_loss``, ...) reduce into a scalar that still holds the whole element-wise
+    buffer, a micro-batch's output in bytes; kept as they are, the last stage held one such
+    buffer per micro-batch until the step ended."""
+    return pytree.tree_map_only(Tensor, _own_storage, value)
+
+
+def _own_storage(t: Tensor) -> Tensor:
+    t = t.detach()
+    if t.layout == torch.strided and t.untyped_storage().nbytes() > t.numel() * t.element_size():
+        return t.clone()
+    return t
 
 
 def joined_loss(values: Sequence[Any], shares: Sequence[float]) -> Tensor:

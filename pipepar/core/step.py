@@ -36,6 +36,7 @@ from torch import Tensor
 from pipepar.core import engine
 from pipepar.core.backward_plans import BackwardPlans, plans_over
 from pipepar.core.grad_mode import GradMode
+from pipepar.core.losses import kept_loss
 from pipepar.core.microbatch import Value, check_rows, map_tensors, tensors
 from pipepar.core.offload_plan import Offloader
 from pipepar.core.randomness import Randomness
@@ -261,7 +262,7 @@ class StageStep:
                 y = self._run(leaf, i)
         if self.grad:
             self._records[i] = _Record(leaf, None if ckpt else y)
-            y = map_tensors(y, Tensor.detach)
+            y = map_tensors(y, Tensor.detach) if self.head is None else kept_loss(y)
         self._tell(i, "forward", start)
         return y
 

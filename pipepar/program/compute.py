@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from pipepar.batching.calls import Call, StepCall, parts_of, split_call
 from pipepar.batching.rules import Rules
 from pipepar.core.batchnorm import committing, defer_statistics, reset_all
-from pipepar.core.losses import LossNotJoinable, joined_loss
+from pipepar.core.losses import LossNotJoinable, joined_loss, kept_loss
 from pipepar.core.reductions import BatchCoupled
 from pipepar.core.stage import Stage
 from pipepar.local import cpu_malloc
@@ -182,7 +182,7 @@ class ProgramCompute:
             seed = seeds[i]  # known once micro-batch 0's loss is
             if grad and seed != 0 and loss.requires_grad:
                 (loss * seed).backward()
-            losses.append(loss.detach())
+            losses.append(kept_loss(loss))
         return joined_loss(losses, shares.weights)
 
     def _step(

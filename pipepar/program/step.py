@@ -21,6 +21,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from pipepar.core.losses import kept_loss
 from pipepar.core.recompute import should_checkpoint
 from pipepar.core.split_backward import NextNodes
 from pipepar.core.step import Grads, StageStep
@@ -80,7 +81,7 @@ class Batch:
                 seed = self.seeds[i] if self.seeds is not None else 1.0
                 cut.ledger.outputs.append((cut.stage, loss))
                 cut.ledger.add_grad(loss, torch.tensor(seed, dtype=loss.dtype, device=loss.device))
-            return loss.detach()  # the ledger holds the graph's root, and lets go of it
+            return kept_loss(loss)  # the ledger holds the graph's root, and lets go of it
 
         return run
 

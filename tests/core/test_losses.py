@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipepar.core.losses import loss_shares, nothing, split_target
+from pipepar.core.losses import kept_loss, loss_shares, nothing, split_target
 
 ROWS = [3, 3, 2]
 
@@ -130,3 +130,68 @@ def test_a_learned_loss_form_is_known_at_the_start_of_the_next_step_of_its_kind(
     y2 = torch.tensor([-1, -1, -1, 4, 4, -1])
     second = loss_shares(loss_fn, split_target(y2, [3, 3]), [3, 3])
     assert not second.learning() and list(second) == [0.0, 1.0]  # counted from its own targets
+
+
+@pytest.mark.parametrize("loss_fn", [F.mse_loss, F.smooth_l1_loss])
+def test_a_kept_loss_holds_its_own_bytes_not_the_element_wise_buffer(loss_fn) -> None:
+    """torch's element-wise losses return a scalar over the whole element-wise buffer; what a
+    step keeps until the mini-batch's end is that value in a storage of its own."""
+    out = torch.randn(64, 32, requires_grad=True)
+    loss = loss_fn(out, torch.randn(64, 32))
+    assert loss.untyped_storage().nbytes() == out.numel() * out.element_size()  # torch's habit
+    kept = kept_loss(loss)
+    assert kept.untyped_storage().nbytes() == loss.element_size()
+    assert not kept.requires_grad and torch.equal(kept, loss.detach())
+    small = (out * 2).sum()
+    assert kept_loss(small).data_ptr() == small.data_ptr()  # a value of its own: not copied
+
+
+@pytest.mark.parametrize("model", ["chain", "any model"])
+def test_a_steps_last_stage_keeps_no_element_wise_buffer_per_micro_batch(model, monkeypatch):
+    """One process: the last stage's loss of each micro-batch, kept to the mini-batch's end,
+    holds a scalar's bytes (it held each micro-batch's whole output before: 8 x 8 KiB here)."""
+    import pipepar
+    from pipepar.core.step import StageStep
+    from pipepar.program.driver import Driver
+
+    kept: list[int] = []
+    forward, drive = StageStep.forward, Driver.run
+
+    def watched(self, i, x):  # a chain's last stage returns its loss
+        y = forward(self, i, x)
+        if self.head is not None:
+            kept.append(y.untyped_storage().nbytes())
+        return y
+
+    def driven(self):  # any model's micro-batch ends with its loss as the driver's result
+        drive(self)
+        if isinstance(self.result, torch.Tensor):
+            kept.append(self.result.untyped_storage().nbytes())
+
+    monkeypatch.setattr(StageStep, "forward", watched)
+    monkeypatch.setattr(Driver, "run", driven)
+    torch.manual_seed(0)
+    layers = [nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32)]
+    net = nn.Sequential(*layers) if model == "chain" else _Blocks(layers)
+    plain = [p.detach().clone() for p in net.parameters()]
+    x, y = torch.randn(64, 32), torch.randn(64, 32)
+    kwargs = {"balance": [2, 1]} if model == "chain" else {"split": ["2"]}
+    pipe = pipepar.wrap(net, devices=["cpu", "cpu"], chunks=8, **kwargs)
+    loss = pipe.step(x, target=y, loss_fn=F.mse_loss)
+    assert len(kept) == 8 and all(n == 4 for n in kept)
+    with torch.no_grad():
+        for p, q in zip(net.parameters(), plain):
+            p.copy_(q)
+    assert loss == pytest.approx(F.mse_loss(net(x), y).item(), rel=1e-6)
+
+
+class _Blocks(nn.Module):
+    def __init__(self, layers: list[nn.Module]) -> None:
+        super().__init__()
+        for i, layer in enumerate(layers):
+            self.add_module(str(i), layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.children():
+            x = layer(x)
+        return x
