@@ -700,3 +700,43 @@ def test_auto_search_cost_runs_both_searches() -> None:
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert int(cells[3]) >= 1  # the search with "auto" ran the budget search
     assert re.fullmatch(r"\d+ / \d+ \([1-9]\d* auto\)", cells[6])  # and kept an auto layout
+
+
+def test_fused_backward_folds_only_a_w_right_after_its_own_b() -> None:
+    from benchmarks.bench_fused_backward import fold
+    from pipepar.core.named_schedules import make
+    from pipepar.core.schedule import validate
+
+    v_min = make("v-min", 4, 4, n_workers=2)
+    for how in ("adjacent", "kept"):
+        folded = fold(v_min, how)
+        validate(folded)
+        gone = {repr(a) for w in v_min.actions for a in w} - {
+            repr(a) for w in folded.actions for a in w
+        }
+        assert all(a[1] == "W" for a in gone)
+        if how == "adjacent":  # v-min lists every W right after its B
+            assert len(gone) == 4 * 4
+        else:  # stage 1 hands its input gradient to worker 0, stage 3 to worker 1
+            assert {int(a[0]) for a in gone} == {0, 2}
+    # ZB-V's worker 1 runs 2B0 1B0 2W0: the W of stage 2 does not follow its own B.
+    zb_v = make("zb-v", 4, 4, n_workers=2)
+    assert "2W0" in {repr(a) for a in fold(zb_v, "adjacent").actions[1]}
+
+
+def test_fused_backward_quick_counts_passes_and_compares_bits(tmp_path: Path) -> None:
+    from benchmarks import bench_fused_backward
+
+    out = tmp_path / "rows.json"
+    argv = ["--quick", "--schedules", "zb-h1", "--json", str(out), "--results", str(tmp_path / "r")]
+    assert bench_fused_backward.main(argv) == 0
+    rows = json.loads(out.read_text())
+    assert [r["fold"] for r in rows] == ["adjacent", "kept"]
+    for row in rows:
+        # A W of Linear layers makes no engine pass: folding it into B saves none.
+        assert row["passes"] == [8, 8] and row["equal_small"] is True
+    assert [r["folded"] for r in rows] == [8, 4]  # kept: stage 0's W only
+    # Folding every W after its B makes stage 0 wait for stage 1's W too; the kept fold moves
+    # no action.
+    adjacent, kept = (r["unit_step"] for r in rows)
+    assert adjacent[1] > adjacent[0] and kept[1] == kept[0]
