@@ -225,6 +225,17 @@ def test_vschedules_quick_measures_memory_beside_the_prediction(tmp_path: Path) 
     assert rows[2]["of_budget"] == rows[2]["peak"] / rows[2]["budget"]
 
 
+def test_vschedules_by_k_quick_counts_held_and_measures_each_schedule(tmp_path: Path) -> None:
+    rows, text = _run("bench_vschedules_by_k.py", tmp_path, "--write")
+    assert "## V-Half and V-Min by K" in text
+    assert "| 4 | 4 (1.00x) | 3 (0.75x) | 2 (0.50x) |" in text  # held at K=4, from the schedules
+    assert [r["schedule"] for r in rows] == ["1f1b", "v-half", "v-min"]
+    for row in rows:
+        assert row["k"] == 2 and len(row["measured"]) == len(row["predicted"]) == 2
+        assert abs(row["peak_predicted"] / row["peak"] - 1) < 0.1, row
+    assert rows[0]["of_1f1b_memory"] == 1.0 and rows[2]["of_1f1b_memory"] < 1.0  # v-min holds less
+
+
 def test_offload_quick_rows_pair_each_schedule_with_and_without(tmp_path: Path) -> None:
     rows, text = _run("bench_offload.py", tmp_path, "--write")
     assert "## Activation offload vs keeping the activations" in text
