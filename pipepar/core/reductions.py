@@ -55,6 +55,7 @@ from pipepar.core.forms import (
     op_name,
     replayed,
 )
+from pipepar.core.keyword_operands import positional
 from pipepar.core.whole_inputs import SCATTERS, WholeInputs
 
 __all__ = ["BatchCoupled", "Probe"]
@@ -251,11 +252,12 @@ class Probe(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        named = positional(func, args, kwargs)  # read by position however the call spells it
         if self._whole and op_name(func) in SCATTERS:  # before it runs: it may fail on them
-            self._refuse_scatter(op_name(func), args, kwargs)
+            self._refuse_scatter(op_name(func), *named)
         out = func(*args, **kwargs)
         with torch._C.DisableTorchFunction():
-            return self._learn(func, args, kwargs, out)
+            return self._learn(func, *named, out)
 
     def _refuse_scatter(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         def of_rows(value: Any) -> bool:

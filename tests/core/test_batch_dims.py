@@ -3,6 +3,8 @@ through the probe), and what a pipe does with them."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -26,6 +28,7 @@ COUPLED = {
     "pairs-by-matrix-transpose": lambda x: x @ x.mT,
     "pairs-by-adjoint": lambda x: x.H.T @ x.H,
     "einsum-pairs": lambda x: torch.einsum("bi,ci->bc", x, x),
+    "gram-with-its-operand-by-keyword": lambda x: torch.matmul(x.t(), other=x),
     "router-statistics": lambda x: F.one_hot(x.argmax(-1), 8).float().view(-1, 8).mean(0),
 }
 ROW_WISE = {
@@ -41,6 +44,12 @@ ROW_WISE = {
     "cat-on-rows": lambda x: torch.cat([x, x]).relu(),
     "transposed-by-property": lambda x: (W @ x.T).T.softmax(-1),
     "batched-transpose": lambda x: (x.view(4, 2, 4).mT @ x.view(4, 2, 4)).softmax(-1),
+    # operands named by keyword, as BLOOM's attention passes them: read as by position
+    "baddbmm-by-keyword": lambda x: torch.zeros(4, 2, 2).baddbmm(
+        batch1=x.view(4, 2, 4), batch2=x.view(4, 4, 2), beta=0.5, alpha=2.0
+    ),
+    "addmm-by-keyword": lambda x: torch.addmm(torch.zeros(8), mat1=x, mat2=W),
+    "matmul-by-keyword": lambda x: torch.matmul(x, other=W).relu(),
 }
 
 
@@ -62,6 +71,35 @@ def test_row_wise_code_is_not_flagged(name: str) -> None:
 
 
 # -- in a pipe --------------------------------------------------------------------------------
+class _KeywordAttention(nn.Module):
+    """Attention scores made as BLOOM makes them: a bias of the batch, ``baddbmm`` with its
+    matrices and factors named by keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k = self.qk(x).view(x.shape[0], 2, 8).unbind(1)  # (rows, 8) each
+        bias = x[:, :1, None].expand(-1, 2, 2) * 0.1  # a bias per row, like ALiBi's
+        scores = bias.baddbmm(batch1=q.view(-1, 2, 4), batch2=k.view(-1, 4, 2), beta=1.0,
+                              alpha=0.5)  # fmt: skip
+        return torch.matmul(scores.softmax(-1).flatten(1), other=torch.ones(4, 8))
+
+
+def test_operands_named_by_keyword_are_followed_and_train_exactly() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _KeywordAttention(), nn.Linear(8, 8), nn.ReLU())
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    plain = copy.deepcopy(model)
+    F.mse_loss(plain(x), y).backward()
+    pipe = pipepar.wrap(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=4)
+    loss = pipe.step(x, target=y, loss_fn=F.mse_loss)
+    assert torch.allclose(loss, F.mse_loss(plain(x), y), rtol=1e-6)
+    for (name, got), want in zip(pipe.named_parameters(), plain.parameters()):
+        assert torch.allclose(got.grad, want.grad, rtol=1e-5, atol=1e-7), name
+
+
 def test_contrastive_logits_stop_before_any_gradient_unless_accepted() -> None:
     torch.manual_seed(0)
     model = Contrastive()
