@@ -541,9 +541,11 @@ def _untracked(t: Tensor, stage: int) -> RuntimeError:
     return RuntimeError(
         f"stage {stage} was given a tensor of shape {tuple(t.shape)} that needs a gradient but "
         f"was not made by a torch operation of this call (its autograd node is "
-        f"{type(t.grad_fn).__name__}): a tensor kept from an earlier call, or made outside "
-        "torch's Python API. pipepar cannot route its gradient; compute it inside the model's "
-        "forward, or .detach() it if it needs none"
+        f"{type(t.grad_fn).__name__}): a tensor kept from an earlier call or another "
+        "micro-batch's (a state the model keeps on itself between calls, such as a cache: turn "
+        "it off for training, e.g. use_cache=False), or made outside torch's Python API. "
+        "pipepar cannot route its gradient; compute it inside the model's forward, or "
+        ".detach() it if it needs none"
     )
 
 

@@ -231,6 +231,46 @@ def test_a_tensor_with_history_from_outside_the_call_is_refused() -> None:
         pipe(torch.randn(3, 2))
 
 
+class _KeptState(nn.Module):
+    """Keeps a state of each call's graph on itself, as a recurrent model's cache does, and
+    reads its shape in the next call to decide whether to start afresh: only its shape, so
+    each call computes from its own input alone. With ``use_state`` it also adds the state's
+    values: a call depends on the previous one's graph."""
+
+    def __init__(self, use_state: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.use_state = use_state
+        self.state: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.state is None or self.state.shape[0] != x.shape[0]:
+            self.state = torch.zeros_like(h)
+        out = self.b(h + self.state if self.use_state else h * 2)
+        self.state = out
+        return out
+
+
+def test_reading_the_shape_of_a_state_kept_from_an_earlier_call_trains_exactly() -> None:
+    torch.manual_seed(0)
+    model, x = _KeptState(use_state=False), torch.randn(4, 4)
+    plain = copy.deepcopy(model)
+    plain(x).square().sum().backward()
+    pipe = pipepar.wrap(model, [1, 1], devices=["cpu", "cpu"], chunks=2)
+    pipe(x)  # the state kept from this call is read (its shape) by the next
+    pipe(x).square().sum().backward()
+    for (name, got), want in zip(pipe.named_parameters(), plain.parameters()):
+        assert torch.allclose(got.grad, want.grad, rtol=1e-5, atol=1e-7), name
+
+
+def test_using_the_values_of_a_state_kept_from_an_earlier_call_is_refused_naming_caches() -> None:
+    pipe = pipepar.wrap(_KeptState(use_state=True), [1, 1], devices=["cpu", "cpu"], chunks=2)
+    pipe(torch.randn(4, 4))
+    with pytest.raises(RuntimeError, match=r"not made by a torch operation of this call.*cache"):
+        pipe(torch.randn(4, 4))
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
 def test_backward_of_a_call_runs_on_the_callers_thread_where_the_pipe_asks_it(
     schedule: str, monkeypatch: pytest.MonkeyPatch
