@@ -113,7 +113,7 @@ class _View:
         """The view on ``storage``: the block's copy (which begins at ``start``), or the
         original storage itself (a block kept)."""
         shift = 0 if self.sent.kept else self.sent.start
-        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        itemsize = self.dtype.itemsize
         empty = torch.empty(0, dtype=self.dtype, device=storage.device)
         return empty.set_(storage, (self.offset - shift) // itemsize, self.shape, self.stride)
 
