@@ -116,15 +116,12 @@ class Offloader:
         for s, j in self.plan.reloads.get((stage, kind, i), ()):
             self.stores[s].reload(j)
 
-    def saving(
-        self, stage: int, i: int, first: Pack | None = None, *, hold: bool = False
-    ) -> AbstractContextManager[None]:
+    def saving(self, stage: int, i: int, first: Pack | None = None) -> AbstractContextManager[None]:
         """Around the forward of micro-batch ``i`` on ``stage``: sends out what it saves if the
-        plan says so (``first`` and ``hold``: see :meth:`ActivationStore.saving`; the stage
-        holds what comes back when its backward reads the graph more than once)."""
+        plan says so (``first``: see :meth:`ActivationStore.saving`)."""
         if (stage, i) not in self.plan.sent:
             return nullcontext()
-        return self.stores[stage].saving(i, first, hold=hold)
+        return self.stores[stage].saving(i, first)
 
     def release(self, stage: int, i: int) -> None:
         """Micro-batch ``i``'s backward on ``stage`` is done."""

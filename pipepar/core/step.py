@@ -284,7 +284,7 @@ class StageStep:
         (a checkpointed micro-batch, ``replay``, saves nothing to send)."""
         if self.offload is not None and self.grad and not replay:
             stack = self._context(i, replay=replay)
-            saving = self.offload.saving(self.stage.index, i, hold=self._reads_twice(i))
+            saving = self.offload.saving(self.stage.index, i)
             stack.enter_context(saving)
             return stack
         if self._contexts:
@@ -302,12 +302,6 @@ class StageStep:
             stack.enter_context(torch.cuda.device(self.stage.device))
         stack.enter_context(self.autocast(cache=self._cast_cache))
         return stack
-
-    def _reads_twice(self, i: int) -> bool:
-        """Whether micro-batch ``i``'s backward reads what its forward saved more than once:
-        B and then W (a split backward whose B computes an input gradient), or a plan of
-        direct weight products before the engine (a stage with a large matrix)."""
-        return self._large or (self.split(i) and self.input_grad)
 
     # -- R ------------------------------------------------------------------------------------
     def rebuild(self, i: int) -> None:

@@ -28,8 +28,9 @@ both, given the per-stage figures.
 
 With activation offload (:mod:`pipepar.core.offload_plan`), a micro-batch the plan sends out is
 held *away* (its input and output only) from the end of its forward until the action that
-brings it back starts, and whole again from then on; after a split B it waits for W *whole*
-(what came back stays until W, which reads it again).
+brings it back starts, and whole again from then on; what came back lives as long as the
+original would have (:class:`pipepar.core.offload.ActivationStore`), so after a split B it
+waits for W as one that never left.
 
     >>> s = make("gpipe", 2, 4, n_workers=2)
     >>> [m.kind for m in moments(s, 1, "never", splits=(True,))][:3]
@@ -68,8 +69,6 @@ class Moment:
         sums: whether the stage's parameter-gradient sums exist.
         away: micro-batches whose saved activations are in host memory (offload): their
             input and output stay.
-        back_waiting: micro-batches brought back from host memory waiting for W: whole, plus
-            the gradients recorded for W.
         unanswered: micro-batches whose forward ran and whose backward has not begun (the
             one whose backward this is left out): across ranks, a receive of each one's
             output gradient may be posted (:mod:`pipepar.planner.posted_receives`).
@@ -86,7 +85,6 @@ class Moment:
     waiting: tuple[int, ...]
     sums: tuple[bool, ...]
     away: tuple[int, ...]
-    back_waiting: tuple[int, ...]
     unanswered: tuple[int, ...] = ()
     inputs_ahead: tuple[int, ...] = ()
     grads_ahead: tuple[int, ...] = ()
@@ -94,12 +92,12 @@ class Moment:
     def counts(self) -> tuple[int, ...]:
         """All counts in one tuple (for dominance)."""
         sums = (int(s) for s in self.sums)
-        held = (*self.whole, *self.inputs, *self.waiting, *sums, *self.away, *self.back_waiting)
+        held = (*self.whole, *self.inputs, *self.waiting, *sums, *self.away)
         return (*held, *self.unanswered, *self.inputs_ahead, *self.grads_ahead)
 
 
 _Key = tuple[int, int]  # (stage, micro-batch)
-_HELD = ("whole", "inputs", "waiting", "away", "back_waiting")
+_HELD = ("whole", "inputs", "waiting", "away")
 _UNANSWERED = ("whole", "inputs", "away")  # held before their backward begins
 
 
@@ -136,12 +134,12 @@ class _Walk:
             count[_HELD.index(what)][self.stages.index(s)] += 1
             if what in _UNANSWERED and (s, i) != key:
                 unanswered[self.stages.index(s)] += 1
-        whole, inputs, waiting, away, back = (tuple(c) for c in count)
+        whole, inputs, waiting, away = (tuple(c) for c in count)
         sums = tuple(self.sums)
         m = self.schedule.n_microbatches
         inputs_ahead = tuple(int(0 < f < m) for f in self.forwards)
         grads_ahead = tuple(int(0 < b < m) for b in self.backwards)
-        self.found.append(Moment(kind, at, whole, inputs, waiting, sums, away, back,
+        self.found.append(Moment(kind, at, whole, inputs, waiting, sums, away,
                                  tuple(unanswered), inputs_ahead, grads_ahead))  # fmt: skip
 
     def run(self, a: Action) -> None:
@@ -172,8 +170,7 @@ class _Walk:
         if a.kind == "B" and split:
             # B keeps the graph (recomputed, if checkpointed) and records gradients for W.
             self.moment("input_grad", at, key, during)
-            sent = self.offload is not None and key in self.offload.sent and not first
-            self.held[key] = "back_waiting" if sent else "waiting"
+            self.held[key] = "waiting"
         elif a.kind == "B":
             self.moment("backward", at, key, during)
             self.moment("backward_end", at, key, None)
@@ -213,7 +210,7 @@ def moments(
         walk.run(action)
     n = len(walk.stages)
     none = (0,) * n
-    walk.found.append(Moment("optimizer", -1, none, none, none, (True,) * n, none, none))
+    walk.found.append(Moment("optimizer", -1, none, none, none, (True,) * n, none))
     return _undominated(walk.found)
 
 

@@ -100,7 +100,6 @@ class Figures:
     inputs: int
     waits: int
     away: int
-    back_waits: int
     output: int
     splits: bool
     transient: dict[str, int]
@@ -110,7 +109,7 @@ class Figures:
 
     def held(self, m: Moment, at: int) -> int:
         """Activation bytes held at moment ``m`` by the stage at position ``at`` of its worker."""
-        waiting = m.waiting[at] * self.waits + m.back_waiting[at] * self.back_waits
+        waiting = m.waiting[at] * self.waits
         away = m.away[at] * self.away  # offload: its input and output stay
         return m.whole[at] * self.whole + m.inputs[at] * self.inputs + waiting + away + self.batch
 
@@ -374,7 +373,6 @@ class MemoryModel:
             inputs=inputs,
             waits=waits,
             away=away,
-            back_waits=whole + kept,
             output=incoming,
             splits=self._unsplit[b + 1] == self._unsplit[a],
             transient=transient,

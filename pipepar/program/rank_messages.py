@@ -169,15 +169,21 @@ class RankMessages:
         self._forget_sent()
 
     def _forget_sent(self) -> None:
-        """Let go of the sends that have left, oldest first, and of their buffers: a buffer
-        kept to the step's end holds a value the stage has long let go of (a 1F1B stage would
-        hold every micro-batch's output). Waiting on a finished send returns at once, or
-        raises if it failed."""
-        sends, buffers = self._sends, self._buffers
-        while sends and (sends[0][0] is None or sends[0][0].is_completed()):
-            self._wait(*sends[0])
-            sends.pop(0)
-            buffers.pop(0)
+        """Let go of the sends that have left, and of their buffers: a buffer kept to the
+        step's end holds a value the stage has long let go of (a 1F1B stage would hold every
+        micro-batch's output). Every one that has left, not only up to the first still on its
+        way: a gloo send reports itself done only once waited for, so a small value sent to a
+        rank further down the pipe (GPT-2's position ids) would keep every later message's
+        buffer to the step's end. Waiting on a finished send returns at once, or raises if it
+        failed."""
+        sends, buffers = [], []
+        for (work, what), buffer in zip(self._sends, self._buffers, strict=True):
+            if work is None or work.is_completed():
+                self._wait(work, what)
+            else:
+                sends.append((work, what))
+                buffers.append(buffer)
+        self._sends[:], self._buffers[:] = sends, buffers
 
     def _recv(self, buffer: Tensor, value: str, kind: int, producer: int, consumer: int) -> None:
         self._wait(*self._posted_recv(buffer, value, kind, producer, consumer))

@@ -169,7 +169,7 @@ class SegmentStep(StageStep):
         # goes to host memory where the offload plan says so (one pair of hooks does both).
         first = self._copies.pack if self._shares_copies else None
         if self.offload is not None and self.grad and not ckpt:
-            saving = self.offload.saving(self.stage.index, i, first, hold=self._reads_twice(i))
+            saving = self.offload.saving(self.stage.index, i, first)
             stack.enter_context(saving)
         elif first is not None:
             stack.enter_context(self._copies.saving())

@@ -60,3 +60,40 @@ def test_tensors_too_small_to_send_stay_in_the_prediction() -> None:
         got = measure_device(model, x, [4, 4], device=w, chunks=8, schedule="gpipe", offload=True)
         kept = measure_device(model, x, [4, 4], device=w, chunks=8, schedule="gpipe")
         assert got == kept and predicted == pytest.approx(got, rel=0.01), (w, predicted, got)
+
+
+class _Heads(nn.Module):
+    """Attention's pattern without its weights: three views with gaps of one projection's
+    output, and a result saved twice, as itself and reshaped (two tensors, one storage)."""
+
+    def forward(self, qkv: torch.Tensor) -> torch.Tensor:
+        q, k, v = qkv.split(qkv.shape[-1] // 3, dim=-1)
+        out = (q * k).softmax(-1) * v
+        return out.sin() + out.reshape(out.shape).cos()
+
+
+@pytest.mark.parametrize(("schedule", "k"), [("1f1b", 4), ("zb-h1", 4), ("gpipe", 2)])
+def test_views_of_one_storage_and_large_matrices_under_offload(schedule: str, k: int) -> None:
+    """The store sends what the forward's storages hold, each once (the gapped views of the
+    projection as its whole output, the result saved twice once), and what comes back goes
+    as the backward is done with it, on a stage whose weight matrices are large enough for
+    the direct products too: the prediction, which counts storages, follows."""
+    torch.manual_seed(0)
+    width = 256  # Linear(256, 768): over LARGE_MATRIX elements
+    model = nn.Sequential(
+        *[m for _ in range(4) for m in (nn.Linear(width, 3 * width), _Heads(), nn.GELU())]
+    )
+    x = torch.randn(512, width)
+    prof = pipepar.profile(model, x, device="meta", optimizer=None)
+    memory = MemoryModel(
+        prof, make(schedule, k, 8, n_workers=k), checkpoint="never", foreach=[False] * k,
+        offload=True,
+    )  # fmt: skip
+    balance = [12 // k] * k
+    for w in range(k):
+        layers = (sum(balance[:w]), sum(balance[: w + 1]) - 1)
+        predicted = sum(p.peak_bytes for p in memory.device(w, [layers]))
+        got = measure_device(
+            model, x, balance, device=w, chunks=8, schedule=schedule, optimizer=None, offload=True
+        )
+        assert -0.01 <= predicted / got - 1 <= 0.05, (w, predicted, got)

@@ -101,3 +101,16 @@ def test_a_send_that_has_left_lets_go_of_its_buffer_and_a_failed_one_raises() ->
         link.send(torch.randn(4, 4), ACTIVATION, 0, 1)
     link.drop()
     link.flush()  # nothing left to wait for
+
+
+def test_a_send_still_on_its_way_keeps_no_later_send_that_left() -> None:
+    """A send that reports itself done only once waited for (gloo's, to a rank further down
+    the pipe) keeps its own buffer, not those of the messages sent after it that have left."""
+    link, works, _ = _link()
+    link.send(torch.arange(64), ACTIVATION, 0, 1)  # still on its way
+    for _ in range(3):
+        link.send(torch.randn(64, 64), ACTIVATION, 0, 1)
+        works[-1].done = True  # left at once (shared memory copies it)
+    link.send(torch.randn(64, 64), ACTIVATION, 0, 1)
+    assert [b.numel() for b in link._buffers] == [64, 64 * 64]  # the first and the last
+    assert [w for w, _ in link._sends] == [works[0], works[-1]]
