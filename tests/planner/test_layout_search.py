@@ -358,14 +358,14 @@ def test_cli_searches_the_whole_layout(tmp_path: Path, capsys: pytest.CaptureFix
         "--cluster",
         "h100x8",
         "--batch",
-        "16",
+        "8",
         "--top",
         "3",
         "--json",
         str(js),
     )
     assert code == 0, err
-    assert "Layouts, fastest first (4 devices of 1.0 GiB, 16 rows per step, h100x8)" in out
+    assert "Layouts, fastest first (4 devices of 1.0 GiB, 8 rows per step, h100x8)" in out
     assert "predicted step on h100x8 (dp=" in out and "Stages (" in out
     data = json.loads(js.read_text())
     assert data["format"] == "pipepar.layouts" and 1 <= len(data["layouts"]) <= 3
