@@ -11,6 +11,7 @@ balance compute the same bits when their stages use the same number of math thre
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import sys
 import textwrap
@@ -289,6 +290,10 @@ def _write_past_a_file_size_limit(path: Path, mode: str) -> int | None:
     )
     child.start()
     child.join(120)
+    if child.exitcode is None:  # hung: end it, and say so
+        child.kill()
+        child.join()
+        raise AssertionError("the saving process hung for 120 s")
     return child.exitcode
 
 
@@ -337,8 +342,11 @@ def test_sigkill_at_any_moment_leaves_a_whole_checkpoint(tmp_path: Path) -> None
     child = ctx.Process(target=_save_again_and_again, args=(path, saved, dict(os.environ)))
     child.start()
     try:
-        for _ in range(3):  # let a few versions land (a child that died puts nothing more)
-            assert saved.get(timeout=60), f"the saving process ended: {child.exitcode}"
+        for _ in range(3):  # let a few versions land
+            try:
+                saved.get(timeout=60)
+            except queue.Empty:
+                raise AssertionError(f"no save in 60 s; exit code {child.exitcode}") from None
         time.sleep(0.013)  # then kill it wherever it is, most likely inside a save
     finally:
         child.kill()
