@@ -11,14 +11,15 @@ balance compute the same bits when their stages use the same number of math thre
 from __future__ import annotations
 
 import os
+import queue
 import signal
-import subprocess
 import sys
 import textwrap
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,9 +27,9 @@ from torch import nn
 
 import pipepar
 from pipepar.persist import files as ppio
+from tests._ranks import context, settle
 
 STEPS, CRASH_AT = 6, 4
-ROOT = Path(__file__).parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -264,31 +265,36 @@ def test_disk_error_keeps_the_previous_file(
     assert _leftovers(tmp_path) == []
 
 
-_CHILD = """
-import resource, signal, sys, torch
-from pipepar.persist import files as io
-path, limit, crash = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "crash"
-# Python ignores SIGXFSZ, so a write past the limit fails with EFBIG; restoring the default
-# action makes the kernel kill the process right there instead, mid-write.
-signal.signal(signal.SIGXFSZ, signal.SIG_DFL if crash else signal.SIG_IGN)
-resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
-try:
-    io.save({"version": 2, "w": torch.ones(1 << 20)}, path)  # 4 MiB: cannot fit
-except Exception as error:
-    print("raised", type(error).__name__)
-    sys.exit(3)
-print("saved")
-"""
+def _save_past_a_file_size_limit(path: Path, limit: int, crash: bool, env: dict[str, str]) -> None:
+    """A save of 4 MiB under a file size limit of ``limit`` bytes: exit code 3 when it raised,
+    0 when it saved (it cannot fit), or killed by SIGXFSZ mid-write when ``crash``."""
+    import resource  # POSIX only, as the tests that call this
+
+    settle(env)
+    # Python ignores SIGXFSZ, so a write past the limit fails with EFBIG; restoring the default
+    # action makes the kernel kill the process right there instead, mid-write.
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL if crash else signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    try:
+        ppio.save({"version": 2, "w": torch.ones(1 << 20)}, path)
+    except Exception:
+        sys.exit(3)
 
 
-def _write_past_a_file_size_limit(path: Path, mode: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", _CHILD, str(path), str(256 * 1024), mode],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+def _write_past_a_file_size_limit(path: Path, mode: str) -> int | None:
+    """The exit code of a process forked from the tests' server (torch imported) that saves
+    past a file size limit (``mode``: "crash" or "error"); negative: the signal that ended it."""
+    child = context().Process(
+        target=_save_past_a_file_size_limit,
+        args=(path, 256 * 1024, mode == "crash", dict(os.environ)),
     )
+    child.start()
+    child.join(120)
+    if child.exitcode is None:  # hung: end it, and say so
+        child.kill()
+        child.join()
+        raise AssertionError("the saving process hung for 120 s")
+    return child.exitcode
 
 
 @pytest.mark.slow
@@ -296,8 +302,8 @@ def _write_past_a_file_size_limit(path: Path, mode: str) -> subprocess.Completed
 def test_process_killed_mid_write_leaves_the_previous_file(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.pt"
     ppio.save({"version": 1, "w": torch.zeros(10)}, path)
-    child = _write_past_a_file_size_limit(path, "crash")
-    assert child.returncode == -signal.SIGXFSZ, child.stdout + child.stderr  # killed mid-write
+    code = _write_past_a_file_size_limit(path, "crash")
+    assert code == -signal.SIGXFSZ, code  # killed mid-write
     back = ppio.load(path)
     assert back["version"] == 1 and torch.equal(back["w"], torch.zeros(10))
     partial = _leftovers(tmp_path)  # the half-written new version, beside the old one
@@ -312,37 +318,39 @@ def test_process_killed_mid_write_leaves_the_previous_file(tmp_path: Path) -> No
 def test_os_write_error_leaves_the_previous_file_and_no_debris(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.pt"
     ppio.save({"version": 1}, path)
-    child = _write_past_a_file_size_limit(path, "error")
-    assert child.returncode == 3 and child.stdout.startswith("raised"), child.stderr
+    code = _write_past_a_file_size_limit(path, "error")
+    assert code == 3, code  # the save raised
     assert ppio.load(path) == {"version": 1}
     assert _leftovers(tmp_path) == []
 
 
-_WRITER = """
-import sys, torch
-from pipepar.persist import files as io
-version = 0
-while True:
-    version += 1
-    io.save({"version": version, "w": torch.full((1 << 18,), float(version))}, sys.argv[1])
-    print(version, flush=True)
-"""
+def _save_again_and_again(path: Path, saved: Any, env: dict[str, str]) -> None:
+    """Save versions 1, 2, ... to ``path`` until killed; put each version once saved."""
+    settle(env)
+    version = 0
+    while True:
+        version += 1
+        ppio.save({"version": version, "w": torch.full((1 << 18,), float(version))}, path)
+        saved.put(version)
 
 
 @pytest.mark.slow
 def test_sigkill_at_any_moment_leaves_a_whole_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "ckpt.pt"
-    child = subprocess.Popen(
-        [sys.executable, "-c", _WRITER, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
-    )
+    ctx = context()
+    saved = ctx.Queue()
+    child = ctx.Process(target=_save_again_and_again, args=(path, saved, dict(os.environ)))
+    child.start()
     try:
-        assert child.stdout is not None
         for _ in range(3):  # let a few versions land
-            assert child.stdout.readline()
+            try:
+                saved.get(timeout=60)
+            except queue.Empty:
+                raise AssertionError(f"no save in 60 s; exit code {child.exitcode}") from None
         time.sleep(0.013)  # then kill it wherever it is, most likely inside a save
     finally:
         child.kill()
-        child.wait(timeout=30)
+        child.join(30)
     back = ppio.load(path)
     assert back["version"] >= 3
     assert bool((back["w"] == back["version"]).all())  # one whole version, never a mixture

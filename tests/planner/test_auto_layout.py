@@ -167,13 +167,14 @@ def test_data_parallel_layouts_from_flop_counts() -> None:
     """A model on meta is timed by its FLOPs; a dp given is kept."""
     with torch.device("meta"):
         model = _sequential()
-    x = torch.empty(ROWS, WIDTH, device="meta")
+    rows = 4  # a row per replica at dp=4: fewer micro-batch counts to search than ROWS has
+    x = torch.empty(rows, WIDTH, device="meta")
     cluster = cluster_for(torch.device("cpu"), 4)
     for dp in (2, 4):
         layout = choose_layout(
             model, x, devices=4, given=Given(dp=dp), cluster=cluster, capacity=2**30
         )
-        assert (layout.dp, layout.pp, layout.rows) == (dp, 4 // dp, ROWS // dp)
+        assert (layout.dp, layout.pp, layout.rows) == (dp, 4 // dp, rows // dp)
     free = choose_layout(model, x, devices=4, given=Given(), cluster=cluster, capacity=2**30)
     assert free.pp * free.dp == 4
 
