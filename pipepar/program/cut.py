@@ -37,6 +37,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from pipepar.core.forms import op_name
 from pipepar.core.split_backward import NextNodes
 from pipepar.program.aliases import Aliases
 from pipepar.program.driver import Weight
@@ -56,6 +57,15 @@ CALLER = -1
 """The producer of the pipe's own tensor arguments (their gradients go back to the caller)."""
 
 _TAG = "_pipepar_stage"
+
+_METADATA = frozenset(
+    {"shape", "size", "dim", "ndim", "ndimension", "numel", "nelement", "len", "dtype",
+     "device", "layout", "requires_grad", "is_floating_point", "is_complex", "stride",
+     "is_contiguous", "element_size", "is_cuda", "is_meta"}
+)  # fmt: skip
+"""Reads of a tensor's metadata: they use no value, so no gradient flows through them. A model
+may read the shape of a state it keeps on itself (a recurrent cache) to decide whether to
+start afresh; only using the state's values is refused."""
 
 
 @dataclass
@@ -262,6 +272,7 @@ class Cut(TorchFunctionMode):
         self._open: list[int] = []  # the unit calls entered and not left, by route index
         self._graphs = GraphCheck(owner, key)  # the check of a followed route's graphs
         self._moved: dict[int, tuple[Tensor, Tensor]] = {}  # caller's values copied to a stage
+        self._func: Callable[..., Any] | None = None  # the operation whose arguments are read
 
     @property
     def following(self) -> bool:
@@ -473,6 +484,7 @@ class Cut(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
+        self._func = func
         args = tuple(self._sub(a) for a in args)
         if kwargs:
             kwargs = {k: self._sub(v) for k, v in kwargs.items()}
@@ -502,6 +514,8 @@ class Cut(TorchFunctionMode):
             if t.requires_grad and id(t) in self.inputs:
                 return self.ledger.leaf(t, CALLER, s, device, is_param=False)
             if t.grad_fn is not None and torch.is_grad_enabled():
+                if self._func is not None and op_name(self._func) in _METADATA:  # no values read
+                    return t
                 raise _untracked(t, s)
             return t if t.device == device or _cpu_scalar(t) else self._move(t, device)
         if made == s:
