@@ -43,7 +43,10 @@ def positional(
     """
     if not kwargs:
         return args, kwargs
-    names = _positional_names(func)
+    try:
+        names = _positional_names(func)
+    except TypeError:  # a callable that cannot be hashed, so not cached: read as spelled
+        return args, kwargs
     if not names or len(args) >= len(names):
         return args, kwargs
     moved, rest = list(args), dict(kwargs)
