@@ -27,7 +27,6 @@ __all__ = [
     "DEFAULT_THREADS",
     "TORCH_SCHEDULES",
     "even_balance",
-    "hand_written",
     "one_process",
     "schedule_builder",
     "stage_builder",
@@ -249,51 +248,6 @@ def torch_schedule(
     return run, nn.ModuleList(parts)
 
 
-def hand_written(
-    model: nn.Sequential, schedule: str, rank: int, world: int, m: int, loss: common.Loss
-) -> tuple[Callable[[Tensor, Tensor], None], nn.Module]:
-    """``(run(x, y), this rank's layers)``: a GPipe step written by hand, the floor of what a
-    pipeline across ranks costs: ``world`` equal stages, each forward's output sent with
-    ``dist.send`` and its gradient sent back, plain ``backward()``; no checks, no hooks, no
-    threads. Only ``schedule="gpipe"``."""
-    import torch.distributed as dist
-
-    if schedule != "gpipe":
-        raise ValueError(f"the hand-written pipeline runs gpipe only, not {schedule!r}")
-    bal = even_balance(len(model), world)
-    part = nn.Sequential(*list(model)[sum(bal[:rank]) : sum(bal[: rank + 1])])
-    first, last = rank == 0, rank == world - 1
-
-    def run(x: Tensor, y: Tensor) -> None:
-        kept = []
-        for xi, yi in zip(x.tensor_split(m), y.tensor_split(m)):
-            if not first:
-                xi = torch.empty(xi.shape[0], _in_features(part))
-                dist.recv(xi, rank - 1)
-                xi.requires_grad_(True)
-            out = part(xi)
-            if not last:
-                dist.send(out.detach(), rank + 1)
-            kept.append((xi, loss(out, yi) / m if last else out))
-        for xi, out in kept:
-            if last:
-                out.backward()
-            else:
-                grad = torch.empty_like(out)
-                dist.recv(grad, rank + 1)
-                out.backward(grad)
-            if not first:
-                dist.send(xi.grad, rank - 1)  # type: ignore[arg-type]
-
-    return run, part
-
-
-def _in_features(part: nn.Sequential) -> int:
-    """The input features of ``part``'s first Linear layer."""
-    linear = next(layer for layer in part if isinstance(layer, nn.Linear))
-    return linear.in_features
-
-
 def schedule_builder(spec: dict[str, Any], rank: int, world: int) -> Callable[[str, int], Step]:
     """Factory run on every rank of a ProcessGroup: ``build("library:schedule", m) -> step``
     for ``"limit:"`` (this rank alone runs the one-core job), ``"pipepar.distributed:<name>"``
@@ -302,7 +256,7 @@ def schedule_builder(spec: dict[str, Any], rank: int, world: int) -> Callable[[s
     from pipepar.local import cpu_malloc
 
     cpu_malloc.tune()
-    work = common.workload(spec["workload"], quick=spec["quick"])
+    work = common.workload(spec["workload"], quick=spec["quick"], width=spec.get("width"))
 
     def build(contender: str, m: int) -> Step:
         library, _, schedule = contender.partition(":")
@@ -313,7 +267,10 @@ def schedule_builder(spec: dict[str, Any], rank: int, world: int) -> Callable[[s
             run, part = torch_schedule(model, schedule, rank, world, m, work.loss)
             return _zeroed(part, lambda: run(work.x, work.y))
         if library == "hand":
-            run, part = hand_written(model, schedule, rank, world, m, work.loss)
+            from benchmarks import _hand_pipeline as hand
+
+            run, part = hand.hand_written(model, schedule, rank, world, m, work.loss)
+            hand.check_gradients(run, part, model, work.x, work.y, work.loss)
             return _zeroed(part, lambda: run(work.x, work.y))
         if library != "pipepar.distributed":
             raise ValueError(

@@ -34,7 +34,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # every thread (torchgpipe's too)
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import argparse
+import statistics
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -48,20 +50,23 @@ from benchmarks._results import markdown_table, record
 from pipepar.core import named_schedules as pipepar_schedules
 from pipepar.local import cpu_malloc
 
-TITLE = "Host time per action: tiny layers (8 x Linear(64), batch 64, M=16, 2 cores)"
+TITLE = "Host time per action: tiny layers (8 x Linear({width}), batch 64, M=16, 2 cores)"
+"""The section's title; each ``--width`` writes a section of its own."""
 WORKERS = 2
 TORCH = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+HAND = ("gpipe", "1f1b", "zb-v")  # the hand-written pipeline plays pipepar's order of these
 CONTENDERS = (
     *(f"pipepar:{s}" for s in pipepar_schedules.NAMES),
     "torchgpipe:gpipe",
     *(f"pipepar.distributed:{s}" for s in pipepar_schedules.NAMES),
-    "hand:gpipe",
+    *(f"hand:{s}" for s in HAND),
     *(f"torch:{s}" for s in TORCH),
 )
-QUICK = ("pipepar:1f1b", "pipepar:zb-v", "pipepar.distributed:1f1b", "torch:1F1B", "hand:gpipe")
+QUICK = ("pipepar:1f1b", "pipepar:zb-v", "pipepar.distributed:1f1b", "torch:1F1B", "hand:zb-v")
 ONE_F_ONE_B = {  # a runtime's 1F1B, the yardstick of its schedules' host time
     "pipepar": "pipepar:1f1b",
     "pipepar.distributed": "pipepar.distributed:1f1b",
+    "hand": "hand:1f1b",
     "torch": "torch:1F1B",
 }
 
@@ -70,13 +75,13 @@ def actions(key: str, m: int) -> int | None:
     """The actions (F, B and W of a stage and a micro-batch) of one step of contender ``key``;
     None for the references, which run no pipeline."""
     library, _, name = key.partition(":")
-    if library in ("pipepar", "pipepar.distributed"):
+    if library in ("pipepar", "pipepar.distributed", "hand"):  # the hand: pipepar's order
         if name not in pipepar_schedules.NAMES:
             return None
         stages = WORKERS * (2 if name in pipepar_schedules.VIRTUAL else 1)
         made = pipepar_schedules.make(name, stages, m, n_workers=WORKERS)
         return sum(len(work) for work in made.actions)
-    if library in ("torchgpipe", "hand"):
+    if library == "torchgpipe":
         return 2 * WORKERS * m
     if library == "torch":  # virtual stages for all but GPipe and 1F1B; W apart in zero-bubble
         stages = WORKERS * (1 if name in ("GPipe", "1F1B") else 2)
@@ -111,13 +116,52 @@ def host_rows(result: list[dict[str, Any]], batch: int, m: int) -> list[dict[str
     return out
 
 
+CPU_KEYS = ("cpu_ms", "cpu_p10_ms", "cpu_p90_ms", "cpu_x_plain", "cpu_x_1f1b", "cpu_beyond_us")
+
+
+def with_cpu(result: list[dict[str, Any]], cpu: Mapping[str, list[float]]) -> list[dict[str, Any]]:
+    """Each row of :func:`host_rows` with its CPU seconds per step (``cpu``: all threads of all
+    its processes, per step) added: ``cpu_ms`` (median), ``cpu_p10_ms``, ``cpu_p90_ms``,
+    ``cpu_x_plain`` (the median as a multiple of the plain one-core job's), ``cpu_x_1f1b`` (of
+    the runtime's 1F1B's) and ``cpu_beyond_us`` (the median less the plain job's, per action).
+    None where a row has no steps."""
+    medians = {k: statistics.median(v) for k, v in cpu.items() if v}
+    plain = medians.get(schedules.UNIT)
+    out = []
+    for row in result:
+        extra: dict[str, Any] = dict.fromkeys(CPU_KEYS)
+        steps = [] if row["error"] else cpu.get(row["key"], [])
+        if steps:
+            q = common.Quantiles.of(list(steps))
+            extra |= {"cpu_ms": q.median * 1e3, "cpu_p10_ms": q.p10 * 1e3}
+            extra["cpu_p90_ms"] = q.p90 * 1e3
+            yard = medians.get(ONE_F_ONE_B.get(row["key"].partition(":")[0], ""))
+            extra["cpu_x_1f1b"] = q.median / yard if yard else None
+            if plain:
+                extra["cpu_x_plain"] = q.median / plain
+                n = row.get("actions")
+                extra["cpu_beyond_us"] = (q.median - plain) / n * 1e6 if n else None
+        out.append(row | extra)
+    return out
+
+
+def _cpu_cells(r: dict[str, Any]) -> list[str]:
+    if r["cpu_ms"] is None:
+        return ["-"] * 4
+    cells = [f"{r['cpu_ms']:.1f} ({r['cpu_p10_ms']:.1f}-{r['cpu_p90_ms']:.1f})"]
+    for key, form in (("cpu_x_plain", "{:.2f}x"), ("cpu_x_1f1b", "{:.2f}x"),
+                      ("cpu_beyond_us", "{:.0f}")):  # fmt: skip
+        cells.append("-" if r[key] is None else form.format(r[key]))
+    return cells
+
+
 def table(result: list[dict[str, Any]]) -> str:
     """The markdown table, one line per contender."""
     lines = []
     for r in result:
         head = [r["contender"], r["schedule"], r["processes"]]
         if r["error"]:
-            lines.append([*head, *["-"] * 9, r["error"]])
+            lines.append([*head, *["-"] * 13, r["error"]])
             continue
         cells = [f"{r['p90']:.0f}", f"{r['spread']:.0%}", f"{r['x_one_core']:.2f}x"]
         cells.append("-" if r["of_limit"] is None else f"{r['of_limit']:.2f}")
@@ -129,10 +173,14 @@ def table(result: list[dict[str, Any]]) -> str:
         ):
             cells.append("-" if r[key] is None else form.format(r[key]))
         cells.append("-" if r["beyond_limit_us"] is None else f"{r['beyond_limit_us']:.0f}")
-        lines.append([*head, *cells, schedules.LIBRARIES[r["key"].partition(":")[0]][2]])
+        lines.append(
+            [*head, *cells, *_cpu_cells(r), schedules.LIBRARIES[r["key"].partition(":")[0]][2]]
+        )
     headers = ["contender", "schedule", "processes", "samples/s p90", "spread p10-p90"]
     headers += ["x one core (p90)", "of limit (p90)", "actions", "us per action"]
-    headers += ["x 1F1B per action", "x 1F1B per step", "beyond limit, us per action", "notes"]
+    headers += ["x 1F1B per action", "x 1F1B per step", "beyond limit, us per action"]
+    headers += ["CPU ms per step median (p10-p90)", "CPU x plain job", "CPU x 1F1B"]
+    headers += ["CPU beyond plain job, us per action", "notes"]
     return markdown_table(headers, lines)
 
 
@@ -149,7 +197,14 @@ def notes(work: common.Workload, args: argparse.Namespace, before: str) -> str:
         "2 cores); x 1F1B: that, and the p90 step time, as a multiple of the same runtime's "
         "1F1B's; beyond limit: (p90 step time - half "
         "the limit's p90 step) / (actions / 2), what a core spends per action besides the "
-        "arithmetic, bubbles included. Machine load before: "
+        "arithmetic, bubbles included. CPU per step: the CPU seconds of all threads of all the "
+        "contender's processes in the step (one process: time.process_time around the step; "
+        "across ranks: each rank's, between the same barriers as the wall time, summed), median "
+        "(p10-p90); x plain job: that median over the plain one-core job's median (the limit "
+        "runs that job twice, so ~2x); x 1F1B: over the same runtime's 1F1B's; beyond plain job: "
+        "(median - the plain job's median) / the step's actions. CPU time does not depend on "
+        "whether the other core was free, so these columns are the ones to compare on a shared "
+        "machine (other agents' jobs ran on this one). Machine load before: "
         f"{before}; after: {common.load()}."
     )
 
@@ -160,13 +215,19 @@ def main(argv: list[str] | None = None) -> int:
     cpu_malloc.tune()  # the same allocator settings in every process (the ranks do the same)
     torch.set_num_threads(1)
     before = common.load()
-    work = common.workload(common.TINY)
-    times = schedules.measure(work, args)
-    result = host_rows(schedules.rows(times, work.batch), work.batch, args.chunks)
+    work = common.workload(common.TINY, width=args.width)
+    cpu: dict[str, list[float]] = {}
+    times = schedules.measure(work, args, cpu)
+    result = with_cpu(host_rows(schedules.rows(times, work.batch), work.batch, args.chunks), cpu)
     text, note = table(result), notes(work, args, before)
     print(text, note, sep="\n\n")
     if args.write:
-        record(TITLE, text, notes=note, path=common.results_path(args, "host-time"))
+        record(
+            TITLE.format(width=args.width),
+            text,
+            notes=note,
+            path=common.results_path(args, "host-time"),
+        )
     common.write_json(args.json, [{k: v for k, v in r.items() if k != "rates"} for r in result])
     return 0
 
@@ -177,6 +238,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=200, help="timed steps per contender")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per block")
     parser.add_argument("--chunks", type=int, default=16, help="micro-batches (M)")
+    parser.add_argument("--width", type=int, default=64, help="features of each Linear layer")
     parser.add_argument("--write", action="store_true", help="write the section (--results)")
     parser.add_argument(
         "--contenders",
