@@ -266,15 +266,17 @@ def schedule_builder(spec: dict[str, Any], rank: int, world: int) -> Callable[[s
         if library == "torch":
             run, part = torch_schedule(model, schedule, rank, world, m, work.loss)
             return _zeroed(part, lambda: run(work.x, work.y))
-        if library == "hand":
+        if library in ("hand", "hand-autograd"):
             from benchmarks import _hand_pipeline as hand
 
-            run, part = hand.hand_written(model, schedule, rank, world, m, work.loss)
+            weights = "autograd" if library == "hand-autograd" else "terms"
+            run, part = hand.hand_written(model, schedule, rank, world, m, work.loss, weights)
             hand.check_gradients(run, part, model, work.x, work.y, work.loss)
             return _zeroed(part, lambda: run(work.x, work.y))
         if library != "pipepar.distributed":
             raise ValueError(
-                f"library {library!r} is not limit, torch, hand or pipepar.distributed"
+                f"library {library!r} is not limit, torch, hand, hand-autograd or "
+                "pipepar.distributed"
             )
         import pipepar.distributed as ppd
 

@@ -46,6 +46,7 @@ class _Step:
 
     xs: list[Tensor]
     ys: list[Tensor]
+    split: str | None  # None (no W), "terms" or "autograd": how W computes
     saved: dict[tuple[int, int], tuple[Tensor, Tensor, list[_Record]]] = field(default_factory=dict)
     local: dict[tuple[str, int, int], Tensor] = field(default_factory=dict)  # same-rank handoffs
     grads: dict[tuple[int, int], tuple[Tensor, ...]] = field(default_factory=dict)  # for W
@@ -53,31 +54,47 @@ class _Step:
 
 
 def hand_written(
-    model: nn.Sequential, schedule: str, rank: int, world: int, m: int, loss: common.Loss
+    model: nn.Sequential,
+    schedule: str,
+    rank: int,
+    world: int,
+    m: int,
+    loss: common.Loss,
+    weights: str = "terms",
 ) -> tuple[Run, nn.Module]:
     """``(run(x, y), this rank's layers)``: ``schedule`` (a pipepar schedule name: gpipe, 1f1b,
-    zb-v, ...) played by hand on this rank, pipepar's balance of ``model``'s layers."""
+    zb-v, ...) played by hand on this rank, pipepar's balance of ``model``'s layers.
+
+    ``weights``: how a schedule with W actions splits a stage's backward: ``"terms"`` (B one
+    pass to the input and each Linear's output, W the Linear terms) or ``"autograd"`` (B
+    ``autograd.grad(output, input, grad, retain_graph=True)``, W ``autograd.grad(output,
+    parameters, grad)``: two engine passes, the weight path's products done twice)."""
+    if weights not in ("terms", "autograd"):
+        raise ValueError(f"weights must be 'terms' or 'autograd', not {weights!r}")
     order = named_schedules.make(
         schedule, world * (2 if schedule in named_schedules.VIRTUAL else 1), m, n_workers=world
     )
     bal, layers = pipepar_balance(schedule, len(model), world), list(model)
     parts = [nn.Sequential(*layers[sum(bal[:i]) : sum(bal[: i + 1])]) for i in range(len(bal))]
     mine = {s: parts[s] for s in order.stages_of(rank)}
-    split = any(a.kind == "W" for w in order.actions for a in w)
-    if split:
+    split = weights if any(a.kind == "W" for w in order.actions for a in w) else None
+    if split == "terms":
         _only_linear_parameters(mine)
     actions, owner, last = order.actions[rank], order.placement, len(bal) - 1
 
+    def share(out: Tensor, target: Tensor) -> Tensor:
+        return loss(out, target) / m
+
     def run(x: Tensor, y: Tensor) -> None:
-        state = _Step(list(x.tensor_split(m)), list(y.tensor_split(m)))
+        state = _Step(list(x.tensor_split(m)), list(y.tensor_split(m)), split)
         for a in actions:
             s, i = a.stage, a.microbatch
             if a.kind == "F":
-                _forward(state, mine[s], s, i, owner, last, rank, lambda o, t: loss(o, t) / m)
+                _forward(state, mine[s], s, i, owner, last, rank, share)
             elif a.kind == "B":
-                _backward(state, s, i, owner, last, rank, split=split)
+                _backward(state, s, i, owner, last, rank)
             else:
-                _weights(state, s, i)
+                _weights(state, mine[s], s, i)
         for work in state.sends:
             work.wait()
 
@@ -119,12 +136,11 @@ def _forward(
     state.saved[(s, i)] = (x, h, records)
 
 
-def _backward(
-    state: _Step, s: int, i: int, owner: tuple[int, ...], last: int, rank: int, split: bool
-) -> None:
-    """Stage ``s``'s B of micro-batch ``i``: the whole backward, or (``split``) only the input's
-    and each Linear output's gradient; the input's gradient to the previous stage."""
-    x, out, records = state.saved[(s, i)] if split else state.saved.pop((s, i))
+def _backward(state: _Step, s: int, i: int, owner: tuple[int, ...], last: int, rank: int) -> None:
+    """Stage ``s``'s B of micro-batch ``i``: the whole backward, or (a split) the input's
+    gradient, with each Linear output's (``"terms"``); the input's gradient to the previous
+    stage."""
+    x, out, records = state.saved[(s, i)] if state.split else state.saved.pop((s, i))
     grad = None
     if s < last:
         if owner[s + 1] == rank:
@@ -132,11 +148,14 @@ def _backward(
         else:
             grad = torch.empty_like(out)
             dist.recv(grad, owner[s + 1], tag=2 * (s + 1) + 1)
-    if split:
+    if state.split == "terms":
         wanted = ([x] if s > 0 else []) + [z for _, _, z in records]
         got = torch.autograd.grad(out, wanted, grad)
         state.grads[(s, i)] = got[len(got) - len(records) :]
         gx = got[0] if s > 0 else None
+    elif state.split == "autograd":
+        gx = torch.autograd.grad(out, [x], grad, retain_graph=True)[0] if s > 0 else None
+        state.grads[(s, i)] = () if grad is None else (grad,)
     else:
         torch.autograd.backward(out, grad)
         gx = x.grad
@@ -149,10 +168,16 @@ def _backward(
         state.sends.append(dist.isend(gx, owner[s - 1], tag=2 * s + 1))
 
 
-def _weights(state: _Step, s: int, i: int) -> None:
+def _weights(state: _Step, part: nn.Module, s: int, i: int) -> None:
     """Stage ``s``'s W of micro-batch ``i``: each Linear's weight and bias gradient from its
-    saved input and the gradient B found at its output, summed into ``.grad``."""
-    records = state.saved.pop((s, i))[2]
+    saved input and the gradient B found at its output (``"autograd"``: an engine pass from the
+    stage's output to its parameters), summed into ``.grad``."""
+    _, out, records = state.saved.pop((s, i))
+    if state.split == "autograd":
+        params, grad = list(part.parameters()), state.grads.pop((s, i))
+        for p, g in zip(params, torch.autograd.grad(out, params, grad or None)):
+            p.grad = g if p.grad is None else p.grad.add_(g)
+        return
     for (layer, h, _), g in zip(records, state.grads.pop((s, i))):
         _accumulate(layer.weight, g.t(), h)
         if layer.bias is not None:

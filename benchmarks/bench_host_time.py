@@ -1,18 +1,22 @@
 """Host time per action: every schedule on layers so small that the library's own Python decides.
 
-The job: 8 x (Linear(64, 64) + ReLU), batch 64, M = 16 micro-batches of 4 rows, forward +
-backward of an MSE loss, gradients set to None between steps, no recompute, one math thread per
-stage or process, two stages (one per core; four of 2 layers, two per core, for the
-virtual-stage schedules). An action (one stage's F, B or W of one micro-batch) computes a few
-microseconds of arithmetic, so a step's time is mostly what each action costs the host: the
-regime of a fast accelerator, where the kernels are short and the Python around them is not.
+The job: 8 x (Linear(64, 64) + ReLU) (``--width``: other widths), batch 64, M = 16
+micro-batches of 4 rows, forward + backward of an MSE loss, gradients set to None between steps,
+no recompute, one math thread per stage or process, two stages (one per core; four of 2 layers,
+two per core, for the virtual-stage schedules). An action (one stage's F, B or W of one
+micro-batch) computes a few microseconds of arithmetic at width 64, so a step's time is mostly
+what each action costs the host: the regime of a fast accelerator, where the kernels are short
+and the Python around them is not.
 
 Contenders (the timing is ``bench_schedules.py``'s, reused): the two references (**one core**:
 the micro-batches one after another in this process; **limit**: that job in each of two
 processes at once), every schedule of pipepar in one process (two worker threads) and across
-two ranks (gloo, stage messages through shared memory), torchgpipe, a **hand-written** GPipe
-across two ranks (``dist.send``/``recv``, plain ``backward()``) and torch.distributed.pipelining's
-schedules, its zero-bubble ones included. Contenders alternate in blocks of steps, each step is
+two ranks (gloo, stage messages through shared memory), torchgpipe, a **hand-written** pipeline
+across two ranks in pipepar's order of gpipe, 1f1b and zb-v (``benchmarks/_hand_pipeline.py``:
+the blocks called directly, ``dist.isend``/``recv``; zb-v's B one ``autograd.grad`` to the stage
+input and each Linear's output, its W the Linear's weight and bias terms; the floor of those
+schedules in torch calls) and torch.distributed.pipelining's schedules, its zero-bubble ones
+included. Contenders alternate in blocks of steps, each step is
 timed on its own (across ranks: a barrier before each, the slower rank's time) and becomes a
 rate in samples/s; the table gives the p90 rate with the p10-p90 spread.
 
@@ -21,9 +25,19 @@ Host time per action: the p90 step time over the actions one core runs (the step
 core computes (half the limit's step: each core holds half the model) before dividing, so it
 is what a core spends per action on everything but the arithmetic (bubbles included).
 
+Host CPU per step: the CPU seconds all threads of all the contender's processes spent in each
+step (one process: ``time.process_time`` around the step; across ranks: each rank's, between
+the barriers that time the step, summed), median and p10-p90, as a multiple of the same run's
+plain one-core job's and of the runtime's 1F1B's, and per action beyond the plain job. Unlike
+the rates, it does not depend on whether the second core was free when the step ran, so it is
+the figure to compare on a shared machine (only mostly: a busy sibling core still slows each
+instruction).
+
     python benchmarks/bench_host_time.py --write     # every contender, 200 steps each
     python benchmarks/bench_host_time.py --quick     # about a minute: a few contenders
     python benchmarks/bench_host_time.py --steps 60 --contenders pipepar:1f1b,pipepar:zb-v
+    python benchmarks/bench_host_time.py --width 1024 --steps 48 --write \
+        --contenders pipepar.distributed:1f1b,pipepar.distributed:zb-v,hand:1f1b,hand:zb-v
 """
 
 from __future__ import annotations
@@ -60,6 +74,7 @@ CONTENDERS = (
     "torchgpipe:gpipe",
     *(f"pipepar.distributed:{s}" for s in pipepar_schedules.NAMES),
     *(f"hand:{s}" for s in HAND),
+    "hand-autograd:zb-v",
     *(f"torch:{s}" for s in TORCH),
 )
 QUICK = ("pipepar:1f1b", "pipepar:zb-v", "pipepar.distributed:1f1b", "torch:1F1B", "hand:zb-v")
@@ -67,6 +82,7 @@ ONE_F_ONE_B = {  # a runtime's 1F1B, the yardstick of its schedules' host time
     "pipepar": "pipepar:1f1b",
     "pipepar.distributed": "pipepar.distributed:1f1b",
     "hand": "hand:1f1b",
+    "hand-autograd": "hand:1f1b",  # the same 1F1B: it splits nothing
     "torch": "torch:1F1B",
 }
 
@@ -75,7 +91,7 @@ def actions(key: str, m: int) -> int | None:
     """The actions (F, B and W of a stage and a micro-batch) of one step of contender ``key``;
     None for the references, which run no pipeline."""
     library, _, name = key.partition(":")
-    if library in ("pipepar", "pipepar.distributed", "hand"):  # the hand: pipepar's order
+    if library in ("pipepar", "pipepar.distributed", "hand", "hand-autograd"):  # pipepar's order
         if name not in pipepar_schedules.NAMES:
             return None
         stages = WORKERS * (2 if name in pipepar_schedules.VIRTUAL else 1)

@@ -65,9 +65,17 @@ LIBRARIES = {  # library: (label, processes, notes)
     "pipepar.distributed": ("pipepar.distributed", 2, "gloo, stage messages through shared memory"),
     "torch": ("torch.distributed.pipelining", 2, "gloo"),
     "hand": ("hand-written pipeline", 2, "gloo isend/recv, pipepar's order; W: Linear terms"),
+    "hand-autograd": ("hand-written, W by autograd", 2, "as hand, W an engine pass to the weights"),
 }
-REMOTE = ("limit", "pipepar.distributed", "torch", "hand")
-CHOSEN_BY_USER = ("pipepar", "pipepar-call", "torchgpipe", "pipepar.distributed", "torch", "hand")
+REMOTE = ("limit", "pipepar.distributed", "torch", "hand", "hand-autograd")
+CHOSEN_BY_USER = (
+    "pipepar",
+    "pipepar-call",
+    "torchgpipe",
+    "pipepar.distributed",
+    "torch",
+    *REMOTE[3:],
+)
 CONTENDERS = (
     *(f"pipepar:{s}" for s in PIPEPAR),
     "pipepar-call:gpipe",

@@ -708,6 +708,7 @@ def test_host_time_cpu_columns_count_against_the_plain_job_and_each_runtimes_1f1
     from benchmarks import bench_host_time as host
 
     assert host.actions("hand:1f1b", 16) == 64 and host.actions("hand:zb-v", 16) == 192
+    assert host.actions("hand-autograd:zb-v", 16) == 192
     keys = ["one core:", "limit:", "pipepar:1f1b", "pipepar:zb-v", "hand:1f1b", "hand:zb-v"]
     steps = {"one core:": 0.020, "limit:": 0.041, "pipepar:1f1b": 0.034, "pipepar:zb-v": 0.060}
     steps |= {"hand:1f1b": 0.025, "hand:zb-v": 0.030}
@@ -737,14 +738,15 @@ def test_host_time_cpu_columns_count_against_the_plain_job_and_each_runtimes_1f1
 
 
 def test_hand_written_pipelines_compute_the_models_gradients_across_two_ranks() -> None:
-    """Each hand-written contender is built on two gloo ranks, which run one step and compare
-    every gradient with the plain model's before answering (a mismatch comes back as text)."""
+    """Each hand-written contender (zb-v's W as Linear terms or as an engine pass) is built on
+    two gloo ranks, which run one step and compare every gradient with the plain model's before
+    answering (a mismatch comes back as text)."""
     from benchmarks._procs import ProcessGroup
 
     spec = {"workload": "tiny", "quick": True, "width": 16}
     with ProcessGroup(2, "benchmarks._contenders:schedule_builder", spec) as group:
-        for schedule in ("gpipe", "1f1b", "zb-v"):
-            costs = group.step_costs(f"hand:{schedule}", 4, 2)
+        for key in ("hand:gpipe", "hand:1f1b", "hand:zb-v", "hand-autograd:zb-v"):
+            costs = group.step_costs(key, 4, 2)
             assert not isinstance(costs, str), costs
             assert len(costs) == 2 and all(wall > 0 and cpu > 0 for wall, cpu in costs)
 
