@@ -193,7 +193,8 @@ def one_process(
     library: str, schedule: str, work: common.Workload, m: int, workers: int = 2
 ) -> tuple[Step, nn.Module]:
     """``(step, pipe)`` of ``"pipepar"`` (``pipe.step``), ``"pipepar-call"`` (``pipe(x)`` and
-    ``loss.backward()``) or ``"torchgpipe"`` (the same): one math thread per stage."""
+    ``loss.backward()``), ``"torchgpipe"`` (the same): one math thread per stage; or
+    ``"hand-serial"``: the hand-written pipeline's actions on this thread, no messages."""
     model, n = copy.deepcopy(work.model), len(work.model)
     if library in ("pipepar", "pipepar-call"):
         pipe = pipepar.wrap(
@@ -208,8 +209,16 @@ def one_process(
         if library == "pipepar":
             return _zeroed(pipe, lambda: pipe.step(work.x, work.y, work.loss)), pipe
         return _zeroed(pipe, lambda: work.loss(pipe(work.x), work.y).backward()), pipe
+    if library == "hand-serial":
+        from benchmarks import _hand_pipeline as hand
+
+        run, part = hand.hand_written(model, schedule, 0, workers, m, work.loss, serial=True)
+        hand.check_gradients(run, part, model, work.x, work.y, work.loss)
+        return _zeroed(part, lambda: run(work.x, work.y)), part
     if library != "torchgpipe":
-        raise ValueError(f"library {library!r} is not pipepar, pipepar-call or torchgpipe")
+        raise ValueError(
+            f"library {library!r} is not pipepar, pipepar-call, hand-serial or torchgpipe"
+        )
     from torchgpipe import GPipe
 
     gpipe = GPipe(

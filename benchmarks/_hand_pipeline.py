@@ -1,11 +1,12 @@
-"""A pipeline written by hand across ranks: the floor of what a schedule costs in torch calls.
+"""A pipeline written by hand: the floor of what a schedule costs in torch calls.
 
 The benchmarks compare each library's host time with this one: the stages' layers called
 directly, each activation sent with ``dist.isend`` and received with ``dist.recv``, each
 gradient sent back the same way; no checks, no hooks, no threads. It plays the action order of
 pipepar's own schedule of the same name (``named_schedules.make``: only the order, not pipepar's
 executor), stage ``s`` on the rank that schedule places it on, so the hand-written 1F1B and
-ZB-V do exactly the work, in exactly the order, that pipepar's do.
+ZB-V do exactly the work, in exactly the order, that pipepar's do. With ``serial=True`` it
+plays every worker's actions on the calling thread instead (no messages): the torch calls alone.
 
 Without W actions (gpipe, 1f1b) a B is plain ``backward()``. With them (zb-v) the stage's
 backward is split as a zero-bubble schedule needs it, the simplest way that computes no product
@@ -61,9 +62,15 @@ def hand_written(
     m: int,
     loss: common.Loss,
     weights: str = "terms",
+    *,
+    serial: bool = False,
 ) -> tuple[Run, nn.Module]:
     """``(run(x, y), this rank's layers)``: ``schedule`` (a pipepar schedule name: gpipe, 1f1b,
     zb-v, ...) played by hand on this rank, pipepar's balance of ``model``'s layers.
+
+    ``serial``: no ranks: every worker's stages on the calling thread, in the schedule's
+    ``serial`` order, each stage's output handed to the next directly (``rank`` is ignored):
+    the schedule's torch calls alone, without messages or a second thread.
 
     ``weights``: how a schedule with W actions splits a stage's backward: ``"terms"`` (B one
     pass to the input and each Linear's output, W the Linear terms) or ``"autograd"`` (B
@@ -76,11 +83,15 @@ def hand_written(
     )
     bal, layers = pipepar_balance(schedule, len(model), world), list(model)
     parts = [nn.Sequential(*layers[sum(bal[:i]) : sum(bal[: i + 1])]) for i in range(len(bal))]
-    mine = {s: parts[s] for s in order.stages_of(rank)}
+    if serial:
+        rank, actions, owner = 0, order.serial, (0,) * len(parts)
+    else:
+        actions, owner = order.actions[rank], order.placement
+    mine = {s: parts[s] for s in range(len(parts)) if owner[s] == rank}
     split = weights if any(a.kind == "W" for w in order.actions for a in w) else None
     if split == "terms":
         _only_linear_parameters(mine)
-    actions, owner, last = order.actions[rank], order.placement, len(bal) - 1
+    last = len(bal) - 1
 
     def share(out: Tensor, target: Tensor) -> Tensor:
         return loss(out, target) / m

@@ -48,6 +48,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # every thread (torchgpipe's too)
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import argparse
+import json
 import statistics
 import sys
 from collections.abc import Mapping
@@ -75,6 +76,8 @@ CONTENDERS = (
     *(f"pipepar.distributed:{s}" for s in pipepar_schedules.NAMES),
     *(f"hand:{s}" for s in HAND),
     "hand-autograd:zb-v",
+    "hand-serial:1f1b",
+    "hand-serial:zb-v",
     *(f"torch:{s}" for s in TORCH),
 )
 QUICK = ("pipepar:1f1b", "pipepar:zb-v", "pipepar.distributed:1f1b", "torch:1F1B", "hand:zb-v")
@@ -83,6 +86,7 @@ ONE_F_ONE_B = {  # a runtime's 1F1B, the yardstick of its schedules' host time
     "pipepar.distributed": "pipepar.distributed:1f1b",
     "hand": "hand:1f1b",
     "hand-autograd": "hand:1f1b",  # the same 1F1B: it splits nothing
+    "hand-serial": "hand-serial:1f1b",
     "torch": "torch:1F1B",
 }
 
@@ -91,7 +95,7 @@ def actions(key: str, m: int) -> int | None:
     """The actions (F, B and W of a stage and a micro-batch) of one step of contender ``key``;
     None for the references, which run no pipeline."""
     library, _, name = key.partition(":")
-    if library in ("pipepar", "pipepar.distributed", "hand", "hand-autograd"):  # pipepar's order
+    if library in ("pipepar", "pipepar.distributed") or library.startswith("hand"):
         if name not in pipepar_schedules.NAMES:
             return None
         stages = WORKERS * (2 if name in pipepar_schedules.VIRTUAL else 1)
@@ -225,9 +229,72 @@ def notes(work: common.Workload, args: argparse.Namespace, before: str) -> str:
     )
 
 
+# -- the width sweep: ZB-V against 1F1B, pipepar against its peers, from runs' --json --------
+SWEEP_TITLE = "Host time per action: ZB-V against 1F1B by layer width (M=16, 2 cores)"
+PAIRS = {  # a runtime's (ZB-V, 1F1B)
+    "pipepar.wrap (one process)": ("pipepar:zb-v", "pipepar:1f1b"),
+    "pipepar.distributed": ("pipepar.distributed:zb-v", "pipepar.distributed:1f1b"),
+    "hand-written, W as Linear terms": ("hand:zb-v", "hand:1f1b"),
+    "hand-written, W by autograd": ("hand-autograd:zb-v", "hand:1f1b"),
+    "hand-written, one thread, no messages": ("hand-serial:zb-v", "hand-serial:1f1b"),
+    "torch.distributed.pipelining": ("torch:ZBVZeroBubble", "torch:1F1B"),
+}
+PEERS = {  # pipepar's 1F1B against a peer's, on the same processes
+    "pipepar.wrap 1f1b / torchgpipe (one process)": ("pipepar:1f1b", "torchgpipe:gpipe"),
+    "pipepar.distributed 1f1b / torch 1F1B": ("pipepar.distributed:1f1b", "torch:1F1B"),
+    "pipepar.distributed 1f1b / hand-written 1f1b": ("pipepar.distributed:1f1b", "hand:1f1b"),
+}
+
+
+def _ratios(top: dict[str, Any], bottom: dict[str, Any]) -> list[str]:
+    """Step time (median, p90: rates inverted) and CPU per step (median, p10) of ``top`` over
+    ``bottom``."""
+    step = [bottom[q] / top[q] for q in ("median", "p90")]
+    cpu = [top[q] / bottom[q] for q in ("cpu_ms", "cpu_p10_ms")]
+    return [f"{step[0]:.2f}x / {step[1]:.2f}x", f"{cpu[0]:.2f}x / {cpu[1]:.2f}x"]
+
+
+def sweep_tables(rows: list[dict[str, Any]]) -> str:
+    """Two markdown tables from the rows of runs at several widths (each row with ``width``):
+    each runtime's ZB-V over its 1F1B, and pipepar's 1F1B over its peers'."""
+    by = {(r["width"], r["key"]): r for r in rows if not r.get("error") and r.get("cpu_ms")}
+    widths = sorted({w for w, _ in by})
+    out = []
+    for pairs, head in ((PAIRS, "runtime"), (PEERS, "pair")):
+        lines = []
+        for label, (top, bottom) in pairs.items():
+            for w in widths:
+                a, b = by.get((w, top)), by.get((w, bottom))
+                if a is not None and b is not None:
+                    lines.append([label, w, *_ratios(a, b)])
+        headers = [head, "width", "step time median / p90", "CPU per step median / p10"]
+        out.append(markdown_table(headers, lines))
+    return "\n\n".join(out)
+
+
+def summarize(args: argparse.Namespace) -> int:
+    """The sweep's tables from ``--summary`` files; written with --write. 0 on success."""
+    rows = [r for path in args.summary for r in json.loads(Path(path).read_text())]
+    text = sweep_tables(rows)
+    note = (
+        "From the --json rows of bench_host_time.py runs at each width (the sections above, one "
+        "per width): first table, each runtime's ZB-V over its own 1F1B; second, pipepar's 1F1B "
+        "over a peer's on the same processes. Step time: the median and the p90 step rates "
+        "inverted (wall time, which moves with the load of the shared machine); CPU per step: "
+        "the ratio of the medians and of the p10s (all threads of all the contender's "
+        f"processes). Files: {', '.join(Path(p).name for p in args.summary)}."
+    )
+    print(text, note, sep="\n\n")
+    if args.write:
+        record(SWEEP_TITLE, text, notes=note, path=common.results_path(args, "host-sweep"))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Measure, print the table; write it to RESULTS.md with --write. 0 on success."""
     args = _parse(argv)
+    if args.summary:
+        return summarize(args)
     cpu_malloc.tune()  # the same allocator settings in every process (the ranks do the same)
     torch.set_num_threads(1)
     before = common.load()
@@ -244,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
             notes=note,
             path=common.results_path(args, "host-time"),
         )
-    common.write_json(args.json, [{k: v for k, v in r.items() if k != "rates"} for r in result])
+    rows = [{k: v for k, v in r.items() if k != "rates"} | {"width": args.width} for r in result]
+    common.write_json(args.json, rows)
     return 0
 
 
@@ -256,6 +324,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--chunks", type=int, default=16, help="micro-batches (M)")
     parser.add_argument("--width", type=int, default=64, help="features of each Linear layer")
     parser.add_argument("--write", action="store_true", help="write the section (--results)")
+    parser.add_argument(
+        "--summary",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="no measuring: the width sweep's tables from these runs' --json files",
+    )
     parser.add_argument(
         "--contenders",
         type=lambda text: [p.strip() for p in text.split(",") if p.strip()],

@@ -66,6 +66,7 @@ LIBRARIES = {  # library: (label, processes, notes)
     "torch": ("torch.distributed.pipelining", 2, "gloo"),
     "hand": ("hand-written pipeline", 2, "gloo isend/recv, pipepar's order; W: Linear terms"),
     "hand-autograd": ("hand-written, W by autograd", 2, "as hand, W an engine pass to the weights"),
+    "hand-serial": ("hand-written, one thread", 1, "all stages on one thread, no messages"),
 }
 REMOTE = ("limit", "pipepar.distributed", "torch", "hand", "hand-autograd")
 CHOSEN_BY_USER = (
@@ -75,6 +76,7 @@ CHOSEN_BY_USER = (
     "pipepar.distributed",
     "torch",
     *REMOTE[3:],
+    "hand-serial",
 )
 CONTENDERS = (
     *(f"pipepar:{s}" for s in PIPEPAR),

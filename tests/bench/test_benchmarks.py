@@ -751,6 +751,18 @@ def test_hand_written_pipelines_compute_the_models_gradients_across_two_ranks() 
             assert len(costs) == 2 and all(wall > 0 and cpu > 0 for wall, cpu in costs)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-v", "v-min"])
+def test_hand_written_pipeline_on_one_thread_computes_the_models_gradients(schedule: str) -> None:
+    """Every worker's actions in the schedule's serial order on this thread: built only once one
+    step's gradients matched the plain model's; a second step makes them anew."""
+    from benchmarks import _contenders as contenders
+
+    work = common.workload("tiny", width=8)
+    step, part = contenders.one_process("hand-serial", schedule, work, 4)
+    step()
+    assert all(p.grad is None for p in part.parameters())  # the step lets them go
+
+
 def test_hand_written_gradient_check_refuses_other_numbers() -> None:
     from benchmarks._hand_pipeline import check_gradients
 
