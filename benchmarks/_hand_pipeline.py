@@ -234,7 +234,11 @@ def check_gradients(
     for p in mine.parameters():
         want, got = reference[id(p)], p.grad
         if got is None or want is None or not torch.allclose(got, want, rtol=1e-4, atol=1e-6):
-            diff = "no gradient" if got is None else f"{(got - want).abs().max().item():.2e}"
+            diff = (
+                "no gradient"
+                if got is None or want is None
+                else f"{(got - want).abs().max().item():.2e}"
+            )
             raise ValueError(
                 f"the hand-written pipeline's gradients differ from the model's by {diff}"
             )
