@@ -14,11 +14,13 @@ processes at once), every schedule of pipepar in one process (two worker threads
 two ranks (gloo, stage messages through shared memory), torchgpipe, a **hand-written** pipeline
 across two ranks in pipepar's order of gpipe, 1f1b and zb-v (``benchmarks/_hand_pipeline.py``:
 the blocks called directly, ``dist.isend``/``recv``; zb-v's B one ``autograd.grad`` to the stage
-input and each Linear's output, its W the Linear's weight and bias terms; the floor of those
-schedules in torch calls) and torch.distributed.pipelining's schedules, its zero-bubble ones
-included. Contenders alternate in blocks of steps, each step is
-timed on its own (across ranks: a barrier before each, the slower rank's time) and becomes a
-rate in samples/s; the table gives the p90 rate with the p10-p90 spread.
+input and each Linear's output, its W the Linear's weight and bias terms), the same ZB-V with
+W as a second engine pass (**hand-autograd**), the same actions on one thread in the schedule's
+serial order with no messages (**hand-serial**: the schedule's torch calls alone) and
+torch.distributed.pipelining's schedules, its zero-bubble ones included. Contenders alternate
+in blocks of steps, each step is timed on its own (across ranks: a barrier before each, the
+slower rank's time) and becomes a rate in samples/s; the table gives the p90 rate with the
+p10-p90 spread.
 
 Host time per action: the p90 step time over the actions one core runs (the step's actions /
 2), and that as a multiple of the same runtime's 1F1B; *beyond the limit* subtracts what the
@@ -36,8 +38,12 @@ instruction).
     python benchmarks/bench_host_time.py --write     # every contender, 200 steps each
     python benchmarks/bench_host_time.py --quick     # about a minute: a few contenders
     python benchmarks/bench_host_time.py --steps 60 --contenders pipepar:1f1b,pipepar:zb-v
-    python benchmarks/bench_host_time.py --width 1024 --steps 48 --write \
+    python benchmarks/bench_host_time.py --width 1024 --steps 48 --write --json w1024.json \
         --contenders pipepar.distributed:1f1b,pipepar.distributed:zb-v,hand:1f1b,hand:zb-v
+    python benchmarks/bench_host_time.py --summary w64.json w256.json w1024.json --write
+
+``--summary`` measures nothing: from runs' ``--json`` rows at several widths it writes each
+runtime's ZB-V over its 1F1B and pipepar's 1F1B over its peers', step time and CPU per step.
 """
 
 from __future__ import annotations

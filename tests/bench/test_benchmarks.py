@@ -737,6 +737,24 @@ def test_host_time_cpu_columns_count_against_the_plain_job_and_each_runtimes_1f1
     assert "| 60.0 (52.8-67.2) | 3.00x | 1.76x | 208 |" in table
 
 
+def test_host_time_summary_divides_each_runtimes_zb_v_by_its_1f1b_at_each_width() -> None:
+    from benchmarks import bench_host_time as host
+
+    def row(key: str, width: int, ms: float) -> dict[str, Any]:
+        rate = 64 / ms  # samples per ms: a step of ``ms`` median and p90
+        return {"key": key, "width": width, "median": rate, "p90": rate, "cpu_ms": 2 * ms,
+                "cpu_p10_ms": ms}  # fmt: skip
+
+    rows = [row("hand:1f1b", w, 10) for w in (64, 256)] + [row("hand:zb-v", 64, 15)]
+    rows += [row("hand:zb-v", 256, 12), row("torchgpipe:gpipe", 64, 8), row("pipepar:1f1b", 64, 12)]
+    rows.append({"key": "pipepar:zb-v", "width": 64, "error": "n/a: no steps"})
+    text = host.sweep_tables(rows)
+    assert "| hand-written, W as Linear terms | 64 | 1.50x / 1.50x | 1.50x / 1.50x |" in text
+    assert "| hand-written, W as Linear terms | 256 | 1.20x / 1.20x | 1.20x / 1.20x |" in text
+    assert "| pipepar.wrap 1f1b / torchgpipe (one process) | 64 | 1.50x / 1.50x |" in text
+    assert "pipepar.wrap (one process)" not in text  # its ZB-V has no steps
+
+
 def test_hand_written_pipelines_compute_the_models_gradients_across_two_ranks() -> None:
     """Each hand-written contender (zb-v's W as Linear terms or as an engine pass) is built on
     two gloo ranks, which run one step and compare every gradient with the plain model's before
