@@ -104,16 +104,22 @@ def _gpt_loss(out: Tensor, y: Tensor) -> Tensor:
     return F.cross_entropy(out.flatten(0, 1), y.flatten())
 
 
-def workload(name: str, *, quick: bool = False, seed: int = 0) -> Workload:
+def workload(
+    name: str, *, quick: bool = False, seed: int = 0, width: int | None = None
+) -> Workload:
     """Build the named workload (``"mlp"``, ``"alexnet"``, ``"gpt"`` or ``"tiny"``), seeded, on
     the CPU.
 
-    ``quick`` shrinks every size so one step takes milliseconds (for CI).
+    ``quick`` shrinks every size so one step takes milliseconds (for CI). ``width``: the tiny
+    workload's layer width (default 64; the other workloads have their own sizes).
     """
+    if width is not None and name != TINY:
+        raise ValueError(f"width={width} applies to the {TINY!r} workload only, not {name!r}")
     torch.manual_seed(seed)
     gen = torch.Generator().manual_seed(seed + 1)
     if name == TINY:  # the same sizes in quick mode: already tiny
-        model, width, batch = _mlp_inline(8, 64), 64, 64
+        width, batch = width or 64, 64
+        model = _mlp_inline(8, width)
         x, y = torch.randn(batch, width, generator=gen), torch.randn(batch, width, generator=gen)
         text = f"8 x (Linear({width}, {width}) + ReLU), batch {batch}"
         return Workload(name, model, x, y, F.mse_loss, text)
@@ -248,13 +254,16 @@ def training_step(pipe: Any, work: Workload) -> Step:
     return step
 
 
-def step_times(step: Step, steps: int) -> list[float]:
-    """Run ``step`` ``steps`` times; the seconds each call took."""
+def step_times(step: Step, steps: int, cpu: list[float] | None = None) -> list[float]:
+    """Run ``step`` ``steps`` times; the seconds each call took. ``cpu``: append each call's
+    CPU seconds (all of this process's threads) to it too."""
     times = []
     for _ in range(steps):
-        start = time.perf_counter()
+        clock, start = time.process_time(), time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
+        if cpu is not None:
+            cpu.append(time.process_time() - clock)
     return times
 
 
@@ -288,28 +297,32 @@ class RemoteError(RuntimeError):
     """An error text that came back from spawned ranks (its type is named in the text)."""
 
 
-def local_block(step: Step, block: int, warmup: int) -> Block:
+def local_block(step: Step, block: int, warmup: int, cpu: list[float] | None = None) -> Block:
     """A block timer for :func:`run_blocks`: ``warmup`` untimed calls of ``step``, then the
-    seconds of each of ``block`` calls."""
+    seconds of each of ``block`` calls (``cpu``: each call's CPU seconds appended to it)."""
 
     def timed() -> list[float]:
         for _ in range(warmup):
             step()
-        return step_times(step, block)
+        return step_times(step, block, cpu)
 
     return timed
 
 
-def remote_block(group: Any, key: str, m: int, block: int, warmup: int) -> Block:
+def remote_block(
+    group: Any, key: str, m: int, block: int, warmup: int, cpu: list[float] | None = None
+) -> Block:
     """A block timer of contender ``key`` on a :class:`benchmarks._procs.ProcessGroup`: every
     step started after a barrier, the slowest rank's seconds; an error raises
-    :class:`RemoteError`."""
+    :class:`RemoteError`. ``cpu``: each step's CPU seconds, all ranks' summed, appended to it."""
 
     def timed() -> list[float]:
-        answer = group.step_times(key, m, block, warmup)
+        answer = group.step_costs(key, m, block, warmup)
         if isinstance(answer, str):
             raise RemoteError(answer)
-        return list(answer)
+        if cpu is not None:
+            cpu.extend(c for _, c in answer)
+        return [wall for wall, _ in answer]
 
     return timed
 

@@ -27,7 +27,6 @@ __all__ = [
     "DEFAULT_THREADS",
     "TORCH_SCHEDULES",
     "even_balance",
-    "hand_written",
     "one_process",
     "schedule_builder",
     "stage_builder",
@@ -194,7 +193,8 @@ def one_process(
     library: str, schedule: str, work: common.Workload, m: int, workers: int = 2
 ) -> tuple[Step, nn.Module]:
     """``(step, pipe)`` of ``"pipepar"`` (``pipe.step``), ``"pipepar-call"`` (``pipe(x)`` and
-    ``loss.backward()``) or ``"torchgpipe"`` (the same): one math thread per stage."""
+    ``loss.backward()``), ``"torchgpipe"`` (the same): one math thread per stage; or
+    ``"hand-serial"``: the hand-written pipeline's actions on this thread, no messages."""
     model, n = copy.deepcopy(work.model), len(work.model)
     if library in ("pipepar", "pipepar-call"):
         pipe = pipepar.wrap(
@@ -209,8 +209,16 @@ def one_process(
         if library == "pipepar":
             return _zeroed(pipe, lambda: pipe.step(work.x, work.y, work.loss)), pipe
         return _zeroed(pipe, lambda: work.loss(pipe(work.x), work.y).backward()), pipe
+    if library == "hand-serial":
+        from benchmarks import _hand_pipeline as hand
+
+        run, part = hand.hand_written(model, schedule, 0, workers, m, work.loss, serial=True)
+        hand.check_gradients(run, part, model, work.x, work.y, work.loss)
+        return _zeroed(part, lambda: run(work.x, work.y)), part
     if library != "torchgpipe":
-        raise ValueError(f"library {library!r} is not pipepar, pipepar-call or torchgpipe")
+        raise ValueError(
+            f"library {library!r} is not pipepar, pipepar-call, hand-serial or torchgpipe"
+        )
     from torchgpipe import GPipe
 
     gpipe = GPipe(
@@ -249,51 +257,6 @@ def torch_schedule(
     return run, nn.ModuleList(parts)
 
 
-def hand_written(
-    model: nn.Sequential, schedule: str, rank: int, world: int, m: int, loss: common.Loss
-) -> tuple[Callable[[Tensor, Tensor], None], nn.Module]:
-    """``(run(x, y), this rank's layers)``: a GPipe step written by hand, the floor of what a
-    pipeline across ranks costs: ``world`` equal stages, each forward's output sent with
-    ``dist.send`` and its gradient sent back, plain ``backward()``; no checks, no hooks, no
-    threads. Only ``schedule="gpipe"``."""
-    import torch.distributed as dist
-
-    if schedule != "gpipe":
-        raise ValueError(f"the hand-written pipeline runs gpipe only, not {schedule!r}")
-    bal = even_balance(len(model), world)
-    part = nn.Sequential(*list(model)[sum(bal[:rank]) : sum(bal[: rank + 1])])
-    first, last = rank == 0, rank == world - 1
-
-    def run(x: Tensor, y: Tensor) -> None:
-        kept = []
-        for xi, yi in zip(x.tensor_split(m), y.tensor_split(m)):
-            if not first:
-                xi = torch.empty(xi.shape[0], _in_features(part))
-                dist.recv(xi, rank - 1)
-                xi.requires_grad_(True)
-            out = part(xi)
-            if not last:
-                dist.send(out.detach(), rank + 1)
-            kept.append((xi, loss(out, yi) / m if last else out))
-        for xi, out in kept:
-            if last:
-                out.backward()
-            else:
-                grad = torch.empty_like(out)
-                dist.recv(grad, rank + 1)
-                out.backward(grad)
-            if not first:
-                dist.send(xi.grad, rank - 1)  # type: ignore[arg-type]
-
-    return run, part
-
-
-def _in_features(part: nn.Sequential) -> int:
-    """The input features of ``part``'s first Linear layer."""
-    linear = next(layer for layer in part if isinstance(layer, nn.Linear))
-    return linear.in_features
-
-
 def schedule_builder(spec: dict[str, Any], rank: int, world: int) -> Callable[[str, int], Step]:
     """Factory run on every rank of a ProcessGroup: ``build("library:schedule", m) -> step``
     for ``"limit:"`` (this rank alone runs the one-core job), ``"pipepar.distributed:<name>"``
@@ -302,7 +265,7 @@ def schedule_builder(spec: dict[str, Any], rank: int, world: int) -> Callable[[s
     from pipepar.local import cpu_malloc
 
     cpu_malloc.tune()
-    work = common.workload(spec["workload"], quick=spec["quick"])
+    work = common.workload(spec["workload"], quick=spec["quick"], width=spec.get("width"))
 
     def build(contender: str, m: int) -> Step:
         library, _, schedule = contender.partition(":")
@@ -312,12 +275,17 @@ def schedule_builder(spec: dict[str, Any], rank: int, world: int) -> Callable[[s
         if library == "torch":
             run, part = torch_schedule(model, schedule, rank, world, m, work.loss)
             return _zeroed(part, lambda: run(work.x, work.y))
-        if library == "hand":
-            run, part = hand_written(model, schedule, rank, world, m, work.loss)
+        if library in ("hand", "hand-autograd"):
+            from benchmarks import _hand_pipeline as hand
+
+            weights = "autograd" if library == "hand-autograd" else "terms"
+            run, part = hand.hand_written(model, schedule, rank, world, m, work.loss, weights)
+            hand.check_gradients(run, part, model, work.x, work.y, work.loss)
             return _zeroed(part, lambda: run(work.x, work.y))
         if library != "pipepar.distributed":
             raise ValueError(
-                f"library {library!r} is not limit, torch, hand or pipepar.distributed"
+                f"library {library!r} is not limit, torch, hand, hand-autograd or "
+                "pipepar.distributed"
             )
         import pipepar.distributed as ppd
 

@@ -11,7 +11,8 @@ With ``bind_cores``, each rank binds its threads to its share of the cores first
 
 A rank times ``steps`` calls of ``step`` between two barriers; rank 0's seconds per step come
 back. :meth:`ProcessGroup.step_times` instead starts every step together on all ranks (a
-barrier before each) and returns each step's seconds, the slowest rank's;
+barrier before each) and returns each step's seconds, the slowest rank's
+(:meth:`ProcessGroup.step_costs`: with the CPU seconds all ranks spent in it);
 :meth:`ProcessGroup.peaks` runs one step on every rank and returns each rank's largest rise in
 allocated CPU bytes during it, less what the step's ``static_bytes`` attribute names (what the
 step allocates whatever the schedule, such as the gradients it makes anew). The rise is read
@@ -129,8 +130,19 @@ class ProcessGroup:
     def step_times(self, contender: str, m: int, steps: int, warmup: int = 0) -> list[float] | str:
         """Seconds of each of ``steps`` steps (after ``warmup`` untimed ones), the slowest
         rank's, every step started by a barrier on all ranks; or an error's text."""
+        answers = self.step_costs(contender, m, steps, warmup)
+        return answers if isinstance(answers, str) else [wall for wall, _ in answers]
+
+    def step_costs(
+        self, contender: str, m: int, steps: int, warmup: int = 0
+    ) -> list[tuple[float, float]] | str:
+        """As :meth:`step_times`, each step as ``(seconds, CPU seconds)``: the slowest rank's
+        wall time and the CPU time all threads of all ranks spent in it, summed; or an error's
+        text."""
         answers = self._ask("steps", contender, m, steps, warmup)
-        return answers if isinstance(answers, str) else [max(ts) for ts in zip(*answers)]
+        if isinstance(answers, str):
+            return answers
+        return [(max(w for w, _ in ts), sum(c for _, c in ts)) for ts in zip(*answers)]
 
     def peaks(self, contender: str, m: int) -> list[int] | str:
         """Each rank's largest rise in allocated CPU bytes during one step of ``contender``
@@ -220,7 +232,7 @@ def _serve(
                 steps[(contender, m)] = build(contender, m)
                 _timed(steps[(contender, m)], 1)  # warm-up
             step = steps[(contender, m)]
-            answer: float | list[float] | int
+            answer: float | list[tuple[float, float]] | int
             if kind == "peak":
                 answer = _peak(step)
             elif kind == "steps":
@@ -291,15 +303,16 @@ class MallocPeak:
         self.rise = max(self.rise, self.in_use() - self._start)
 
 
-def _each(step: Step, n: int, warmup: int) -> list[float]:
-    """``warmup`` untimed steps, then the seconds of each of ``n``, all ranks starting each
-    step together (so a step's time on the slowest rank is the pipeline's)."""
+def _each(step: Step, n: int, warmup: int) -> list[tuple[float, float]]:
+    """``warmup`` untimed steps, then the seconds and this process's CPU seconds (all its
+    threads) of each of ``n``, all ranks starting each step together (so a step's time on the
+    slowest rank is the pipeline's); the barriers' own CPU is outside the step's."""
     times = []
     for i in range(warmup + n):
         dist.barrier()
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         step()
         if i >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append((time.perf_counter() - start, time.process_time() - cpu))
     dist.barrier()
     return times

@@ -70,7 +70,6 @@ import dataclasses
 import math
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise, product
@@ -362,7 +361,7 @@ def measure(
             except Exception as error:
                 skipped[layout.key] = common.why(error)
                 continue
-            timers[layout.key] = _block(step, block, cpu.setdefault(layout.key, []))
+            timers[layout.key] = common.local_block(step, block, 1, cpu.setdefault(layout.key, []))
         times = common.run_blocks(timers, skipped, args.rounds, [x.key for x in chosen])
         return times, cpu, link
     finally:
@@ -370,23 +369,6 @@ def measure(
             getattr(pipe, "close", lambda: None)()
         if group is not None:
             group.close()
-
-
-def _block(step: common.Step, block: int, cpu: list[float]) -> common.Block:
-    """``common.local_block(step, block, 1)`` that also appends each step's CPU seconds (all
-    of this process's threads) to ``cpu``: what the step computed, however loaded the host."""
-
-    def timed() -> list[float]:
-        step()  # untimed
-        wall = []
-        for _ in range(block):
-            clock, start = time.process_time(), time.perf_counter()
-            step()
-            wall.append(time.perf_counter() - start)
-            cpu.append(time.process_time() - clock)
-        return wall
-
-    return timed
 
 
 # -- predicting every layout -------------------------------------------------------------------

@@ -64,10 +64,20 @@ LIBRARIES = {  # library: (label, processes, notes)
     "torchgpipe": ("torchgpipe.GPipe", 1, "both 'cpu' stages on one thread (one per device)"),
     "pipepar.distributed": ("pipepar.distributed", 2, "gloo, stage messages through shared memory"),
     "torch": ("torch.distributed.pipelining", 2, "gloo"),
-    "hand": ("hand-written pipeline", 2, "gloo send/recv, plain backward (gpipe only)"),
+    "hand": ("hand-written pipeline", 2, "gloo isend/recv, pipepar's order; W: Linear terms"),
+    "hand-autograd": ("hand-written, W by autograd", 2, "as hand, W an engine pass to the weights"),
+    "hand-serial": ("hand-written, one thread", 1, "all stages on one thread, no messages"),
 }
-REMOTE = ("limit", "pipepar.distributed", "torch", "hand")
-CHOSEN_BY_USER = ("pipepar", "pipepar-call", "torchgpipe", "pipepar.distributed", "torch", "hand")
+REMOTE = ("limit", "pipepar.distributed", "torch", "hand", "hand-autograd")
+CHOSEN_BY_USER = (
+    "pipepar",
+    "pipepar-call",
+    "torchgpipe",
+    "pipepar.distributed",
+    "torch",
+    *REMOTE[3:],
+    "hand-serial",
+)
 CONTENDERS = (
     *(f"pipepar:{s}" for s in PIPEPAR),
     "pipepar-call:gpipe",
@@ -84,20 +94,28 @@ _local, _remote, _guard = common.local_block, common.remote_block, common.guard 
 
 
 def _blocks(
-    work: common.Workload, groups: dict[str, ProcessGroup], args: argparse.Namespace
+    work: common.Workload,
+    groups: dict[str, ProcessGroup],
+    args: argparse.Namespace,
+    cpu: dict[str, list[float]] | None,
 ) -> tuple[dict[str, Block], dict[str, str], list[Any]]:
     """A block timer per contender (the references first), the contenders that could not be
-    built (with why), and the in-process pipes (to close)."""
+    built (with why), and the in-process pipes (to close). ``cpu``: where each contender's
+    CPU seconds per step go (all threads; across ranks, all ranks' summed)."""
     block, m = math.ceil(args.steps / args.rounds), args.chunks
+
+    def sink(key: str) -> list[float] | None:
+        return None if cpu is None else cpu.setdefault(key, [])
+
     unit = common.accumulation_step(work, m, optimizer=False)
     unit()  # warm-up
-    timers = {UNIT: _local(unit, block, args.warmup)}
+    timers = {UNIT: _local(unit, block, args.warmup, sink(UNIT))}
     skipped: dict[str, str] = {}
     pipes = []
     for key in (LIMIT, *args.contenders):
         library, _, schedule = key.partition(":")
         if library in REMOTE:
-            timers[key] = _remote(groups[library], key, m, block, args.warmup)
+            timers[key] = _remote(groups[library], key, m, block, args.warmup, sink(key))
             continue
         try:
             step, pipe = contenders.one_process(library, schedule, work, m)
@@ -106,16 +124,19 @@ def _blocks(
         except Exception as error:
             skipped[key] = _why(error)
             continue
-        timers[key] = _local(step, block, args.warmup)
+        timers[key] = _local(step, block, args.warmup, sink(key))
     return timers, skipped, pipes
 
 
 _why = common.why
 
 
-def measure(work: common.Workload, args: argparse.Namespace) -> dict[str, list[float] | str]:
-    """Per contender: the seconds of every timed step, or why it has none."""
-    spec = {"workload": work.name, "quick": args.quick}
+def measure(
+    work: common.Workload, args: argparse.Namespace, cpu: dict[str, list[float]] | None = None
+) -> dict[str, list[float] | str]:
+    """Per contender: the seconds of every timed step, or why it has none. ``cpu``: filled with
+    each contender's CPU seconds per step (all threads of all its processes)."""
+    spec = {"workload": work.name, "quick": args.quick, "width": getattr(args, "width", None)}
     wanted = {LIMIT.rstrip(":")} | {k.partition(":")[0] for k in args.contenders}
     groups = library_groups(
         (lib for lib in REMOTE if lib in wanted),
@@ -123,7 +144,7 @@ def measure(work: common.Workload, args: argparse.Namespace) -> dict[str, list[f
         shared=args.quick,
     )
     try:
-        timers, skipped, pipes = _blocks(work, groups, args)
+        timers, skipped, pipes = _blocks(work, groups, args, cpu)
         times = common.run_blocks(timers, skipped, args.rounds, (UNIT, LIMIT, *args.contenders))
     finally:
         close_groups(groups)

@@ -704,6 +704,100 @@ def test_host_time_counts_each_schedules_actions_and_divides_by_them() -> None:
     assert by["limit:"]["us_per_action"] is None and by["limit:"]["x_1f1b"] is None
 
 
+def test_host_time_cpu_columns_count_against_the_plain_job_and_each_runtimes_1f1b() -> None:
+    from benchmarks import bench_host_time as host
+
+    assert host.actions("hand:1f1b", 16) == 64 and host.actions("hand:zb-v", 16) == 192
+    assert host.actions("hand-autograd:zb-v", 16) == 192
+    keys = ["one core:", "limit:", "pipepar:1f1b", "pipepar:zb-v", "hand:1f1b", "hand:zb-v"]
+    steps = {"one core:": 0.020, "limit:": 0.041, "pipepar:1f1b": 0.034, "pipepar:zb-v": 0.060}
+    steps |= {"hand:1f1b": 0.025, "hand:zb-v": 0.030}
+    cpu = {k: [0.8 * t, t, 1.2 * t, t, t] for k, t in steps.items()}  # median t
+    made_up = [{"key": k, "error": None, "p90": 64 / steps[k]} for k in keys]
+    made_up.append({"key": "torch:1F1B", "error": "n/a: no steps"})
+    rows = host.with_cpu(host.host_rows(made_up, 64, 16), cpu | {"torch:1F1B": []})
+    by = {r["key"]: r for r in rows}
+    assert by["pipepar:zb-v"]["cpu_ms"] == pytest.approx(60.0)
+    assert (by["pipepar:zb-v"]["cpu_p10_ms"], by["pipepar:zb-v"]["cpu_p90_ms"]) == pytest.approx(
+        (0.88 * 60, 1.12 * 60)  # the inclusive deciles of five values
+    )
+    assert by["pipepar:zb-v"]["cpu_x_plain"] == pytest.approx(3.0)
+    assert by["pipepar:zb-v"]["cpu_x_1f1b"] == pytest.approx(60 / 34)
+    assert by["pipepar:zb-v"]["cpu_beyond_us"] == pytest.approx((60_000 - 20_000) / 192)
+    assert by["hand:zb-v"]["cpu_x_1f1b"] == pytest.approx(30 / 25)  # its own 1F1B
+    assert (
+        by["limit:"]["cpu_x_plain"] == pytest.approx(2.05) and by["limit:"]["cpu_beyond_us"] is None
+    )
+    for key in keys[2:]:
+        assert all(by[key][c] > 0 for c in host.CPU_KEYS), by[key]
+    assert all(by["torch:1F1B"][c] is None for c in host.CPU_KEYS)
+    shown = {"contender": "c", "schedule": "s", "processes": 1, "x_one_core": 1.0}
+    table = host.table([r | shown | {"of_limit": 1.0, "spread": 0.1} for r in rows[:-1]])
+    assert "| CPU ms per step median (p10-p90) | CPU x plain job | CPU x 1F1B |" in table
+    assert "| 60.0 (52.8-67.2) | 3.00x | 1.76x | 208 |" in table
+
+
+def test_host_time_summary_divides_each_runtimes_zb_v_by_its_1f1b_at_each_width() -> None:
+    from benchmarks import bench_host_time as host
+
+    def row(key: str, width: int, ms: float) -> dict[str, Any]:
+        rate = 64 / ms  # samples per ms: a step of ``ms`` median and p90
+        return {"key": key, "width": width, "median": rate, "p90": rate, "cpu_ms": 2 * ms,
+                "cpu_p10_ms": ms}  # fmt: skip
+
+    rows = [row("hand:1f1b", w, 10) for w in (64, 256)] + [row("hand:zb-v", 64, 15)]
+    rows += [row("hand:zb-v", 256, 12), row("torchgpipe:gpipe", 64, 8), row("pipepar:1f1b", 64, 12)]
+    rows.append({"key": "pipepar:zb-v", "width": 64, "error": "n/a: no steps"})
+    text = host.sweep_tables(rows)
+    assert "| hand-written, W as Linear terms | 64 | 1.50x / 1.50x | 1.50x / 1.50x |" in text
+    assert "| hand-written, W as Linear terms | 256 | 1.20x / 1.20x | 1.20x / 1.20x |" in text
+    assert "| pipepar.wrap 1f1b / torchgpipe (one process) | 64 | 1.50x / 1.50x |" in text
+    assert "pipepar.wrap (one process)" not in text  # its ZB-V has no steps
+
+
+def test_hand_written_pipelines_compute_the_models_gradients_across_two_ranks() -> None:
+    """Each hand-written contender (zb-v's W as Linear terms or as an engine pass) is built on
+    two gloo ranks, which run one step and compare every gradient with the plain model's before
+    answering (a mismatch comes back as text)."""
+    from benchmarks._procs import ProcessGroup
+
+    spec = {"workload": "tiny", "quick": True, "width": 16}
+    with ProcessGroup(2, "benchmarks._contenders:schedule_builder", spec) as group:
+        for key in ("hand:gpipe", "hand:1f1b", "hand:zb-v", "hand-autograd:zb-v"):
+            costs = group.step_costs(key, 4, 2)
+            assert not isinstance(costs, str), costs
+            assert len(costs) == 2 and all(wall > 0 and cpu > 0 for wall, cpu in costs)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-v", "v-min"])
+def test_hand_written_pipeline_on_one_thread_computes_the_models_gradients(schedule: str) -> None:
+    """Every worker's actions in the schedule's serial order on this thread: built only once one
+    step's gradients matched the plain model's; a second step makes them anew."""
+    from benchmarks import _contenders as contenders
+
+    work = common.workload("tiny", width=8)
+    step, part = contenders.one_process("hand-serial", schedule, work, 4)
+    step()
+    assert all(p.grad is None for p in part.parameters())  # the step lets them go
+
+
+def test_hand_written_gradient_check_refuses_other_numbers() -> None:
+    from benchmarks._hand_pipeline import check_gradients
+
+    work = common.workload("tiny", width=8)
+    model = work.model
+
+    def doubled(x: torch.Tensor, y: torch.Tensor) -> None:
+        (2 * work.loss(model(x), y)).backward()
+
+    with pytest.raises(ValueError, match="differ from the model's"):
+        check_gradients(doubled, model, model, work.x, work.y, work.loss)
+    check_gradients(
+        lambda x, y: work.loss(model(x), y).backward(), model, model, work.x, work.y, work.loss
+    )
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_auto_search_cost_runs_both_searches() -> None:
     done = run_script("bench_auto_search.py", "--options", "fixed")
     assert done.returncode == 0, done.stderr[-3000:]
