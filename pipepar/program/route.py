@@ -105,6 +105,11 @@ class Routes:
             elif known != route:
                 self._distrust(key)
 
+    def forget(self, key: Hashable) -> None:
+        """Drop the route learned for ``key``, if any; a later call of it learns again."""
+        with self._lock:
+            self._known.pop(key, None)
+
     def distrust(self, key: Hashable) -> None:
         """Never follow a route for ``key`` again (calls of it always run under the mode)."""
         with self._lock:
