@@ -535,15 +535,22 @@ class Cut(TorchFunctionMode):
         """``t`` as the operation uses it (:meth:`_crossed`), noting whether it holds the
         micro-batch's rows; refused when it was computed from another micro-batch's rows (a
         state the model keeps on itself) and the operation reads its values."""
-        if self.ledger.of_rows(t):
-            self._rows_in = True
-        elif self.ledger.of_other_rows(t):
-            func = self._func
-            use = use_of(op_name(func) if func is not None else "", func, t, self._args)
-            if use is None:
-                raise kept_state(t, self.stage, where_held(self.model, t))
-            self._kept_read = self._kept_read or use != REPLACED
+        tag = getattr(t, _TAG, None)  # read once (:meth:`Ledger.of_rows`, ``of_other_rows``)
+        if tag is not None and tag[2]:
+            if tag[0] is self.ledger.token:
+                self._rows_in = True
+            else:
+                self._use_kept(t)
         return self._crossed(t)
+
+    def _use_kept(self, t: Tensor) -> None:
+        """Let the operation at hand use ``t``, a state another micro-batch made, if it reads
+        none of its values (noting whether ``t`` stays that micro-batch's); else refuse."""
+        func = self._func
+        use = use_of(op_name(func) if func is not None else "", func, t, self._args)
+        if use is None:
+            raise kept_state(t, self.stage, where_held(self.model, t))
+        self._kept_read = self._kept_read or use != REPLACED
 
     def _reads_no_values(self, t: Tensor) -> bool:
         """Whether the operation at hand uses no value of ``t`` in what it computes."""

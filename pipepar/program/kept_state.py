@@ -100,8 +100,25 @@ def use_of(name: str, func: Any, t: Tensor, args: Sequence[Any]) -> str | None:
 
 def holds(model: nn.Module, kept: Callable[[Tensor], bool]) -> bool:
     """Whether ``model`` holds a tensor for which ``kept`` is true, as an attribute or buffer
-    of any of its modules (one level into a list, tuple or dict)."""
-    return any(kept(t) for _, t in _held(model))
+    of any of its modules (one level into a list, tuple or dict). Run at the end of each
+    micro-batch under the cut's mode, so written for speed (:func:`_held` says where)."""
+    for module in model.modules():
+        found = module.__dict__
+        if any(kept(b) for b in found["_buffers"].values() if b is not None):
+            return True
+        for name in found.keys() - _MODULE_INTERNALS:
+            value = found[name]
+            if isinstance(value, Tensor):
+                if kept(value):
+                    return True
+            elif isinstance(value, (list, tuple)):
+                if any(isinstance(item, Tensor) and kept(item) for item in value):
+                    return True
+            elif isinstance(value, dict) and any(
+                isinstance(item, Tensor) and kept(item) for item in value.values()
+            ):
+                return True
+    return False
 
 
 def where_held(model: nn.Module | None, t: Tensor) -> str | None:
@@ -114,21 +131,24 @@ def where_held(model: nn.Module | None, t: Tensor) -> str | None:
     return None
 
 
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+"""What ``nn.Module`` itself keeps in a module's ``__dict__`` (its parameters, buffers,
+submodules, hooks, flags): no state of the model's but its buffers, looked at by name."""
+
+
 def _held(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     """Each tensor the modules of ``model`` hold (parameters left out), with where."""
     for path, module in model.named_modules():
         prefix = f"{path}." if path else ""
-        for name, value in vars(module).items():
-            if name == "_buffers":
-                for key, buffer in value.items():
-                    if isinstance(buffer, Tensor):
-                        yield prefix + key, buffer
-            elif name not in _MODULE_INTERNALS:
-                for suffix, t in _tensors(value):
-                    yield prefix + name + suffix, t
+        found = vars(module)
+        for key, buffer in found["_buffers"].items():
+            if isinstance(buffer, Tensor):
+                yield prefix + key, buffer
+        for name in found.keys() - _MODULE_INTERNALS:
+            for suffix, t in _tensors(found[name]):
+                yield prefix + name + suffix, t
 
 
-_MODULE_INTERNALS = frozenset({"_parameters", "_modules"})
 
 
 def _tensors(value: Any) -> Iterator[tuple[str, Tensor]]:
