@@ -44,6 +44,7 @@ from pipepar.core.split_backward import NextNodes
 from pipepar.program.aliases import Aliases
 from pipepar.program.driver import Weight
 from pipepar.program.kept_state import (
+    METADATA,
     REPLACED,
     SHAPE_ONLY,
     holds,
@@ -67,6 +68,7 @@ CALLER = -1
 """The producer of the pipe's own tensor arguments (their gradients go back to the caller)."""
 
 _TAG = "_pipepar_stage"
+
 
 @dataclass
 class Crossing:
@@ -537,20 +539,23 @@ class Cut(TorchFunctionMode):
         state the model keeps on itself) and the operation reads its values."""
         tag = getattr(t, _TAG, None)  # read once (:meth:`Ledger.of_rows`, ``of_other_rows``)
         if tag is not None and tag[2]:
-            if tag[0] is self.ledger.token:
-                self._rows_in = True
-            else:
-                self._use_kept(t)
+            if tag[0] is not self.ledger.token:
+                return self._use_kept(t)
+            self._rows_in = True
         return self._crossed(t)
 
-    def _use_kept(self, t: Tensor) -> None:
-        """Let the operation at hand use ``t``, a state another micro-batch made, if it reads
-        none of its values (noting whether ``t`` stays that micro-batch's); else refuse."""
+    def _use_kept(self, t: Tensor) -> Tensor:
+        """What the operation at hand uses for ``t``, a state another micro-batch made, if it
+        reads none of its values (noting whether ``t`` stays that micro-batch's): ``t`` itself
+        for a read of its metadata (nothing to hand over: across ranks, its shape on ``meta``
+        is as good); else refused."""
         func = self._func
-        use = use_of(op_name(func) if func is not None else "", func, t, self._args)
+        name = op_name(func) if func is not None else ""
+        use = use_of(name, func, t, self._args)
         if use is None:
             raise kept_state(t, self.stage, where_held(self.model, t))
         self._kept_read = self._kept_read or use != REPLACED
+        return t if name in METADATA else self._crossed(t)
 
     def _reads_no_values(self, t: Tensor) -> bool:
         """Whether the operation at hand uses no value of ``t`` in what it computes."""

@@ -149,8 +149,6 @@ def _held(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
                 yield prefix + name + suffix, t
 
 
-
-
 def _tensors(value: Any) -> Iterator[tuple[str, Tensor]]:
     if isinstance(value, Tensor):
         if not isinstance(value, nn.Parameter):

@@ -34,6 +34,32 @@ class _Recurrent(nn.Module):
         return out
 
 
+class _Cell(nn.Module):
+    """A layer keeping its last output, detached, on itself and adding it to its next input:
+    the state is written and read within one stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.state: torch.Tensor | None = None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.state is not None and self.state.shape == h.shape:
+            h = h + self.state
+        out = self.linear(h)
+        self.state = out.detach()
+        return out
+
+
+class _CellNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), _Cell()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
 def _calls_until_refused(model: nn.Module, grad: bool, calls: int = 3) -> int | None:
     """The call (counting from 0) a two-stage pipe of ``model`` refused, or None."""
     pipe = pipepar.wrap(model, [1, 1], devices=["cpu", "cpu"], chunks=2)
@@ -61,6 +87,15 @@ def test_a_state_read_by_the_next_micro_batch_under_no_grad_is_refused(seed: int
 def test_a_detached_state_read_with_grad_on_is_refused(seed: int) -> None:
     torch.manual_seed(seed)
     assert _calls_until_refused(_Recurrent(detach=True), grad=True) in (0, 1)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_state_a_layer_keeps_within_its_stage_is_refused_naming_it(grad: bool) -> None:
+    torch.manual_seed(0)
+    pipe = pipepar.wrap(_CellNet(), split=["b"], devices=["cpu", "cpu"], chunks=2)
+    with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match=r"state 'b\.state'"):
+        for _ in range(3):
+            pipe(torch.randn(4, 4))
 
 
 class _Rotary(nn.Module):
