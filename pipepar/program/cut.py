@@ -620,15 +620,15 @@ def _cpu_scalar(t: Tensor) -> bool:
 def _untracked(t: Tensor, stage: int) -> RuntimeError:
     """A tensor with an autograd history that no torch operation of this micro-batch made:
     its gradient could not be routed to the stage that made it, so it is refused rather than
-    silently losing that part of the gradient."""
+    silently losing that part of the gradient. (One computed from a micro-batch's rows is
+    refused before, as a kept state: :func:`~pipepar.program.kept_state.kept_state`.)"""
     return RuntimeError(
         f"stage {stage} was given a tensor of shape {tuple(t.shape)} that needs a gradient but "
         f"was not made by a torch operation of this call (its autograd node is "
-        f"{type(t.grad_fn).__name__}): a tensor kept from an earlier call or another "
-        "micro-batch's (a state the model keeps on itself between calls, such as a cache: turn "
-        "it off for training, e.g. use_cache=False), or made outside torch's Python API. "
-        "pipepar cannot route its gradient; compute it inside the model's forward, or "
-        ".detach() it if it needs none"
+        f"{type(t.grad_fn).__name__}): a tensor the model keeps on itself from an earlier call "
+        "or another micro-batch (made from its weights, a table kept between calls), or made "
+        "outside torch's Python API. pipepar cannot route its gradient; compute it inside the "
+        "model's forward, or .detach() it if it needs none"
     )
 
 
