@@ -520,9 +520,12 @@ class Cut(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         self._func, self._args, self._rows_in, self._kept_read = func, args, False, False
-        args = tuple(self._sub(a) for a in args)
-        if kwargs:
-            kwargs = {k: self._sub(v) for k, v in kwargs.items()}
+        try:
+            args = tuple(self._sub(a) for a in args)
+            if kwargs:
+                kwargs = {k: self._sub(v) for k, v in kwargs.items()}
+        finally:
+            self._args = ()  # held no longer than the operation (they hold its graph)
         out = func(*args, **(kwargs or {}))
         self._made_rows = self._rows_in and func not in SHAPE_ONLY
         if not self._kept_read:  # a kept state read for its shape or updated in place stays
