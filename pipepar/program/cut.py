@@ -289,6 +289,9 @@ class Cut(TorchFunctionMode):
         self.stage = 0
         self.routes, self.key = routes, key
         self.route = routes.get(key) if routes is not None else None
+        # Whether an earlier call of this kind left a state on the model (read when the call
+        # starts: a micro-batch of this call may leave one before another ends).
+        self._waited = routes.waited(key) if routes is not None else False
         self.record = Route()
         self.loose = False  # the mode made a crossing the hooks did not: the route is not whole
         self._seen = 0
@@ -374,8 +377,8 @@ class Cut(TorchFunctionMode):
         its outputs with their stages."""
         leaves = pytree.tree_leaves(output)
         if self.route is None:
-            if self.routes is not None and self._keeps_rows():
-                self.routes.forget(self.key)  # the next call may read it: under the mode
+            if self.routes is not None and not self.loose and self._first_to_keep():
+                self.routes.wait(self.key)  # the next call may read it: under the mode
             elif self.routes is not None and not self.loose:
                 stages = (
                     (k, s)
@@ -398,10 +401,14 @@ class Cut(TorchFunctionMode):
             self.ledger.walked = self._graphs.walked()
             self._graphs.forget()
 
-    def _keeps_rows(self) -> bool:
+    def _first_to_keep(self) -> bool:
         """Whether the model holds a tensor computed from a micro-batch's rows (a state kept
-        on itself, which a later micro-batch may read: it must run under the mode)."""
-        return self.model is not None and holds(self.model, _kept_rows)
+        on itself) and no earlier call of this kind left one: the next call may read it, so
+        it runs under the mode too. Once a call ran under the mode with such a state there
+        and used none of its values, its kind follows a route as any other."""
+        if self.model is None or self._waited:
+            return False
+        return holds(self.model, _kept_rows)
 
     def _check_graph(self, outputs: list[tuple[Tensor, int]]) -> None:
         """Each stage's graph is its own (:func:`~pipepar.program.route.check_graphs`): the
