@@ -49,6 +49,7 @@ from pipepar.program.kept_state import (
     SHAPE_ONLY,
     holds,
     kept_state,
+    saved_with_weights,
     use_of,
     where_held,
 )
@@ -563,6 +564,8 @@ class Cut(TorchFunctionMode):
         name = op_name(func) if func is not None else ""
         use = use_of(name, func, t, self._args)
         if use is None:
+            if saved_with_weights(self.model, t):  # a running statistic, read as the plain
+                return self._crossed(t)  # model reads it after its earlier calls
             raise kept_state(t, self.stage, where_held(self.model, t))
         self._kept_read = self._kept_read or use != REPLACED
         return t if name in METADATA else self._crossed(t)

@@ -36,6 +36,7 @@ __all__ = [
     "SHAPE_ONLY",
     "holds",
     "kept_state",
+    "saved_with_weights",
     "use_of",
     "where_held",
 ]
@@ -161,6 +162,21 @@ def _tensors(value: Any) -> Iterator[tuple[str, Tensor]]:
         for key, item in value.items():
             if isinstance(item, Tensor):
                 yield f"[{key!r}]", item
+
+
+def saved_with_weights(model: nn.Module | None, t: Tensor) -> bool:
+    """Whether ``t`` is a buffer ``model`` saves with its weights (in its ``state_dict``):
+    the model's own state, such as a batch norm's running statistics or an average kept in
+    place, which the plain model reads across calls too. A state whose rows are a call's
+    (a recurrent cache) is not saved with the weights: its shape is the batch's."""
+    if model is None:
+        return False
+    for module in model.modules():
+        skipped = module._non_persistent_buffers_set
+        for name, buffer in module._buffers.items():
+            if buffer is t and name not in skipped:
+                return True
+    return False
 
 
 def kept_state(t: Tensor, stage: int, where: str | None) -> RuntimeError:

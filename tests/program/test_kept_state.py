@@ -203,3 +203,50 @@ def test_a_kept_tensor_of_the_weights_with_history_is_still_refused_for_its_grad
     pipe(torch.randn(3, 2))
     with pytest.raises(RuntimeError, match=r"not made by a torch operation of this call"):
         pipe(torch.randn(3, 2))
+
+
+class _PythonBatchNorm(nn.BatchNorm1d):
+    """A batch norm written in Python: its running statistics are buffers updated in place
+    from each call's rows, saved with the weights."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            mean, var = x.mean(0), x.var(0, unbiased=False)
+            with torch.no_grad():
+                assert self.running_mean is not None and self.running_var is not None
+                self.running_mean.mul_(1 - 0.1).add_(0.1 * mean)
+                self.running_var.mul_(1 - 0.1).add_(0.1 * var)
+        else:
+            assert self.running_mean is not None and self.running_var is not None
+            mean, var = self.running_mean, self.running_var
+        return (x - mean) / torch.sqrt(var + self.eps) * self.weight + self.bias
+
+
+class _NormNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.norm, self.b = nn.Linear(4, 8), _PythonBatchNorm(8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.norm(self.a(x))))
+
+
+def test_running_statistics_saved_with_the_weights_are_read_as_the_plain_model_reads_them() -> (
+    None
+):
+    """Running statistics a model updates in place from its rows are its own state (saved in
+    its ``state_dict``): evaluating after training reads them, through the pipe as in a plain
+    call of the same model."""
+    torch.manual_seed(0)
+    model = _NormNet()
+    pipe = pipepar.wrap(
+        model, split=["b"], devices=["cpu", "cpu"], chunks=2, batch_coupling="per-micro-batch"
+    )
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    for _ in range(2):
+        pipe.step(x, target=y, loss_fn=nn.functional.mse_loss)
+        pipe.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        for _ in range(2):
+            torch.testing.assert_close(pipe(x), model(x))
