@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["detach_caches", "is_cache", "join", "split"]
+__all__ = ["detach_caches", "is_cache", "join", "split", "tensors_of"]
 
 _ORIGIN = "_pipepar_origin"
 """The attribute naming, on a micro-batch's copy of a cache, the caller's cache it came from."""
@@ -87,6 +87,22 @@ def detach_caches(values: Sequence[Any]) -> None:
     for value in values:
         if is_cache(value):
             _detach(value)
+
+
+def tensors_of(value: Any) -> list[Tensor]:
+    """Every tensor a cache (or a list, tuple or dict of them) holds: its layers' keys and
+    values, its counters."""
+    if isinstance(value, Tensor):
+        return [value]
+    if _is_state(value):
+        items = [v for name, v in vars(value).items() if name != _ORIGIN]
+    elif type(value) in (list, tuple):
+        items = list(value)
+    elif type(value) is dict:
+        items = list(value.values())
+    else:
+        return []
+    return [t for item in items for t in tensors_of(item)]
 
 
 # -- splitting ----------------------------------------------------------------------------------

@@ -97,6 +97,12 @@ class Call:
         packed = [t for k, t in enumerate(leaves) if k in self.packed and isinstance(t, Tensor)]
         return rows + packed
 
+    def cache_tensors(self) -> list[Tensor]:
+        """The tensors of the key-value caches among this micro-batch's arguments (its rows of
+        the caller's cache, or the cache itself when there is one micro-batch)."""
+        leaves = self._leaves()
+        return [t for leaf in leaves if caches.is_cache(leaf) for t in caches.tensors_of(leaf)]
+
     def tracked(self) -> int:
         """How many of :meth:`batch_tensors` hold rows on dimension 0."""
         leaves = self._leaves()

@@ -36,7 +36,7 @@ from pipepar.local.pipe_view import PipeView
 from pipepar.program import units as units_
 from pipepar.program.aliases import alias_leaves, of_stage, used_elsewhere
 from pipepar.program.autograd import ProgramFunction, as_tuple, joined
-from pipepar.program.cut import Cut, Ledger
+from pipepar.program.cut import Cut, row_ledgers
 from pipepar.program.driver import driver_pool, watch_units
 from pipepar.program.losses import (
     Forms,
@@ -245,15 +245,16 @@ class ProgramCompute:
         aliases = alias_leaves(self._uses, pipe.devices)
         cuts = [
             Cut(
-                Ledger(),
+                ledger,
                 self._owner,
                 pipe.devices,
                 {id(t): t for t in xs},
                 self._routes,
                 signature(c.args, c.kwargs, *context),
                 aliases,
+                self.model,
             )
-            for c, xs in zip(calls, inputs)
+            for c, xs, ledger in zip(calls, inputs, row_ledgers(calls))
         ]
         watch = watcher(shares, self.model, calls, self._forms)
         if watch is not None and cuts:

@@ -26,6 +26,7 @@ the hooks alone making the same crossings (:meth:`Cut.following`).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 from collections.abc import Callable, Collection, Hashable, Sequence
@@ -37,10 +38,21 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from pipepar.batching.calls import Call
 from pipepar.core.forms import op_name
 from pipepar.core.split_backward import NextNodes
 from pipepar.program.aliases import Aliases
 from pipepar.program.driver import Weight
+from pipepar.program.kept_state import (
+    METADATA,
+    REPLACED,
+    SHAPE_ONLY,
+    holds,
+    kept_state,
+    saved_with_weights,
+    use_of,
+    where_held,
+)
 from pipepar.program.route import (
     GraphCheck,
     PathChanged,
@@ -51,21 +63,12 @@ from pipepar.program.route import (
     tensors_in,
 )
 
-__all__ = ["CALLER", "Crossing", "Cut", "Ledger", "map_arguments", "tag_stage"]
+__all__ = ["CALLER", "Crossing", "Cut", "Ledger", "map_arguments", "row_ledgers", "tag_stage"]
 
 CALLER = -1
 """The producer of the pipe's own tensor arguments (their gradients go back to the caller)."""
 
 _TAG = "_pipepar_stage"
-
-_METADATA = frozenset(
-    {"shape", "size", "dim", "ndim", "ndimension", "numel", "nelement", "len", "dtype",
-     "device", "layout", "requires_grad", "is_floating_point", "is_complex", "stride",
-     "is_contiguous", "element_size", "is_cuda", "is_meta"}
-)  # fmt: skip
-"""Reads of a tensor's metadata: they use no value, so no gradient flows through them. A model
-may read the shape of a state it keeps on itself (a recurrent cache) to decide whether to
-start afresh; only using the state's values is refused."""
 
 
 @dataclass
@@ -124,7 +127,7 @@ class Ledger:
         found = self._leaves.get(key)
         if found is None:
             found = make()
-            setattr(found, _TAG, (self.token, consumer))
+            setattr(found, _TAG, (self.token, consumer, self.of_rows(t)))
             self._leaves[key] = found
             self.crossings.append(Crossing(producer, consumer, t, found, is_param))
         return found
@@ -174,6 +177,24 @@ class Ledger:
         """The stage that made ``t`` in this micro-batch, or None."""
         tag = getattr(t, _TAG, None)
         return tag[1] if tag is not None and tag[0] is self.token else None
+
+    def take_rows(self, rows: Sequence[Tensor]) -> None:
+        """Mark ``rows`` (the pipe's tensor arguments holding this micro-batch's rows) as this
+        micro-batch's, made by no stage: what is computed from them is of its rows."""
+        for t in rows:
+            if self.stage_of(t) is None:
+                _set_tag(t, (self.token, None, True))
+
+    def of_rows(self, t: Tensor) -> bool:
+        """Whether ``t`` was computed from this micro-batch's rows (or is one of them)."""
+        tag = getattr(t, _TAG, None)
+        return tag is not None and tag[0] is self.token and tag[2]
+
+    def of_other_rows(self, t: Tensor) -> bool:
+        """Whether ``t`` was computed from another micro-batch's rows (of this call or an
+        earlier one): a state kept between micro-batches."""
+        tag = getattr(t, _TAG, None)
+        return tag is not None and tag[0] is not self.token and bool(tag[2])
 
     def release(self, producer: int, *, received: Collection[int] = ()) -> None:
         """Let go of the values stage ``producer`` made (they hold its graph) once its
@@ -247,6 +268,8 @@ class Cut(TorchFunctionMode):
         key: this call's :func:`~pipepar.program.route.signature`.
         aliases: the mini-batch's alias of each weight a stage uses and another holds
             (:mod:`pipepar.program.aliases`); a weight without one gets a leaf per micro-batch.
+        model: the model, looked through for a state kept on it
+            (:mod:`pipepar.program.kept_state`) at the end of a forward under the mode.
     """
 
     def __init__(
@@ -258,13 +281,18 @@ class Cut(TorchFunctionMode):
         routes: Routes | None = None,
         key: Hashable = None,
         aliases: Aliases | None = None,
+        model: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.ledger, self.owner, self.devices, self.inputs = ledger, owner, devices, inputs
+        self.model = model
         self.aliases: Aliases = aliases if aliases is not None else {}
         self.stage = 0
         self.routes, self.key = routes, key
         self.route = routes.get(key) if routes is not None else None
+        # Whether an earlier call of this kind left a state on the model (read when the call
+        # starts: a micro-batch of this call may leave one before another ends).
+        self._waited = routes.waited(key) if routes is not None else False
         self.record = Route()
         self.loose = False  # the mode made a crossing the hooks did not: the route is not whole
         self._seen = 0
@@ -273,6 +301,10 @@ class Cut(TorchFunctionMode):
         self._graphs = GraphCheck(owner, key)  # the check of a followed route's graphs
         self._moved: dict[int, tuple[Tensor, Tensor]] = {}  # caller's values copied to a stage
         self._func: Callable[..., Any] | None = None  # the operation whose arguments are read
+        self._args: tuple[Any, ...] = ()  # its positional arguments
+        self._rows_in = False  # one of them holds the micro-batch's rows
+        self._made_rows = False  # so what it returned does
+        self._kept_read = False  # one of them is a kept state, read for its shape or updated
 
     @property
     def following(self) -> bool:
@@ -346,7 +378,9 @@ class Cut(TorchFunctionMode):
         its outputs with their stages."""
         leaves = pytree.tree_leaves(output)
         if self.route is None:
-            if self.routes is not None and not self.loose:
+            if self.routes is not None and not self.loose and self._first_to_keep():
+                self.routes.wait(self.key)  # the next call may read it: under the mode
+            elif self.routes is not None and not self.loose:
                 stages = (
                     (k, s)
                     for k, t in enumerate(leaves)
@@ -361,12 +395,21 @@ class Cut(TorchFunctionMode):
         for k, s in self.route.outputs:
             if k >= len(leaves) or not isinstance(leaves[k], Tensor):
                 self._changed(f"output leaf {k} is not a tensor")
-            _set_tag(leaves[k], (self.ledger.token, s))
+            _set_tag(leaves[k], (self.ledger.token, s, False))
             roots.append((leaves[k], s))
         if torch.is_grad_enabled():
             self._check_graph(roots)
             self.ledger.walked = self._graphs.walked()
             self._graphs.forget()
+
+    def _first_to_keep(self) -> bool:
+        """Whether the model holds a tensor computed from a micro-batch's rows (a state kept
+        on itself) and no earlier call of this kind left one: the next call may read it, so
+        it runs under the mode too. Once a call ran under the mode with such a state there
+        and used none of its values, its kind follows a route as any other."""
+        if self.model is None or self._waited:
+            return False
+        return holds(self.model, _kept_rows)
 
     def _check_graph(self, outputs: list[tuple[Tensor, int]]) -> None:
         """Each stage's graph is its own (:func:`~pipepar.program.route.check_graphs`): the
@@ -484,16 +527,53 @@ class Cut(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        self._func = func
-        args = tuple(self._sub(a) for a in args)
-        if kwargs:
-            kwargs = {k: self._sub(v) for k, v in kwargs.items()}
+        self._func, self._args, self._rows_in, self._kept_read = func, args, False, False
+        try:
+            args = tuple(self._sub(a) for a in args)
+            if kwargs:
+                kwargs = {k: self._sub(v) for k, v in kwargs.items()}
+        finally:
+            self._args = ()  # held no longer than the operation (they hold its graph)
         out = func(*args, **(kwargs or {}))
-        self._tag(out)
+        self._made_rows = self._rows_in and func not in SHAPE_ONLY
+        if not self._kept_read:  # a kept state read for its shape or updated in place stays
+            # the other micro-batch's (a later use of its values is refused)
+            self._tag(out, self._made_rows)
         return out
 
     def _sub(self, value: Any) -> Any:
-        return map_arguments(value, self._crossed)
+        return map_arguments(value, self._used)
+
+    def _used(self, t: Tensor) -> Tensor:
+        """``t`` as the operation uses it (:meth:`_crossed`), noting whether it holds the
+        micro-batch's rows; refused when it was computed from another micro-batch's rows (a
+        state the model keeps on itself) and the operation reads its values."""
+        tag = getattr(t, _TAG, None)  # read once (:meth:`Ledger.of_rows`, ``of_other_rows``)
+        if tag is not None and tag[2]:
+            if tag[0] is not self.ledger.token:
+                return self._use_kept(t)
+            self._rows_in = True
+        return self._crossed(t)
+
+    def _use_kept(self, t: Tensor) -> Tensor:
+        """What the operation at hand uses for ``t``, a state another micro-batch made, if it
+        reads none of its values (noting whether ``t`` stays that micro-batch's): ``t`` itself
+        for a read of its metadata (nothing to hand over: across ranks, its shape on ``meta``
+        is as good); else refused."""
+        func = self._func
+        name = op_name(func) if func is not None else ""
+        use = use_of(name, func, t, self._args)
+        if use is None:
+            if saved_with_weights(self.model, t):  # a running statistic, read as the plain
+                return self._crossed(t)  # model reads it after its earlier calls
+            raise kept_state(t, self.stage, where_held(self.model, t))
+        self._kept_read = self._kept_read or use != REPLACED
+        return t if name in METADATA else self._crossed(t)
+
+    def _reads_no_values(self, t: Tensor) -> bool:
+        """Whether the operation at hand uses no value of ``t`` in what it computes."""
+        func = self._func
+        return use_of(op_name(func) if func is not None else "", func, t, self._args) is not None
 
     def _crossed(self, t: Tensor) -> Tensor:
         out = self._cross(t)
@@ -514,7 +594,7 @@ class Cut(TorchFunctionMode):
             if t.requires_grad and id(t) in self.inputs:
                 return self.ledger.leaf(t, CALLER, s, device, is_param=False)
             if t.grad_fn is not None and torch.is_grad_enabled():
-                if self._func is not None and op_name(self._func) in _METADATA:  # no values read
+                if self._reads_no_values(t):  # no gradient flows through it
                     return t
                 raise _untracked(t, s)
             return t if t.device == device or _cpu_scalar(t) else self._move(t, device)
@@ -522,8 +602,10 @@ class Cut(TorchFunctionMode):
             return t
         return self.ledger.leaf(t, made, s, device, is_param=False)
 
-    def _tag(self, out: Any) -> None:
-        tag = (self.ledger.token, self.stage)
+    def _tag(self, out: Any, rows: bool = False) -> None:
+        """Mark what an operation returned as the current stage's (computed from the
+        micro-batch's ``rows``, or not)."""
+        tag = (self.ledger.token, self.stage, rows)
         if isinstance(out, Tensor):
             _set_tag(out, tag)
         elif isinstance(out, (list, tuple)):
@@ -551,24 +633,43 @@ def _cpu_scalar(t: Tensor) -> bool:
 def _untracked(t: Tensor, stage: int) -> RuntimeError:
     """A tensor with an autograd history that no torch operation of this micro-batch made:
     its gradient could not be routed to the stage that made it, so it is refused rather than
-    silently losing that part of the gradient."""
+    silently losing that part of the gradient. (One computed from a micro-batch's rows is
+    refused before, as a kept state: :func:`~pipepar.program.kept_state.kept_state`.)"""
     return RuntimeError(
         f"stage {stage} was given a tensor of shape {tuple(t.shape)} that needs a gradient but "
         f"was not made by a torch operation of this call (its autograd node is "
-        f"{type(t.grad_fn).__name__}): a tensor kept from an earlier call or another "
-        "micro-batch's (a state the model keeps on itself between calls, such as a cache: turn "
-        "it off for training, e.g. use_cache=False), or made outside torch's Python API. "
-        "pipepar cannot route its gradient; compute it inside the model's forward, or "
-        ".detach() it if it needs none"
+        f"{type(t.grad_fn).__name__}): a tensor the model keeps on itself from an earlier call "
+        "or another micro-batch (made from its weights, a table kept between calls), or made "
+        "outside torch's Python API. pipepar cannot route its gradient; compute it inside the "
+        "model's forward, or .detach() it if it needs none"
     )
 
 
-def tag_stage(t: Tensor, ledger: Ledger, stage: int) -> None:
-    """Mark ``t`` as made by ``stage`` in ``ledger``'s micro-batch."""
-    _set_tag(t, (ledger.token, stage))
+def row_ledgers(calls: Sequence[Call]) -> list[Ledger]:
+    """A ledger per micro-batch call, holding the call's rows (:meth:`Ledger.take_rows`): its
+    rows of the batch's tensors and of a key-value cache passed in (made by an earlier call,
+    maybe, and given to this one: its own). A tensor given to several micro-batches (the
+    caller's own micro-batches may share one) is no micro-batch's rows."""
+    rows = [c.batch_tensors() + c.cache_tensors() for c in calls]
+    counts = collections.Counter(id(t) for ts in rows for t in ts)
+    ledgers = [Ledger() for _ in calls]
+    for ledger, ts in zip(ledgers, rows):
+        ledger.take_rows([t for t in ts if counts[id(t)] == 1])
+    return ledgers
 
 
-def _set_tag(t: Tensor, tag: tuple[object, int]) -> None:
+def tag_stage(t: Tensor, ledger: Ledger, stage: int, rows: bool = False) -> None:
+    """Mark ``t`` as made by ``stage`` in ``ledger``'s micro-batch (from its rows, or not)."""
+    _set_tag(t, (ledger.token, stage, rows))
+
+
+def _kept_rows(t: Tensor) -> bool:
+    """Whether ``t`` was computed from some micro-batch's rows (of any call)."""
+    tag = getattr(t, _TAG, None)
+    return tag is not None and tag[2]
+
+
+def _set_tag(t: Tensor, tag: tuple[object, int | None, bool]) -> None:
     if isinstance(t, torch.nn.Parameter):
         return
     with contextlib.suppress(AttributeError, RuntimeError):  # a subclass with __slots__

@@ -38,7 +38,7 @@ from pipepar.program import early_weights
 from pipepar.program import units as units_
 from pipepar.program.aliases import alias_leaves, of_stage, used_elsewhere
 from pipepar.program.autograd import joined
-from pipepar.program.cut import Ledger
+from pipepar.program.cut import row_ledgers
 from pipepar.program.driver import driver_pool, watch_units
 from pipepar.program.losses import (
     Forms,
@@ -301,7 +301,7 @@ class RankProgram:
         forget_dead(self._known)
         cuts = [
             RankCut(
-                Ledger(),
+                ledger,
                 self._owner,
                 [self._ctx.device] * self._ctx.schedule.n_stages,
                 {},
@@ -311,8 +311,9 @@ class RankProgram:
                 routes=self._routes,
                 key=signature(c.args, c.kwargs, *flags),
                 aliases=aliases,
+                model=self.model,
             )
-            for c in calls
+            for c, ledger in zip(calls, row_ledgers(calls))
         ]
         shadow = shadow_context(cuts, grad)
 

@@ -67,7 +67,7 @@ class RankCut(Cut):
         mine: the stages this rank computes.
         link: messages to the other stages' ranks.
         values: the values of the small integer tensors the shadow stages read.
-        routes, key, aliases: as for :class:`~pipepar.program.cut.Cut`.
+        routes, key, aliases, model: as for :class:`~pipepar.program.cut.Cut`.
     """
 
     def __init__(
@@ -83,8 +83,9 @@ class RankCut(Cut):
         routes: Routes | None = None,
         key: Hashable = None,
         aliases: Aliases | None = None,
+        model: nn.Module | None = None,
     ) -> None:
-        super().__init__(ledger, owner, devices, inputs, routes, key, aliases)
+        super().__init__(ledger, owner, devices, inputs, routes, key, aliases, model)
         self.mine, self.link, self.values = frozenset(mine), link, values
         self._metas: dict[int, tuple[Tensor, Tensor]] = {}
         self._stand_ins: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
@@ -108,7 +109,7 @@ class RankCut(Cut):
             stand_in = (t if t.is_meta else self._meta_of(t)).detach()
             if t.requires_grad and stand_in.is_floating_point():
                 stand_in.requires_grad_()
-            tag_stage(stand_in, self.ledger, stage)
+            tag_stage(stand_in, self.ledger, stage, self.ledger.of_rows(t))
             found = self._stand_ins[(id(t), stage)] = (t, stand_in)
         return found[1]
 
@@ -276,7 +277,7 @@ class RankCut(Cut):
             return out
         made = on_meta(out, self._twin)  # a shadow stage holds no real tensor
         if made is not out:
-            self._tag(made)
+            self._tag(made, self._made_rows)
         return made
 
     def _from_numbers(

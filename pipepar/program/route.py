@@ -88,6 +88,7 @@ class Routes:
     def __init__(self) -> None:
         self._known: dict[Hashable, Route] = {}
         self._distrusted: set[Hashable] = set()
+        self._waiting: set[Hashable] = set()
         self._lock = threading.Lock()
 
     def get(self, key: Hashable) -> Route | None:
@@ -104,6 +105,19 @@ class Routes:
                 self._known[key] = route
             elif known != route:
                 self._distrust(key)
+
+    def wait(self, key: Hashable) -> None:
+        """Learn no route for ``key`` from this call (drop one a micro-batch of it learned):
+        it left a state on the model that the next call may read, which runs under the mode
+        to be seen doing it (:mod:`pipepar.program.kept_state`); :meth:`waited` from then."""
+        with self._lock:
+            self._known.pop(key, None)
+            self._waiting.add(key)
+
+    def waited(self, key: Hashable) -> bool:
+        """Whether a call of ``key`` left a state on the model before: a call that ran under
+        the mode with it there, and did not use it, learns the route."""
+        return key in self._waiting
 
     def distrust(self, key: Hashable) -> None:
         """Never follow a route for ``key`` again (calls of it always run under the mode)."""
