@@ -280,8 +280,9 @@ def _predict(
 ) -> StepPrediction:
     order, k = model.order, model.order.n_workers
     gather = [_gather_ms(model, cluster, dp, w) if shard else 0.0 for w in range(k)]
+    costs = _costs(model)
     runs = {
-        r: timed(order, model.cost, transfer=model.transfer(_devices(r, k), cluster), start=gather)
+        r: timed(order, costs.of, transfer=model.transfer(_devices(r, k), cluster), start=gather)
         for r in _distinct_replicas(cluster, k, dp)
     }
     pipeline = max(max(f.values(), default=0.0) for f in runs.values())
@@ -292,15 +293,16 @@ def _predict(
     replica = max(runs, key=lambda r: max(runs[r].values(), default=0.0))
     busy = [0.0] * k
     for a in runs[replica]:
-        busy[order.placement[a.stage]] += _cost(model, a)
-    spans = _spans(model, runs[replica])
+        busy[order.placement[a.stage]] += costs[a]
+    spans = _spans(model, costs, runs[replica])
     return StepPrediction(
         step_ms=step,
         pipeline_ms=pipeline,
         bubble=1.0 - sum(busy) / (pipeline * k) if pipeline > 0 else 0.0,
         busy_ms=tuple(busy),
         stages=tuple(
-            _stage_time(model, cluster, replica, reduce_ms[s], s) for s in range(order.n_stages)
+            _stage_time(model, costs, cluster, replica, reduce_ms[s], s)
+            for s in range(order.n_stages)
         ),
         exposed_allreduce_ms=step - pipeline,
         spans=spans,
@@ -329,8 +331,18 @@ def _distinct_replicas(cluster: Cluster, k: int, dp: int) -> list[int]:
     return list(seen.values())
 
 
-def _cost(model: StepModel, a: Action) -> float:
-    return model.cost(a, model.order.splits_backward(a.stage, a.microbatch))
+class _Costs(dict[Action, float]):
+    """Every action's cost in one prediction, worked out once (the simulation of each replica
+    and the sums over stages and workers read each action's cost again)."""
+
+    def of(self, a: Action, split: bool) -> float:
+        """The cost of ``a`` (``split`` is the schedule's, already read): as ``timed`` asks."""
+        return self[a]
+
+
+def _costs(model: StepModel) -> _Costs:
+    order = model.order
+    return _Costs((a, model.cost(a, split)) for work in order.waits for a, _, split in work)
 
 
 def _last_backward(finish: dict[Action, float], s: int) -> float:
@@ -352,12 +364,12 @@ def _gather_ms(model: StepModel, cluster: Cluster, dp: int, w: int) -> float:
 
 
 def _stage_time(
-    model: StepModel, cluster: Cluster, replica: int, reduce: float, s: int
+    model: StepModel, costs: _Costs, cluster: Cluster, replica: int, reduce: float, s: int
 ) -> StageTime:
     order = model.order
     actions = order.stage(s)
     recompute = sum(model.recompute(a) for a in actions if a.kind == "B")
-    backward = sum(_cost(model, a) for a in actions if a.kind == "B")
+    backward = sum(costs[a] for a in actions if a.kind == "B")
     moved = 0.0
     if s + 1 < order.n_stages:
         delay = model.transfer(_devices(replica, order.n_workers), cluster)
@@ -368,9 +380,9 @@ def _stage_time(
         index=s,
         worker=order.placement[s],
         layers=model.layers[s],
-        forward_ms=float(sum(_cost(model, a) for a in actions if a.kind == "F")),
+        forward_ms=float(sum(costs[a] for a in actions if a.kind == "F")),
         input_grad_ms=backward - recompute,
-        weight_ms=float(sum(_cost(model, a) for a in actions if a.kind == "W")),
+        weight_ms=float(sum(costs[a] for a in actions if a.kind == "W")),
         recompute_ms=recompute,
         transfer_ms=moved,
         allreduce_ms=reduce,
@@ -378,9 +390,9 @@ def _stage_time(
 
 
 def _spans(
-    model: StepModel, finish: dict[Action, float]
+    model: StepModel, costs: _Costs, finish: dict[Action, float]
 ) -> tuple[tuple[Action, float, float], ...]:
-    spans = [(a, end - _cost(model, a), end) for a, end in finish.items()]
+    spans = [(a, end - costs[a], end) for a, end in finish.items()]
     return tuple(sorted(spans, key=lambda x: (x[1], model.order.placement[x[0].stage])))
 
 
@@ -397,7 +409,7 @@ def _actions(
     out = [PredictedAction(w, None, "all-gather", None, 0.0, g) for w, g in enumerate(gather) if g]
     for a, start, end in spans:
         out.append(PredictedAction(place[a.stage], a.stage, a.kind, a.microbatch, start, end))
-        again = model.recompute(a) * (a.kind == "B")
+        again = model.recompute(a) if a.kind == "B" else 0.0
         if again > 0:
             out.append(
                 PredictedAction(
