@@ -298,6 +298,13 @@ def make(name: str | Schedule, n_stages: int, n_microbatches: int, *, n_workers:
             f"schedule must be one of {list(NAMES)} or a pipepar Schedule, but got {name!r}; "
             "'1f1b' holds fewer activations than 'gpipe', 'zb-v' leaves the smallest bubble"
         )
+    return _named(name, n_stages, n_microbatches, n_workers)
+
+
+@lru_cache(maxsize=256)  # a search, a fit and a plan's step time ask again for each layout
+def _named(name: str, n_stages: int, n_microbatches: int, n_workers: int) -> Schedule:
+    """The schedule ``name`` (one of :data:`NAMES`) built and checked against the workers:
+    made once, a frozen schedule shared by every caller."""
     if name == "interleaved-1f1b":
         schedule = interleaved_1f1b(n_stages, n_microbatches, n_workers=n_workers)
     else:

@@ -60,6 +60,10 @@ class Action:
         return f"{self.stage}{self.kind}{self.microbatch}"
 
 
+_Waiting = tuple[Action, tuple["Action | None", ...], bool]
+"""An action, the actions of other stages it waits for, whether its stage splits its backward."""
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Per-worker action lists for ``n_stages`` stages and ``n_microbatches`` micro-batches.
@@ -143,6 +147,31 @@ class Schedule:
             (0F0, 1F0, 1B0, 0B0)
         """
         return tuple(a for row in simulate(self) for a in row if a is not None)
+
+    @functools.cached_property
+    def waits(self) -> tuple[tuple[_Waiting, ...], ...]:
+        """Per worker, each action in list order with the actions of other stages it waits
+        for (None: one the schedule lacks, so it never runs) and whether its stage splits its
+        backward: what :func:`timed` reads, found once per schedule.
+
+        Example:
+            >>> parse("F0 B0 | F0 B0").waits[1][0]
+            (1F0, (0F0,), False)
+        """
+        key: dict[tuple[int, str, int], Action] = {
+            (a.stage, a.kind, a.microbatch): a for work in self.actions for a in work
+        }
+        return tuple(
+            tuple(
+                (
+                    a,
+                    tuple(key.get(d) for d in _deps(a, self)),
+                    (a.stage, a.microbatch) in self._split,
+                )
+                for a in work
+            )
+            for work in self.actions
+        )
 
     def worker(self, w: int) -> tuple[Action, ...]:
         """The ordered actions of worker ``w``."""
@@ -344,25 +373,18 @@ def timed(
     """
     delay = transfer or _no_delay
     finish: dict[Action, float] = {}
-    key: dict[tuple[int, str, int], Action] = {
-        (a.stage, a.kind, a.microbatch): a for work in schedule.actions for a in work
-    }
     clock = [0.0] * schedule.n_workers if start is None else [float(t) for t in start]
     cursor = [0] * schedule.n_workers
     progressed = True
     while progressed:
         progressed = False
-        for w, work in enumerate(schedule.actions):
+        for w, work in enumerate(schedule.waits):
             while cursor[w] < len(work):
-                a = work[cursor[w]]
-                deps = [key.get(d) for d in _deps(a, schedule)]
-                if any(d is None or d not in finish for d in deps if d != a):
+                a, deps, split = work[cursor[w]]
+                if any(d is None or d not in finish for d in deps):
                     break
                 ready = [finish[d] + delay(d, a) for d in deps if d is not None]
-                begin = max([clock[w], *ready])
-                clock[w] = finish[a] = begin + cost(
-                    a, schedule.splits_backward(a.stage, a.microbatch)
-                )
+                clock[w] = finish[a] = max([clock[w], *ready]) + cost(a, split)
                 cursor[w] += 1
                 progressed = True
     if any(cursor[w] < len(work) for w, work in enumerate(schedule.actions)):

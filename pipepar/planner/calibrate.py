@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from pipepar.planner.cluster import Cluster
 from pipepar.planner.profile import Profile
 from pipepar.planner.runtime_fit import BOUNDS, RuntimeFit
-from pipepar.planner.step_time import predict_step
+from pipepar.planner.step_time import predicted_step_ms
 
 __all__ = ["Measured", "fit_runtime"]
 
@@ -165,7 +165,7 @@ def _moved(fit: RuntimeFit, name: str, by: float) -> RuntimeFit | None:
 
 def _step_predictor(profile: Profile, cluster: Cluster | str) -> Predictor:
     def predict(run: Measured, fit: RuntimeFit) -> float:
-        return predict_step(
+        return predicted_step_ms(
             profile,
             run.balance,
             cluster=cluster,
@@ -173,8 +173,8 @@ def _step_predictor(profile: Profile, cluster: Cluster | str) -> Predictor:
             chunks=run.chunks,
             checkpoint=run.checkpoint,
             runtime=fit,
-            **run.options,  # type: ignore[arg-type]
-        ).step_ms
+            **run.options,
+        )
 
     return predict
 

@@ -39,10 +39,11 @@ waits for W as one that never left.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from pipepar.core.named_schedules import VIRTUAL, make
-from pipepar.core.offload_plan import OffloadPlan
+from pipepar.core.offload_plan import OffloadPlan, plan_offload
 from pipepar.core.recompute import should_checkpoint
 from pipepar.core.recompute_placement import without_rebuilds
 from pipepar.core.schedule import Action, Schedule
@@ -212,6 +213,25 @@ def moments(
     none = (0,) * n
     walk.found.append(Moment("optimizer", -1, none, none, none, (True,) * n, none))
     return _undominated(walk.found)
+
+
+@functools.lru_cache(maxsize=512)
+def worker_moments(
+    schedule: Schedule, w: int, checkpoint: str, splits: tuple[bool, ...], offload: bool
+) -> tuple[Moment, ...]:
+    """:func:`moments` of worker ``w``, with ``offload`` the plan of
+    :func:`~pipepar.core.offload_plan.plan_offload` or none, walked once per schedule: the
+    memory models of one schedule (a search builds one per profile, sharding and capacity)
+    share the walk, which depends on nothing else."""
+    sent = offload_of(schedule) if offload else None
+    return tuple(moments(schedule, w, checkpoint, splits=splits, offload=sent))
+
+
+@functools.lru_cache(maxsize=64)
+def offload_of(schedule: Schedule) -> OffloadPlan:
+    """:func:`~pipepar.core.offload_plan.plan_offload` of ``schedule`` (its default lead and
+    distance), made once per schedule."""
+    return plan_offload(schedule)
 
 
 def _undominated(found: list[Moment]) -> list[Moment]:

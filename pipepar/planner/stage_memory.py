@@ -48,10 +48,9 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from pipepar.core.offload import MIN_BYTES
-from pipepar.core.offload_plan import plan_offload
 from pipepar.core.schedule import Schedule
 from pipepar.core.step import LARGE_MATRIX
-from pipepar.planner.peak_moments import Moment, moments
+from pipepar.planner.peak_moments import Moment, offload_of, worker_moments
 from pipepar.planner.posted_receives import PostedReceives, receives_of
 from pipepar.planner.profile import LayerProfile, Profile
 
@@ -226,10 +225,11 @@ class MemoryModel:
         self.schedule, self.checkpoint, self.foreach = schedule, checkpoint, list(foreach)
         receives = receives_of(ranks)
         self.posted = None if receives is None else PostedReceives(receives, schedule)
-        self.offload = plan_offload(schedule) if offload else None
+        self.offload = offload_of(schedule) if offload else None
         self.chunks, self.stages = schedule.n_microbatches, schedule.n_stages
         self._in_flight = [schedule.in_flight(s) for s in range(schedule.n_stages)]
-        self._walked: dict[tuple[int, tuple[bool, ...]], list[Moment]] = {}
+        self._walked: dict[tuple[int, tuple[bool, ...]], Sequence[Moment]] = {}
+        self._figures: dict[tuple[int, int], Figures] = {}
         rows = max(prof.batch_size, 1)
         self.scale = math.ceil(rows / self.chunks) / rows
         layers = prof.layers
@@ -330,7 +330,14 @@ class MemoryModel:
         return stage_input + inside + output, stage_input, away
 
     def figures(self, a: int, b: int) -> Figures:
-        """The figures of a stage holding layers ``a..b`` (inclusive), per micro-batch."""
+        """The figures of a stage holding layers ``a..b`` (inclusive), per micro-batch (made
+        once per range: a search asks for each range on every stage it may be)."""
+        found = self._figures.get((a, b))
+        if found is None:
+            found = self._figures[a, b] = self._figures_of(a, b)
+        return found
+
+    def _figures_of(self, a: int, b: int) -> Figures:
         r = self.scale
         whole, inputs, away = (round(x * r) for x in self.held(a, b))
         grads = self._g[b + 1] - self._g[a]
@@ -459,12 +466,12 @@ class MemoryModel:
         assert best is not None  # the optimizer moment is always there
         return self._attribute(best, figs, top, w)
 
-    def _moments(self, w: int, splits: tuple[bool, ...]) -> list[Moment]:
+    def _moments(self, w: int, splits: tuple[bool, ...]) -> Sequence[Moment]:
         key = (w, splits)
         if key not in self._walked:  # a few per worker: the walk is O(M) and queries O(1)
-            self._walked[key] = moments(
-                self.schedule, w, self.checkpoint, splits=splits, offload=self.offload
-            )
+            offload = self.offload is not None
+            found = worker_moments(self.schedule, w, self.checkpoint, splits, offload)
+            self._walked[key] = found
         return self._walked[key]
 
     def _total(self, m: Moment, figs: list[Figures | None], w: int) -> int:

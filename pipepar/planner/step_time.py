@@ -78,6 +78,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
+from typing import Any
 
 from pipepar.core import validation
 from pipepar.core.named_schedules import make, n_workers
@@ -91,7 +92,7 @@ from pipepar.planner.predicted_actions import PredictedAction
 from pipepar.planner.profile import Profile
 from pipepar.planner.runtime_fit import RuntimeFit, check_runtime
 
-__all__ = ["StageTime", "StepPrediction", "predict_step"]
+__all__ = ["StageTime", "StepPrediction", "predict_step", "predicted_step_ms"]
 
 Flops = Sequence[tuple[float, float]]
 """Per layer, the (forward, backward) FLOPs of the whole sample batch."""
@@ -240,6 +241,60 @@ def predict_step(
         >>> pred.step_ms > pred.stages[0].forward_ms
         True
     """
+    setup = _setup(
+        profile,
+        balance,
+        cluster=cluster,
+        schedule=schedule,
+        chunks=chunks,
+        checkpoint=checkpoint,
+        dp=dp,
+        flops=flops,
+        weight_share=weight_share,
+        dp_shard=dp_shard,
+        runtime=runtime,
+        offload=offload,
+    )
+    return _predict(setup)
+
+
+def predicted_step_ms(profile: Profile, balance: Sequence[int], **options: Any) -> float:
+    """``predict_step(profile, balance, **options).step_ms``, without the rest of the
+    prediction (each stage's parts, the timeline): what a fit asks for thousands of times.
+
+    Example:
+        >>> predicted_step_ms(prof, [2, 2], cluster="h100x8", schedule="zb-h1", chunks=8)
+    """
+    return _simulate(_setup(profile, balance, **options)).step
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What a prediction runs: the costs, the machines, the replicas and whence the times."""
+
+    model: StepModel
+    cluster: Cluster
+    dp: int
+    shard: bool
+    source: str
+
+
+def _setup(
+    profile: Profile,
+    balance: Sequence[int],
+    *,
+    cluster: Cluster | str,
+    schedule: str | Schedule = "1f1b",
+    chunks: int = 8,
+    checkpoint: str = "except_last",
+    dp: int = 1,
+    flops: Flops | None = None,
+    weight_share: float = 0.5,
+    dp_shard: bool = False,
+    runtime: RuntimeFit | None = None,
+    offload: bool = False,
+) -> _Setup:
+    """The arguments of :func:`predict_step` checked, and the step's costs."""
     machines = _check_cluster(cluster)
     stage_layers = _ranges(validation.check_balance(balance, len(profile)))
     chunks = validation.check_chunks(chunks)
@@ -271,17 +326,32 @@ def predict_step(
             cost=lambda a: model.own(a, order.splits_backward(a.stage, a.microbatch)),
             cluster=machines,
         )
-    return _predict(model, machines, dp, dp_shard, "measured" if flops is None else "flops")
+    source = "measured" if flops is None else "flops"
+    return _Setup(model, machines, dp, dp_shard, source)
 
 
 # -- the simulation ----------------------------------------------------------------------------
-def _predict(
-    model: StepModel, cluster: Cluster, dp: int, shard: bool, source: str
-) -> StepPrediction:
+@dataclass(frozen=True)
+class _Simulated:
+    """The step simulated: each action's cost, each distinct replica's finish times, the
+    gathers, the gradient collectives, the pipeline's span and the step's."""
+
+    costs: _Costs
+    runs: dict[int, dict[Action, float]]
+    gather: list[float]
+    reduce_ms: list[float]
+    reduces: list[tuple[int, float, float]]
+    pipeline: float
+    step: float
+
+
+def _simulate(setup: _Setup) -> _Simulated:
+    model, cluster, dp, shard = setup.model, setup.cluster, setup.dp, setup.shard
     order, k = model.order, model.order.n_workers
     gather = [_gather_ms(model, cluster, dp, w) if shard else 0.0 for w in range(k)]
+    costs = _costs(model)
     runs = {
-        r: timed(order, model.cost, transfer=model.transfer(_devices(r, k), cluster), start=gather)
+        r: timed(order, costs.of, transfer=model.transfer(_devices(r, k), cluster), start=gather)
         for r in _distinct_replicas(cluster, k, dp)
     }
     pipeline = max(max(f.values(), default=0.0) for f in runs.values())
@@ -289,18 +359,28 @@ def _predict(
     reduce_ms = [_reduce_ms(model, cluster, dp, shard, s) for s in range(order.n_stages)]
     reduces = reduce_spans(order, ready, reduce_ms)
     step = max([pipeline, *(end for _, _, end in reduces)])
+    return _Simulated(costs, runs, gather, reduce_ms, reduces, pipeline, step)
+
+
+def _predict(setup: _Setup) -> StepPrediction:
+    sim = _simulate(setup)
+    model, cluster, dp, shard = setup.model, setup.cluster, setup.dp, setup.shard
+    order, k, costs, runs = model.order, model.order.n_workers, sim.costs, sim.runs
+    gather, reduce_ms, reduces = sim.gather, sim.reduce_ms, sim.reduces
+    pipeline, step = sim.pipeline, sim.step
     replica = max(runs, key=lambda r: max(runs[r].values(), default=0.0))
     busy = [0.0] * k
     for a in runs[replica]:
-        busy[order.placement[a.stage]] += _cost(model, a)
-    spans = _spans(model, runs[replica])
+        busy[order.placement[a.stage]] += costs[a]
+    spans = _spans(model, costs, runs[replica])
     return StepPrediction(
         step_ms=step,
         pipeline_ms=pipeline,
         bubble=1.0 - sum(busy) / (pipeline * k) if pipeline > 0 else 0.0,
         busy_ms=tuple(busy),
         stages=tuple(
-            _stage_time(model, cluster, replica, reduce_ms[s], s) for s in range(order.n_stages)
+            _stage_time(model, costs, cluster, replica, reduce_ms[s], s)
+            for s in range(order.n_stages)
         ),
         exposed_allreduce_ms=step - pipeline,
         spans=spans,
@@ -308,7 +388,7 @@ def _predict(
         chunks=order.n_microbatches,
         dp=dp,
         cluster=cluster.name,
-        source=source,
+        source=setup.source,
         dp_shard=shard,
         gather_ms=tuple(gather),
         actions=_actions(model, spans, gather, reduces, shard),
@@ -329,8 +409,18 @@ def _distinct_replicas(cluster: Cluster, k: int, dp: int) -> list[int]:
     return list(seen.values())
 
 
-def _cost(model: StepModel, a: Action) -> float:
-    return model.cost(a, model.order.splits_backward(a.stage, a.microbatch))
+class _Costs(dict[Action, float]):
+    """Every action's cost in one prediction, worked out once (the simulation of each replica
+    and the sums over stages and workers read each action's cost again)."""
+
+    def of(self, a: Action, split: bool) -> float:
+        """The cost of ``a`` (``split`` is the schedule's, already read): as ``timed`` asks."""
+        return self[a]
+
+
+def _costs(model: StepModel) -> _Costs:
+    order = model.order
+    return _Costs((a, model.cost(a, split)) for work in order.waits for a, _, split in work)
 
 
 def _last_backward(finish: dict[Action, float], s: int) -> float:
@@ -352,12 +442,12 @@ def _gather_ms(model: StepModel, cluster: Cluster, dp: int, w: int) -> float:
 
 
 def _stage_time(
-    model: StepModel, cluster: Cluster, replica: int, reduce: float, s: int
+    model: StepModel, costs: _Costs, cluster: Cluster, replica: int, reduce: float, s: int
 ) -> StageTime:
     order = model.order
     actions = order.stage(s)
     recompute = sum(model.recompute(a) for a in actions if a.kind == "B")
-    backward = sum(_cost(model, a) for a in actions if a.kind == "B")
+    backward = sum(costs[a] for a in actions if a.kind == "B")
     moved = 0.0
     if s + 1 < order.n_stages:
         delay = model.transfer(_devices(replica, order.n_workers), cluster)
@@ -368,9 +458,9 @@ def _stage_time(
         index=s,
         worker=order.placement[s],
         layers=model.layers[s],
-        forward_ms=float(sum(_cost(model, a) for a in actions if a.kind == "F")),
+        forward_ms=float(sum(costs[a] for a in actions if a.kind == "F")),
         input_grad_ms=backward - recompute,
-        weight_ms=float(sum(_cost(model, a) for a in actions if a.kind == "W")),
+        weight_ms=float(sum(costs[a] for a in actions if a.kind == "W")),
         recompute_ms=recompute,
         transfer_ms=moved,
         allreduce_ms=reduce,
@@ -378,9 +468,9 @@ def _stage_time(
 
 
 def _spans(
-    model: StepModel, finish: dict[Action, float]
+    model: StepModel, costs: _Costs, finish: dict[Action, float]
 ) -> tuple[tuple[Action, float, float], ...]:
-    spans = [(a, end - _cost(model, a), end) for a, end in finish.items()]
+    spans = [(a, end - costs[a], end) for a, end in finish.items()]
     return tuple(sorted(spans, key=lambda x: (x[1], model.order.placement[x[0].stage])))
 
 
@@ -397,7 +487,7 @@ def _actions(
     out = [PredictedAction(w, None, "all-gather", None, 0.0, g) for w, g in enumerate(gather) if g]
     for a, start, end in spans:
         out.append(PredictedAction(place[a.stage], a.stage, a.kind, a.microbatch, start, end))
-        again = model.recompute(a) * (a.kind == "B")
+        again = model.recompute(a) if a.kind == "B" else 0.0
         if again > 0:
             out.append(
                 PredictedAction(
