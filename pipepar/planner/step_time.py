@@ -263,7 +263,10 @@ def predicted_step_ms(profile: Profile, balance: Sequence[int], **options: Any) 
     prediction (each stage's parts, the timeline): what a fit asks for thousands of times.
 
     Example:
-        >>> predicted_step_ms(prof, [2, 2], cluster="h100x8", schedule="zb-h1", chunks=8)
+        >>> options = dict(cluster="h100x8", schedule="zb-h1", chunks=8)
+        >>> full = predict_step(prof, [2, 2], **options)
+        >>> predicted_step_ms(prof, [2, 2], **options) == full.step_ms
+        True
     """
     return _simulate(_setup(profile, balance, **options)).step
 
