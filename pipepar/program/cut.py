@@ -560,20 +560,22 @@ class Cut(TorchFunctionMode):
         reads none of its values (noting whether ``t`` stays that micro-batch's): ``t`` itself
         for a read of its metadata (nothing to hand over: across ranks, its shape on ``meta``
         is as good); else refused."""
-        func = self._func
-        name = op_name(func) if func is not None else ""
-        use = use_of(name, func, t, self._args)
+        use = self._use_of(t)
         if use is None:
             if saved_with_weights(self.model, t):  # a running statistic, read as the plain
                 return self._crossed(t)  # model reads it after its earlier calls
             raise kept_state(t, self.stage, where_held(self.model, t))
         self._kept_read = self._kept_read or use != REPLACED
-        return t if name in METADATA else self._crossed(t)
+        return t if self._op_name() in METADATA else self._crossed(t)
 
-    def _reads_no_values(self, t: Tensor) -> bool:
-        """Whether the operation at hand uses no value of ``t`` in what it computes."""
-        func = self._func
-        return use_of(op_name(func) if func is not None else "", func, t, self._args) is not None
+    def _use_of(self, t: Tensor) -> str | None:
+        """How the operation at hand uses ``t`` (:func:`~pipepar.program.kept_state.use_of`):
+        None when it reads its values."""
+        return use_of(self._op_name(), self._func, t, self._args)
+
+    def _op_name(self) -> str:
+        """The operation at hand's name, as :func:`~pipepar.core.forms.op_name` spells it."""
+        return op_name(self._func) if self._func is not None else ""
 
     def _crossed(self, t: Tensor) -> Tensor:
         out = self._cross(t)
@@ -594,7 +596,7 @@ class Cut(TorchFunctionMode):
             if t.requires_grad and id(t) in self.inputs:
                 return self.ledger.leaf(t, CALLER, s, device, is_param=False)
             if t.grad_fn is not None and torch.is_grad_enabled():
-                if self._reads_no_values(t):  # no gradient flows through it
+                if self._use_of(t) is not None:  # no value read: no gradient flows
                     return t
                 raise _untracked(t, s)
             return t if t.device == device or _cpu_scalar(t) else self._move(t, device)
