@@ -33,6 +33,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from pipepar.core.forms import writes_in_place
 from pipepar.core.recompute import is_recomputing
 
 __all__ = [
@@ -292,10 +293,10 @@ class _Watched(Tensor):
 
 def _may_write(func: Any, kwargs: dict[str, Any]) -> bool:
     """Whether ``func`` may write into a tensor it is given: an in-place method (``add_``),
-    an ``out=`` argument, or a normalization kernel that updates running statistics."""
+    an in-place operator (``+=``, ``t[:] = v``), an ``out=`` argument, or a normalization kernel
+    that updates running statistics."""
     name = getattr(func, "__name__", "")
-    in_place = name.endswith("_") and not name.endswith("__")
-    return in_place or "out" in kwargs or "norm" in name
+    return writes_in_place(func) or "out" in kwargs or "norm" in name
 
 
 def _deferred_call(call: dict[str, Any], stats: _Statistics) -> Tensor:

@@ -355,6 +355,27 @@ def op_name(func: Callable[..., Any]) -> str:
     return _SPELLINGS.get(name, name)
 
 
+def writes_in_place(func: Callable[..., Any]) -> bool:
+    """Whether a torch operation writes into its first argument: an in-place method
+    (``add_``, ``torch._foreach_add_``) or an in-place operator (``+=`` is ``__iadd__``,
+    ``t[i] = v`` is ``__setitem__``).
+
+    Example:
+        >>> writes_in_place(torch.Tensor.add_), writes_in_place(torch.Tensor.__iadd__)
+        (True, True)
+        >>> writes_in_place(torch.Tensor.add), writes_in_place(torch.Tensor._values)
+        (False, False)
+    """
+    name: str = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or name in _IN_PLACE_OPERATORS
+
+
+_IN_PLACE_OPERATORS = frozenset(
+    {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__",
+     "__setitem__"}
+)  # fmt: skip
+
 _SPELLINGS = {
     "truediv": "div",
     "true_divide": "div",

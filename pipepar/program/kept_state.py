@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from pipepar.core.forms import writes_in_place
+
 __all__ = [
     "KEPT",
     "METADATA",
@@ -62,12 +64,6 @@ _OVERWRITES = frozenset({"copy_", "fill_", "zero_"})
 """In-place operations replacing every value of the tensor they write into (their first
 argument) without reading it."""
 
-_IN_PLACE_DUNDERS = frozenset(
-    {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
-     "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__",
-     "__setitem__"}
-)  # fmt: skip
-
 KEPT = "kept"
 """How an operation uses a kept state: none of its values flow anywhere but into itself (its
 metadata is read, or it is updated in place): it stays the other micro-batch's."""
@@ -95,8 +91,7 @@ def use_of(name: str, func: Any, t: Tensor, args: Sequence[Any]) -> str | None:
     spelled = getattr(func, "__name__", "")
     if spelled in _OVERWRITES:
         return REPLACED
-    in_place = spelled.endswith("_") and not spelled.startswith("_")
-    return KEPT if in_place or spelled in _IN_PLACE_DUNDERS else None
+    return KEPT if writes_in_place(func) else None
 
 
 def holds(model: nn.Module, kept: Callable[[Tensor], bool]) -> bool:
