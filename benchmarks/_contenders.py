@@ -22,9 +22,12 @@ from torch import Tensor, nn
 
 import pipepar
 from benchmarks import _common as common
+from pipepar.core import switches
+from pipepar.local.thread_choice import TRIALS, WARMUP
 
 __all__ = [
     "DEFAULT_THREADS",
+    "SETTLE",
     "TORCH_SCHEDULES",
     "even_balance",
     "one_process",
@@ -36,6 +39,9 @@ __all__ = [
 ]
 
 DEFAULT_THREADS = os.cpu_count() or 1  # torch's default math threads: one per core
+SETTLE = WARMUP + 2 * TRIALS
+"""Steps a one-process pipepar contender runs before it is timed: its choice between its
+workers and the calling thread is made by then (:mod:`pipepar.local.thread_choice`)."""
 #: torch.distributed.pipelining's schedules, by their class name without ``Schedule``.
 TORCH_SCHEDULES = (
     "GPipe",
@@ -192,23 +198,32 @@ def pipepar_balance(schedule: str, n_layers: int, workers: int) -> list[int]:
 def one_process(
     library: str, schedule: str, work: common.Workload, m: int, workers: int = 2
 ) -> tuple[Step, nn.Module]:
-    """``(step, pipe)`` of ``"pipepar"`` (``pipe.step``), ``"pipepar-call"`` (``pipe(x)`` and
-    ``loss.backward()``), ``"torchgpipe"`` (the same): one math thread per stage; or
-    ``"hand-serial"``: the hand-written pipeline's actions on this thread, no messages."""
+    """``(step, pipe)`` of ``"pipepar"`` (``pipe.step``; its actions on the workers or on this
+    thread, whichever its first calls timed faster), ``"pipepar-workers"`` (the same on the
+    workers always), ``"pipepar-call"`` (``pipe(x)`` and ``loss.backward()``), ``"torchgpipe"``
+    (the same): one math thread per stage; or ``"hand-serial"``: the hand-written pipeline's
+    actions on this thread, no messages. A pipepar pipe has made its choice (:data:`SETTLE`
+    steps run)."""
     model, n = copy.deepcopy(work.model), len(work.model)
-    if library in ("pipepar", "pipepar-call"):
-        pipe = pipepar.wrap(
-            model,
-            pipepar_balance(schedule, n, workers),
-            devices=["cpu"] * workers,
-            chunks=m,
-            schedule=schedule,
-            checkpoint="never",
-            threads=1,
-        )
-        if library == "pipepar":
-            return _zeroed(pipe, lambda: pipe.step(work.x, work.y, work.loss)), pipe
-        return _zeroed(pipe, lambda: work.loss(pipe(work.x), work.y).backward()), pipe
+    if library in ("pipepar", "pipepar-call", "pipepar-workers"):
+        run_on = "workers" if library == "pipepar-workers" else switches.run_on()
+        with _switch("PIPEPAR_RUN_ON", run_on):  # read when the pipe is made
+            pipe = pipepar.wrap(
+                model,
+                pipepar_balance(schedule, n, workers),
+                devices=["cpu"] * workers,
+                chunks=m,
+                schedule=schedule,
+                checkpoint="never",
+                threads=1,
+            )
+        if library == "pipepar-call":
+            step = _zeroed(pipe, lambda: work.loss(pipe(work.x), work.y).backward())
+        else:
+            step = _zeroed(pipe, lambda: pipe.step(work.x, work.y, work.loss))
+        for _ in range(SETTLE):  # the pipe times its workers against this thread first
+            step()
+        return step, pipe
     if library == "hand-serial":
         from benchmarks import _hand_pipeline as hand
 
@@ -217,7 +232,8 @@ def one_process(
         return _zeroed(part, lambda: run(work.x, work.y)), part
     if library != "torchgpipe":
         raise ValueError(
-            f"library {library!r} is not pipepar, pipepar-call, hand-serial or torchgpipe"
+            f"library {library!r} is not pipepar, pipepar-workers, pipepar-call, hand-serial or "
+            "torchgpipe"
         )
     from torchgpipe import GPipe
 
@@ -304,3 +320,17 @@ def _zeroed(module: nn.Module, backward: Callable[[], Any]) -> Step:
         module.zero_grad(set_to_none=True)
 
     return step
+
+
+@contextlib.contextmanager
+def _switch(name: str, value: str) -> Iterator[None]:
+    """The environment variable ``name`` set to ``value`` inside the block, then as before."""
+    before = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before

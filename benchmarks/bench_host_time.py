@@ -78,6 +78,8 @@ TORCH = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBu
 HAND = ("gpipe", "1f1b", "zb-v")  # the hand-written pipeline plays pipepar's order of these
 CONTENDERS = (
     *(f"pipepar:{s}" for s in pipepar_schedules.NAMES),
+    "pipepar-workers:1f1b",
+    "pipepar-workers:zb-v",
     "torchgpipe:gpipe",
     *(f"pipepar.distributed:{s}" for s in pipepar_schedules.NAMES),
     *(f"hand:{s}" for s in HAND),
@@ -89,6 +91,7 @@ CONTENDERS = (
 QUICK = ("pipepar:1f1b", "pipepar:zb-v", "pipepar.distributed:1f1b", "torch:1F1B", "hand:zb-v")
 ONE_F_ONE_B = {  # a runtime's 1F1B, the yardstick of its schedules' host time
     "pipepar": "pipepar:1f1b",
+    "pipepar-workers": "pipepar-workers:1f1b",
     "pipepar.distributed": "pipepar.distributed:1f1b",
     "hand": "hand:1f1b",
     "hand-autograd": "hand:1f1b",  # the same 1F1B: it splits nothing
@@ -101,7 +104,9 @@ def actions(key: str, m: int) -> int | None:
     """The actions (F, B and W of a stage and a micro-batch) of one step of contender ``key``;
     None for the references, which run no pipeline."""
     library, _, name = key.partition(":")
-    if library in ("pipepar", "pipepar.distributed") or library.startswith("hand"):
+    if library in ("pipepar", "pipepar-workers", "pipepar.distributed") or library.startswith(
+        "hand"
+    ):
         if name not in pipepar_schedules.NAMES:
             return None
         stages = WORKERS * (2 if name in pipepar_schedules.VIRTUAL else 1)
@@ -239,6 +244,7 @@ def notes(work: common.Workload, args: argparse.Namespace, before: str) -> str:
 SWEEP_TITLE = "Host time per action: ZB-V against 1F1B by layer width (M=16, 2 cores)"
 PAIRS = {  # a runtime's (ZB-V, 1F1B)
     "pipepar.wrap (one process)": ("pipepar:zb-v", "pipepar:1f1b"),
+    "pipepar.wrap, workers only": ("pipepar-workers:zb-v", "pipepar-workers:1f1b"),
     "pipepar.distributed": ("pipepar.distributed:zb-v", "pipepar.distributed:1f1b"),
     "hand-written, W as Linear terms": ("hand:zb-v", "hand:1f1b"),
     "hand-written, W by autograd": ("hand-autograd:zb-v", "hand:1f1b"),

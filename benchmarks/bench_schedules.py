@@ -59,7 +59,8 @@ PIPEPAR = ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
 LIBRARIES = {  # library: (label, processes, notes)
     "one core": ("one core (reference)", 1, "the micro-batches one after another"),
     "limit": ("limit: one-core job x 2 processes", 2, "physical limit of the 2 cores"),
-    "pipepar": ("pipepar.wrap, pipe.step", 1, "one thread per core"),
+    "pipepar": ("pipepar.wrap, pipe.step", 1, "workers or the calling thread, as timed"),
+    "pipepar-workers": ("pipepar.wrap, workers only", 1, "one thread per core"),
     "pipepar-call": ("pipepar.wrap, pipe(x) + backward", 1, "all forwards, then backward"),
     "torchgpipe": ("torchgpipe.GPipe", 1, "both 'cpu' stages on one thread (one per device)"),
     "pipepar.distributed": ("pipepar.distributed", 2, "gloo, stage messages through shared memory"),
@@ -71,6 +72,7 @@ LIBRARIES = {  # library: (label, processes, notes)
 REMOTE = ("limit", "pipepar.distributed", "torch", "hand", "hand-autograd")
 CHOSEN_BY_USER = (
     "pipepar",
+    "pipepar-workers",
     "pipepar-call",
     "torchgpipe",
     "pipepar.distributed",

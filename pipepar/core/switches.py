@@ -15,6 +15,10 @@ variable                   default  what it does
                                     rings in ``/dev/shm``
 ``PIPEPAR_PIN_WORKERS``    on       ``0``: one process's CPU workers are not bound to cores
 ``PIPEPAR_TUNE_MALLOC``    on       ``0``: glibc's malloc thresholds are left as they are
+``PIPEPAR_RUN_ON``         auto     ``workers``: one process's actions always run on its worker
+                                    threads; ``caller``: always on the calling thread, one
+                                    after another; ``auto``: on CPU, whichever the first calls
+                                    timed faster (:mod:`pipepar.local.thread_choice`)
 =========================  =======  ==============================================================
 
 Example:
@@ -29,7 +33,18 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["debug", "early_weights", "pin_workers", "shared_memory", "tune_malloc"]
+__all__ = [
+    "RUN_ON",
+    "debug",
+    "early_weights",
+    "pin_workers",
+    "run_on",
+    "shared_memory",
+    "tune_malloc",
+]
+
+RUN_ON = ("auto", "workers", "caller")
+"""The values of ``PIPEPAR_RUN_ON``."""
 
 _ON = ("1", "true", "yes")
 
@@ -62,3 +77,19 @@ def pin_workers() -> bool:
 def tune_malloc() -> bool:
     """glibc's malloc thresholds may be tuned (``PIPEPAR_TUNE_MALLOC`` is not ``0``)."""
     return not _off("PIPEPAR_TUNE_MALLOC")
+
+
+def run_on() -> str:
+    """Who runs one process's actions (``PIPEPAR_RUN_ON``): ``"auto"`` (the default),
+    ``"workers"`` or ``"caller"``.
+
+    Raises:
+        ValueError: the variable is set to another value.
+    """
+    value = os.environ.get("PIPEPAR_RUN_ON", "auto").strip().lower() or "auto"
+    if value not in RUN_ON:
+        raise ValueError(
+            f"PIPEPAR_RUN_ON must be one of {', '.join(RUN_ON)}, but it is "
+            f"{os.environ['PIPEPAR_RUN_ON']!r}; unset it to let the pipe choose"
+        )
+    return value

@@ -237,7 +237,7 @@ def _forward_direct(pipe: PipeView, microbatches: list[Value]) -> Value:
 
 def forward_all(pipe: PipeView, run: Run) -> Value:
     """Every micro-batch's forward through the stages: the joined output."""
-    run.execute(pipe.workers(), FORWARD)
+    pipe.execute(run, FORWARD)
     return gather(run.outputs())
 
 
@@ -262,7 +262,7 @@ def _step(pipe: PipeView, call: ChainCall) -> Tensor:
 
     run = _run(pipe, microbatches, grad=grad, head=head)
     if not grad:  # evaluation: the schedule's forward actions only, no graph kept
-        run.execute(pipe.workers(), FORWARD)
+        pipe.execute(run, FORWARD)
         return joined_loss(run.outputs(), shares.weights)
     params = [p for s in pipe.stages for p in s.trainable()]
     _tune_heap(pipe)
@@ -274,7 +274,7 @@ def _step(pipe: PipeView, call: ChainCall) -> Tensor:
 
 
 def _step_all(pipe: PipeView, run: Run, weights: Sequence[float]) -> Tensor:
-    run.execute(pipe.workers(), EVERY)
+    pipe.execute(run, EVERY)
     return joined_loss(run.outputs(), weights)
 
 
@@ -301,5 +301,5 @@ class _PipeFunction(torch.autograd.Function):
         if run is None:
             raise RuntimeError("pipepar: backward through a pipe output twice is not supported")
         run.seed_gradients(grads)
-        run.execute(pipe.workers(backward=True), BACKWARD)
+        pipe.execute(run, BACKWARD, backward=True)
         return (None, None, None, *run.input_grads(), *run.take_param_grads())

@@ -84,6 +84,12 @@ class ThreadRun:
             if streams is not None:
                 streams.close()
 
+    def kind(self, phase: Phase) -> tuple[object, ...]:
+        """What makes runs of ``phase`` alike in cost: the schedule, training or not, and
+        whether a backward follows (:mod:`pipepar.local.thread_choice` times each kind)."""
+        grad = bool(self.steps) and self.steps[0].grad
+        return (phase, id(self.schedule), self.training, grad)
+
     def take_param_grads(self) -> list[Tensor | None]:
         """Per-parameter gradient sums, stage by stage, in ``stage.trainable()`` order; the
         steps forget them (so they can become ``.grad`` without a copy)."""

@@ -17,6 +17,7 @@ is taken as it is.
 
 from __future__ import annotations
 
+import time
 import weakref
 from collections.abc import Sequence
 from functools import lru_cache
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from pipepar.core import switches
 from pipepar.core.action_times import ActionTimes
 from pipepar.core.devices import DeviceSpec
 from pipepar.core.named_schedules import NAMES, VIRTUAL, make, n_workers
@@ -33,9 +35,12 @@ from pipepar.core.recompute_placement import placed_for
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.core.step import Recorder
-from pipepar.local.worker import WorkerPool
+from pipepar.local.thread_choice import choice_for
+from pipepar.local.worker import WorkerPool, math_threads
 
 if TYPE_CHECKING:
+    from pipepar.local.carrier import Phase
+    from pipepar.local.executor import ThreadRun
     from pipepar.recording.tracer import Tracer
 
 __all__ = [
@@ -91,6 +96,8 @@ class PipeView:
         self.draws = DrawLog()  # which stages draw random numbers, across mini-batches
         self._worker_devices = workers
         self._pool: WorkerPool | None = None
+        # Whether the workers or the calling thread run each kind of run (timed on the CPU).
+        self.thread_choice = choice_for(workers, switches.run_on())
         # What the stages took in a training mini-batch: the costs recomputes are placed on.
         self.times = ActionTimes(len(stages))
         # By (schedule, recompute, checkpoint, measured costs): the schedule and the one each
@@ -172,6 +179,25 @@ class PipeView:
         if self._pool is None:
             self._pool = WorkerPool(self._worker_devices, threads=self.pipe.threads)
         return self._pool
+
+    def execute(self, run: ThreadRun, phase: Phase, *, backward: bool = False) -> None:
+        """Run the actions of ``run`` that ``phase`` selects: on the worker threads, or on the
+        calling thread where that was timed faster for this kind of run
+        (:mod:`pipepar.local.thread_choice`), or where :meth:`workers` says so."""
+        pool = self.workers(backward=backward)
+        if pool is None:
+            run.execute(None, phase)
+            return
+        choice = self.thread_choice
+        kind = run.kind(phase)
+        caller = choice.on_caller(kind)
+        start = time.perf_counter()
+        if caller:  # with the workers' math threads: each kernel computes as on a worker
+            with math_threads(max(self.pipe.threads)):
+                run.execute(None, phase)
+        else:
+            run.execute(pool, phase)
+        choice.took(kind, caller, time.perf_counter() - start)
 
     def close(self) -> None:
         """Stop the worker threads (started again on the next call)."""

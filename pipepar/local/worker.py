@@ -27,7 +27,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 
 import torch
@@ -35,7 +35,16 @@ import torch
 from pipepar.core import switches
 from pipepar.core.logs import debug_enabled
 
-__all__ = ["IDLE", "Aborted", "Slots", "WorkerPool", "init_thread", "run_inline", "worker_cores"]
+__all__ = [
+    "IDLE",
+    "Aborted",
+    "Slots",
+    "WorkerPool",
+    "init_thread",
+    "math_threads",
+    "run_inline",
+    "worker_cores",
+]
 
 _log = logging.getLogger(__name__)
 _DEBUG = debug_enabled()
@@ -140,6 +149,22 @@ def init_thread(threads: int, device: torch.device, core: int | None = None) -> 
     if core is not None:  # an OSError: the core was taken from the process meanwhile
         with contextlib.suppress(OSError):
             os.sched_setaffinity(0, (core,))
+
+
+@contextlib.contextmanager
+def math_threads(n: int) -> Iterator[None]:
+    """The calling thread computes with ``n`` math threads inside the block (the count of the
+    workers whose actions it runs, so that each kernel splits its work, and rounds, as it does
+    on them), then with its own count again."""
+    own = torch.get_num_threads()
+    if own == n:
+        yield
+        return
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(own)
 
 
 def worker_cores(devices: Sequence[torch.device], threads: Sequence[int]) -> list[int | None]:

@@ -43,7 +43,7 @@ class ProgramFunction(torch.autograd.Function):
         n: int,
         *args: Tensor,
     ) -> Any:
-        run.execute(pipe.workers(), FORWARD)
+        pipe.execute(run, FORWARD)
         results = aligned(run.results())
         by_leaf = _leaf_shares(results, shares)
         output, ways = join_with(results, run.parts, by_leaf)
@@ -70,7 +70,7 @@ class ProgramFunction(torch.autograd.Function):
         run.open_backward()
         # on CUDA this runs on the autograd engine's device thread: the stage workers'
         # backwards would queue behind it there, so the pipe runs them on this thread instead
-        run.execute(ctx.pipe.workers(backward=True), BACKWARD)
+        ctx.pipe.execute(run, BACKWARD, backward=True)
         return (None, None, None, None, None, *run.input_grads(), *run.take_param_grads())
 
 

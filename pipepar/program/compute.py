@@ -141,7 +141,7 @@ class ProgramCompute:
         )
         run = self._run(pipe, calls, grad=needs_grad, shares=shares)
         if not needs_grad:
-            run.execute(pipe.workers(), FORWARD)
+            pipe.execute(run, FORWARD)
             return joined(run.results(), run.parts, shares)
         holder: dict[str, Any] = {}
         outs = ProgramFunction.apply(pipe, run, holder, shares, len(flat_in), *flat_in, *params)
@@ -197,14 +197,14 @@ class ProgramCompute:
         head = loss_head(shares, targets, loss_fn)
         run = self._run(pipe, calls, grad=grad, head=head, shares=shares)
         if not grad:  # evaluation: the schedule's forward actions only, no graph kept
-            run.execute(pipe.workers(), FORWARD)
+            pipe.execute(run, FORWARD)
             return joined_loss(run.results(), shares.weights)
         params = [p for held in self._params for p in held]
         flat_in = [t for c in calls for t in c.tensors()]
 
         def step_all() -> Tensor:
             run.open_backward()
-            run.execute(pipe.workers(), EVERY)
+            pipe.execute(run, EVERY)
             return joined_loss(run.results(), shares.weights)
 
         loss = StepFunction.apply(step_all, run, *flat_in, *params)

@@ -1,9 +1,11 @@
-"""core.backward_plans: a plan made once per shape of graph, replayed with the plain bits.
+"""core.backward_plans: a plan made once per shape of graph, replayed with the plain numbers.
 
 A stage's micro-batches share one plan when their graphs have one shape; a graph of another
 shape (a branch taken on some micro-batches only, a hook added) gets a plan of its own. Every
-case runs a split StageStep (B, then W) and compares the gradient sums with the plain model's
-``.grad`` bit for bit, and the input gradients with plain autograd's.
+case runs a split StageStep (B, then W) and compares the input gradients with plain autograd's
+bit for bit, and the gradient sums with the plain model's ``.grad``: W's products add into
+the sum in one kernel (``addmm_``), whose rounding some BLAS kernels make differ from a
+product then an add in the last bits, so the sums are compared within float32 rounding.
 """
 
 from __future__ import annotations
@@ -68,8 +70,8 @@ def _split(
 
 
 def _check(layers: list[nn.Module], xs: list[Tensor], stage: Stage | None = None) -> StageStep:
-    """Run ``layers`` split (as ``stage`` if given) and plain on ``xs``; assert the same bits;
-    return the step."""
+    """Run ``layers`` split (as ``stage`` if given) and plain on ``xs``; assert the same input
+    gradients and the same sums (within float32 rounding); return the step."""
     with torch.no_grad():
         gs = [torch.randn_like(nn.Sequential(*layers)(x)) for x in xs]
     want, want_inputs = _plain(layers, xs, gs)
@@ -77,7 +79,8 @@ def _check(layers: list[nn.Module], xs: list[Tensor], stage: Stage | None = None
     got = step.param_grads()
     for a, b in zip(got, want):
         assert (a is None) == (b is None)
-        assert a is None or torch.equal(a, b)  # type: ignore[arg-type]
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     for a, b in zip(inputs, want_inputs):
         assert a is not None and torch.equal(a, b)
     return step

@@ -1,4 +1,4 @@
-"""core.step: gradient sums of a small stage added after each pass, the plain model's bits."""
+"""core.step: gradient sums of a small stage added after each pass, the plain model's numbers."""
 
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ def _plain_sums(layers: list[nn.Module], xs: list[Tensor], gs: list[Tensor]) -> 
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
-def test_small_stage_sums_equal_the_plain_grads_bit_for_bit(split: bool) -> None:
+def test_small_stage_sums_equal_the_plain_grads(split: bool) -> None:
+    """Whole: the plain bits. Split: W's products add into the sum in one kernel
+    (``addmm_``), which some BLAS kernels round differently from a product then an add."""
     layers = _layers()
     xs = [torch.randn(3, 8) for _ in range(M)]
     gs = [torch.randn(3, 8) for _ in range(M)]
@@ -45,7 +47,11 @@ def test_small_stage_sums_equal_the_plain_grads_bit_for_bit(split: bool) -> None
     got = step.param_grads()
     assert len(got) == len(want)
     for a, b in zip(got, want):
-        assert a is not None and torch.equal(a, b)
+        assert a is not None
+        if split:
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        else:
+            assert torch.equal(a, b)
 
 
 def test_small_stage_backward_registers_no_parameter_hooks(
