@@ -2,6 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
+# Set before torch loads its OpenMP runtime (which reads it once): the math threads a test
+# leaves idle sleep instead of spinning. On 2 cores a pipe's stage threads and the tests'
+# own math threads outnumber the cores, and spinning threads took their time from the
+# threads with work (a third of the CPU seconds of the pipe tests; wall time too).
+# Processes the tests start (ranks, scripts) inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import gc
 import random
 import signal

@@ -61,16 +61,14 @@ def test_sharding_lowers_the_planned_peak_by_the_optimizer_state() -> None:
 
 
 def test_a_70b_model_with_adam_fits_8_stages_once_sharded_over_8() -> None:
-    """Llama-3-70B-shaped in bfloat16, Adam, 8 stages of 80 GiB: pipelining alone does not fit
-    (weights, gradients and Adam state are ~66 GiB per device); each stage sharded over the 8
-    replicas of a 64-device grid fits, with the state per rank about an eighth."""
+    """Llama-3-70B-shaped in bfloat16, Adam, 8 stages of 80 GiB, 8 micro-batches of one
+    4096-token sequence: pipelining alone does not fit (weights, gradients and Adam state are
+    ~66 GiB per device); each stage sharded over the 8 replicas of a 64-device grid fits, with
+    the state per rank about an eighth."""
     pytest.importorskip("transformers")
-    from models import transformers_zoo as zoo
-    from pipepar.planner.model_profile import profile_model
+    from tests._llama70b import llama3_70b_profiled
 
-    model = zoo.llama3_70b().to(torch.bfloat16)
-    ids = torch.zeros(1, 4096, dtype=torch.long, device="meta")
-    prof = profile_model(model, {"input_ids": ids, "labels": ids}, optimizer="adam")
+    prof = llama3_70b_profiled().profile.with_optimizer("adam")
     options = dict(devices=8, capacity="80GiB", chunks=8, schedule="1f1b", checkpoint="always")
     with pytest.raises(ValueError, match=r"over 8 devices fits.*shard=n here"):
         pipepar.plan(prof, **options)
