@@ -9,11 +9,15 @@ than the same actions run one after another on one thread (8 x Linear(64) on two
 for 1F1B, 1.8x for ZB-V; ``benchmarks/bench_host_time.py``).
 
 So a pipe whose stages are all on the CPU times both. For each kind of run (the phase of the
-schedule, the schedule, gradients on or off) its first :data:`WARMUP` calls run on the workers;
-the next alternate between the workers and the calling thread until each has :data:`TRIALS`
-timings; from then on that kind runs on the calling thread if its median was faster by
-:data:`MARGIN`, on the workers otherwise. The calling thread runs the schedule's actions in its
-serial order, which never waits for an input (:attr:`~pipepar.core.schedule.Schedule.serial`),
+schedule, the schedule, training or not, a backward to follow or not) its first
+:data:`WARMUP` calls run on the workers; the next alternate between the workers and the
+calling thread until each has :data:`TRIALS` timings; from then on that kind runs on the
+calling thread if its median was faster by :data:`MARGIN`, on the workers otherwise. Every
+:data:`RECHECK` calls of the kind the trials run again (a machine busy with other work during
+the first ones may have decided wrongly).
+
+The calling thread runs the schedule's actions in its serial order, which never waits for an
+input (:attr:`~pipepar.core.schedule.Schedule.serial`),
 with the workers' count of math threads: each stage runs its own actions in its own list's
 order, draws its random numbers from the same streams and splits each kernel's work as on its
 worker, so the results are the same bits either way; only the time differs.
@@ -32,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["MARGIN", "TRIALS", "WARMUP", "ThreadChoice", "choice_for"]
+__all__ = ["MARGIN", "RECHECK", "TRIALS", "WARMUP", "ThreadChoice", "choice_for"]
 
 _log = logging.getLogger(__name__)
 
@@ -43,6 +47,8 @@ TRIALS = 3
 """Timed calls of a kind on each side."""
 MARGIN = 1.1
 """How much faster the calling thread's median must be for a kind to leave the workers."""
+RECHECK = 500
+"""Calls of a kind run as chosen before its trials run again."""
 _KINDS = 64  # kinds remembered; past that, the trials start over (a pipe fed ever new shapes)
 
 
@@ -54,6 +60,8 @@ class _Trials:
     workers: list[float] = field(default_factory=list)
     caller: list[float] = field(default_factory=list)
     choice: bool | None = None
+    served: int = 0
+    """Calls run as chosen since the choice."""
 
 
 class ThreadChoice:
@@ -95,7 +103,12 @@ class ThreadChoice:
     def took(self, kind: Hashable, caller: bool, seconds: float) -> None:
         """A call of ``kind`` ran (on the calling thread if ``caller``) in ``seconds``."""
         trials = self._kinds.get(kind)
-        if trials is None or trials.choice is not None:
+        if trials is None:
+            return
+        if trials.choice is not None:
+            trials.served += 1
+            if trials.served >= RECHECK:  # time both again, past the warm-up
+                self._kinds[kind] = _Trials(seen=WARMUP)
             return
         trials.seen += 1
         if trials.seen <= WARMUP:

@@ -214,3 +214,20 @@ def test_training_and_evaluation_are_timed_apart(monkeypatch: pytest.MonkeyPatch
     made = list(choice.choices().values())
     assert len(made) == 2 and made[1] is None  # the evaluation's trials have not started
     torch.testing.assert_close(evaluated, pipe.module(x))
+
+
+def test_the_trials_run_again_after_a_while() -> None:
+    choice = ThreadChoice("auto")
+    for _ in range(CALLS):
+        caller = choice.on_caller("step")
+        choice.took("step", caller, 1.0 if caller else 2.0)  # the calling thread was faster
+    for _ in range(thread_choice.RECHECK):
+        assert choice.on_caller("step") is True
+        choice.took("step", True, 1.0)
+    sides = []
+    for _ in range(2 * TRIALS):  # timed again, no warm-up: now the workers are faster
+        caller = choice.on_caller("step")
+        sides.append(caller)
+        choice.took("step", caller, 2.0 if caller else 1.0)
+    assert sides == [False, True] * TRIALS
+    assert choice.chosen("step") is False
