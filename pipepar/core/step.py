@@ -41,6 +41,7 @@ from pipepar.core.microbatch import Value, check_rows, map_tensors, tensors
 from pipepar.core.offload_plan import Offloader
 from pipepar.core.randomness import Randomness
 from pipepar.core.recompute import recomputing, should_checkpoint
+from pipepar.core.saved_hooks import SavedHooks
 from pipepar.core.split_backward import (
     Adder,
     BackwardWalk,
@@ -221,7 +222,10 @@ class StageStep:
         self.flags = tuple(layer.training for layer in stage.layers)
         self.training = any(self.flags)
         self.autocast = Autocast.capture()
-        self._contexts = bool(self.autocast.states) or stage.device.type == "cuda"
+        self.saved_hooks = SavedHooks.capture()  # the caller's, on every thread (see there)
+        self._contexts = (
+            bool(self.autocast.states) or bool(self.saved_hooks) or stage.device.type == "cuda"
+        )
         """Whether a forward enters more than the random streams (:meth:`_context`)."""
         self._cast_cache = True
         """Whether a forward keeps autocast's cast cache (see :meth:`Autocast.__call__`)."""
@@ -301,6 +305,7 @@ class StageStep:
         if self.stage.device.type == "cuda":
             stack.enter_context(torch.cuda.device(self.stage.device))
         stack.enter_context(self.autocast(cache=self._cast_cache))
+        stack.enter_context(self.saved_hooks())
         return stack
 
     # -- R ------------------------------------------------------------------------------------

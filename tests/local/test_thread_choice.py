@@ -59,12 +59,12 @@ def _model(program: bool, seen: set[str]) -> nn.Module:
     return _Net(blocks) if program else nn.Sequential(*blocks)
 
 
-def _pipe(model: nn.Module, program: bool, schedule: str) -> pipepar.Pipe:
+def _pipe(model: nn.Module, program: bool, schedule: str, **options: str) -> pipepar.Pipe:
     split = {"split": ["blocks.2"]} if program else {"balance": [2, 2]}
     if schedule == "zb-v":
         split = {"split": ["blocks.1", "blocks.2", "blocks.3"]} if program else {"balance": [1] * 4}
     return pipepar.wrap(  # type: ignore[arg-type]
-        model, devices=["cpu", "cpu"], chunks=4, schedule=schedule, **split
+        model, devices=["cpu", "cpu"], chunks=4, schedule=schedule, **split, **options
     )
 
 
@@ -231,3 +231,41 @@ def test_the_trials_run_again_after_a_while() -> None:
         choice.took("step", caller, 2.0 if caller else 1.0)
     assert sides == [False, True] * TRIALS
     assert choice.chosen("step") is False
+
+
+def _to_bfloat16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16) if t.dtype == torch.float32 else t
+
+
+def _to_float32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype == torch.bfloat16 else t
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+@pytest.mark.parametrize(
+    ("program", "checkpoint"), [(False, "never"), (False, "always"), (True, "never")]
+)
+def test_the_callers_saved_tensor_hooks_apply_on_the_workers_and_the_calling_thread(
+    monkeypatch: pytest.MonkeyPatch, schedule: str, program: bool, checkpoint: str
+) -> None:
+    """Hooks set around the step (here: what the forward saves kept in bfloat16) are
+    thread-local, as autocast is: the calling thread had them and the workers had not, so the
+    two computed different gradients. Both apply them now, as the plain model does (a model's
+    micro-batch drivers too)."""
+
+    def grads(run_on: str) -> list[torch.Tensor]:
+        monkeypatch.setenv("PIPEPAR_RUN_ON", run_on)
+        model = _model(program, set())
+        x, y = torch.randn(16, 8), torch.randn(16, 8)
+        with torch.autograd.graph.saved_tensors_hooks(_to_bfloat16, _to_float32):
+            if run_on == "plain":
+                nn.functional.mse_loss(model(x), y).backward()
+            else:
+                pipe = _pipe(model, program, schedule, checkpoint=checkpoint)
+                pipe.step(x, target=y, loss_fn=nn.functional.mse_loss)
+        return [p.grad for p in model.parameters()]  # type: ignore[misc]
+
+    plain, on_workers, on_caller = grads("plain"), grads("workers"), grads("caller")
+    for a, b, want in zip(on_workers, on_caller, plain):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(a, want)
