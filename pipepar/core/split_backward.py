@@ -35,7 +35,10 @@ first stage, whose input needs no gradient, still reaches its Linears; the lowes
 
 If a parameter is reachable from two junctions (a weight used twice in one stage), restarting at
 both would count the path between them twice; such a stage runs its whole backward in B and W
-does nothing (correct, only without the overlap).
+does nothing (correct, only without the overlap). So does a stage whose parameters are reached
+through a region compiled by ``torch.compile``: its backward node computes the region's input
+and parameter gradients in one graph, which W would run a second time, and whose buffers its
+first run may free (AOTAutograd's donated buffers refuse a pass that keeps the graph).
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ __all__ = [
 ]
 
 _MATMUL = {"AddmmBackward0": (1, 2, 0), "MmBackward0": (0, 1, None)}
+_RUNS_ONCE = frozenset({"CompiledFunctionBackward"})
+"""Nodes whose backward computes every gradient of a region at once and must not run twice."""
 """Node name: indices of (input, weight, bias) among its next edges."""
 _NORM = "NativeLayerNormBackward0"
 """A LayerNorm: next edges (input, weight, bias)."""
@@ -269,7 +274,8 @@ class BackwardWalk:
         work: junctions (with their generic parameters), direct terms, roots.
         on_path: nodes from which a stage input or a direct junction is reachable.
         captured: junction indices whose gradient B takes as an output (nodes it need not run).
-        conflict: a parameter is reached along two routes: the backward cannot be split.
+        conflict: the backward cannot be split: a parameter is reached along two routes, or
+            W would run again a junction whose backward runs once (a compiled region's).
     """
 
     work: WeightWork
@@ -336,7 +342,15 @@ def plan_backward(
         generic.add(id(p))
     _settle(work, pending, generic)
     captured = [k for k, (node, _) in enumerate(work.junctions) if node not in needed]
-    return BackwardWalk(work, on_path, captured, any(n > 1 for n in routes.values()))
+    twice = any(n > 1 for n in routes.values())
+    return BackwardWalk(work, on_path, captured, twice or _runs_once(work, graph.names))
+
+
+def _runs_once(work: WeightWork, names: dict[Node, str]) -> bool:
+    """Whether W would run again a junction whose backward runs once: a compiled region's
+    (``torch.compile``: one graph computes its input and parameter gradients together, and
+    its saved buffers may be freed by the first run, so it refuses a pass that keeps it)."""
+    return any(params and names.get(node) in _RUNS_ONCE for node, params in work.junctions)
 
 
 class _Graph:
