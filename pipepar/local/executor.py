@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -30,11 +31,23 @@ from pipepar.local.weights import shared_stages
 from pipepar.local.worker import WorkerPool
 from pipepar.recording.tracer import Tracer
 
-__all__ = ["Run", "ThreadRun", "both_recorders"]
+__all__ = ["Run", "RunKind", "ThreadRun", "both_recorders"]
 
 EVERY: Phase = lambda a: True  # noqa: E731
 FORWARD: Phase = lambda a: a.kind == "F"  # noqa: E731
 BACKWARD: Phase = lambda a: a.kind != "F"  # noqa: E731
+_PHASES = {EVERY: "every action", FORWARD: "forwards", BACKWARD: "backwards"}
+
+
+class RunKind(NamedTuple):
+    """What makes runs alike in cost (:meth:`ThreadRun.kind`)."""
+
+    phase: str
+    schedule: int
+    """The schedule's ``id`` (one object per layout and micro-batch count, kept by the pipe)."""
+    training: bool
+    backward: bool
+    """Whether a backward follows the forwards."""
 
 
 class ThreadRun:
@@ -84,11 +97,11 @@ class ThreadRun:
             if streams is not None:
                 streams.close()
 
-    def kind(self, phase: Phase) -> tuple[object, ...]:
+    def kind(self, phase: Phase) -> RunKind:
         """What makes runs of ``phase`` alike in cost: the schedule, training or not, and
         whether a backward follows (:mod:`pipepar.local.thread_choice` times each kind)."""
         grad = bool(self.steps) and self.steps[0].grad
-        return (phase, id(self.schedule), self.training, grad)
+        return RunKind(_PHASES.get(phase, "actions"), id(self.schedule), self.training, grad)
 
     def take_param_grads(self) -> list[Tensor | None]:
         """Per-parameter gradient sums, stage by stage, in ``stage.trainable()`` order; the
