@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipepar.core.switches import RUN_ON
+
 __all__ = ["MARGIN", "RECHECK", "TRIALS", "WARMUP", "ThreadChoice", "choice_for"]
 
 _log = logging.getLogger(__name__)
@@ -80,8 +82,8 @@ class ThreadChoice:
     """
 
     def __init__(self, mode: str) -> None:
-        if mode not in ("auto", "workers", "caller"):
-            raise ValueError(f"mode must be 'auto', 'workers' or 'caller', but got {mode!r}")
+        if mode not in RUN_ON:
+            raise ValueError(f"mode must be one of {', '.join(RUN_ON)}, but got {mode!r}")
         self.mode = mode
         self._kinds: dict[Hashable, _Trials] = {}
 
