@@ -450,6 +450,8 @@ def kept_loss(value: Any) -> Any:
     ``smooth_l1_loss``, ...) reduce into a scalar that still holds the whole element-wise
     buffer, a micro-batch's output in bytes; kept as they are, the last stage held one such
     buffer per micro-batch until the step ended."""
+    if isinstance(value, Tensor):  # the usual loss: no tree to walk
+        return _own_storage(value)
     return pytree.tree_map_only(Tensor, _own_storage, value)
 
 

@@ -196,7 +196,7 @@ class Run(ThreadRun):
         """Start the backward of micro-batch ``i`` from ``seed`` (its loss's share, times a
         loss scaler's scale)."""
         last = self.stages[-1].device
-        self.slots.put(("B", len(self.stages) - 1, i), (torch.tensor(seed, device=last),))
+        self.slots.put(("B", len(self.stages) - 1, i), (torch.scalar_tensor(seed, device=last),))
 
     def input_grads(self) -> list[Tensor | None]:
         """Gradients of the pipeline's input tensors (after all backward actions ran)."""

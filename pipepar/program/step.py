@@ -80,7 +80,8 @@ class Batch:
             if loss.requires_grad:
                 seed = self.seeds[i] if self.seeds is not None else 1.0
                 cut.ledger.outputs.append((cut.stage, loss))
-                cut.ledger.add_grad(loss, torch.tensor(seed, dtype=loss.dtype, device=loss.device))
+                start = torch.scalar_tensor(seed, dtype=loss.dtype, device=loss.device)
+                cut.ledger.add_grad(loss, start)
             return kept_loss(loss)  # the ledger holds the graph's root, and lets go of it
 
         return run

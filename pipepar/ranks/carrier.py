@@ -149,7 +149,7 @@ class ChainCarrier:
     def take_backward(self, k: int, action: Action) -> tuple[Tensor | None, ...]:
         s, i = action.stage, action.microbatch
         if s == self.last:
-            return (torch.tensor(self.seeds[i], device=self.steps[s].stage.device),)
+            return (torch.scalar_tensor(self.seeds[i], device=self.steps[s].stage.device),)
         if self._mine(s + 1):
             return self._local.pop(("B", s, i))  # type: ignore[no-any-return]
         metas = self.seen.outputs[(s, i)]
