@@ -224,10 +224,13 @@ def one_process(
         for _ in range(SETTLE):  # the pipe times its workers against this thread first
             step()
         return step, pipe
-    if library == "hand-serial":
+    if library in ("hand-serial", "hand-serial-read"):
         from benchmarks import _hand_pipeline as hand
 
-        run, part = hand.hand_written(model, schedule, 0, workers, m, work.loss, serial=True)
+        weights = "terms-read" if library == "hand-serial-read" else "terms"
+        run, part = hand.hand_written(
+            model, schedule, 0, workers, m, work.loss, weights, serial=True
+        )
         hand.check_gradients(run, part, model, work.x, work.y, work.loss)
         return _zeroed(part, lambda: run(work.x, work.y)), part
     if library != "torchgpipe":

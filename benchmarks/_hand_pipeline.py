@@ -14,7 +14,10 @@ twice: B is one ``torch.autograd.grad`` from the stage's output to its input and
 each ``nn.Linear`` (autograd then skips every weight product), W computes each Linear's weight
 gradient from what B left, ``grad^T @ input``, and its bias gradient ``grad.sum(0)``, summed into
 ``.grad``. It is written for the benchmark's Linear + ReLU stacks only (a stage holding a layer
-with parameters that is not a Linear is refused).
+with parameters that is not a Linear is refused). ``weights="terms-read"`` does the same and, in
+each B of a stage with an input gradient, also reads the stage's graph as pipepar's split does
+(:class:`~pipepar.core.backward_plans.BackwardPlans`, its plan then unused): what a library that
+does not know the stage's layers must pay to find where the weight gradients leave the graph.
 
 :func:`check_gradients` runs one step and compares every local gradient with the plain model's on
 the whole batch, so a hand-written contender is timed only once it computes the right numbers.
@@ -34,6 +37,8 @@ from torch import Tensor, nn
 from benchmarks import _common as common
 from benchmarks._contenders import pipepar_balance
 from pipepar.core import named_schedules
+from pipepar.core.backward_plans import BackwardPlans
+from pipepar.core.split_backward import by_id
 
 __all__ = ["check_gradients", "hand_written"]
 
@@ -52,6 +57,7 @@ class _Step:
     local: dict[tuple[str, int, int], Tensor] = field(default_factory=dict)  # same-rank handoffs
     grads: dict[tuple[int, int], tuple[Tensor, ...]] = field(default_factory=dict)  # for W
     sends: list[Any] = field(default_factory=list)
+    plans: dict[int, BackwardPlans] | None = None  # "terms-read": each stage's graph read in B
 
 
 def hand_written(
@@ -75,9 +81,10 @@ def hand_written(
     ``weights``: how a schedule with W actions splits a stage's backward: ``"terms"`` (B one
     pass to the input and each Linear's output, W the Linear terms) or ``"autograd"`` (B
     ``autograd.grad(output, input, grad, retain_graph=True)``, W ``autograd.grad(output,
-    parameters, grad)``: two engine passes, the weight path's products done twice)."""
-    if weights not in ("terms", "autograd"):
-        raise ValueError(f"weights must be 'terms' or 'autograd', not {weights!r}")
+    parameters, grad)``: two engine passes, the weight path's products done twice) or
+    ``"terms-read"`` (``"terms"``, each B also reading its stage's graph as pipepar does)."""
+    if weights not in ("terms", "autograd", "terms-read"):
+        raise ValueError(f"weights must be 'terms', 'autograd' or 'terms-read', not {weights!r}")
     order = named_schedules.make(
         schedule, world * (2 if schedule in named_schedules.VIRTUAL else 1), m, n_workers=world
     )
@@ -88,16 +95,21 @@ def hand_written(
     else:
         actions, owner = order.actions[rank], order.placement
     mine = {s: parts[s] for s in range(len(parts)) if owner[s] == rank}
-    split = weights if any(a.kind == "W" for w in order.actions for a in w) else None
+    reads = weights == "terms-read"
+    splits = any(a.kind == "W" for w in order.actions for a in w)
+    split = ("terms" if reads else weights) if splits else None
     if split == "terms":
         _only_linear_parameters(mine)
+    plans = None  # kept across steps, as a pipe keeps its stages' plans
+    if split and reads:
+        plans = {s: BackwardPlans(by_id(list(part.parameters()))) for s, part in mine.items()}
     last = len(bal) - 1
 
     def share(out: Tensor, target: Tensor) -> Tensor:
         return loss(out, target) / m
 
     def run(x: Tensor, y: Tensor) -> None:
-        state = _Step(list(x.tensor_split(m)), list(y.tensor_split(m)), split)
+        state = _Step(list(x.tensor_split(m)), list(y.tensor_split(m)), split, plans=plans)
         for a in actions:
             s, i = a.stage, a.microbatch
             if a.kind == "F":
@@ -159,6 +171,8 @@ def _backward(state: _Step, s: int, i: int, owner: tuple[int, ...], last: int, r
         else:
             grad = torch.empty_like(out)
             dist.recv(grad, owner[s + 1], tag=2 * (s + 1) + 1)
+    if state.plans is not None and s > 0:  # where pipepar's split reads the graph
+        state.plans[s].plan([out], [torch.ones_like(out) if grad is None else grad], [x])
     if state.split == "terms":
         wanted = ([x] if s > 0 else []) + [z for _, _, z in records]
         got = torch.autograd.grad(out, wanted, grad)

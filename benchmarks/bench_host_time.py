@@ -16,7 +16,9 @@ across two ranks in pipepar's order of gpipe, 1f1b and zb-v (``benchmarks/_hand_
 the blocks called directly, ``dist.isend``/``recv``; zb-v's B one ``autograd.grad`` to the stage
 input and each Linear's output, its W the Linear's weight and bias terms), the same ZB-V with
 W as a second engine pass (**hand-autograd**), the same actions on one thread in the schedule's
-serial order with no messages (**hand-serial**: the schedule's torch calls alone) and
+serial order with no messages (**hand-serial**: the schedule's torch calls alone), that ZB-V
+with each split B also reading its stage's graph as pipepar does (**hand-serial-read**: the
+floor of a library that finds the weight terms in the graph instead of knowing the layers) and
 torch.distributed.pipelining's schedules, its zero-bubble ones included. Contenders alternate
 in blocks of steps, each step is timed on its own (across ranks: a barrier before each, the
 slower rank's time) and becomes a rate in samples/s; the table gives the p90 rate with the
@@ -86,6 +88,7 @@ CONTENDERS = (
     "hand-autograd:zb-v",
     "hand-serial:1f1b",
     "hand-serial:zb-v",
+    "hand-serial-read:zb-v",
     *(f"torch:{s}" for s in TORCH),
 )
 QUICK = ("pipepar:1f1b", "pipepar:zb-v", "pipepar.distributed:1f1b", "torch:1F1B", "hand:zb-v")
@@ -96,6 +99,7 @@ ONE_F_ONE_B = {  # a runtime's 1F1B, the yardstick of its schedules' host time
     "hand": "hand:1f1b",
     "hand-autograd": "hand:1f1b",  # the same 1F1B: it splits nothing
     "hand-serial": "hand-serial:1f1b",
+    "hand-serial-read": "hand-serial:1f1b",  # the same 1F1B: it reads no graph
     "torch": "torch:1F1B",
 }
 
@@ -249,6 +253,7 @@ PAIRS = {  # a runtime's (ZB-V, 1F1B)
     "hand-written, W as Linear terms": ("hand:zb-v", "hand:1f1b"),
     "hand-written, W by autograd": ("hand-autograd:zb-v", "hand:1f1b"),
     "hand-written, one thread, no messages": ("hand-serial:zb-v", "hand-serial:1f1b"),
+    "hand-written, one thread, graph read": ("hand-serial-read:zb-v", "hand-serial:1f1b"),
     "torch.distributed.pipelining": ("torch:ZBVZeroBubble", "torch:1F1B"),
 }
 PEERS = {  # pipepar's 1F1B against a peer's, on the same processes

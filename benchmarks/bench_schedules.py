@@ -68,6 +68,11 @@ LIBRARIES = {  # library: (label, processes, notes)
     "hand": ("hand-written pipeline", 2, "gloo isend/recv, pipepar's order; W: Linear terms"),
     "hand-autograd": ("hand-written, W by autograd", 2, "as hand, W an engine pass to the weights"),
     "hand-serial": ("hand-written, one thread", 1, "all stages on one thread, no messages"),
+    "hand-serial-read": (
+        "hand-written, one thread, graph read",
+        1,
+        "as hand-written one thread; each split B also reads its graph as pipepar does",
+    ),
 }
 REMOTE = ("limit", "pipepar.distributed", "torch", "hand", "hand-autograd")
 CHOSEN_BY_USER = (
@@ -79,6 +84,7 @@ CHOSEN_BY_USER = (
     "torch",
     *REMOTE[3:],
     "hand-serial",
+    "hand-serial-read",
 )
 CONTENDERS = (
     *(f"pipepar:{s}" for s in PIPEPAR),

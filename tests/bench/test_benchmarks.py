@@ -781,6 +781,33 @@ def test_hand_written_pipeline_on_one_thread_computes_the_models_gradients(sched
     assert all(p.grad is None for p in part.parameters())  # the step lets them go
 
 
+def test_hand_written_pipeline_reading_its_graphs_reads_each_split_backward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ZB-V that also reads each split B's graph as pipepar does: its gradients checked
+    when built, and a graph read in every B of a stage with an input gradient (stages 1-3 of
+    four, each of the 4 micro-batches), none in the others."""
+    from benchmarks import _hand_pipeline as hand
+
+    read: list[int] = []
+    plan = hand.BackwardPlans.plan
+
+    def counted(self: Any, outputs: Any, *args: Any, **kwargs: Any) -> Any:
+        read.append(len(outputs))
+        return plan(self, outputs, *args, **kwargs)
+
+    monkeypatch.setattr(hand.BackwardPlans, "plan", counted)
+    work = common.workload("tiny", width=8)
+    model = copy.deepcopy(work.model)
+    run, part = hand.hand_written(model, "zb-v", 0, 2, 4, work.loss, "terms-read", serial=True)
+    hand.check_gradients(run, part, model, work.x, work.y, work.loss)
+    assert read == [1] * 12
+    read.clear()
+    run, part = hand.hand_written(model, "zb-v", 0, 2, 4, work.loss, "terms", serial=True)
+    hand.check_gradients(run, part, model, work.x, work.y, work.loss)
+    assert read == []
+
+
 def test_hand_written_gradient_check_refuses_other_numbers() -> None:
     from benchmarks._hand_pipeline import check_gradients
 
