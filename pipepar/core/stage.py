@@ -11,6 +11,7 @@ from torch import nn
 
 from pipepar.core.backward_plans import BackwardPlans
 from pipepar.core.first_calls import FirstCalls
+from pipepar.core.handed import handed
 from pipepar.core.microbatch import Value, check_value, map_tensors
 
 __all__ = ["Stage", "StageModule", "iter_layers", "split_stages"]
@@ -104,12 +105,13 @@ class Stage:
         return self.module(value)
 
     def protect(self, value: Value) -> Value:
-        """A copy of ``value`` if the first layer would overwrite it in place.
-
-        The stage input is kept for backward (and for recompute), and an in-place first layer
-        such as ``nn.ReLU(inplace=True)`` would overwrite it; autograd refuses that on a leaf.
-        """
-        return map_tensors(value, torch.Tensor.clone) if self.in_place_first else value
+        """What the layers are given of ``value``, the stage input the step keeps for backward
+        (and for recompute): a copy if the first layer would overwrite it in place
+        (``nn.ReLU(inplace=True)``; autograd refuses that on a leaf), else each tensor that
+        takes a gradient as a view of it with a history (:mod:`pipepar.core.handed`)."""
+        if self.in_place_first:
+            return map_tensors(value, torch.Tensor.clone)
+        return map_tensors(value, handed)
 
     def describe(self) -> str:
         """E.g. ``stage 1 (layers 3..5 on cpu)``."""

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from pipepar.core import engine
 from pipepar.core.backward_plans import BackwardPlans, plans_over
+from pipepar.core.callers_modes import CallersModes
 from pipepar.core.grad_mode import GradMode
 from pipepar.core.losses import kept_loss
 from pipepar.core.microbatch import Value, check_rows, map_tensors, tensors
@@ -223,8 +224,12 @@ class StageStep:
         self.training = any(self.flags)
         self.autocast = Autocast.capture()
         self.saved_hooks = SavedHooks.capture()  # the caller's, on every thread (see there)
+        self.modes = CallersModes.capture()  # the same
         self._contexts = (
-            bool(self.autocast.states) or bool(self.saved_hooks) or stage.device.type == "cuda"
+            bool(self.autocast.states)
+            or bool(self.saved_hooks)
+            or bool(self.modes)
+            or stage.device.type == "cuda"
         )
         """Whether a forward enters more than the random streams (:meth:`_context`)."""
         self._cast_cache = True
@@ -299,6 +304,7 @@ class StageStep:
 
     def _context(self, i: int, *, replay: bool) -> contextlib.ExitStack:
         stack = contextlib.ExitStack()
+        stack.enter_context(self.modes())  # outermost, as around the plain model
         if self.streams is not None:
             drawing = self.streams.drawing(self.stage.index, i, replay=replay, flags=self.flags)
             stack.enter_context(drawing)

@@ -35,7 +35,7 @@ from pipepar.core.recompute_placement import placed_for
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.core.step import Recorder
-from pipepar.local.thread_choice import choice_for
+from pipepar.local.thread_choice import choice_for, under_callers_mode
 from pipepar.local.worker import WorkerPool, math_threads
 
 if TYPE_CHECKING:
@@ -183,10 +183,15 @@ class PipeView:
     def execute(self, run: ThreadRun, phase: Phase, *, backward: bool = False) -> None:
         """Run the actions of ``run`` that ``phase`` selects: on the worker threads, or on the
         calling thread where that was timed faster for this kind of run
-        (:mod:`pipepar.local.thread_choice`), or where :meth:`workers` says so."""
+        (:mod:`pipepar.local.thread_choice`), under a mode of the caller's, or where
+        :meth:`workers` says so."""
         pool = self.workers(backward=backward)
         if pool is None:
             run.execute(None, phase)
+            return
+        if under_callers_mode():  # the workers would run outside the caller's mode
+            with math_threads(max(self.pipe.threads)):
+                run.execute(None, phase)
             return
         choice = self.thread_choice
         kind = run.kind(phase)

@@ -25,6 +25,11 @@ worker, so the results are the same bits either way; only the time differs.
 A pipe with a stage on an accelerator keeps its workers (its kernels run asynchronously, so a
 call's time on the host does not say how long its device took). ``PIPEPAR_RUN_ON=workers`` or
 ``caller`` fixes the choice (:func:`pipepar.core.switches.run_on`).
+
+Whatever the choice, a call made under a torch-function or dispatch mode of the caller's
+(``FlopCounterMode``, a debugging or a quantizing mode; :func:`under_callers_mode`) runs on the
+calling thread: a mode belongs to the thread that entered it, so the workers would run the
+model's operations outside it (a FLOP count of a step on the workers was 0).
 """
 
 from __future__ import annotations
@@ -36,9 +41,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipepar.core.callers_modes import CallersModes
 from pipepar.core.switches import RUN_ON
 
-__all__ = ["MARGIN", "RECHECK", "TRIALS", "WARMUP", "ThreadChoice", "choice_for"]
+__all__ = [
+    "MARGIN",
+    "RECHECK",
+    "TRIALS",
+    "WARMUP",
+    "ThreadChoice",
+    "choice_for",
+    "under_callers_mode",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -155,3 +169,19 @@ def choice_for(devices: Sequence[torch.device], mode: str) -> ThreadChoice:
     """
     on_cpu = all(d.type == "cpu" for d in devices)
     return ThreadChoice(mode if mode != "auto" or on_cpu else "workers")
+
+
+def under_callers_mode() -> bool:
+    """Whether the calling thread runs under a torch-function or dispatch mode of its own
+    (:class:`~pipepar.core.callers_modes.CallersModes`: not pipepar's, nor the default
+    device's).
+
+    Example:
+        >>> from torch.utils.flop_counter import FlopCounterMode
+        >>> with FlopCounterMode(display=False):
+        ...     under_callers_mode()
+        True
+        >>> under_callers_mode()
+        False
+    """
+    return bool(CallersModes.capture())
