@@ -49,12 +49,30 @@ def grad(
         >>> grad([w * x], [x, w], [torch.full((2,), 3.0)])
         (tensor([3., 3.]), tensor([3., 3.]))
     """
-    if _ENGINE is not None and _plain(outputs, inputs, grads):
-        return _ENGINE(
-            tuple(outputs), tuple(grads), retain_graph, False, tuple(inputs), True, False
+    try:
+        if _ENGINE is not None and _plain(outputs, inputs, grads):
+            return _ENGINE(
+                tuple(outputs), tuple(grads), retain_graph, False, tuple(inputs), True, False
+            )
+        mixed: Any = inputs  # tensors and gradient edges together, which its types do not list
+        return torch.autograd.grad(
+            outputs, mixed, grads, retain_graph=retain_graph, allow_unused=True
         )
-    mixed: Any = inputs  # tensors and gradient edges together, which its types do not list
-    return torch.autograd.grad(outputs, mixed, grads, retain_graph=retain_graph, allow_unused=True)
+    except RuntimeError as error:
+        if _ASKS_OF_A_LEAF in str(error):
+            raise RuntimeError(_LEAF_ASKED) from error
+        raise
+
+
+_ASKS_OF_A_LEAF = "_will_engine_execute_node"
+_LEAF_ASKED = (
+    "a hook on a stage's input asked autograd whether its engine will reach a leaf, which "
+    "torch cannot answer while a stage's backward computes the gradients of chosen inputs "
+    "(torch's module tracker asks it of every module's inputs: FlopCounterMode and the memory "
+    "tracker use it). The stages of an nn.Sequential are handed values with a history; a "
+    "model cut while it runs hands its units leaves. Use such a tool on the plain model, or "
+    "on an nn.Sequential of the model's blocks"
+)
 
 
 def _plain(outputs: Sequence[Any], inputs: Sequence[Any], grads: Sequence[Any]) -> bool:

@@ -40,7 +40,6 @@ from torch.overrides import TorchFunctionMode
 
 from pipepar.batching.calls import Call
 from pipepar.core.forms import op_name
-from pipepar.core.handed import handed, leaf_under
 from pipepar.core.split_backward import NextNodes
 from pipepar.program.aliases import Aliases
 from pipepar.program.driver import Weight
@@ -243,12 +242,12 @@ class Ledger:
 
 
 def _detached(t: Tensor, device: torch.device) -> Tensor:
-    """``t`` detached onto ``device``: a leaf, handed to the stage as a view of it where it
-    takes a gradient (:mod:`pipepar.core.handed`)."""
     leaf = t.detach()
     if leaf.device != device:
         leaf = leaf.to(device)
-    return handed(leaf.requires_grad_()) if t.requires_grad else leaf
+    if t.requires_grad:
+        leaf.requires_grad_()
+    return leaf
 
 
 def _is_leaf_param(t: Tensor) -> bool:
@@ -423,8 +422,7 @@ class Cut(TorchFunctionMode):
 
     def _entering(self) -> dict[int, int]:
         """The stage each leaf made so far enters (aliases and crossing leaves), by ``id``."""
-        crossings = self.ledger.crossings
-        return self.alias_stages() | {id(leaf_under(c.leaf)): c.consumer for c in crossings}
+        return self.alias_stages() | {id(c.leaf): c.consumer for c in self.ledger.crossings}
 
     def _check_crossing(self, t: Tensor, producer: int) -> None:
         """Walk the graph of ``t``, crossing out of ``producer`` now, if the call follows a

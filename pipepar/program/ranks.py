@@ -43,7 +43,6 @@ import torch
 import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
-from pipepar.core.handed import handed, leaf_under
 from pipepar.meta.values import SHADOW_LIMIT, MetaScalars
 from pipepar.program.aliases import Aliases
 from pipepar.program.cut import Crossing, Cut, Ledger, tag_stage
@@ -326,7 +325,7 @@ class RankCut(Cut):
         roots += [(c.original, c.producer) for c in self.exports if not c.original.is_meta]
         crossings = [c for c in self.ledger.crossings if c.consumer in mine]
         roots += [(c.original, c.producer) for c in crossings if c.producer in mine]
-        leaves = self.alias_stages() | {id(leaf_under(c.leaf)): c.consumer for c in crossings}
+        leaves = self.alias_stages() | {id(c.leaf): c.consumer for c in crossings}
         check_graphs(roots, leaves, self.owner, self.key)
 
     def _changed(self, why: str) -> None:
@@ -415,9 +414,9 @@ class RankCut(Cut):
 
 def _leaf(value: Tensor, like: Tensor) -> Tensor:
     """A received ``value`` as the leaf of shadow value ``like``: needing a gradient if it
-    does, and then handed to the stage as a view of it (:mod:`pipepar.core.handed`)."""
+    does."""
     if like.requires_grad and value.is_floating_point():
-        return handed(value.requires_grad_())
+        value.requires_grad_()
     return value
 
 
