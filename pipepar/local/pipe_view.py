@@ -17,6 +17,7 @@ is taken as it is.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from collections.abc import Sequence
@@ -35,6 +36,8 @@ from pipepar.core.recompute_placement import placed_for
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.core.step import Recorder
+from pipepar.local.executor import FORWARD
+from pipepar.local.parameter_hooks import hooks_set_aside
 from pipepar.local.thread_choice import choice_for, under_callers_mode
 from pipepar.local.worker import WorkerPool, math_threads
 
@@ -184,7 +187,14 @@ class PipeView:
         """Run the actions of ``run`` that ``phase`` selects: on the worker threads, or on the
         calling thread where that was timed faster for this kind of run
         (:mod:`pipepar.local.thread_choice`), under a mode of the caller's, or where
-        :meth:`workers` says so."""
+        :meth:`workers` says so. Hooks on the parameters wait while backward actions run:
+        autograd calls them once, on the sums the pipe's node hands it
+        (:mod:`pipepar.local.parameter_hooks`)."""
+        aside = hooks_set_aside(self.pipe.module.parameters()) if phase is not FORWARD else None
+        with aside or contextlib.nullcontext():
+            self._execute(run, phase, backward=backward)
+
+    def _execute(self, run: ThreadRun, phase: Phase, *, backward: bool) -> None:
         pool = self.workers(backward=backward)
         if pool is None:
             run.execute(None, phase)
