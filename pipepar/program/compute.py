@@ -134,7 +134,7 @@ class ProgramCompute:
         return joined(results, parts_of(calls), shares)
 
     def _forward(self, pipe: PipeView, calls: list[Call], shares: ModelLoss | None) -> Any:
-        params = [p for held in self._params for p in held]
+        params = [p for held in self._trainable() for p in held]
         flat_in = [t for c in calls for t in c.tensors()]
         needs_grad = torch.is_grad_enabled() and (
             bool(params) or any(t.requires_grad for t in flat_in)
@@ -195,6 +195,7 @@ class ProgramCompute:
     ) -> Tensor:
         grad = torch.is_grad_enabled()
         head = loss_head(shares, targets, loss_fn)
+        self._trainable()
         run = self._run(pipe, calls, grad=grad, head=head, shares=shares)
         if not grad:  # evaluation: the schedule's forward actions only, no graph kept
             pipe.execute(run, FORWARD)
@@ -210,6 +211,13 @@ class ProgramCompute:
         loss = StepFunction.apply(step_all, run, *flat_in, *params)
         loss.backward()
         return loss.detach()
+
+    def _trainable(self) -> list[list[nn.Parameter]]:
+        """The weights each stage holds that take a gradient, read again at each call: a
+        weight frozen or unfrozen after ``wrap`` (``requires_grad_``, as between phases of a
+        fine-tuning) takes a gradient exactly when it would in the plain model."""
+        self._params = _held(self.model, self._owner, len(self.sizes))
+        return self._params
 
     def _retrying(self, attempt: Callable[[], T]) -> T:
         """``attempt()``; if a micro-batch left the route it followed, again from the same
