@@ -107,18 +107,20 @@ class Pipe(nn.Module):
 
     _model: nn.Module  # not a child: its children are the pipe's
     _model_class: type[nn.Module] | None = None  # set on the class made for a model class
+    _signed_class: type[nn.Module] | None = None  # and the class its forward is signed as
     hf_device_map: dict[str, int | str]
     is_parallelizable: bool
     model_parallel: bool
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Pipe:
         """The pipe of a model other than a chain is an instance of the Pipe subclass made for
-        the model's class, named as it, whose ``forward`` shows the model's signature
-        (:func:`pipepar.hf.conventions.class_for`)."""
+        the model's class, named as it, whose ``forward`` shows the model's signature (that of
+        the module it passes its call to, where its own forward takes only ``*args`` and
+        ``**kwargs``: :func:`pipepar.hf.conventions.signing_class`)."""
         model = args[0] if args else kwargs.get("module")
         chain = is_chain(model, kwargs.get("split"), kwargs.get("sample"))
         if cls is Pipe and isinstance(model, nn.Module) and not chain:
-            return super().__new__(hf.class_for(Pipe, type(model)))
+            return super().__new__(hf.class_for(Pipe, type(model), hf.signing_class(model)))
         return super().__new__(cls)
 
     def __init__(
@@ -465,9 +467,10 @@ class Pipe(nn.Module):
         made_for = type(self).__dict__.get("_model_class")
         if made_for is None:
             return super().__reduce_ex__(protocol)
-        return _new_pipe, (made_for,), self.__getstate__()
+        signed = type(self).__dict__.get("_signed_class")
+        return _new_pipe, (made_for, signed), self.__getstate__()
 
 
-def _new_pipe(model_class: type[nn.Module]) -> Pipe:
-    """An empty pipe of ``model_class`` for unpickling to fill in."""
-    return Pipe.__new__(hf.class_for(Pipe, model_class))
+def _new_pipe(model_class: type[nn.Module], signed: type[nn.Module] | None = None) -> Pipe:
+    """An empty pipe of ``model_class`` (signed as ``signed``) for unpickling to fill in."""
+    return Pipe.__new__(hf.class_for(Pipe, model_class, signed))

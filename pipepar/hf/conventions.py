@@ -7,7 +7,10 @@ model placed on its devices would:
   (``remove_unused_columns``), the label names (``find_labels``) and whether the model takes
   ``num_items_in_batch`` (a ``**kwargs`` parameter), and the class's name matters too
   (``find_labels`` looks for ``QuestionAnswering``, label smoothing for a causal LM's name):
-  a pipe's class is one made per model class by :func:`class_for`;
+  a pipe's class is one made per model class by :func:`class_for`. A model whose ``forward``
+  only passes ``*args, **kwargs`` on to its one child (an adapter's wrapper such as PEFT's
+  ``PeftModel`` without a task type, which Trainer looks through by name) is described by
+  the class that takes the call (:func:`signing_class`), as Trainer describes it;
 - ``hf_device_map`` (module path -> device) says the model is placed already: Trainer then
   does not move it, and where it spans several devices treats it as model-parallel (no
   ``DataParallel``); accelerate does not move it either: :func:`device_map`;
@@ -28,33 +31,39 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
-__all__ = ["class_for", "device_map", "forward_signature", "spans_devices"]
+__all__ = ["class_for", "device_map", "forward_signature", "signing_class", "spans_devices"]
 
 W = TypeVar("W", bound=nn.Module)
 
-_CLASSES: dict[tuple[type[nn.Module], type[nn.Module]], Any] = {}
+_CLASSES: dict[tuple[type[nn.Module], type[nn.Module], type[nn.Module]], Any] = {}
 
 
-def class_for(base: type[W], model_class: type[nn.Module]) -> type[W]:
+def class_for(
+    base: type[W], model_class: type[nn.Module], signed: type[nn.Module] | None = None
+) -> type[W]:
     """The subclass of ``base`` (a wrapper, e.g. ``Pipe``) for wrappers of ``model_class``,
-    made once per model class: named as ``model_class`` (its ``__qualname__`` is
-    ``Base[Model]``), with a ``forward`` that calls ``base.forward`` and whose signature, read
-    off the class as Trainer reads it, is ``model_class.forward``'s. ``base`` itself where
-    that signature cannot be read. The class's ``_model_class`` names the model class.
+    made once per model class: named as ``signed`` (default ``model_class``; its
+    ``__qualname__`` is ``Base[Model]``), with a ``forward`` that calls ``base.forward`` and
+    whose signature, read off the class as Trainer reads it, is ``signed.forward``'s. ``base``
+    itself where that signature cannot be read. The class's ``_model_class`` names the model
+    class, its ``_signed_class`` the class it is signed as.
 
     Example:
         >>> made = class_for(Pipe, GPT2LMHeadModel)
         >>> made.__name__, list(inspect.signature(made.forward).parameters)[:2]
         ('GPT2LMHeadModel', ['self', 'input_ids'])
     """
-    made = _CLASSES.get((base, model_class))
+    signed = signed or model_class
+    made = _CLASSES.get((base, model_class, signed))
     if made is None:  # two threads may both make one; the first stored is kept
-        made = _CLASSES.setdefault((base, model_class), _made_for(base, model_class))
+        made = _CLASSES.setdefault(
+            (base, model_class, signed), _made_for(base, model_class, signed)
+        )
     return made  # type: ignore[no-any-return]
 
 
-def _made_for(base: type[W], model_class: type[nn.Module]) -> type[W]:
-    signature = forward_signature(model_class)
+def _made_for(base: type[W], model_class: type[nn.Module], signed: type[nn.Module]) -> type[W]:
+    signature = forward_signature(signed)
     if signature is None:
         return base
     qualname = f"{base.__qualname__}[{model_class.__qualname__}]"
@@ -68,11 +77,43 @@ def _made_for(base: type[W], model_class: type[nn.Module]) -> type[W]:
     namespace = {
         "forward": forward,
         "_model_class": model_class,
+        "_signed_class": signed,
         "__module__": base.__module__,
         "__qualname__": qualname,
         "__doc__": base.__doc__,
     }
-    return type(model_class.__name__, (base,), namespace)
+    return type(signed.__name__, (base,), namespace)
+
+
+def signing_class(model: nn.Module) -> type[nn.Module]:
+    """The class whose ``forward`` describes a call of ``model``: its own, unless it takes
+    nothing but ``*args`` and ``**kwargs`` and ``model`` has one child, to which such a
+    forward can only pass the call on; then the child's, followed the same way.
+
+    Example:
+        >>> class Wrapper(nn.Module):
+        ...     def __init__(self, inner): super().__init__(); self.inner = inner
+        ...     def forward(self, *args, **kwargs): return self.inner(*args, **kwargs)
+        >>> signing_class(Wrapper(nn.Linear(2, 2)))
+        <class 'torch.nn.modules.linear.Linear'>
+    """
+    module = model
+    while _passes_on(type(module)):
+        children = list(module.children())
+        if len(children) != 1:
+            return type(model)
+        module = children[0]
+    return type(module)
+
+
+def _passes_on(model_class: type[nn.Module]) -> bool:
+    """Whether ``model_class.forward`` takes only ``self``, ``*args`` and ``**kwargs``."""
+    signature = forward_signature(model_class)
+    if signature is None:
+        return False
+    kinds = [p.kind for p in list(signature.parameters.values())[1:]]
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return bool(kinds) and all(k in variadic for k in kinds)
 
 
 def forward_signature(model_class: type[nn.Module]) -> inspect.Signature | None:

@@ -167,6 +167,47 @@ def test_trainer_reads_the_models_signature_and_attributes(tmp_path: Path) -> No
     assert "input_ids" in ours._signature_columns
 
 
+def _bare_lora(model: nn.Module) -> nn.Module:
+    """A LoRA adapter without a task type: PEFT's ``PeftModel``, whose ``forward`` takes only
+    ``*args, **kwargs`` and passes them to the model it wraps."""
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["c_attn"], init_lora_weights=False)
+    return peft.get_peft_model(model, config)
+
+
+def test_trainer_trains_a_pipe_of_a_model_that_passes_its_call_on(tmp_path: Path) -> None:
+    """Trainer reads the pipe of a wrapper whose ``forward`` is ``(*args, **kwargs)`` as it
+    reads the wrapper (through to the model that takes the call): the same dataset columns,
+    labels and loss conventions, and the same training; with the wrapper's own signature it
+    dropped every column ("The batch received was empty")."""
+    torch.manual_seed(0)
+    model = _bare_lora(_gpt2())
+    plain = copy.deepcopy(model)
+    pipe = pipepar.wrap(model, split=["base_model.model.transformer.h.2"], devices=CPU2, chunks=2)
+    trainers = []
+    for run, which in (("plain", plain), ("pipe", pipe)):
+        trainers.append(transformers.Trainer(model=which, args=_arguments(tmp_path / run)))
+        trainers[-1]._set_signature_columns_if_needed()
+    theirs, ours = trainers
+    assert ours._signature_columns == theirs._signature_columns
+    for what in (
+        "label_names",
+        "model_accepts_loss_kwargs",
+        "can_return_loss",
+        "_loss_shifts_labels",
+    ):
+        assert getattr(ours, what) == getattr(theirs, what), what
+    assert pipe._get_name() == plain.get_base_model()._get_name()  # label smoothing reads it
+    theirs_log, _ = _train(plain, tmp_path / "plain", max_steps=2)
+    ours_log, _ = _train(pipe, tmp_path / "pipe", max_steps=2)
+    assert [e["loss"] for e in ours_log] == pytest.approx([e["loss"] for e in theirs_log], rel=1e-5)
+    for (name, p), (_, q) in zip(pipe.named_parameters(), plain.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    make, args, _ = pipe.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # the class found again
+    assert type(pickle.loads(pickle.dumps(make(*args)))) is type(pipe)
+    pipe.close()
+
+
 def test_accelerate_prepares_the_pipe_and_a_step_equals_the_plain_models() -> None:
     model = _gpt2()
     plain = copy.deepcopy(model)
