@@ -45,6 +45,7 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 
 from pipepar.core.forms import Averaged, Const, Count, Form, Summed, Unknown
+from pipepar.core.held_tensors import held_tensors
 from pipepar.core.reductions import Probe
 
 __all__ = [
@@ -270,7 +271,7 @@ class LossShares(Sequence[float]):
         the first one learns the shares."""
 
         def head(output: Any, i: int) -> Tensor:
-            probe = self.probe(i)
+            probe = self.probe(i, held_tensors(loss_fn) if i == 0 and not self.known else ())
             if probe is None:
                 loss = scalar_loss(loss_fn(output, targets[i]), self.what)
             else:

@@ -69,3 +69,54 @@ def test_a_custom_loss_says_what_it_counts() -> None:
 def test_the_old_nan_case_is_gone() -> None:
     # chunks=4 puts rows 1..4 (all ignored) alone in micro-batch 1: a mean over nothing
     _compare(F.cross_entropy, TARGETS, chunks=4, schedule="gpipe")
+
+
+# A sum over the real targets divided by a count of a larger batch (torchtitan's
+# ``global_valid_tokens``: every micro-batch of every accumulation step) that the loss function
+# holds: the same for every micro-batch, so the micro-batches' losses add up.
+COUNT = torch.tensor(16)
+
+
+def _summed_over(out: torch.Tensor, y: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.float(), y, reduction="sum", ignore_index=-100) / count
+
+
+class _SummedOver:
+    def __init__(self, count: torch.Tensor) -> None:
+        self.count = count
+
+    def __call__(self, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return _summed_over(out, y, self.count)
+
+
+def _default_count(out: torch.Tensor, y: torch.Tensor, count: torch.Tensor = COUNT) -> torch.Tensor:
+    return _summed_over(out, y, count)
+
+
+def _closing_over(count: torch.Tensor):
+    return lambda out, y: _summed_over(out, y, count)
+
+
+@pytest.mark.parametrize(
+    "loss_fn",
+    [
+        functools.partial(_summed_over, count=COUNT),
+        lambda out, y: _summed_over(out, y, COUNT),  # the module's variable
+        _closing_over(COUNT + 0),
+        _default_count,
+        _SummedOver(COUNT.float()),
+    ],
+    ids=["partial", "global", "closure", "default", "object"],
+)
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-v"])
+def test_a_sum_over_a_count_the_loss_function_holds_joins_exactly(loss_fn, schedule: str) -> None:
+    _compare(loss_fn, TARGETS, schedule=schedule)
+
+
+def test_a_count_made_from_the_target_outside_torch_is_still_refused() -> None:
+    def outside(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        count = torch.from_numpy((y != -100).numpy().sum(keepdims=True))  # this micro-batch's
+        return _summed_over(out, y, count)
+
+    with pytest.raises(pipepar.LossNotJoinable, match="div"):
+        _compare(outside, TARGETS)
