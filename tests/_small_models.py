@@ -1,12 +1,12 @@
-"""Small seeded models the planner and wrap tests build: an ``nn.Sequential`` and a model
-that is not one."""
+"""Small seeded models the planner and wrap tests build: an ``nn.Sequential``, a model
+that is not one, and one whose ends share a weight."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-__all__ = ["Residual", "tanh_stack"]
+__all__ = ["Residual", "TiedEnds", "tanh_stack"]
 
 
 def tanh_stack(width: int) -> nn.Sequential:
@@ -27,4 +27,22 @@ class Residual(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = x + torch.tanh(block(x))
+        return self.head(x)
+
+
+class TiedEnds(nn.Module):
+    """An embedding and a head sharing one weight (16 tokens, width 8), ``blocks`` blocks
+    between them."""
+
+    def __init__(self, blocks: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(blocks))
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = torch.tanh(block(x))
         return self.head(x)

@@ -31,13 +31,13 @@ from pipepar.core import switches
 from pipepar.core.action_times import ActionTimes
 from pipepar.core.devices import DeviceSpec
 from pipepar.core.named_schedules import NAMES, VIRTUAL, make, n_workers
+from pipepar.core.parameter_hooks import hooks_set_aside
 from pipepar.core.randomness import DrawLog
 from pipepar.core.recompute_placement import placed_for
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.core.step import Recorder
 from pipepar.local.executor import FORWARD
-from pipepar.local.parameter_hooks import hooks_set_aside
 from pipepar.local.thread_choice import choice_for, under_callers_mode
 from pipepar.local.worker import WorkerPool, math_threads
 
@@ -189,7 +189,7 @@ class PipeView:
         (:mod:`pipepar.local.thread_choice`), under a mode of the caller's, or where
         :meth:`workers` says so. Hooks on the parameters wait while backward actions run:
         autograd calls them once, on the sums the pipe's node hands it
-        (:mod:`pipepar.local.parameter_hooks`)."""
+        (:mod:`pipepar.core.parameter_hooks`)."""
         aside = hooks_set_aside(self.pipe.module.parameters()) if phase is not FORWARD else None
         with aside or contextlib.nullcontext():
             self._execute(run, phase, backward=backward)

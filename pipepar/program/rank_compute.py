@@ -30,6 +30,7 @@ from pipepar.core.batchnorm import committing, defer_statistics
 from pipepar.core.executor import walk
 from pipepar.core.losses import joined_loss
 from pipepar.core.offload_plan import offloader_for
+from pipepar.core.parameter_hooks import after_accumulation, hooks_set_aside, through_hooks
 from pipepar.core.schedule import Schedule
 from pipepar.core.stage import Stage
 from pipepar.meta.shapes import MetaShapes
@@ -266,7 +267,8 @@ class RankProgram:
         grad = torch.is_grad_enabled()
         with self._gathered():  # sharded: gathered once for every action of the step
             head = loss_head(shares, targets, call.loss_fn)
-            batch, steps = self._walk(calls, schedule, shares, head, grad=grad)
+            with hooks_set_aside(self._held) if grad else contextlib.nullcontext():
+                batch, steps = self._walk(calls, schedule, shares, head, grad=grad)
             if grad:
                 self._write_grads(steps)
         self._placement.ran(grad)  # after the timed step: placed again on the shared times
@@ -401,6 +403,10 @@ class RankProgram:
                     g = fresh.get(id(p))
                     fresh[id(p)] = g = g if g is not None else torch.zeros_like(p)
                     mesh.progress.all_reduce(g, group, "the sum of tied weights")
+        for p in self._held:  # each once, on its whole gradient (before the replicas')
+            g = fresh.get(id(p))
+            if g is not None and p.requires_grad and p._backward_hooks:
+                fresh[id(p)] = through_hooks(p, g)
         if self._sync is not None:
             self._scatter(fresh)
             return
@@ -414,6 +420,7 @@ class RankProgram:
             g = fresh.get(id(p))
             if g is not None:
                 p.grad = g if p.grad is None else p.grad + g
+                after_accumulation(p)
 
     def _scatter(self, fresh: Mapping[int, Tensor | None]) -> None:
         """Reduce-scatter this step's gradients over the replicas into the shards' ``.grad``

@@ -1,46 +1,32 @@
-"""Hooks on the parameters (``p.register_hook``) through a pipe (pipepar.local.parameter_hooks):
+"""Hooks on the parameters (``p.register_hook``) through a pipe (pipepar.core.parameter_hooks):
 each runs once per backward, on the whole gradient, as on the plain model, so a hook that is
 not linear (clamping each parameter's gradient) gives the plain model's ``.grad``."""
 
 from __future__ import annotations
 
 import copy
-from collections import Counter
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 import pipepar
 from models import transformers_zoo as zoo
+from tests._hooks import clamping_hooks
 
 CPU2 = ["cpu", "cpu"]
 LIMIT = 0.02  # below most gradients' largest entries: the clamp changes them
 
 
-def _hooked(model: nn.Module) -> Counter[str]:
-    """Clamp every parameter's gradient (not linear: per micro-batch it would differ) and
-    count the calls."""
-    calls: Counter[str] = Counter()
-    for name, p in model.named_parameters():
-
-        def clamp(g: Tensor, name: str = name) -> Tensor:
-            calls[name] += 1
-            return g.clamp(-LIMIT, LIMIT)
-
-        p.register_hook(clamp)
-    return calls
-
-
 def _compare(plain: nn.Module, pipe: nn.Module, run: Callable[[nn.Module], None]) -> None:
-    theirs, ours = _hooked(plain), _hooked(pipe)
+    (theirs, theirs_after), (ours, ours_after) = (clamping_hooks(m, LIMIT) for m in (plain, pipe))
     for _ in range(2):  # accumulated over two backwards
         run(plain)
         run(pipe)
-    assert ours == theirs
-    assert set(theirs.values()) == {2}
+    assert ours == theirs and ours_after == theirs_after
+    assert set(theirs.values()) == set(theirs_after.values()) == {2}
     for (name, p), (_, q) in zip(pipe.named_parameters(), plain.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
 

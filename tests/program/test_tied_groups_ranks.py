@@ -13,39 +13,22 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from tests._ranks import spawn
+from tests._small_models import TiedEnds
 
 pytestmark = pytest.mark.slow
 
 IDS = torch.randint(0, 16, (8, 5), generator=torch.Generator().manual_seed(0))
 
 
-class _TiedEnds(nn.Module):
-    """An embedding and a head sharing one weight, three blocks between them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(16, 8)
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-        self.head = nn.Linear(8, 16, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = torch.tanh(block(x))
-        return self.head(x)
-
-
 def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), ids.flatten())
 
 
-def _model() -> _TiedEnds:
+def _model() -> TiedEnds:
     torch.manual_seed(0)
-    return _TiedEnds()
+    return TiedEnds()
 
 
 def _three_ranks(rank: int) -> dict[str, Any]:

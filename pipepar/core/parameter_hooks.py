@@ -14,6 +14,12 @@ table in place (autograd keeps a reference to the table itself) and puts the ent
 their order and under their handles' ids, when the actions are done: the hooks then run once,
 on the sums, when the pipe's node hands them to autograd. Hooks the pipe adds to a parameter
 for its own sums (:meth:`pipepar.core.step.StageStep._summing`) come and go inside the actions.
+
+Across ranks no autograd node hands the sums over: a rank writes ``.grad`` itself
+(:mod:`pipepar.program.rank_compute`), so it runs the hooks on each final sum with
+:func:`through_hooks` (before the replicas' all-reduce, as a hook runs before
+``DistributedDataParallel``'s reduction) and, once the sum is in ``.grad``, the hooks
+registered with ``register_post_accumulate_grad_hook`` with :func:`after_accumulation`.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["hooks_set_aside"]
+__all__ = ["after_accumulation", "hooks_set_aside", "through_hooks"]
 
 
 @contextlib.contextmanager
@@ -45,3 +51,19 @@ def hooks_set_aside(params: Iterable[Tensor]) -> Iterator[None]:
             table.clear()
             table.update(entries)
             table.update(added)
+
+
+def through_hooks(p: Tensor, grad: Tensor) -> Tensor:
+    """``grad``, ``p``'s whole gradient, through ``p``'s hooks in their order, as autograd
+    runs them: a hook's result, where it returns one, replaces the gradient."""
+    for hook in list((p._backward_hooks or {}).values()):
+        result = hook(grad)
+        if result is not None:
+            grad = result
+    return grad
+
+
+def after_accumulation(p: Tensor) -> None:
+    """Run ``p``'s post-accumulate-grad hooks, its gradient now in ``.grad``."""
+    for hook in list((getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()):
+        hook(p)
