@@ -10,7 +10,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["StepFunction", "unalias"]
+__all__ = ["BACKWARD_TWICE", "StepFunction", "unalias"]
+
+BACKWARD_TWICE = (
+    "pipepar: a second backward through the same pipe output (loss.backward(retain_graph=True), "
+    "then another backward through that call's output) is not supported: the pipe frees every "
+    "stage's graph in the first backward, whatever retain_graph says. Add the losses computed "
+    "from one call and call backward() once, or call the pipe again for the second loss"
+)
+"""The error of a second backward through one call's output (``pipe(...)``)."""
 
 
 class StepFunction(torch.autograd.Function):

@@ -26,7 +26,7 @@ from pipepar.core.recompute import should_checkpoint
 from pipepar.core.stage import Stage, iter_layers, split_stages
 from pipepar.core.step import check_output
 from pipepar.local import cpu_malloc
-from pipepar.local.autograd import StepFunction, unalias
+from pipepar.local.autograd import BACKWARD_TWICE, StepFunction, unalias
 from pipepar.local.executor import BACKWARD, EVERY, FORWARD, Run
 from pipepar.local.pipe_view import PipeView
 from pipepar.local.transfer import move
@@ -299,7 +299,7 @@ class _PipeFunction(torch.autograd.Function):
         pipe, run = ctx.pipe, ctx.run
         ctx.run = None  # free the records even if backward fails
         if run is None:
-            raise RuntimeError("pipepar: backward through a pipe output twice is not supported")
+            raise RuntimeError(BACKWARD_TWICE)
         run.seed_gradients(grads)
         pipe.execute(run, BACKWARD, backward=True)
         return (None, None, None, *run.input_grads(), *run.take_param_grads())

@@ -18,6 +18,7 @@ from pipepar.batching import caches
 from pipepar.batching.calls import Parts
 from pipepar.batching.joins import LeafJoin, join, join_with
 from pipepar.batching.packed_inputs import aligned
+from pipepar.local.autograd import BACKWARD_TWICE
 from pipepar.local.autograd import unalias as _unalias
 from pipepar.local.executor import BACKWARD, FORWARD
 from pipepar.program.losses import ModelLoss
@@ -65,7 +66,7 @@ class ProgramFunction(torch.autograd.Function):
         run: ProgramRun | None = ctx.run
         ctx.run = None
         if run is None:
-            raise RuntimeError("pipepar: backward through a pipe output twice is not supported")
+            raise RuntimeError(BACKWARD_TWICE)
         _seed(run, ctx.results, grads, ctx.ways)
         run.open_backward()
         # on CUDA this runs on the autograd engine's device thread: the stage workers'
