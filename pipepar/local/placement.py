@@ -30,9 +30,12 @@ def _moving_denied(call: str, devices: Sequence[torch.device], target: torch.dev
 
 
 def _exact(device: torch.device) -> torch.device:
-    """``cuda`` names the current CUDA device (where CUDA is available)."""
+    """``cuda`` names the current CUDA device (where CUDA is available); ``cpu:0`` is the CPU
+    (accelerate under torchrun names it so)."""
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu":
+        return torch.device("cpu")
     return device
 
 

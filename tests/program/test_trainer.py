@@ -236,6 +236,7 @@ def test_moving_a_model_pipe_to_where_it_is_does_nothing() -> None:
     weight = pipe.lm_head.weight
     assert pipe.to("cpu") is pipe
     assert pipe.to(torch.device("cpu")) is pipe
+    assert pipe.to(torch.device("cpu", 0)) is pipe  # accelerate under torchrun says cpu:0
     assert pipe.to(device="cpu", non_blocking=True) is pipe
     assert pipe.cpu() is pipe
     assert pipe.lm_head.weight is weight
