@@ -116,7 +116,7 @@ class RankProgram:
         # The own stage holding each of this rank's weights (the others are on meta).
         self._owner = {id(p): s for p, s in holders(lay, self.stage_of_unit, mine)}
         for name, child in model.named_children():
-            pipe.add_module(name, child)
+            ctx.adopt(name, child)
         for name, p in model.named_parameters(recurse=False):
             pipe.register_parameter(name, p)
         self._uses = used_elsewhere(lay, self.stage_of_unit, self._owner, mine)
