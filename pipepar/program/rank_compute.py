@@ -82,13 +82,17 @@ class RankProgram:
         deferred_batch_norm: bool,
         batch_coupling: str = "error",
         rules: Rules | None = None,
+        order: Sequence[str] | None = None,
     ) -> None:
         defer_statistics(model, deferred_batch_norm)
         self.rules = rules or Rules()
         """How a call is cut into micro-batches and its output joined (said in wrap)."""
         self._forms = Forms(model, batch_coupling, deferred_batch_norm)  # outputs, by kind
         self.model = model
-        self.sizes = units_.sizes_of(units_.model_units(model), balance, split)
+        self._order = order
+        """The units' paths in call order (:func:`pipepar.program.units.model_units`), or
+        None for the order the model registers them in."""
+        self.sizes = units_.sizes_of(units_.model_units(model, order), balance, split)
         self.stage_of_unit = units_.stage_of_units(self.sizes)
         """Each unit's stage, in the model's unit order."""
         self._drivers: ThreadPoolExecutor | None = None
@@ -109,10 +113,10 @@ class RankProgram:
         self._ctx = ctx
         model, mesh, schedule, pipe = self.model, ctx.mesh, ctx.schedule, ctx.module
         self._mine = mine = schedule.stages_of(mesh.stage)
-        lay = units_.model_units(model)
+        lay = units_.model_units(model, self._order)
         held = [p for p, _ in holders(lay, self.stage_of_unit, mine)]
         self._held = keep_only(model, held, ctx.device, state_dict)
-        lay = units_.model_units(model)  # the same units, with the new parameters
+        lay = units_.model_units(model, self._order)  # the same units, the new parameters
         # The own stage holding each of this rank's weights (the others are on meta).
         self._owner = {id(p): s for p, s in holders(lay, self.stage_of_unit, mine)}
         for name, child in model.named_children():
@@ -209,7 +213,7 @@ class RankProgram:
         (:func:`pipepar.program.units.state_owners`): what every gather of the whole model
         takes from this rank, each entry from one stage only, buffers from the stage that
         updates them and a tied weight from the first stage using it."""
-        owner = units_.state_owners(self.model, self.stage_of_unit)
+        owner = units_.state_owners(self.model, self.stage_of_unit, self._order)
         return {k: v for k, v in state.items() if owner.get(k, self._mine[0]) in self._mine}
 
     def in_model_order(self, state: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -389,14 +389,15 @@ class RankCut(Cut):
         made = self.ledger.stage_of(t)
         if made is None and isinstance(t, nn.Parameter) and t.is_meta:
             raise RuntimeError(
-                f"stage {self.stage} uses a weight of shape {tuple(t.shape)} that a stage on "
-                f"another rank holds, inside stage {self.stage}'s stretch of the forward "
-                "(typically a unit of an earlier stage called again after this stage began: "
-                "modules declared in another order than the forward calls them). Across ranks "
-                "a stage's weights live on its own rank only, so each stage's units must run in "
-                "one stretch, in the order pipepar.units(model) lists them: declare the modules "
-                "in the order the forward calls them, move the split, or use pipepar.wrap in "
-                "one process (which allows it)"
+                f"stage {self.stage} uses the weight {self._name_of(t)} (shape "
+                f"{tuple(t.shape)}) that a stage on another rank holds, inside stage "
+                f"{self.stage}'s stretch of the forward (typically a module declared after "
+                "the ones it runs before, or a unit of an earlier stage called again after this "
+                "stage began). Across ranks a stage's weights live on its own rank only, so "
+                "each stage's units must run in one stretch, in the order pipepar.units(model) "
+                "lists them: pass sample=<a batch> to pipepar.distributed.wrap to lay the units "
+                "out in the order the forward calls them, declare the modules in that order, "
+                "move the split, or use pipepar.wrap in one process (which allows it)"
             )
         if made is None:
             raise RuntimeError(
@@ -404,6 +405,11 @@ class RankCut(Cut):
                 "in this micro-batch (kept from an earlier call?); pipepar cannot send it"
             )
         return self.ledger.leaf_from(t, made, self.stage, lambda: self._recv(t, made))
+
+    def _name_of(self, weight: Tensor) -> str:
+        """``weight``'s name in the model, for messages."""
+        named = () if self.model is None else self.model.named_parameters()
+        return next((repr(name) for name, p in named if p is weight), "(not the model's)")
 
     def _recv(self, t: Tensor, made: int) -> Tensor:
         kept = self._received(t, self.stage)
