@@ -434,7 +434,8 @@ class RankProgram:
     def _loss(self, batch: Batch, weights: Sequence[float]) -> float:
         mesh = self._ctx.mesh
         last = self._ctx.schedule.n_stages - 1
-        value = torch.zeros(1, device=self._ctx.device)
+        # float64 on every rank: it carries a float64 loss whole, a float32 one exactly.
+        value = torch.zeros(1, dtype=torch.float64, device=self._ctx.device)
         if last in self._mine:
             value += joined_loss([d.result for d in batch.drivers], weights)
         if mesh.ctl is not None:
