@@ -51,8 +51,8 @@ from pipepar.program.losses import (
 )
 from pipepar.program.rank_carrier import ProgramCarrier
 from pipepar.program.rank_messages import RankMessages
-from pipepar.program.rank_weights import holders, keep_only, tied_groups
-from pipepar.program.ranks import RankCut, RankStep, shadow_context
+from pipepar.program.rank_weights import holders, keep_only, tied_groups, weight_stages
+from pipepar.program.ranks import RankCut, RankStep, WeightStages, shadow_context
 from pipepar.program.recompute import checkpoint_units
 from pipepar.program.route import Routes, signature
 from pipepar.program.shadow import skip_elsewhere
@@ -133,6 +133,7 @@ class RankProgram:
         self._routes = Routes() if routes else None
         ranks = [mesh.pipeline_ranks[w] for w in schedule.placement]
         self._tied = tied_groups(lay, self.stage_of_unit, ranks)
+        self._weights = WeightStages(*weight_stages(lay, self.stage_of_unit), rank_of=ranks)
         self._stages = [_stage(lay, self.stage_of_unit, s, ctx.device) for s in mine]
         self._link = RankMessages(mesh, ctx.device, schedule.placement)
         self._placement = MeasuredPlacement(
@@ -316,6 +317,7 @@ class RankProgram:
                 key=signature(c.args, c.kwargs, *flags),
                 aliases=aliases,
                 model=self.model,
+                weights=self._weights,
             )
             for c, ledger in zip(calls, row_ledgers(calls))
         ]
