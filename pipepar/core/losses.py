@@ -465,9 +465,14 @@ def _own_storage(t: Tensor) -> Tensor:
 
 def joined_loss(values: Sequence[Any], shares: Sequence[float]) -> Tensor:
     """The batch's loss: each micro-batch's loss value (a one-element tensor or a number, as
-    the last stage returned it) times its share, as a detached float scalar."""
-    losses = [torch.as_tensor(v).reshape(()).detach().float() for v in values]
+    the last stage returned it) times its share, as a detached scalar in float32 or, for a
+    loss in float64, in float64 (as precise as the plain model's)."""
+    losses = [_at_least_float32(torch.as_tensor(v).reshape(()).detach()) for v in values]
     return weighted_sum(losses, shares)
+
+
+def _at_least_float32(t: Tensor) -> Tensor:
+    return t.to(torch.promote_types(t.dtype, torch.float32))
 
 
 def split_target(target: Any, rows: Sequence[int], device: torch.device | None = None) -> list[Any]:

@@ -76,7 +76,7 @@ class RankChain:
         for s in ctx.stages:
             part = build_stage(self.model, self.sizes, s, device=ctx.device, state_dict=state_dict)
             for name, layer in part.named_children():
-                pipe.add_module(name, layer)
+                ctx.adopt(name, layer)
             layers = list(part.children())
             stages.append(Stage(s, sum(self.sizes[:s]), layers, ctx.device, watch=self._watch))
         if state_dict is None:  # before sharding: each replica keeps its shard of the same

@@ -72,7 +72,9 @@ class DistributedPipe(nn.Module):
     and the other stages' weights are dropped. ``parameters()`` and ``state_dict()`` cover the
     rank's own weights under the model's names; :meth:`full_state_dict` gathers the whole
     model. With ``dp_shard=True`` they are this replica's ``DTensor`` shards of them, and so
-    are their gradients (see :mod:`pipepar.ranks.sharding`).
+    are their gradients (see :mod:`pipepar.ranks.sharding`). ``order`` lists the units' paths in
+    the order ``balance`` counts them (:func:`pipepar.distributed.wrap` finds it from its
+    ``sample``); None: the order the model registers them in.
 
     Attributes beside those of :class:`~pipepar.local.pipe.Pipe` (``balance``, ``chunks``,
     ``checkpoint``, ``schedule``, ``layout``): ``stages`` (the stage indices this rank runs),
@@ -113,6 +115,7 @@ class DistributedPipe(nn.Module):
         dp_shard: bool = False,
         gc_every: int | None = None,
         offload: bool = False,
+        order: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         try:
@@ -122,6 +125,7 @@ class DistributedPipe(nn.Module):
             compute = self._configure(
                 model, balance, split, chunks, schedule, dp, checkpoint, timeout, group,
                 deferred_batch_norm, batch_coupling, Rules.given(split_inputs, join_outputs),
+                order,
             )  # fmt: skip
             self._place_recomputes(recompute)
             self.dp_shard = check_dp_shard(dp_shard, self.dp)
@@ -174,6 +178,7 @@ class DistributedPipe(nn.Module):
         deferred_batch_norm: bool,
         batch_coupling: str,
         rules: Rules,
+        order: Sequence[str] | None,
     ) -> RankChain | RankProgram:
         """Check this rank's arguments on their own (no communication) and keep them; the
         compute of the model."""
@@ -203,6 +208,7 @@ class DistributedPipe(nn.Module):
                 deferred_batch_norm=deferred_batch_norm,
                 batch_coupling=batch_coupling,
                 rules=rules,
+                order=order,
             )
         )
         self._compute = compute

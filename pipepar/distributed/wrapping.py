@@ -29,7 +29,7 @@ from pipepar.planner.auto_layout import (
 from pipepar.planner.cluster import cluster_for, device_memory
 from pipepar.planner.layout import Layout
 from pipepar.planner.runtime_fit import RuntimeFit
-from pipepar.planner.split_points import torch_split
+from pipepar.planner.split_points import torch_split, unit_order
 from pipepar.planner.stage_activations import bytes_schedule
 from pipepar.program.units import modules_of
 from pipepar.ranks.process import ensure_process_group, resolve_device
@@ -115,6 +115,12 @@ def wrap(
         sample: with ``plan="auto"``: one step's global batch (a tensor, a tuple of positional
             arguments or a dict of keyword arguments), the same on every rank; without
             ``plan``, balance or split: an input to find the ``pipe_split()`` markers with.
+            Given, the units are in the order the forward of ``sample`` calls them (as
+            :func:`pipepar.units` with a sample lists them, and :func:`pipepar.wrap` lays them
+            out), which ``balance`` counts and ``split`` names: a model that registers a
+            module late and calls it early (BART's ``layernorm_embedding``, CLIP's vision
+            tower) then has each stage's units in one stretch of the forward, as a stage
+            across ranks must.
         capacity: with ``plan="auto"``: bytes per rank's device (int, ``"16GiB"``, or one per
             rank, of which the smallest); default: a CUDA device's memory, or this machine's
             memory shared among the ranks on it (``LOCAL_WORLD_SIZE``).
@@ -227,9 +233,10 @@ def wrap(
     default_compiler = compiler_of(compile)
     model, compilers = take_compiled(model)
     chain = is_chain(model, split, sample)
+    order = unit_order(model, sample, chain)
     if plan is None:
         split = (
-            torch_split(model, balance, split, split_spec, sample, call_order=False, chain=chain)
+            torch_split(model, balance, split, split_spec, sample, call_order=True, chain=chain)
             or split
         )
         _check_stages_given(balance, split, sample)
@@ -273,6 +280,7 @@ def wrap(
         dp_shard=dp_shard,
         gc_every=gc_every,
         offload=False if offload is None else offload,
+        order=order,
     )
     keep_layout(pipe, layout)
     compile_units(modules_of(model, chain), compilers, default_compiler, model)

@@ -21,11 +21,12 @@ import torch.utils._pytree as pytree
 from torch import Tensor, nn
 
 from pipepar.batching.calls import as_call
+from pipepar.core.untouched import untouched
 from pipepar.planner.markers import find_markers, marker_split
 from pipepar.planner.model_profile import meta_forward
 from pipepar.program import units as units_
 
-__all__ = ["spec_split", "torch_split"]
+__all__ = ["spec_split", "torch_split", "unit_order"]
 
 
 def torch_split(
@@ -54,7 +55,7 @@ def torch_split(
                     f"pass split_spec or {label}, not both (got {label}={list(value)!r}, "
                     f"split_spec={dict(split_spec)!r}); drop one of them"
                 )
-        return spec_split(_paths(model, sample if call_order else None), split_spec)
+        return spec_split(_paths(model, sample if call_order else None, chain), split_spec)
     if balance is not None or split is not None or sample is None:
         return None
     found = find_markers(model, _forward(model, sample, chain))
@@ -79,8 +80,25 @@ def _forward(model: nn.Module, sample: Any, chain: bool) -> Callable[[], object]
     return lambda: model(*args, **kwargs)
 
 
-def _paths(model: nn.Module, sample: Any) -> list[str]:
-    return [u.path for u in units_.units(model, sample)]
+def _paths(model: nn.Module, sample: Any, chain: bool) -> list[str]:
+    return units_.model_units(model, unit_order(model, sample, chain)).paths()
+
+
+def unit_order(model: nn.Module, sample: Any, chain: bool) -> list[str] | None:
+    """The paths of ``model``'s units in the order its forward of ``sample`` first calls them
+    (a model may register a module late and call it early: BART's ``layernorm_embedding``,
+    CLIP's vision tower before its text tower), as :func:`pipepar.units` finds them; on
+    ``meta`` for a model built there, the model and the random states left as they were.
+    None without a sample, and for a chain of layers (which run in their order)."""
+    if sample is None or chain:
+        return None
+    run = _forward(model, sample, chain)
+
+    def untouched_run() -> object:
+        with untouched(model):
+            return run()
+
+    return units_.call_order(model, units_.model_units(model).units, untouched_run)
 
 
 def spec_split(paths: Sequence[str], split_spec: Mapping[str, Any]) -> list[str]:

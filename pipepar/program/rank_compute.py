@@ -52,8 +52,8 @@ from pipepar.program.losses import (
 )
 from pipepar.program.rank_carrier import ProgramCarrier
 from pipepar.program.rank_messages import RankMessages
-from pipepar.program.rank_weights import holders, keep_only, tied_groups
-from pipepar.program.ranks import RankCut, RankStep, shadow_context
+from pipepar.program.rank_weights import holders, keep_only, tied_groups, weight_stages
+from pipepar.program.ranks import RankCut, RankStep, WeightStages, shadow_context
 from pipepar.program.recompute import checkpoint_units
 from pipepar.program.route import Routes, signature
 from pipepar.program.shadow import skip_elsewhere
@@ -83,13 +83,17 @@ class RankProgram:
         deferred_batch_norm: bool,
         batch_coupling: str = "error",
         rules: Rules | None = None,
+        order: Sequence[str] | None = None,
     ) -> None:
         defer_statistics(model, deferred_batch_norm)
         self.rules = rules or Rules()
         """How a call is cut into micro-batches and its output joined (said in wrap)."""
         self._forms = Forms(model, batch_coupling, deferred_batch_norm)  # outputs, by kind
         self.model = model
-        self.sizes = units_.sizes_of(units_.model_units(model), balance, split)
+        self._order = order
+        """The units' paths in call order (:func:`pipepar.program.units.model_units`), or
+        None for the order the model registers them in."""
+        self.sizes = units_.sizes_of(units_.model_units(model, order), balance, split)
         self.stage_of_unit = units_.stage_of_units(self.sizes)
         """Each unit's stage, in the model's unit order."""
         self._drivers: ThreadPoolExecutor | None = None
@@ -110,14 +114,14 @@ class RankProgram:
         self._ctx = ctx
         model, mesh, schedule, pipe = self.model, ctx.mesh, ctx.schedule, ctx.module
         self._mine = mine = schedule.stages_of(mesh.stage)
-        lay = units_.model_units(model)
+        lay = units_.model_units(model, self._order)
         held = [p for p, _ in holders(lay, self.stage_of_unit, mine)]
         self._held = keep_only(model, held, ctx.device, state_dict)
-        lay = units_.model_units(model)  # the same units, with the new parameters
+        lay = units_.model_units(model, self._order)  # the same units, the new parameters
         # The own stage holding each of this rank's weights (the others are on meta).
         self._owner = {id(p): s for p, s in holders(lay, self.stage_of_unit, mine)}
         for name, child in model.named_children():
-            pipe.add_module(name, child)
+            ctx.adopt(name, child)
         for name, p in model.named_parameters(recurse=False):
             pipe.register_parameter(name, p)
         self._uses = used_elsewhere(lay, self.stage_of_unit, self._owner, mine)
@@ -130,6 +134,7 @@ class RankProgram:
         self._routes = Routes() if routes else None
         ranks = [mesh.pipeline_ranks[w] for w in schedule.placement]
         self._tied = tied_groups(lay, self.stage_of_unit, ranks)
+        self._weights = WeightStages(*weight_stages(lay, self.stage_of_unit), rank_of=ranks)
         self._stages = [_stage(lay, self.stage_of_unit, s, ctx.device) for s in mine]
         self._link = RankMessages(mesh, ctx.device, schedule.placement)
         self._placement = MeasuredPlacement(
@@ -210,7 +215,7 @@ class RankProgram:
         (:func:`pipepar.program.units.state_owners`): what every gather of the whole model
         takes from this rank, each entry from one stage only, buffers from the stage that
         updates them and a tied weight from the first stage using it."""
-        owner = units_.state_owners(self.model, self.stage_of_unit)
+        owner = units_.state_owners(self.model, self.stage_of_unit, self._order)
         return {k: v for k, v in state.items() if owner.get(k, self._mine[0]) in self._mine}
 
     def in_model_order(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -314,6 +319,7 @@ class RankProgram:
                 key=signature(c.args, c.kwargs, *flags),
                 aliases=aliases,
                 model=self.model,
+                weights=self._weights,
             )
             for c, ledger in zip(calls, row_ledgers(calls))
         ]
@@ -437,7 +443,8 @@ class RankProgram:
     def _loss(self, batch: Batch, weights: Sequence[float]) -> float:
         mesh = self._ctx.mesh
         last = self._ctx.schedule.n_stages - 1
-        value = torch.zeros(1, device=self._ctx.device)
+        # float64 on every rank: it carries a float64 loss whole, a float32 one exactly.
+        value = torch.zeros(1, dtype=torch.float64, device=self._ctx.device)
         if last in self._mine:
             value += joined_loss([d.result for d in batch.drivers], weights)
         if mesh.ctl is not None:

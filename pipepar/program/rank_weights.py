@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from pipepar.program.units import ModelUnits, owners
 
-__all__ = ["holders", "keep_only", "tied_groups"]
+__all__ = ["holders", "keep_only", "tied_groups", "weight_stages"]
 
 
 def holders(
@@ -34,6 +34,24 @@ def holders(
         if owner[id(p)] in mine:
             found.setdefault(id(p), (p, owner[id(p)]))
     return list(found.values())
+
+
+def weight_stages(
+    lay: ModelUnits, stage_of_unit: Sequence[int]
+) -> tuple[dict[int, int], dict[int, frozenset[int]]]:
+    """For every loose weight (in no unit, by ``id``): the stage that holds it
+    (:func:`owners`); and for every weight, the stages that have it on their rank (those
+    whose units use it, and the holder of a loose one). A unit's weight is not lent: a unit
+    runs where its stage is, and its weight with it."""
+    owner = owners(lay, stage_of_unit)
+    users: dict[int, set[int]] = {}
+    for unit, s in zip(lay.units, stage_of_unit):
+        for p in unit.module.parameters():
+            users.setdefault(id(p), set()).add(s)
+    holder = {id(p): owner[id(p)] for _, p in lay.loose if id(p) not in users}
+    for _, p in lay.loose:
+        users.setdefault(id(p), set()).add(owner[id(p)])
+    return holder, {k: frozenset(v) for k, v in users.items()}
 
 
 def keep_only(

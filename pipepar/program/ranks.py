@@ -36,7 +36,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Collection, Hashable, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,7 +52,7 @@ from pipepar.program.route import Routes, check_graphs
 from pipepar.program.shadow import ToMeta, from_template, on_meta, template
 from pipepar.program.step import SegmentContext, SegmentStep
 
-__all__ = ["RankCut", "RankStep", "shadow_context"]
+__all__ = ["RankCut", "RankStep", "WeightStages", "shadow_context"]
 
 
 _TOLIST = Tensor.tolist
@@ -84,9 +85,14 @@ class RankCut(Cut):
         key: Hashable = None,
         aliases: Aliases | None = None,
         model: nn.Module | None = None,
+        weights: WeightStages | None = None,
     ) -> None:
         super().__init__(ledger, owner, devices, inputs, routes, key, aliases, model)
         self.mine, self.link, self.values = frozenset(mine), link, values
+        self.weights = weights if weights is not None else WeightStages({}, {})
+        self._lent: dict[int, Tensor] = {}
+        """This micro-batch's view of each own weight sent to a stage that does not hold it:
+        a value of its own, as an activation is, whose gradient reaches the weight."""
         self._metas: dict[int, tuple[Tensor, Tensor]] = {}
         self._stand_ins: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
         self.exports: list[Crossing] = []
@@ -357,11 +363,26 @@ class RankCut(Cut):
 
     def _shadow(self, t: Tensor) -> Tensor:
         """What a shadow stage computes with: meta tensors. A real value of an own stage is
-        sent to the stage's rank the first time that stage uses it."""
+        sent to the stage's rank the first time that stage uses it, and so is an own stage's
+        weight in no unit that a later stage uses without holding it (:class:`WeightStages`)."""
         if t.is_meta:
             return t
-        self._export(t, self.ledger.stage_of(t), self.stage)
+        producer = self.ledger.stage_of(t)
+        if producer is None and isinstance(t, nn.Parameter):
+            producer = self.weights.lent(t, self.stage)
+            if producer is not None:
+                self.loose = True
+                self._export(self._lent_view(t), producer, self.stage)
+                return self._meta_of(t)
+        self._export(t, producer, self.stage)
         return self._meta_of(t)
+
+    def _lent_view(self, weight: Tensor) -> Tensor:
+        found = self._lent.get(id(weight))
+        if found is None:
+            with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch():
+                found = self._lent[id(weight)] = weight.view_as(weight)
+        return found
 
     def _meta_of(self, t: Tensor) -> Tensor:
         found = self._metas.get(id(t))
@@ -388,15 +409,18 @@ class RankCut(Cut):
         """The real value of shadow value ``t`` from the rank of the stage that made it."""
         made = self.ledger.stage_of(t)
         if made is None and isinstance(t, nn.Parameter) and t.is_meta:
+            made = self.weights.lent(t, self.stage)
+        if made is None and isinstance(t, nn.Parameter) and t.is_meta:
             raise RuntimeError(
-                f"stage {self.stage} uses a weight of shape {tuple(t.shape)} that a stage on "
-                f"another rank holds, inside stage {self.stage}'s stretch of the forward "
-                "(typically a unit of an earlier stage called again after this stage began: "
-                "modules declared in another order than the forward calls them). Across ranks "
-                "a stage's weights live on its own rank only, so each stage's units must run in "
-                "one stretch, in the order pipepar.units(model) lists them: declare the modules "
-                "in the order the forward calls them, move the split, or use pipepar.wrap in "
-                "one process (which allows it)"
+                f"stage {self.stage} uses the weight {self._name_of(t)} (shape "
+                f"{tuple(t.shape)}) that a stage on another rank holds, inside stage "
+                f"{self.stage}'s stretch of the forward (typically a module declared after "
+                "the ones it runs before, or a unit of an earlier stage called again after this "
+                "stage began). Across ranks a stage's weights live on its own rank only, so "
+                "each stage's units must run in one stretch, in the order pipepar.units(model) "
+                "lists them: pass sample=<a batch> to pipepar.distributed.wrap to lay the units "
+                "out in the order the forward calls them, declare the modules in that order, "
+                "move the split, or use pipepar.wrap in one process (which allows it)"
             )
         if made is None:
             raise RuntimeError(
@@ -405,11 +429,48 @@ class RankCut(Cut):
             )
         return self.ledger.leaf_from(t, made, self.stage, lambda: self._recv(t, made))
 
+    def _name_of(self, weight: Tensor) -> str:
+        """``weight``'s name in the model, for messages."""
+        named = () if self.model is None else self.model.named_parameters()
+        return next((repr(name) for name, p in named if p is weight), "(not the model's)")
+
     def _recv(self, t: Tensor, made: int) -> Tensor:
         kept = self._received(t, self.stage)
         if kept is None:
             kept = self.link.recv(t, ACTIVATION, made, self.stage)
         return _leaf(kept, t)
+
+
+@dataclass(frozen=True)
+class WeightStages:
+    """Which stages hold the model's weights (by ``id``, the weights on ``meta`` too):
+    ``holder``, for each weight in no unit (the model's own, a ViT's class token), the stage
+    that holds it for the others; ``users``, for every weight, the stages whose units (or
+    loose weights) it is in, each of which has it on its rank; ``rank_of``, each stage's rank.
+
+    A stage may use a weight it does not hold in the model's own code: CLIP's
+    ``logit_scale``, the model's own weight and so held by stage 0, scales the logits at
+    the end. A weight of an earlier stage then travels as a value that stage made, sent by
+    its rank on the later stage's first use of it in a micro-batch, its gradient sent back
+    and added to the weight's in the holder's backward. A weight of a later stage (DeBERTa-v2
+    reads ``rel_embeddings.weight``, registered after the layers, before them) would have to
+    travel against the pipeline, its gradient awaited by a backward that runs before the
+    user's: the user's rank refuses it, naming it."""
+
+    holder: Mapping[int, int]
+    users: Mapping[int, frozenset[int]]
+    rank_of: Sequence[int] = ()
+
+    def lent(self, weight: Tensor, stage: int) -> int | None:
+        """The earlier stage that lends ``weight`` to ``stage``, or None (``stage``'s rank
+        has it, or a later stage holds it)."""
+        holder = self.holder.get(id(weight))
+        if holder is None or holder >= stage:
+            return None
+        here = self.rank_of[stage]
+        if any(self.rank_of[s] == here for s in self.users.get(id(weight), ())):
+            return None
+        return holder
 
 
 def _leaf(value: Tensor, like: Tensor) -> Tensor:

@@ -245,19 +245,22 @@ def owners(lay: ModelUnits, stage_of_unit: Sequence[int]) -> dict[int, int]:
     return owner
 
 
-def state_owners(model: nn.Module, stage_of_unit: Sequence[int]) -> dict[str, int]:
+def state_owners(
+    model: nn.Module, stage_of_unit: Sequence[int], order: Sequence[str] | None = None
+) -> dict[str, int]:
     """The stage each entry of ``model.state_dict()`` is taken from, under every name: the
     stage that holds a parameter (:func:`owners`), the stage of the unit a buffer is in (only
     the stage running a unit updates its buffers: batch-norm statistics, counters), and for a
     buffer outside every unit the stage its holder module's loose parameters would go to (the
     first unit with parameters under it; stage 0 for the model's own buffers).
+    ``stage_of_unit`` lists the units in ``order`` (as :func:`model_units` takes it).
 
     Example:
         >>> m = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
         >>> state_owners(m, [0, 1])["1.running_mean"]
         1
     """
-    lay = model_units(model)
+    lay = model_units(model, order)
     owner = owners(lay, stage_of_unit)
     for unit, s in zip(lay.units, stage_of_unit):
         for b in unit.module.buffers():

@@ -60,3 +60,18 @@ class PipeContext:
     def stages(self) -> list[int]:
         """The stages this rank runs, in stage order."""
         return self.schedule.stages_of(self.mesh.stage)
+
+    def adopt(self, name: str, child: nn.Module) -> None:
+        """Make the model's child ``name`` the pipe's, so that its keys are the model's.
+
+        A child may bear the name of something the pipe's class defines (timm's ConvNeXt
+        keeps its blocks in ``stages``, which the pipe reads as the stage indices of the
+        rank): ``add_module`` refuses such a name, so the child is entered among the
+        pipe's modules directly. The class's attribute stays what ``pipe.<name>`` reads,
+        as in one process; the child is in ``named_children()``, ``parameters()`` and
+        ``state_dict()`` under its own name, and ``pipe.module.<name>`` reads it.
+        """
+        if hasattr(type(self.module), name):
+            self.module._modules[name] = child
+        else:
+            self.module.add_module(name, child)

@@ -68,5 +68,8 @@ def test_ranks_name_the_weight_another_rank_holds_and_the_fix() -> None:
     found: dict[int, Any] = spawn(2, _on_ranks)
     for rank in (0, 1):
         message = found[rank]
-        assert "stage 1 uses a weight of shape (8, 8) that a stage on another rank holds" in message
-        assert "declare the modules in the order the forward calls them" in message
+        assert (
+            "stage 1 uses the weight 'first.1.weight' (shape (8, 8)) that a stage on another rank "
+            "holds" in message
+        )
+        assert "pass sample=<a batch>" in message and "declare the modules in that order" in message
