@@ -94,6 +94,9 @@ class PipeView:
         # Weakly: the pipe owns its view, and a cycle would keep the pipe, and its worker
         # threads, alive until the cycle collector ran.
         self._pipe = weakref.ref(pipe)
+        # What a backward needs of the pipe, kept: a call's output may outlive its pipe.
+        self._model = pipe.module
+        self._threads = max(pipe.threads)
         self.stages = stages
         self.asked = asked
         self.draws = DrawLog()  # which stages draw random numbers, across mini-batches
@@ -190,7 +193,7 @@ class PipeView:
         :meth:`workers` says so. Hooks on the parameters wait while backward actions run:
         autograd calls them once, on the sums the pipe's node hands it
         (:mod:`pipepar.core.parameter_hooks`)."""
-        aside = hooks_set_aside(self.pipe.module.parameters()) if phase is not FORWARD else None
+        aside = hooks_set_aside(self._model.parameters()) if phase is not FORWARD else None
         with aside or contextlib.nullcontext():
             self._execute(run, phase, backward=backward)
 
@@ -200,7 +203,7 @@ class PipeView:
             run.execute(None, phase)
             return
         if under_callers_mode():  # the workers would run outside the caller's mode
-            with math_threads(max(self.pipe.threads)):
+            with math_threads(self._math_threads()):
                 run.execute(None, phase)
             return
         choice = self.thread_choice
@@ -208,11 +211,19 @@ class PipeView:
         caller = choice.on_caller(kind)
         start = time.perf_counter()
         if caller:  # with the workers' math threads: each kernel computes as on a worker
-            with math_threads(max(self.pipe.threads)):
+            with math_threads(self._math_threads()):
                 run.execute(None, phase)
         else:
             run.execute(pool, phase)
         choice.took(kind, caller, time.perf_counter() - start)
+
+    def _math_threads(self) -> int:
+        """The workers' count of math threads, as the pipe says now (as it said last, once the
+        pipe is gone: a call's output may outlive its pipe until its backward)."""
+        pipe = self._pipe()
+        if pipe is not None:
+            self._threads = max(pipe.threads)
+        return self._threads
 
     def close(self) -> None:
         """Stop the worker threads (started again on the next call)."""

@@ -269,3 +269,21 @@ def test_the_callers_saved_tensor_hooks_apply_on_the_workers_and_the_calling_thr
     for a, b, want in zip(on_workers, on_caller, plain):
         assert torch.equal(a, b)
         torch.testing.assert_close(a, want)
+
+
+@pytest.mark.parametrize("run_on", ["workers", "caller"])
+def test_a_calls_output_outlives_its_pipe_until_its_backward(
+    monkeypatch: pytest.MonkeyPatch, run_on: str
+) -> None:
+    """``pipepar.wrap(model, ...)(x).sum().backward()`` with the pipe collected before the
+    backward runs (no name holds it): the backward runs where the pipe chose, with the math
+    threads and the parameters' hooks it said, and gives the plain model's gradients."""
+    monkeypatch.setenv("PIPEPAR_RUN_ON", run_on)
+    seen: set[str] = set()
+    model, plain = _model(False, seen), _model(False, set())
+    x = torch.randn(4, 8)
+    out = pipepar.wrap(model, balance=[2, 2], devices=["cpu", "cpu"], chunks=2)(x)
+    out.sum().backward()
+    plain(x).sum().backward()
+    for mine, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-6, atol=1e-7)
