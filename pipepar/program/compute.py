@@ -195,12 +195,11 @@ class ProgramCompute:
     ) -> Tensor:
         grad = torch.is_grad_enabled()
         head = loss_head(shares, targets, loss_fn)
-        self._trainable()
+        params = [p for held in self._trainable() for p in held]  # read before _run uses them
         run = self._run(pipe, calls, grad=grad, head=head, shares=shares)
         if not grad:  # evaluation: the schedule's forward actions only, no graph kept
             pipe.execute(run, FORWARD)
             return joined_loss(run.results(), shares.weights)
-        params = [p for held in self._params for p in held]
         flat_in = [t for c in calls for t in c.tensors()]
 
         def step_all() -> Tensor:
