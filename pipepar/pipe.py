@@ -36,7 +36,7 @@ from pipepar.core.stage import iter_layers
 from pipepar.hf import conventions as hf
 from pipepar.local.chain import ChainCompute, chain_step_arguments, is_chain
 from pipepar.local.pipe_view import PipeView, check_threads, count_workers, schedule_for
-from pipepar.local.placement import check_staying, cuda_device
+from pipepar.local.placement import StaysPlaced
 from pipepar.recording.tracer import Tracer
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 __all__ = ["Pipe"]
 
 
-class Pipe(nn.Module):
+class Pipe(StaysPlaced):
     """Any model split into stages on several devices, called like the model.
 
     Build one with :func:`pipepar.wrap`. The pipe's children are the model's, so
@@ -267,25 +267,9 @@ class Pipe(nn.Module):
         self._model.train(mode)  # the model's own flag, read by its forward
         return self
 
-    # -- placement is the pipe's job ----------------------------------------------------------
-    def to(self, *args: Any, **kwargs: Any) -> Pipe:  # type: ignore[override]
-        """``to(dtype)`` converts as usual; ``to(device)`` is a no-op where every stage is on
-        that device already (as HF Trainer and accelerate call it) and a ValueError otherwise:
-        the pipe places its stages."""
-        device = torch._C._nn._parse_to(*args, **kwargs)[0]
-        if device is not None:
-            check_staying("to(device)", self.devices, device)
-        return super().to(*args, **kwargs)
-
-    def cuda(self, device: Any = None) -> Pipe:  # type: ignore[override]
-        """A no-op where every stage is on that CUDA device already; a ValueError otherwise."""
-        check_staying("cuda()", self.devices, cuda_device(device))
-        return super().cuda(device)
-
-    def cpu(self) -> Pipe:  # type: ignore[override]
-        """A no-op where every stage is on the CPU already; a ValueError otherwise."""
-        check_staying("cpu()", self.devices, torch.device("cpu"))
-        return super().cpu()
+    # -- placement is the pipe's job (StaysPlaced: to(device), cuda(), cpu()) --------------
+    def stage_devices(self) -> list[torch.device]:
+        return self.devices
 
     # -- looking like the model (for HF Trainer, accelerate, and anything that inspects it) ---
     def __getattr__(self, name: str) -> Any:

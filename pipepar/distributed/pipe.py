@@ -45,7 +45,7 @@ from pipepar.core.recompute_placement import check_placement, placed_for
 from pipepar.core.schedule import Schedule
 from pipepar.distributed.chain import RankChain
 from pipepar.local.chain import chain_step_arguments, is_chain, one_input
-from pipepar.local.placement import check_staying, cuda_device
+from pipepar.local.placement import StaysPlaced
 from pipepar.program.losses import LossFn
 from pipepar.program.rank_compute import RankProgram
 from pipepar.ranks import clipping, handshake
@@ -63,7 +63,7 @@ __all__ = ["SCHEDULES", "DistributedPipe"]
 logger = logging.getLogger(__name__)
 
 
-class DistributedPipe(nn.Module):
+class DistributedPipe(StaysPlaced):
     """This rank's stages of a model split over the ranks of a pipeline, with ``dp`` replicas.
 
     Build it with :func:`pipepar.distributed.wrap` on every rank, with the same arguments. The
@@ -284,26 +284,9 @@ class DistributedPipe(nn.Module):
         self._model.train(mode)  # the model's own flag, read by its forward
         return self
 
-    # -- placement is the pipe's job ----------------------------------------------------------
-    def to(self, *args: Any, **kwargs: Any) -> DistributedPipe:  # type: ignore[override]
-        """``to(dtype)`` converts as usual; ``to(device)`` is a no-op where it is this rank's
-        device (as a training loop or a library calls it before training) and a ValueError
-        otherwise: the rank's stages stay where ``wrap`` placed them, and the other ranks'
-        weights, which it keeps on ``meta`` only, cannot move."""
-        device, dtype = torch._C._nn._parse_to(*args, **kwargs)[:2]
-        if device is not None:
-            check_staying("to(device)", [self.device], device)
-        return self if dtype is None else super().to(dtype)
-
-    def cuda(self, device: Any = None) -> DistributedPipe:  # type: ignore[override]
-        """A no-op where this rank's device is that CUDA device; a ValueError otherwise."""
-        check_staying("cuda()", [self.device], cuda_device(device))
-        return self
-
-    def cpu(self) -> DistributedPipe:  # type: ignore[override]
-        """A no-op where this rank's device is the CPU; a ValueError otherwise."""
-        check_staying("cpu()", [self.device], torch.device("cpu"))
-        return self
+    # -- placement is the pipe's job (StaysPlaced: to(device), cuda(), cpu()) --------------
+    def stage_devices(self) -> list[torch.device]:
+        return [self.device]
 
     # -- training -----------------------------------------------------------------------------
     def step(

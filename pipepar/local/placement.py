@@ -1,15 +1,44 @@
-"""``to(device)``, ``cuda()`` and ``cpu()`` on a pipe of one process: a pipe places its stages
-itself, so these are no-ops where every stage is on the target already (HF Trainer and
-accelerate call them on any model they get) and errors where a stage would move
-(:class:`~pipepar.pipe.Pipe`)."""
+"""``to(device)``, ``cuda()`` and ``cpu()`` on a pipe: a pipe places its stages itself, so these
+are no-ops where every stage is on the target already (HF Trainer and accelerate call them on
+any model they get) and errors where a stage would move (:class:`StaysPlaced`, the base of
+:class:`~pipepar.pipe.Pipe` and of :class:`~pipepar.distributed.pipe.DistributedPipe`, whose
+other ranks' weights are on ``meta`` and could not move at all)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["check_staying", "cuda_device"]
+__all__ = ["StaysPlaced", "check_staying", "cuda_device"]
+
+
+class StaysPlaced(nn.Module):
+    """A module whose stages stay where it placed them (:meth:`stage_devices`): ``to(device)``,
+    ``cuda()`` and ``cpu()`` check the target (:func:`check_staying`) and move nothing; the
+    rest of a ``to`` (dtype, memory format) converts as usual."""
+
+    def stage_devices(self) -> Sequence[torch.device]:
+        """The devices of the stages this module computes."""
+        raise NotImplementedError
+
+    def to(self, *args: Any, **kwargs: Any) -> StaysPlaced:  # type: ignore[override]
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None:
+            check_staying("to(device)", self.stage_devices(), device)
+        rest: dict[str, Any] = {"dtype": dtype, "memory_format": memory_format}
+        rest = {k: v for k, v in rest.items() if v is not None}
+        return super().to(**rest, non_blocking=non_blocking) if rest else self
+
+    def cuda(self, device: Any = None) -> StaysPlaced:  # type: ignore[override]
+        check_staying("cuda()", self.stage_devices(), cuda_device(device))
+        return self
+
+    def cpu(self) -> StaysPlaced:
+        check_staying("cpu()", self.stage_devices(), torch.device("cpu"))
+        return self
 
 
 def check_staying(call: str, devices: Sequence[torch.device], target: torch.device) -> None:
